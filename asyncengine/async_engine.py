@@ -1,0 +1,575 @@
+"""AsyncLLMEngine: the asyncio face of `LLMEngine`.
+
+The model step never runs on the event loop. A dedicated thread owns the `LLMEngine`: it
+drains a thread-safe inbox of commands (add, abort, call, stop), runs `step()` while there
+is work, sleeps on a `threading.Event` when idle, and hands each step's outputs to the loop
+in ONE `loop.call_soon_threadsafe` call. On the loop, every request has a single-slot
+mailbox that merges deltas when its consumer lags, so a slow consumer costs memory of one
+merged output and never stalls the engine or other requests.
+
+Knows nothing of WebSockets; the frontends build on `generate`/`abort`/`stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from asyncengine.config import EngineArgs
+from asyncengine.engine_stats import device_stats
+from asyncengine.metrics import LatencyWindow, StatLoggerBase
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.stats import DeviceStats, EngineStats
+
+if TYPE_CHECKING:
+    from asyncengine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How often the step thread refreshes the stats snapshot while busy (it always refreshes
+# when going idle), and the device readings (NVML/psutil calls are not free).
+_STATS_INTERVAL_S = 0.05
+_DEVICE_INTERVAL_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step thread died (or was shut down); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its step raised, or its own processing did).
+
+    The engine itself keeps serving other requests.
+    """
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {message}")
+        self.request_id = request_id
+        self.reason = message
+
+
+class RequestOutputCollector:
+    """A single-slot mailbox between the step hand-off and one request's consumer.
+
+    `put` never blocks: a DELTA output merges into the one still waiting (text and token ids
+    concatenated), a CUMULATIVE/FINAL_ONLY output replaces it, and an exception wins.
+    """
+
+    __slots__ = ("_item", "_merge_deltas", "_ready")
+
+    def __init__(self, merge_deltas: bool = True) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self._merge_deltas = merge_deltas
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        pending = self._item
+        if pending is None or isinstance(item, BaseException):
+            self._item = item
+        elif isinstance(pending, RequestOutput):
+            self._item = _merge(pending, item) if self._merge_deltas else item
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        """The waiting output, or None; raises the waiting exception."""
+        item = self._item
+        if item is None:
+            return None
+        self._item = None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def get(self) -> RequestOutput:
+        while self._item is None:
+            await self._ready.wait()
+        out = self.get_nowait()
+        assert out is not None
+        return out
+
+    @property
+    def has_pending(self) -> bool:
+        return self._item is not None
+
+
+def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Fold `new` into a not-yet-consumed `old` of the same request."""
+    if not old.outputs or not new.outputs:
+        return new
+    merged: list[CompletionOutput] = []
+    for a, b in zip(old.outputs, new.outputs, strict=False):
+        logprobs = None
+        if a.logprobs is not None or b.logprobs is not None:
+            logprobs = (a.logprobs or []) + (b.logprobs or [])
+        merged.append(dataclasses.replace(
+            b, text=a.text + b.text, token_ids=[*a.token_ids, *b.token_ids], logprobs=logprobs))
+    return dataclasses.replace(new, outputs=merged)
+
+
+@dataclasses.dataclass(slots=True)
+class _RequestState:
+    """What the loop side knows about one in-flight request."""
+
+    request_id: str
+    arrival_time: float
+    output_kind: RequestOutputKind
+    mailbox: RequestOutputCollector
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+    queued: bool = True  # counted in the queue accounting until its first token or its end
+    finish_recorded: bool = False
+
+
+class AsyncLLMEngine:
+    """Runs an `LLMEngine` in a background thread and streams outputs to asyncio consumers.
+
+    Use `generate()` as an async iterator of `RequestOutput`s whose shape follows
+    `SamplingParams.output_kind` (DELTA: only what is new; CUMULATIVE: everything so far;
+    FINAL_ONLY: one output at the end). Leaving the iterator early, or cancelling the task
+    that iterates it, aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, engine: LLMEngine, *, log_requests: bool = False) -> None:
+        self.engine = engine
+        self.log_requests = log_requests
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._stat_loggers: list[StatLoggerBase] = []
+        self._ttft_window = LatencyWindow()
+        self._itl_window = LatencyWindow()
+        self._latest_stats = EngineStats(model=self.model_name)
+        self._device_stats = DeviceStats()
+        self._dead_error: BaseException | None = None
+        self._shutdown = False
+        self._num_queued_prompt_tokens = 0
+        self._num_queued_requests = 0
+        self.max_consecutive_step_errors = 3
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, *, log_requests: bool = False) -> AsyncLLMEngine:
+        """Build the `LLMEngine` from `args` and wrap it (the step thread starts on first use)."""
+        from asyncengine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args), log_requests=log_requests)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.engine.model_config, "model_name", "") or "")
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine can take requests (not shut down, not dead)."""
+        return not self._shutdown and self._dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        """True once the step thread has died; every later request fails at once."""
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests accepted here that have not produced their first token yet."""
+        return self._num_queued_requests
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens of `num_queued_requests` (known once the engine reports them)."""
+        return self._num_queued_prompt_tokens
+
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
+        self._stat_loggers.append(stat_logger)
+        stat_logger.on_stats(self._latest_stats)
+
+    def remove_stat_logger(self, stat_logger: StatLoggerBase) -> None:
+        if stat_logger in self._stat_loggers:
+            self._stat_loggers.remove(stat_logger)
+
+    # ------------------------------------------------------------------ public API
+    async def generate(
+        self,
+        prompt: str | list[int] | None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request.
+
+        Raises `ValueError` for an invalid request (duplicate id, empty or too long prompt),
+        `RequestFailedError` when the engine fails this request, `EngineDeadError` when the
+        engine is dead. `num_prompt_tokens`, when the caller already knows it, lets the
+        queue-size accounting include this request's prompt before the engine reports it.
+        """
+        self._ensure_started()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if request_id is None:
+            request_id = f"req-{time.monotonic_ns()}-{id(params):x}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if num_prompt_tokens is None and prompt_token_ids is not None:
+            num_prompt_tokens = len(prompt_token_ids)
+        elif num_prompt_tokens is None and isinstance(prompt, list):
+            num_prompt_tokens = len(prompt)
+        arrival = time.monotonic()
+        mailbox = RequestOutputCollector(params.output_kind == RequestOutputKind.DELTA)
+        state = _RequestState(request_id, arrival, params.output_kind, mailbox,
+                              num_prompt_tokens=num_prompt_tokens or 0)
+        self._requests[request_id] = state
+        self._num_queued_requests += 1
+        self._num_queued_prompt_tokens += state.num_prompt_tokens
+        if self.log_requests:
+            logger.info("request %s added (%d prompt tokens)", request_id, state.num_prompt_tokens)
+        self._submit(("add", request_id, prompt, params, prompt_token_ids, arrival))
+        try:
+            while True:
+                out = state.mailbox.get_nowait() or await state.mailbox.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._forget(state)
+            if not state.finished:
+                # Left early or cancelled: free the request's blocks at once.
+                if self._thread is not None and self._dead_error is None:
+                    self._submit(("abort", [request_id]))
+                self._record_finish(state, "abort", None)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests; their iterators end with a final output, finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self._thread is not None and self._dead_error is None:
+            self._submit(("abort", ids))
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is None or state.finished:
+                continue
+            state.finished = True
+            state.mailbox.put(RequestOutput(
+                request_id=rid, prompt=None, prompt_token_ids=[],
+                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                finished=True))
+            self._record_finish(state, "abort", None)
+
+    def stats(self) -> EngineStats:
+        """The latest engine snapshot, with the device part and recent TTFT/ITL filled in."""
+        snap = msgspec_copy(self._latest_stats)
+        if not snap.device.name:  # the engine did not fill it: use the step thread's reading
+            snap.device = self._device_stats
+        if snap.ttft.count == 0:
+            snap.ttft = self._ttft_window.summary()
+        if snap.itl.count == 0:
+            snap.itl = self._itl_window.summary()
+        if not snap.model:
+            snap.model = self.model_name
+        snap.healthy = self.is_running
+        return snap
+
+    async def run_in_engine_thread(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the step thread between two steps and return its result.
+
+        The safe way to touch the `LLMEngine` while the async engine runs (e.g.
+        `check_integrity`, reading the block pool).
+        """
+        self._ensure_started()
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._submit(("call", fn, fut))
+        return await fut
+
+    async def check_integrity(self) -> None:
+        """Run `LLMEngine.check_integrity()` on the step thread."""
+        await self.run_in_engine_thread(lambda e: e.check_integrity())
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step thread; in-flight requests end with `EngineDeadError`."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        thread = self._thread
+        if thread is not None:
+            self._submit(("stop",))
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("engine thread did not stop within %.1fs", timeout)
+        self._fail_all(EngineDeadError("engine was shut down"))
+
+    # ------------------------------------------------------------------ loop side
+    def _ensure_started(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead_error!r}") from self._dead_error
+        if self._shutdown:
+            raise EngineDeadError("engine was shut down")
+        loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self._loop = loop
+            self._thread = threading.Thread(target=self._run, name="asyncengine-step",
+                                            daemon=True)
+            self._thread.start()
+        elif loop is not self._loop:
+            if self._requests:
+                raise RuntimeError("AsyncLLMEngine is serving requests on another event loop")
+            self._loop = loop  # the step thread reads it at each hand-off
+
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
+        self._inbox.put(cmd)
+        self._wakeup.set()
+
+    def _forget(self, state: _RequestState) -> None:
+        if self._requests.get(state.request_id) is state:
+            del self._requests[state.request_id]
+        self._leave_queue(state)
+
+    def _leave_queue(self, state: _RequestState) -> None:
+        # A request leaves the queue accounting exactly once: at its first token or its end.
+        if state.queued:
+            state.queued = False
+            self._num_queued_requests -= 1
+            self._num_queued_prompt_tokens -= state.num_prompt_tokens
+
+    def _dispatch(
+        self,
+        outputs: list[RequestOutput],
+        failures: dict[str, BaseException],
+        stats: EngineStats | None,
+        device: DeviceStats | None,
+    ) -> None:
+        """Runs on the loop: one call per step. Never blocks."""
+        now = time.monotonic()
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None or state.finished:
+                continue  # consumer left, or aborted from outside
+            if out.error is not None:
+                self._fail(state, RequestFailedError(out.request_id, out.error))
+                continue
+            self._account(state, out, now)
+            if out.finished:
+                state.finished = True
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                self._record_finish(state, reason or "stop", out)
+            state.mailbox.put(out)
+        for rid, exc in failures.items():
+            state = self._requests.get(rid)
+            if state is not None and not state.finished:
+                self._fail(state, exc)
+        if device is not None:
+            self._device_stats = device
+        if stats is not None:
+            self._latest_stats = stats
+            for sl in self._stat_loggers:
+                sl.on_stats(stats)
+
+    def _account(self, state: _RequestState, out: RequestOutput, now: float) -> None:
+        """Record token arrivals for TTFT/ITL and the token counters."""
+        if out.prompt_token_ids:
+            n_prompt = len(out.prompt_token_ids)
+            if n_prompt != state.num_prompt_tokens:
+                if state.queued:
+                    self._num_queued_prompt_tokens += n_prompt - state.num_prompt_tokens
+                state.num_prompt_tokens = n_prompt
+        total = sum(len(c.token_ids) for c in out.outputs)
+        new = total if state.output_kind == RequestOutputKind.DELTA else total - state.num_generated
+        if new <= 0:
+            return
+        state.num_generated += new
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self._leave_queue(state)
+            ttft = now - state.arrival_time
+            self._ttft_window.add(ttft)
+            for sl in self._stat_loggers:
+                sl.on_prompt_processed(state.num_prompt_tokens)
+                sl.on_first_token(ttft)
+                sl.on_new_tokens(new, None)
+        else:
+            assert state.last_token_time is not None
+            itl = now - state.last_token_time
+            self._itl_window.add(itl)
+            for sl in self._stat_loggers:
+                sl.on_new_tokens(new, itl)
+        state.last_token_time = now
+
+    def _record_finish(self, state: _RequestState, reason: str, out: RequestOutput | None) -> None:
+        if state.finish_recorded:
+            return
+        state.finish_recorded = True
+        self._leave_queue(state)
+        queue_time = None
+        m = out.metrics if out is not None else None
+        if m is not None and m.first_scheduled_time is not None:
+            queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
+        e2e = time.monotonic() - state.arrival_time
+        if self.log_requests:
+            logger.info("request %s finished: %s, %d tokens, %.3fs", state.request_id, reason,
+                        state.num_generated, e2e)
+        for sl in self._stat_loggers:
+            sl.on_request_finished(finish_reason=reason, e2e_latency=e2e, queue_time=queue_time,
+                                   num_prompt_tokens=state.num_prompt_tokens,
+                                   num_generation_tokens=state.num_generated)
+
+    def _fail(self, state: _RequestState, exc: BaseException) -> None:
+        state.finished = True
+        self._record_finish(state, "error", None)
+        state.mailbox.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for state in list(self._requests.values()):
+            if not state.finished:
+                self._fail(state, exc)
+
+    def _on_dead(self, exc: BaseException) -> None:
+        self._dead_error = exc
+        self._latest_stats.healthy = False
+        self._fail_all(EngineDeadError(f"engine step thread died: {exc!r}"))
+
+    # ------------------------------------------------------------------ step thread
+    def _hand_off(self, *args: Any) -> bool:
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(*args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return False
+        return True
+
+    def _run(self) -> None:
+        engine = self.engine
+        next_stats = 0.0
+        next_device = 0.0
+        was_busy = True  # publish one snapshot at start
+        consecutive_errors = 0
+        device = _engine_device(engine)
+        try:
+            while True:
+                self._wakeup.clear()
+                failures: dict[str, BaseException] = {}
+                stop = self._drain_inbox(engine, failures)
+                outputs: list[RequestOutput] = []
+                busy = engine.has_unfinished_requests()
+                if busy and not stop:
+                    try:
+                        outputs = engine.step()
+                        consecutive_errors = 0
+                    except Exception as exc:
+                        ids = getattr(exc, "request_ids", None)
+                        if ids is None:
+                            raise
+                        consecutive_errors += 1
+                        logger.error("engine step failed for %d request(s): %r", len(ids), exc)
+                        for rid in ids:
+                            failures[rid] = RequestFailedError(rid, f"engine step failed: {exc}")
+                        engine.check_integrity()  # an AssertionError here kills the engine
+                        if consecutive_errors >= self.max_consecutive_step_errors:
+                            raise RuntimeError(
+                                f"{consecutive_errors} consecutive engine steps failed") from exc
+                    busy = engine.has_unfinished_requests()
+                now = time.monotonic()
+                stats = None
+                dev = None
+                if now >= next_stats or (was_busy and not busy) or stop:
+                    stats = engine.get_stats()
+                    next_stats = now + _STATS_INTERVAL_S
+                    if now >= next_device:
+                        dev = device_stats(device.type, device.index or 0)
+                        next_device = now + _DEVICE_INTERVAL_S
+                was_busy = busy
+                if (outputs or failures or stats is not None) and not self._hand_off(
+                    self._dispatch, outputs, failures, stats, dev
+                ):
+                    return
+                if stop:
+                    return
+                if not busy:
+                    self._wakeup.wait()
+        except BaseException as exc:
+            logger.exception("engine step thread died")
+            self._hand_off(self._on_dead, exc)
+
+    def _drain_inbox(self, engine: LLMEngine, failures: dict[str, BaseException]) -> bool:
+        """Apply queued commands; True when asked to stop."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, prompt_token_ids, arrival = cmd
+                try:
+                    engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
+                                       arrival_time=arrival)
+                except ValueError as exc:
+                    failures[rid] = exc
+            elif kind == "abort":
+                engine.abort_request(cmd[1])
+            elif kind == "call":
+                _, fn, fut = cmd
+                try:
+                    result = fn(engine)
+                except BaseException as exc:
+                    self._hand_off(_settle, fut, None, exc)
+                else:
+                    self._hand_off(_settle, fut, result, None)
+            elif kind == "stop":
+                return True
+
+
+def _engine_device(engine: Any) -> torch.device:
+    for owner in (engine, getattr(engine, "model_runner", None)):
+        dev = getattr(owner, "device", None)
+        if dev is not None:
+            return torch.device(dev)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def msgspec_copy(stats: EngineStats) -> EngineStats:
+    """A shallow copy whose top-level fields can be replaced without touching the original."""
+    import msgspec
+
+    return msgspec.structs.replace(stats)

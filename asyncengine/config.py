@@ -1,0 +1,92 @@
+"""Engine arguments (vLLM's names) and their validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine. `model=None` selects the embedded default model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: Dtype = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    swap_space: float = 4.0
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    quantization: str | None = None
+    skip_tokenizer_init: bool = False
+    # CPU only: cap on the KV pool when memory is not otherwise bounded.
+    cpu_kv_cache_gib: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def validate(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        if self.dtype not in ("auto", *_DTYPES):
+            fail("dtype", "must be one of auto, float32, float16, bfloat16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            fail("device", "must be one of auto, cpu, cuda")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            fail("block_size", "must be a power of two")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks", "must be >= 1")
+        if self.swap_space < 0:
+            fail("swap_space", "must be >= 0")
+        if self.preemption_mode not in ("recompute", "swap"):
+            fail("preemption_mode", "must be recompute or swap")
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", "must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len", "must be >= 1")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be >= 1")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            fail("load_format", "must be one of auto, safetensors, gguf, dummy")
+        if self.quantization not in (None, "none"):
+            fail("quantization", "is not supported yet (only None)")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was requested but no CUDA device is available")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if config_dtype in (torch.float16, torch.bfloat16):
+            return config_dtype
+        return torch.bfloat16

@@ -1,0 +1,106 @@
+"""Counters and rolling windows the engine keeps to fill `EngineStats` snapshots."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from asyncengine.block_pool import BlockPool
+from asyncengine.stats import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_SHARED,
+    BLOCK_USED,
+    DeviceStats,
+    LatencySummary,
+)
+
+_MAP_CELLS = 4096
+
+
+def percentiles(values: deque[float] | list[float]) -> LatencySummary:
+    if not values:
+        return LatencySummary()
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+    return LatencySummary(p50=pick(0.5), p90=pick(0.9), p99=pick(0.99), count=len(ordered))
+
+
+class RateMeter:
+    """Tokens per second over a sliding window of recent steps."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, count: int, now: float | None = None) -> None:
+        self.total += count
+        self._events.append((time.monotonic() if now is None else now, count))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1.0)
+        return sum(c for _, c in self._events) / span
+
+
+def block_map(pool: BlockPool) -> str:
+    """One character per block (downsampled by taking each group's busiest state)."""
+    rank = {BLOCK_FREE: 0, BLOCK_CACHED: 1, BLOCK_USED: 2, BLOCK_SHARED: 3}
+    cells = []
+    for b in range(pool.num_blocks):
+        ref = pool.ref_counts[b]
+        if ref > 1:
+            cells.append(BLOCK_SHARED)
+        elif ref == 1:
+            cells.append(BLOCK_USED)
+        elif pool.block_hash[b] is not None:
+            cells.append(BLOCK_CACHED)
+        else:
+            cells.append(BLOCK_FREE)
+    if len(cells) <= _MAP_CELLS:
+        return "".join(cells)
+    group = -(-len(cells) // _MAP_CELLS)
+    return "".join(
+        max(cells[i : i + group], key=rank.__getitem__) for i in range(0, len(cells), group)
+    )
+
+
+def device_stats(device_type: str, device_index: int = 0) -> DeviceStats:
+    """GPU figures through torch and NVML when on CUDA; host CPU and RAM otherwise."""
+    if device_type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device_index)
+        stats = DeviceStats(
+            kind="cuda",
+            name=torch.cuda.get_device_name(device_index),
+            memory_used_bytes=total - free,
+            memory_total_bytes=total,
+        )
+        try:
+            stats.utilization_percent = float(torch.cuda.utilization(device_index))
+            stats.power_watts = torch.cuda.power_draw(device_index) / 1000.0
+            stats.temperature_c = float(torch.cuda.temperature(device_index))
+        except Exception:  # NVML missing: memory figures are still right
+            pass
+        return stats
+    import platform
+
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return DeviceStats(
+        kind="cpu",
+        name=platform.processor() or platform.machine() or "CPU",
+        memory_used_bytes=mem.total - mem.available,
+        memory_total_bytes=mem.total,
+        utilization_percent=psutil.cpu_percent(interval=None),
+    )

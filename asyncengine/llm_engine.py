@@ -1,0 +1,424 @@
+"""LLMEngine: the synchronous engine. `step()` is the one place where a step happens:
+schedule → execute on the device → postprocess (append tokens, detokenize, stop, free).
+
+The offline `LLM` and the `AsyncLLMEngine` (which runs `step()` in its own thread) both
+drive this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncengine.block_pool import BlockPool, SwapSpace
+from asyncengine.config import EngineArgs
+from asyncengine.detokenizer import IncrementalDetokenizer
+from asyncengine.engine_stats import RateMeter, block_map, device_stats, percentiles
+from asyncengine.model_runner import ModelRunner, StepResult
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.request import Request, RequestStatus
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.scheduler import Scheduler, SchedulerOutput
+from asyncengine.stats import EngineStats, RequestStats
+from models.config import ModelConfig
+from models.loader import load_model, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """The model step failed; the requests it held were aborted and their blocks freed."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+def load_tokenizer(path: Path | str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {path} ({e}); pass --tokenizer or skip_tokenizer_init"
+        ) from e
+
+
+class LLMEngine:
+    """Owns the model runner, the block pool and the scheduler; one `step()` at a time."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        t0 = time.monotonic()
+        self.device = args.resolve_device()
+        model_dir = resolve_model_path(args.model, args.load_format)
+        self.model_dir = model_dir
+        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len(cfg)
+        cfg.raw["max_model_len"] = self.max_model_len
+        self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
+        torch.manual_seed(args.seed)
+
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids |= self._generation_config_eos(model_dir)
+
+        model = load_model(
+            model_dir, cfg, dtype=self.dtype, device=self.device,
+            load_format=args.load_format, seed=args.seed,
+        )
+        self.max_num_batched_tokens = args.max_num_batched_tokens or (
+            8192 if self.device.type == "cuda" else 2048
+        )
+        self.runner = ModelRunner(
+            model, cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
+            eos_token_ids=self.eos_token_ids,
+        )
+        num_blocks = args.num_kv_blocks or self.runner.profile_num_blocks(
+            args.gpu_memory_utilization, self.max_num_batched_tokens, args.cpu_kv_cache_gib
+        )
+        num_cpu_blocks = 0
+        if args.preemption_mode == "swap":
+            num_cpu_blocks = max(int(args.swap_space * 2**30) // self.runner.block_bytes(), 1)
+            if args.num_kv_blocks:  # tests size both pools small and explicitly
+                num_cpu_blocks = min(num_cpu_blocks, 4 * args.num_kv_blocks)
+        self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
+        self.pool = BlockPool(num_blocks, args.block_size, args.enable_prefix_caching)
+        swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks else None
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption_mode=args.preemption_mode,
+            swap_space=swap,
+        )
+        self.runner.prepare_for_serving(
+            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+            max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
+        )
+        self._prompt_meter = RateMeter()
+        self._gen_meter = RateMeter()
+        self._ttft: deque[float] = deque(maxlen=1000)
+        self._itl: deque[float] = deque(maxlen=5000)
+        self.num_finished = 0
+        self.num_aborted = 0
+        logger.info(
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
+            "max_model_len %d",
+            time.monotonic() - t0, cfg.architecture, self.device, self.dtype, num_blocks,
+            args.block_size, num_blocks * self.runner.block_bytes() / 2**30, self.max_model_len,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ------------------------------------------------------------ set-up bits
+    def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window and cfg.sliding_window < limit:
+            logger.warning("sliding window %d caps max_model_len", cfg.sliding_window)
+            limit = cfg.sliding_window
+        if self.args.max_model_len is None:
+            return limit
+        if self.args.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.args.max_model_len} exceeds the model's limit {limit}"
+            )
+        return self.args.max_model_len
+
+    @staticmethod
+    def _generation_config_eos(model_dir: Path) -> set[int]:
+        import json
+
+        path = model_dir / "generation_config.json"
+        if not path.is_file():
+            return set()
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    # ---------------------------------------------------------------- requests
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat messages need a tokenizer (skip_tokenizer_init is set)")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template; send a prompt instead")
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; invalid ones raise ValueError and are never queued."""
+        params = params or SamplingParams()
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text: str | None = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                text, prompt_token_ids = prompt, self.tokenize(prompt)
+            elif isinstance(prompt, list):
+                prompt_token_ids = prompt
+            else:
+                raise ValueError("prompt must be a string or a list of token ids")
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        blocks = self.pool.blocks_needed(len(ids) + max_tokens)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        if params.logprobs is not None:
+            req.logprobs = []
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                self.num_aborted += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            ids = [s.request.request_id for s in sched.scheduled]
+            for s in sched.scheduled:
+                if not s.request.is_finished:
+                    self.scheduler.finish_request(s.request, RequestStatus.FINISHED_ABORTED)
+            self.num_aborted += len(ids)
+            logger.exception("engine step failed; aborted %d request(s)", len(ids))
+            raise StepError(ids, e) from e
+        return self._postprocess(sched, result)
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        prompt_tokens = 0
+        for s in sched.scheduled:
+            req = s.request
+            prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens,
+                                        s.num_new_tokens))
+            req.num_computed_tokens += s.num_new_tokens
+            self.pool.cache_full_blocks(req)
+        self._prompt_meter.add(prompt_tokens, now)
+        self._gen_meter.add(len(result.token_ids), now)
+        outputs: list[RequestOutput] = []
+        for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
+            try:
+                self._append_token(req, token, result.logprobs[i] if result.logprobs else None,
+                                   now)
+            except Exception as e:  # one request's failure must not hurt the others
+                logger.exception("postprocessing failed for request %s", req.request_id)
+                req.error = f"{type(e).__name__}: {e}"
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out = self._make_output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append_token(
+        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
+    ) -> None:
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self._ttft.append(now - m.arrival_time)
+        elif m.last_token_time is not None:
+            self._itl.append(now - m.last_token_time)
+        m.last_token_time = now
+        req.append_token(token)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs.get(token, 0.0)
+        params = req.params
+        if req.detokenizer is not None:
+            req.detokenizer.append([token])
+            if req.detokenizer.finished_by_stop:
+                req.stop_reason = req.detokenizer.stop_reason
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return
+        min_ok = req.num_output_tokens >= params.min_tokens
+        if min_ok and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif min_ok and token in (params.stop_token_ids or ()):
+            req.stop_reason = token
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.detokenizer is not None and status != RequestStatus.FINISHED_STOPPED:
+            try:
+                req.detokenizer.flush()
+            except Exception:
+                logger.exception("detokenizer flush failed for %s", req.request_id)
+        req.metrics.finished_time = time.monotonic()
+        self.scheduler.finish_request(req, status)
+        self.num_finished += 1
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        kind = req.params.output_kind
+        finished = req.is_finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = req.detokenizer.output_text if req.detokenizer is not None else ""
+        token_ids = req.output_token_ids
+        logprobs = req.logprobs
+        if kind == RequestOutputKind.DELTA:
+            text_delta = text[req.sent_text_len :]
+            ids_delta = token_ids[req.sent_token_len :]
+            lp_delta = logprobs[req.sent_token_len :] if logprobs is not None else None
+            req.sent_text_len, req.sent_token_len = len(text), len(token_ids)
+            text, token_ids, logprobs = text_delta, ids_delta, lp_delta
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=req.metrics,
+            error=req.error,
+        )
+
+    # ------------------------------------------------------------------ state
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def get_stats(self, include_requests: bool = True) -> EngineStats:
+        now = time.monotonic()
+        sched, pool = self.scheduler, self.pool
+        reqs: list[RequestStats] = []
+        if include_requests:
+            queues = (("running", sched.running), ("swapped", sched.swapped),
+                      ("waiting", sched.waiting))
+            for state, queue in queues:
+                for r in list(queue)[:200]:
+                    age = now - r.arrival_time
+                    gen_time = now - r.metrics.first_token_time if r.metrics.first_token_time else 0
+                    reqs.append(RequestStats(
+                        request_id=r.request_id, state=state,  # type: ignore[arg-type]
+                        prompt_tokens=r.num_prompt_tokens, generated_tokens=r.num_output_tokens,
+                        tokens_per_s=r.num_output_tokens / gen_time if gen_time > 0 else 0.0,
+                        age_s=age,
+                    ))
+        queries = pool.prefix_queries
+        return EngineStats(
+            timestamp=time.time(),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=pool.num_cached_free_blocks,
+            kv_block_size=pool.block_size,
+            kv_block_map=block_map(pool),
+            prefix_cache_hit_rate=pool.prefix_hits / queries if queries else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=pool.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            num_swaps_out=sched.num_swaps_out,
+            num_swaps_in=sched.num_swaps_in,
+            prompt_tokens_total=self._prompt_meter.total,
+            generation_tokens_total=self._gen_meter.total,
+            prompt_tokens_per_s=self._prompt_meter.rate(now),
+            generation_tokens_per_s=self._gen_meter.rate(now),
+            num_requests_finished=self.num_finished,
+            num_requests_aborted=self.num_aborted,
+            ttft=percentiles(self._ttft),
+            itl=percentiles(self._itl),
+            requests=reqs,
+            device=device_stats(self.device.type, self.device.index or 0),
+            model=self.model_name,
+        )

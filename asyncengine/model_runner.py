@@ -1,0 +1,272 @@
+"""Runs one scheduled step on the device: flattens the batch, moves KV blocks, runs the
+model and the sampler. It owns the KV cache tensors (GPU pool and CPU swap pool).
+
+The flattened step is `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (-1 = padding),
+`query_start_loc[B+1]`, `seq_lens[B]` and `block_tables[B, max_blocks]`; logits are computed
+only for requests whose chunk reaches their last known token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncengine.request import Request
+from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from asyncengine.scheduler import SchedulerOutput
+from models.config import ModelConfig
+from models.forward_context import AttentionMetadata, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_requests: list[Request]
+
+
+@dataclass
+class StepResult:
+    """Per sampled request (in `sampling_requests` order): the token and optional logprobs."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+
+
+class KVCache:
+    """Per-layer K and V tensors laid out [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # One allocation: cheap to size and to zero. Zeroed so unwritten slots never hold NaN.
+        self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.num_blocks = num_blocks
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+
+def copy_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V) from src[i] to dst[j] for (i, j) in pairs."""
+    if not pairs:
+        return
+    src_ids = torch.tensor([p[0] for p in pairs], device=src.data.device)
+    dst_ids = torch.tensor([p[1] for p in pairs], device=dst.data.device)
+    moved = src.data.index_select(2, src_ids).to(dst.data.device, non_blocking=True)
+    dst.data.index_copy_(2, dst_ids, moved)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.model = model
+        self.cfg = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.kv_cache: KVCache | None = None
+        self.cpu_cache: KVCache | None = None
+        attn = model.attention_layers()  # type: ignore[operator]
+        self.num_kv_heads = attn[0].num_kv_heads
+        self.head_dim = attn[0].head_dim
+
+    # ------------------------------------------------------------ KV memory
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        layers = self.cfg.num_hidden_layers
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @torch.inference_mode()
+    def profile_num_blocks(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, cpu_cache_gib: float
+    ) -> int:
+        """How many KV blocks fit after weights and the peak activations of a full step."""
+        if self.device.type != "cuda":
+            return max(int(cpu_cache_gib * 2**30) // self.block_bytes(), 1)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        # Headroom for CUDA graphs, the sampler's vocab-sized buffers and allocator slack.
+        reserve = 512 * 2**20
+        available = int(total * gpu_memory_utilization) - peak - reserve
+        num_blocks = available // self.block_bytes()
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: peak use {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={gpu_memory_utilization}"
+            )
+        return num_blocks
+
+    def _profile_run(self, num_tokens: int) -> None:
+        """A forward pass over `num_tokens` tokens with no cache writes, to measure memory."""
+        num_tokens = max(num_tokens, 1)
+        dummy_k = torch.zeros(
+            (1, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+            device=self.device,
+        )
+        for layer in self.model.attention_layers():  # type: ignore[operator]
+            layer.k_cache, layer.v_cache = dummy_k, dummy_k
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([0], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with set_forward_context(meta):
+            hidden = self.model(ids, ids)
+        self.model.compute_logits(hidden[-min(num_tokens, 256):])  # type: ignore[operator]
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        layers = self.cfg.num_hidden_layers
+        args = (self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        self.kv_cache = KVCache(layers, num_blocks, *args, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
+            attn.k_cache, attn.v_cache = self.kv_cache.layer(i)
+        if num_cpu_blocks:
+            pin = self.device.type == "cuda"
+            self.cpu_cache = KVCache(
+                layers, num_cpu_blocks, *args, device=torch.device("cpu"), pin_memory=pin
+            )
+
+    def prepare_for_serving(
+        self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        """Set-up after the KV cache exists (CUDA graph capture on the GPU)."""
+        self.max_blocks_per_seq = max_blocks_per_seq
+
+    # --------------------------------------------------------------- a step
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        sampling: list[Request] = []
+        max_blocks = max(len(s.request.block_table) for s in sched.scheduled)
+        tables: list[list[int]] = []
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids += req.all_token_ids[start : start + n]
+            positions += range(start, start + n)
+            table = req.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            if s.needs_logits:
+                logits_idx.append(qsl[-1] - 1)
+                sampling.append(req)
+        dev = self.device
+        pin = dev.type == "cuda"
+
+        def t(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
+
+        max_q = max(s.num_new_tokens for s in sched.scheduled)
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=t(tables, torch.int32),
+            max_query_len=max_q,
+            decode_only=max_q == 1,
+        )
+        return StepInputs(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            meta=meta,
+            logits_indices=t(logits_idx, torch.int64),
+            sampling_requests=sampling,
+        )
+
+    def apply_block_moves(self, sched: SchedulerOutput) -> None:
+        assert self.kv_cache is not None
+        if sched.blocks_to_swap_out:
+            assert self.cpu_cache is not None
+            copy_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            assert self.cpu_cache is not None
+            copy_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
+        copy_blocks(self.kv_cache, self.kv_cache, sched.blocks_to_copy)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the rows that need logits."""
+        with set_forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return hidden.index_select(0, inputs.logits_indices)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.apply_block_moves(sched)
+        inputs = self.prepare_inputs(sched)
+        reqs = inputs.sampling_requests
+        if not reqs:
+            self.run_model(inputs)
+            return StepResult([], [], None)
+        hidden = self.run_model(inputs)
+        logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        meta = SamplingMetadata.build(
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            [r.generator for r in reqs],
+            self.eos_token_ids,
+            self.cfg.vocab_size,
+            self.device,
+        )
+        out: SamplerOutput = self.sampler(logits, meta)
+        token_ids = out.sampled_token_ids.tolist()  # the step's one device-to-host copy
+        return StepResult(reqs, token_ids, self._logprobs(out, reqs))
+
+    @staticmethod
+    def _logprobs(out: SamplerOutput, reqs: list[Request]) -> list[dict[int, float]] | None:
+        if out.logprob_token_ids is None or out.logprobs is None:
+            return None
+        ids, lps = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+        result = []
+        for req, row_ids, row_lps in zip(reqs, ids, lps, strict=True):
+            n = req.params.logprobs
+            if n is None:
+                result.append({})
+                continue
+            entry = {row_ids[0]: row_lps[0]}
+            for tok, lp in zip(row_ids[1 : n + 1], row_lps[1 : n + 1], strict=True):
+                entry.setdefault(tok, lp)
+            result.append(entry)
+        return result

@@ -1,0 +1,203 @@
+"""The WebSocket protocol: JSON text frames, one msgspec tagged union per direction on "type".
+
+client → server: `generate`, `cancel`, `stats.subscribe`, `stats.unsubscribe`.
+server → client: `delta`, `done`, `error`, `stats`.
+
+Limits live in the types (`msgspec.Meta`), so a decode validates everything and a failure
+message names the JSON path (e.g. "... - at `$.params.max_tokens`"). `decode_client_message`
+turns every failure into an `Error` event carrying the request id when it can be recovered.
+Encoders and decoders are built once and reused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.stats import EngineStats
+
+# Error codes carried by `Error.code`.
+INVALID_REQUEST: Final = "invalid_request"
+UNKNOWN_TYPE: Final = "unknown_type"
+DUPLICATE_REQUEST_ID: Final = "duplicate_request_id"
+PROMPT_TOO_LONG: Final = "prompt_too_long"
+OVERLOADED: Final = "overloaded"
+UNAUTHORIZED: Final = "unauthorized"
+ENGINE_ERROR: Final = "engine_error"
+NOT_FOUND: Final = "not_found"
+ErrorCode = Literal[
+    "invalid_request", "unknown_type", "duplicate_request_id", "prompt_too_long",
+    "overloaded", "unauthorized", "engine_error", "not_found",
+]
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_MAX_TOKENS_LIMIT = 1 << 20
+
+
+class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Sampling parameters of a `generate` request (vLLM names and defaults)."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_MAX_TOKENS_LIMIT)] = 16
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKENS_LIMIT)] = 0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)] = -1
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=64)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    def to_sampling_params(
+        self, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=list(self.stop) if isinstance(self.stop, list) else self.stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind,
+        )
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    content: str
+
+
+# ----------------------------------------------------------------------- client → server
+class ClientEvent(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    """Base of every message a client sends."""
+
+
+class Generate(ClientEvent, tag="generate", omit_defaults=True):
+    """Start a request: exactly one of `prompt`, `messages` or `prompt_token_ids`."""
+
+    request_id: RequestId
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    params: GenerateParams = msgspec.field(default_factory=GenerateParams)
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        if given != 1:
+            raise ValueError("exactly one of `prompt`, `messages`, `prompt_token_ids` is required")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("`prompt` must not be empty")
+
+
+class Cancel(ClientEvent, tag="cancel"):
+    request_id: RequestId
+
+
+class StatsSubscribe(ClientEvent, tag="stats.subscribe"):
+    interval: Annotated[float, msgspec.Meta(ge=0.05, le=3600.0)] = 1.0
+
+
+class StatsUnsubscribe(ClientEvent, tag="stats.unsubscribe"):
+    pass
+
+
+ClientMessage = Generate | Cancel | StatsSubscribe | StatsUnsubscribe
+CLIENT_TYPES: Final = frozenset({"generate", "cancel", "stats.subscribe", "stats.unsubscribe"})
+
+
+# ----------------------------------------------------------------------- server → client
+class ServerEvent(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base of every message the server sends."""
+
+
+class Delta(ServerEvent, tag="delta"):
+    request_id: str
+    text: str
+    token_ids: list[int]
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Done(ServerEvent, tag="done"):
+    request_id: str
+    finish_reason: str
+    usage: Usage
+
+
+class Error(ServerEvent, tag="error"):
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+class Stats(ServerEvent, tag="stats"):
+    stats: EngineStats
+
+
+ServerMessage = Delta | Done | Error | Stats
+
+
+# ----------------------------------------------------------------------- codecs
+_encoder = msgspec.json.Encoder()
+_client_decoder = msgspec.json.Decoder(ClientMessage)
+_server_decoder = msgspec.json.Decoder(ServerMessage)
+
+
+class _Probe(msgspec.Struct):
+    """Lenient view of a bad message, to recover its type and request id."""
+
+    type: str | None = None
+    request_id: str | None = None
+
+
+_probe_decoder = msgspec.json.Decoder(_Probe)
+
+
+def encode(event: ClientEvent | ServerEvent) -> bytes:
+    """JSON bytes of one event (send them as a text frame)."""
+    return _encoder.encode(event)
+
+
+def decode_server_message(data: bytes | str) -> Delta | Done | Error | Stats:
+    return _server_decoder.decode(data)
+
+
+def decode_client_message(data: bytes | str) -> Generate | Cancel | StatsSubscribe | \
+        StatsUnsubscribe | Error:
+    """Decode one client frame; every failure comes back as an `Error` event to send."""
+    try:
+        return _client_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        probe = _probe(data)
+        if probe.type is not None and probe.type not in CLIENT_TYPES:
+            return Error(code=UNKNOWN_TYPE, request_id=probe.request_id,
+                         message=f"unknown message type {probe.type!r}; expected one of "
+                                 f"{', '.join(sorted(CLIENT_TYPES))}")
+        return Error(code=INVALID_REQUEST, message=str(exc), request_id=probe.request_id)
+    except msgspec.DecodeError as exc:
+        return Error(code=INVALID_REQUEST, message=f"malformed JSON: {exc}")
+
+
+def _probe(data: bytes | str) -> _Probe:
+    try:
+        return _probe_decoder.decode(data)
+    except msgspec.MsgspecError:
+        return _Probe()

@@ -1,0 +1,533 @@
+"""The WebSocket server: many streaming requests per connection, plus /healthz and /metrics.
+
+One port serves both: `process_request` answers plain HTTP (`GET /healthz`, `GET /metrics`)
+and checks the API key before a WebSocket handshake completes (HTTP 401, no work done).
+Per connection, a reader task decodes frames, one task per request streams an
+`AsyncLLMEngine.generate` into `delta`/`done` events, and one writer task owns all sends.
+Producers wait for send credits (a bounded number of unsent frames), so a client that stops
+reading only stalls its own requests, whose engine mailboxes then merge deltas: memory stays
+bounded and the engine never waits on a socket.
+
+Requests are validated, tokenized (chat template for `messages`) and length-checked here;
+rejected requests never reach the engine. Prompt text is not logged unless asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import ipaddress
+import itertools
+import logging
+import math
+import signal
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from asyncengine.metrics import PrometheusStatLogger
+from frontends import protocol as p
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this (characters) are tokenized off the event loop.
+_TOKENIZE_INLINE_CHARS = 16_384
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """How the server listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    api_key: str | None = None
+    # Accepted `Origin` headers (browsers); None accepts any, including none.
+    allowed_origins: list[str] | None = None
+    max_size: int = 1 << 20  # largest accepted frame, bytes (bigger: close 1009)
+    max_queued_requests: int = 1024  # accepted requests still waiting for a first token
+    max_queued_prompt_tokens: int = 1 << 20  # their prompt tokens
+    max_requests_per_connection: int = 256
+    max_pending_frames: int = 256  # unsent frames per connection before producers wait
+    drain_timeout: float = 30.0
+    ping_interval: float | None = 20.0
+    ping_timeout: float | None = 20.0
+    log_prompts: bool = False
+
+    def validate(self) -> None:
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"refusing to bind non-loopback host {self.host!r} without an API key "
+                "(set --api-key or ASYNCENGINE_API_KEY)")
+        for name in ("max_size", "max_requests_per_connection", "max_pending_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Reject(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    task: asyncio.Task[None] | None
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+class _Connection:
+    """One client socket: its requests, its send buffer and the task that writes it."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ws: ServerConnection, max_pending_frames: int) -> None:
+        self.ws = ws
+        self.id = next(self._ids)
+        self.requests: dict[str, _InFlight] = {}
+        self.outq: asyncio.Queue[bytes] = asyncio.Queue()
+        self.stats_task: asyncio.Task[None] | None = None
+        self._max_pending = max_pending_frames
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def send(self, event: p.ServerEvent) -> None:
+        """Queue one event; waits while the client is `max_pending_frames` behind."""
+        while self.outq.qsize() >= self._max_pending:
+            self._room.clear()
+            await self._room.wait()
+        self.outq.put_nowait(p.encode(event))
+
+    def try_send(self, event: p.ServerEvent) -> bool:
+        """Queue an event that may be dropped (stats) when the client is behind."""
+        if self.outq.qsize() >= self._max_pending:
+            return False
+        self.outq.put_nowait(p.encode(event))
+        return True
+
+    async def writer(self) -> None:
+        while True:
+            frame = await self.outq.get()
+            try:
+                await self.ws.send(frame, text=True)
+            finally:
+                self.outq.task_done()
+                if self.outq.qsize() < self._max_pending:
+                    self._room.set()
+
+
+class EngineServer:
+    """A running server around an `AsyncLLMEngine`. Build it with `serve_engine`."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+        config.validate()
+        self.engine = engine
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = PrometheusStatLogger(engine.model_name, registry=self.registry)
+        self._rejected = Counter("asyncengine_requests_rejected",
+                                 "Requests refused before reaching the engine, by error code.",
+                                 ["code"], registry=self.registry)
+        self._connections_gauge = Gauge("asyncengine_websocket_connections",
+                                        "Open WebSocket connections.", registry=self.registry)
+        self._connections: set[_Connection] = set()
+        self._ws_server: Server | None = None
+        self._draining = False
+        self._closed = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        cfg = self.config
+        self.engine.add_stat_logger(self.metrics)
+        self._ws_server = await serve(
+            self._handler, cfg.host, cfg.port,
+            process_request=self._process_request,
+            origins=list(cfg.allowed_origins) if cfg.allowed_origins else None,
+            max_size=cfg.max_size,
+            compression=None,  # frames are small; deflate would cost CPU per token
+            ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout,
+        )
+        logger.info("serving %s on %s (healthz: %s/healthz, metrics: %s/metrics)",
+                    self.engine.model_name or "model", self.url, self.http_url, self.http_url)
+
+    @property
+    def port(self) -> int:
+        assert self._ws_server is not None, "server not started"
+        return self._ws_server.sockets[0].getsockname()[1]
+
+    @property
+    def host(self) -> str:
+        assert self._ws_server is not None, "server not started"
+        return self._ws_server.sockets[0].getsockname()[0]
+
+    @property
+    def url(self) -> str:
+        host = self.host
+        return f"ws://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return "http" + self.url[2:]
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def in_flight_tasks(self) -> list[asyncio.Task[None]]:
+        return [r.task for c in self._connections for r in c.requests.values()
+                if r.task is not None]
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stop accepting, let in-flight requests finish (cancel them after `timeout`), close."""
+        if self._ws_server is None or self._closed.is_set():
+            return
+        timeout = self.config.drain_timeout if timeout is None else timeout
+        self._draining = True
+        self._ws_server.server.close()  # no new TCP connections
+        tasks = self.in_flight_tasks()
+        if tasks:
+            logger.info("draining %d in-flight request(s) (timeout %.1fs)", len(tasks), timeout)
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                logger.warning("cancelled %d request(s) still running after drain timeout",
+                               len(pending))
+                await asyncio.wait(pending)
+        # Let every writer flush the final `done` events before the close frames.
+        flushes = [asyncio.ensure_future(c.outq.join()) for c in self._connections]
+        if flushes:
+            _, pending_flush = await asyncio.wait(flushes, timeout=max(1.0, timeout))
+            for f in pending_flush:
+                f.cancel()
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every connection (1001) and stop listening; requests are aborted."""
+        if self._ws_server is None or self._closed.is_set():
+            return
+        self._draining = True
+        self._ws_server.close(close_connections=True)
+        await self._ws_server.wait_closed()
+        self.engine.remove_stat_logger(self.metrics)
+        self._closed.set()
+        logger.info("server stopped")
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # ------------------------------------------------------------------ plain HTTP
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        url = urlsplit(request.path)
+        if url.path == "/healthz":
+            if self.engine.errored:
+                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "engine is dead\n")
+            if self._draining or not self.engine.is_running:
+                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down\n")
+            return connection.respond(HTTPStatus.OK, "OK\n")
+        if url.path == "/metrics":
+            self.metrics.on_stats(self.engine.stats())
+            body = self.metrics.render().decode()
+            response = connection.respond(HTTPStatus.OK, body)
+            del response.headers["Content-Type"]
+            response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+            return response
+        if self.config.api_key is not None and not self._authorized(request.headers, url.query):
+            self._rejected.labels(p.UNAUTHORIZED).inc()
+            response = connection.respond(HTTPStatus.UNAUTHORIZED, "invalid or missing API key\n")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        if self._draining:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down\n")
+        return None
+
+    def _authorized(self, headers: Headers, query: str) -> bool:
+        assert self.config.api_key is not None
+        expected = self.config.api_key.encode()
+        given = ""
+        auth = headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        else:
+            given = parse_qs(query).get("api_key", [""])[0]
+        return hmac.compare_digest(given.encode(), expected)
+
+    # ------------------------------------------------------------------ WebSocket
+    async def _handler(self, ws: ServerConnection) -> None:
+        conn = _Connection(ws, self.config.max_pending_frames)
+        self._connections.add(conn)
+        self._connections_gauge.inc()
+        logger.debug("connection %d opened from %s", conn.id, ws.remote_address)
+        writer = asyncio.create_task(conn.writer())
+        reader = asyncio.create_task(self._read(conn))
+        try:
+            # Either side ending (client gone, send failed) ends the connection.
+            await asyncio.wait([reader, writer], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            tasks = [r.task for r in conn.requests.values() if r.task is not None]
+            if conn.stats_task is not None:
+                tasks.append(conn.stats_task)
+            for t in (reader, writer, *tasks):
+                t.cancel()
+            # Cancelling a request task aborts it in the engine (its blocks are freed).
+            await asyncio.gather(reader, writer, *tasks, return_exceptions=True)
+            self._connections.discard(conn)
+            self._connections_gauge.dec()
+            logger.debug("connection %d closed (%s)", conn.id, ws.close_code)
+
+    async def _read(self, conn: _Connection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in conn.ws:
+                await self._on_message(conn, raw)
+
+    async def _on_message(self, conn: _Connection, raw: str | bytes) -> None:
+        msg = p.decode_client_message(raw)
+        if isinstance(msg, p.Generate):
+            try:
+                await self._on_generate(conn, msg)
+            except _Reject as rej:
+                self._rejected.labels(rej.code).inc()
+                await conn.send(p.Error(code=rej.code, message=rej.message,
+                                        request_id=msg.request_id))
+        elif isinstance(msg, p.Cancel):
+            await self._on_cancel(conn, msg.request_id)
+        elif isinstance(msg, p.StatsSubscribe):
+            if conn.stats_task is not None:
+                conn.stats_task.cancel()
+            conn.stats_task = asyncio.create_task(self._stream_stats(conn, msg.interval))
+        elif isinstance(msg, p.StatsUnsubscribe):
+            if conn.stats_task is not None:
+                conn.stats_task.cancel()
+                conn.stats_task = None
+        else:  # an Error describing a bad frame
+            self._rejected.labels(msg.code).inc()
+            await conn.send(msg)
+
+    async def _on_generate(self, conn: _Connection, msg: p.Generate) -> None:
+        engine = self.engine
+        rid = msg.request_id
+        if self._draining:
+            raise _Reject(p.OVERLOADED, "server is shutting down")
+        if engine.errored or not engine.is_running:
+            raise _Reject(p.ENGINE_ERROR, "engine is not running")
+        if rid in conn.requests:
+            raise _Reject(p.DUPLICATE_REQUEST_ID, f"request_id {rid!r} is already in flight")
+        if len(conn.requests) >= self.config.max_requests_per_connection:
+            raise _Reject(p.OVERLOADED, "too many in-flight requests on this connection "
+                          f"(max {self.config.max_requests_per_connection})")
+        # Reserve the id while tokenizing (which may yield to other tasks).
+        slot = _InFlight(task=None, prompt_tokens=0)
+        conn.requests[rid] = slot
+        try:
+            prompt_ids = await self._tokenize(msg)
+            self._check_length(len(prompt_ids), msg.params.max_tokens)
+            if engine.num_queued_requests >= self.config.max_queued_requests or (
+                engine.num_queued_requests > 0
+                and engine.num_queued_prompt_tokens + len(prompt_ids)
+                > self.config.max_queued_prompt_tokens
+            ):
+                raise _Reject(p.OVERLOADED, "server is overloaded: the waiting queue is full, "
+                              "retry later")
+            try:
+                params = msg.params.to_sampling_params()
+            except ValueError as exc:
+                raise _Reject(p.INVALID_REQUEST, f"{exc} - at `$.params`") from exc
+        except BaseException:
+            del conn.requests[rid]
+            raise
+        slot.prompt_tokens = len(prompt_ids)
+        if self.config.log_prompts:
+            logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
+        slot.task = asyncio.create_task(self._stream(conn, rid, slot, prompt_ids, params))
+
+    async def _tokenize(self, msg: p.Generate) -> list[int]:
+        engine = self.engine
+        vocab = int(getattr(engine.model_config, "vocab_size", 0) or 0)
+        if msg.prompt_token_ids is not None:
+            bad = [t for t in msg.prompt_token_ids if vocab and t >= vocab]
+            if bad:
+                raise _Reject(p.INVALID_REQUEST, f"token id {bad[0]} is out of the vocabulary "
+                              f"(size {vocab}) - at `$.prompt_token_ids`")
+            return list(msg.prompt_token_ids)
+        if engine.tokenizer is None:
+            raise _Reject(p.INVALID_REQUEST, "this server has no tokenizer: send "
+                          "`prompt_token_ids` instead of `prompt` or `messages`")
+        try:
+            if msg.messages is not None:
+                messages = [{"role": m.role, "content": m.content} for m in msg.messages]
+                ids = await _maybe_in_thread(sum(len(m["content"]) for m in messages),
+                                             engine.engine.apply_chat_template, messages)
+            else:
+                assert msg.prompt is not None
+                ids = await _maybe_in_thread(len(msg.prompt), encode_prompt,
+                                             engine.tokenizer, msg.prompt)
+        except ValueError as exc:
+            raise _Reject(p.INVALID_REQUEST, str(exc)) from exc
+        if not ids:
+            raise _Reject(p.INVALID_REQUEST, "the prompt tokenizes to nothing")
+        return list(ids)
+
+    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+        max_len = int(getattr(self.engine.model_config, "max_model_len", 0) or 0)
+        if max_len and num_prompt + max_tokens > max_len:
+            raise _Reject(p.PROMPT_TOO_LONG, f"prompt ({num_prompt} tokens) + max_tokens "
+                          f"({max_tokens}) exceeds max_model_len ({max_len})")
+        num_blocks, block_size = _kv_capacity(self.engine)
+        if num_blocks and math.ceil((num_prompt + max_tokens) / block_size) > num_blocks:
+            raise _Reject(p.PROMPT_TOO_LONG, f"prompt ({num_prompt} tokens) + max_tokens "
+                          f"({max_tokens}) needs more KV blocks than exist ({num_blocks} "
+                          f"blocks of {block_size} tokens)")
+
+    async def _stream(self, conn: _Connection, rid: str, slot: _InFlight,
+                      prompt_ids: list[int], params: Any) -> None:
+        """Run one request: deltas, then done (or an error)."""
+        finish_reason = "abort"
+        try:
+            # Engine ids are per connection so two clients may use the same request_id.
+            gen = self.engine.generate(None, params, f"c{conn.id}:{rid}",
+                                       prompt_token_ids=prompt_ids)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    comp = out.outputs[0]
+                    if comp.token_ids or comp.text:
+                        slot.completion_tokens += len(comp.token_ids)
+                        await conn.send(p.Delta(request_id=rid, text=comp.text,
+                                                token_ids=comp.token_ids))
+                    if out.finished:
+                        finish_reason = comp.finish_reason or "stop"
+            await conn.send(p.Done(request_id=rid, finish_reason=finish_reason,
+                                   usage=p.Usage(prompt_tokens=slot.prompt_tokens,
+                                                 completion_tokens=slot.completion_tokens)))
+        except ValueError as exc:
+            code = p.PROMPT_TOO_LONG if _is_length_error(str(exc)) else p.INVALID_REQUEST
+            self._rejected.labels(code).inc()
+            await conn.send(p.Error(code=code, message=str(exc), request_id=rid))
+        except (RequestFailedError, EngineDeadError) as exc:
+            await conn.send(p.Error(code=p.ENGINE_ERROR, message=str(exc), request_id=rid))
+        finally:
+            if conn.requests.get(rid) is slot:
+                del conn.requests[rid]
+
+    async def _on_cancel(self, conn: _Connection, rid: str) -> None:
+        slot = conn.requests.get(rid)
+        if slot is None or slot.task is None:
+            await conn.send(p.Error(code=p.NOT_FOUND, request_id=rid,
+                                    message=f"no request {rid!r} in flight on this connection"))
+            return
+        slot.task.cancel()
+        await asyncio.wait([slot.task])
+        await conn.send(p.Done(request_id=rid, finish_reason="abort",
+                               usage=p.Usage(prompt_tokens=slot.prompt_tokens,
+                                             completion_tokens=slot.completion_tokens)))
+
+    async def _stream_stats(self, conn: _Connection, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            conn.try_send(p.Stats(stats=self.engine.stats()))
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a text prompt, as the engine would tokenize it."""
+    return list(tokenizer.encode(prompt))
+
+
+async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
+    if size > _TOKENIZE_INLINE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _kv_capacity(engine: AsyncLLMEngine) -> tuple[int, int]:
+    """(number of KV blocks, block size), or (0, 0) when not known yet."""
+    pool = getattr(getattr(engine.engine, "scheduler", None), "block_pool", None)
+    num_blocks = int(getattr(pool, "num_blocks", 0) or 0)
+    block_size = int(getattr(pool, "block_size", 0) or 0)
+    if not block_size:
+        stats = engine.stats()
+        block_size = stats.kv_block_size
+        num_blocks = num_blocks or stats.kv_blocks_total
+    return num_blocks, block_size or 16
+
+
+def _is_length_error(message: str) -> bool:
+    m = message.lower()
+    return "max_model_len" in m or "kv block" in m or "blocks" in m
+
+
+@contextlib.asynccontextmanager
+async def serve_engine(
+    engine: AsyncLLMEngine, config: ServerConfig | None = None
+) -> AsyncIterator[EngineServer]:
+    """Serve `engine` for the duration of the block; on exit, drain briefly and close.
+
+    `async with serve_engine(engine, ServerConfig(port=0)) as server: server.port`
+    """
+    server = EngineServer(engine, config or ServerConfig())
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def run_server(
+    engine: AsyncLLMEngine,
+    config: ServerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_started: Any = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop` is set), then drain and return.
+
+    `on_started(server)`, when given, is awaited once the server listens; when it returns
+    the server drains too (the dashboard runs there in `serve --dashboard`).
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    server = EngineServer(engine, config)
+    await server.start()
+    waiters = [asyncio.create_task(stop.wait())]
+    if on_started is not None:
+        waiters.append(asyncio.create_task(on_started(server)))
+    try:
+        done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for t in done:
+            if t.exception() is not None:
+                logger.error("stopping: %r", t.exception())
+        logger.info("shutting down: draining requests")
+        await server.drain()
+    finally:
+        await server.close()
+        for sig in installed:
+            loop.remove_signal_handler(sig)

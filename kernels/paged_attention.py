@@ -1,0 +1,558 @@
+"""Paged attention over a block-table KV cache for mixed prefill/decode batches.
+
+One op covers decode (q_len 1), fresh prefill, chunked prefill over a cached prefix and any
+mix of them in one flattened step. Query j of sequence b sits at absolute position
+`seq_lens[b] - q_len_b + j` and attends causally to key positions 0..that position; key
+position p lives in block `block_tables[b, p // block_size]` at offset `p % block_size`.
+
+Three implementations share the signature:
+- `paged_attention_ref`: plain torch, the CPU path and the test oracle. Decode rows are
+  batched (one gather + two batched matmuls); only sequences with q_len > 1 are looped.
+- `paged_attention_triton`: one unified Triton kernel. A program owns one KV head and a
+  block of `BLOCK_Q` query tokens of one sequence; the `G = Hq // Hkv` query heads of that KV
+  head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
+  so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
+  (flash-decoding: several programs per row block, each over a segment of the keys, merged by
+  a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
+  constants only, so the decode path can be captured in a CUDA graph.
+- `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton_utils import (
+    interpreter_enabled,
+    next_power_of_2,
+    num_sms,
+    tl,
+    triton,
+    use_triton,
+)
+
+__all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
+
+_LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2 with the scale folded in
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    decode_only: bool = False,
+) -> torch.Tensor:
+    """Paged causal attention in plain torch (fp32 math); returns [T, Hq, D] in q.dtype.
+
+    `max_query_len` and `decode_only` are the Triton path's host hints, accepted and ignored.
+    """
+    del max_query_len, decode_only
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = q.device
+    result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
+
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    lens = seq_lens.to(torch.int64)
+
+    decode_idx = torch.nonzero(q_lens == 1).flatten()
+    if decode_idx.numel() > 0:
+        tok = qsl[decode_idx]
+        d_lens = lens[decode_idx]
+        max_len = int(d_lens.max())
+        if max_len > 0:
+            result[tok] = _decode_rows_ref(
+                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale, group
+            )
+
+    # Sequences with several query tokens (prefill chunks): one SDPA call each.
+    for b in torch.nonzero(q_lens > 1).flatten().tolist():
+        start, q_len, seq_len = int(qsl[b]), int(q_lens[b]), int(lens[b])
+        if seq_len <= 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].to(torch.int64)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        qs = q[start : start + q_len].float()
+        key_pos = torch.arange(seq_len, device=device)
+        query_pos = seq_len - q_len + torch.arange(q_len, device=device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        result[start : start + q_len] = o.transpose(0, 1)
+
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def _decode_rows_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    group: int,
+) -> torch.Tensor:
+    """All single-token rows at once: gather their blocks, masked batched matmuls."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-max_len // block_size)
+    padded = num_blocks * block_size
+    device = q.device
+    # Table entries past a sequence's last block may hold anything: point them at block 0.
+    block_start = torch.arange(num_blocks, device=device) * block_size
+    tables = block_tables[:, :num_blocks].to(torch.int64)
+    tables = torch.where(block_start[None, :] < lens[:, None], tables, torch.zeros_like(tables))
+    valid = torch.arange(padded, device=device)[None, :] < lens[:, None]  # [n, padded]
+    keep = valid[:, :, None, None]
+    # Unwritten slots may hold NaN: zero them rather than rely on the score mask.
+    k = k_cache[tables].reshape(n, padded, num_kv_heads, head_dim).float()
+    k = torch.where(keep, k, torch.zeros((), device=device))
+    v = v_cache[tables].reshape(n, padded, num_kv_heads, head_dim).float()
+    v = torch.where(keep, v, torch.zeros((), device=device))
+    qg = q.float().view(n, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # seq_len 0 rows (padding) give zeros
+    o = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    return o.reshape(n, num_heads, head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with qsl[b] // BLOCK_Q + b <= target (the sequence owning a query block)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    # DOT_FP32: the interpreter multiplies bf16 bit patterns in tl.dot, so upcast there.
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_tile(
+    Q,
+    M,
+    L,
+    acc,
+    tile,
+    num_keys,
+    q_abs,
+    k_base,
+    v_base,
+    bt_row_ptr,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    scale_log2,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
+    row of the block (no causal mask, no bounds checks)."""
+    offs_t = tile * TILE + tl.arange(0, TILE)
+    if MASKED:
+        kv_valid = offs_t < num_keys
+        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=kv_valid, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE)
+    blk = blk.to(tl.int64)
+    in_block = (offs_t % BLOCK_SIZE).to(tl.int64)
+    k_offs = (blk * stride_kb + in_block * stride_ks)[:, None] + offs_d[None, :]
+    v_offs = (blk * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]
+    if MASKED:
+        if D_PAD == HEAD_DIM:
+            kv_mask = kv_valid[:, None]
+        else:
+            kv_mask = kv_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        # Masked loads: unwritten slots may hold NaN, and 0 * NaN would poison P @ V.
+        K = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)
+    else:
+        if D_PAD == HEAD_DIM:
+            K = tl.load(k_base + k_offs)
+        else:
+            K = tl.load(k_base + k_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+    S = _dot(Q, tl.trans(K), DOT_FP32, IEEE) * scale_log2
+    if MASKED:
+        visible = (offs_t[None, :] <= q_abs[:, None]) & kv_valid[None, :]
+        S = tl.where(visible, S, float("-inf"))
+    m_new = tl.maximum(M, tl.max(S, axis=1))
+    # A row with no visible key yet keeps m = -inf; exp2(-inf - -inf) would be NaN.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    P = tl.exp2(S - m_safe[:, None])
+    alpha = tl.exp2(M - m_safe)
+    L = L * alpha + tl.sum(P, axis=1)
+
+    if MASKED:
+        V = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
+    else:
+        if D_PAD == HEAD_DIM:
+            V = tl.load(v_base + v_offs)
+        else:
+            V = tl.load(v_base + v_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32, IEEE)
+    return m_new, L, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    seg_acc_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    scale_log2,
+    num_seqs,
+    q_len_lo,
+    q_len_hi,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this block's
+    # sequence on device; surplus blocks exit.
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    if (q_len < q_len_lo) | (q_len > q_len_hi):
+        return  # this sequence belongs to the other launch (small vs large tiles)
+    q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
+    if q_block_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    ctx_len = seq_len - q_len  # keys before this step's first query (-1 for padding rows)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q_pos = q_block_start + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_pos < q_len)
+    tok = (q_start + q_pos).to(tl.int64)
+    q_offs = tok[:, None] * stride_qt + (head * stride_qh)[:, None] + offs_d[None, :]
+    q_mask = row_valid[:, None]
+    if D_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    q_abs = ctx_len + q_pos
+
+    # Causal pruning: this block sees keys 0 .. ctx_len + its last query position.
+    last_q = tl.minimum(q_block_start + BLOCK_Q, q_len) - 1
+    num_keys = tl.maximum(ctx_len + last_q + 1, 0)
+    num_tiles = tl.cdiv(num_keys, TILE)
+    # Tiles visible to every row of the block need neither causal mask nor bounds checks.
+    num_full = tl.maximum(ctx_len + q_block_start + 1, 0) // TILE
+    if NUM_SEGMENTS > 1:
+        tiles_per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_lo = segment * tiles_per_seg
+        tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    bt_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
+        M, L, acc = _attend_tile(
+            Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, False, DOT_FP32, IEEE,
+        )  # fmt: skip
+    for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
+        M, L, acc = _attend_tile(
+            Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
+        )  # fmt: skip
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(L == 0.0, 1.0, L)[:, None]  # rows with no keys give zeros
+        o_offs = tok[:, None] * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Unnormalized partials; every (token, head, segment) is written, empty ones as
+        # (acc 0, max -inf, sum 0), so the reducer never reads garbage.
+        row = tok * NUM_HEADS + head
+        stat_offs = row * NUM_SEGMENTS + segment
+        tl.store(seg_max_ptr + stat_offs, M, mask=row_valid)
+        tl.store(seg_sum_ptr + stat_offs, L, mask=row_valid)
+        acc_offs = stat_offs[:, None] * D_PAD + offs_d[None, :]
+        tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr,
+    seg_acc_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * NUM_HEADS + head
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s)
+    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
+    denom = tl.sum(w * l_seg, axis=0)
+    acc = tl.load(seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+# Sequences with at least this many query tokens go to the large-tile (prefill) launch.
+PREFILL_TILE_MIN_QUERY_LEN = 64
+# Split-KV is used for decode batches (T == B) whose 2D grid has fewer working programs
+# than this many per multiprocessor.
+SPLIT_KV_PROGRAMS_PER_SM = 4
+MAX_SPLIT_SEGMENTS = 16
+
+
+def _small_tile_config(group: int, elem_size: int) -> dict[str, int]:
+    """Decode / short-query tiles: the G heads of one KV head packed into >= 16 MMA rows."""
+    block_m = max(16, next_power_of_2(group))
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "TILE": 64 if elem_size <= 2 else 32,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+
+
+def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:
+    """Prefill tiles: 128 rows (Hopper wgmma wants M >= 64), 64-key tiles, 8 warps."""
+    block_m = max(128, next_power_of_2(group))
+    big = head_dim_pad <= 128 and elem_size <= 2
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "TILE": 64 if big else 32,
+        "num_warps": 8,
+        "num_stages": 2 if big else 1,
+    }
+
+
+def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Segments per row block for split-KV decode (1 = no split). Depends on B only."""
+    programs = num_seqs * num_kv_heads
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 1
+    target = SPLIT_KV_PROGRAMS_PER_SM * sms
+    if programs >= target:
+        return 1
+    return min(MAX_SPLIT_SEGMENTS, next_power_of_2(-(-target // programs)))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    decode_only: bool = False,
+    num_segments: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention; same contract as `paged_attention_ref`.
+
+    Host hints (never read from device memory): `max_query_len` lets a batch of short queries
+    skip the large-tile launch; `decode_only` (or T == B) selects the decode path, which uses
+    split-KV when B is small. `num_segments` overrides the split count (tests, tuning).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    d_pad = max(16, next_power_of_2(head_dim))
+    elem = q.element_size()
+    dot_fp32 = interpreter_enabled() and q.dtype == torch.bfloat16
+    common = {
+        "NUM_HEADS": num_heads,
+        "HEAD_DIM": head_dim,
+        "D_PAD": d_pad,
+        "BLOCK_SIZE": block_size,
+        "GROUP": group,
+        "DOT_FP32": dot_fp32,
+        "IEEE": q.dtype == torch.float32 or dot_fp32,
+    }
+    scale_log2 = float(scale) * _LOG2E
+
+    def launch(cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple) -> None:
+        grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, segments)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *seg_bufs,
+            scale_log2, num_seqs, lo, hi,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            NUM_SEGMENTS=segments, **common, **cfg,
+        )  # fmt: skip
+
+    small = _small_tile_config(group, elem)
+    decode = decode_only or num_tokens == num_seqs
+    if decode:
+        segments = num_segments or _num_split_segments(num_seqs, num_kv_heads, q.device)
+        if segments > 1:
+            segments = next_power_of_2(segments)
+            f32 = {"dtype": torch.float32, "device": q.device}
+            seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
+            seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
+            seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
+            launch(small, 0, 2**31 - 1, segments, (seg_acc, seg_max, seg_sum))
+            _reduce_segments_kernel[(num_tokens, num_heads)](
+                out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
+            )  # fmt: skip
+            return out
+
+    no_bufs = (out, out, out)  # unused in 2D mode
+    threshold = PREFILL_TILE_MIN_QUERY_LEN
+    if decode or (max_query_len is not None and max_query_len < threshold):
+        launch(small, 0, 2**31 - 1, 1, no_bufs)
+        return out
+    launch(small, 0, threshold - 1, 1, no_bufs)
+    launch(_large_tile_config(group, d_pad, elem), threshold, 2**31 - 1, 1, no_bufs)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    decode_only: bool = False,
+) -> torch.Tensor:
+    """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
+
+    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: int32
+    [B, max_blocks]; query_start_loc: int32 [B+1]; seq_lens: int32 [B] (context length
+    including this step's tokens, whose K/V are already in the cache). Returns [T, Hq, D] in
+    q.dtype (written into `out` when given). Sequences with seq_len 0 give zeros.
+    """
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return fn(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+        max_query_len=max_query_len, decode_only=decode_only,
+    )  # fmt: skip
+

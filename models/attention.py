@@ -1,0 +1,36 @@
+"""Paged attention layer: writes this step's K/V into the cache, then attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import paged_attention, write_kv_cache
+from models.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    """Attention over the paged KV cache bound by the model runner (`k_cache`, `v_cache`)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
+        meta = get_attention_metadata()
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

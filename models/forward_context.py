@@ -1,0 +1,45 @@
+"""The attention metadata of one flattened step, shared by every layer of a forward pass.
+
+The model runner sets it around `model(...)`; attention layers read it. Keeping it out of the
+forward signatures lets the same model run eagerly, under CUDA graphs (with static buffers)
+and under tensor parallelism without threading metadata through every module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step goes in the paged KV cache and what it attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int: block_id * block_size + offset, -1 = padding
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int | None = None  # host-side hint for kernel selection
+    decode_only: bool = False
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention metadata is not set: run the model inside set_forward_context")
+    return _current
+
+
+@contextmanager
+def set_forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous

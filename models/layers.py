@@ -1,0 +1,250 @@
+"""Building blocks of the Llama family: tensor-parallel linears, embeddings, norms, rotary.
+
+Linear layers own their shard of the weight and a `weight_loader(param, tensor, shard_id)`
+that copies a full HF tensor's slice for this rank into place; fused QKV and gate/up
+projections are assembled at load time by calling the loader once per HF tensor. With one
+rank the shards are the whole tensors, so the same model serves TP=1 and TP=N.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm, silu_and_mul
+from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
+
+
+def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with this rank's shard of W; subclasses define the sharding."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _check_shape("weight", param, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(in_features, divide(out_features, self.tp_size), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _check_shape("column-parallel weight", param, shard)
+        param.data.copy_(shard)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one matmul (gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(f"merged shard {shard_id}", target, shard)
+        target.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projection; KV heads are replicated when ranks outnumber them."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp)
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp)
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp, num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        shard = loaded.narrow(0, rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(f"{shard_id}_proj", target, shard)
+        target.copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(divide(in_features, self.tp_size), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if param.dim() == 1:  # bias: added once, after the reduction
+            _check_shape("row-parallel bias", param, loaded)
+            param.data.copy_(loaded)
+            return
+        size = param.shape[1]
+        shard = loaded.narrow(1, self.tp_rank * size, size)
+        _check_shape("row-parallel weight", param, shard)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; each rank looks up its range and the sum is reduced."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.num_embeddings = num_embeddings
+        self.shard_size = math.ceil(num_embeddings / self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard_size, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"shape mismatch for embedding: checkpoint has {tuple(loaded.shape)}, "
+                f"the model expects ({self.num_embeddings}, {param.shape[1]})"
+            )
+        rows = min(self.shard_size, self.num_embeddings - self.vocab_start)
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        y = y * mask.unsqueeze(-1).to(y.dtype)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over this rank's vocab shard, gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose residual form fuses the preceding residual add (one kernel on the GPU)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_cos_sin_cache(
+    head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of the head_dim/2 frequencies, then their sin."""
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float((scaling or {})["factor"])
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3 are)")
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        cache = compute_cos_sin_cache(head_dim, max_position, base, scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_emb(positions, q, k, self.cos_sin_cache)

@@ -1,0 +1,202 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened varlen batch.
+
+`forward(input_ids[T], positions[T])` returns hidden states [T, hidden]; attention metadata
+comes from `models.forward_context`. `compute_logits` runs the LM head only on the rows the
+runner selects. `load_weights` maps HF tensor names onto the fused QKV and gate/up layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from models.attention import Attention
+from models.config import ModelConfig
+from models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.qkv_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias
+        )
+        max_pos = max(cfg.max_position_embeddings, 1)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        t = hidden.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; QKV and gate/up are fused, so HF names are remapped on load."""
+
+    # HF name fragment -> (our fused module fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; returns the HF names used. Unknown names raise."""
+        params = dict(self.named_parameters())
+        loaded_targets: set[tuple[str, object]] = set()
+        used: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, shard = hf_name, None
+            for frag, (fused, shard_id) in self.packed_modules_mapping.items():
+                if f".{frag}." in hf_name:
+                    name, shard = hf_name.replace(f".{frag}.", f".{fused}."), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            try:
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor.to(param.dtype), shard)
+            except ValueError as e:
+                raise ValueError(f"{hf_name}: {e}") from None
+            loaded_targets.add((name, shard))
+            used.add(hf_name)
+        missing = [n for n in self.expected_hf_names() if n not in used]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        return used
+
+    def expected_hf_names(self) -> list[str]:
+        """Every HF tensor name a complete checkpoint of this config must provide."""
+        cfg = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names.append(p + f"self_attn.{proj}.weight")
+                if cfg.qkv_bias:
+                    names.append(p + f"self_attn.{proj}.bias")
+            names.append(p + "self_attn.o_proj.weight")
+            if cfg.o_bias:
+                names.append(p + "self_attn.o_proj.bias")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names.append(p + f"mlp.{proj}.weight")
+                if cfg.mlp_bias:
+                    names.append(p + f"mlp.{proj}.bias")
+        return names

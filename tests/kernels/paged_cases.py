@@ -1,0 +1,102 @@
+"""Builders of random paged-attention batches and a naive oracle, shared by kernel tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+        )
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    table_pad: int = -1,
+    extra_blocks: int = 3,
+    seed: int = 0,
+) -> PagedBatch:
+    """Random batch with shuffled blocks, NaN in every unwritten cache slot and `table_pad` in
+    every block-table entry past a sequence's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    max_blocks = max([*blocks_per_seq, 1]) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    tables = torch.full((len(seq_lens), max_blocks), table_pad, dtype=torch.int32)
+    used = 0
+    for b, (n_blocks, s_len) in enumerate(zip(blocks_per_seq, seq_lens, strict=True)):
+        ids = perm[used : used + n_blocks]
+        used += n_blocks
+        tables[b, :n_blocks] = ids.to(torch.int32)
+        for p in range(s_len):
+            blk, off = int(ids[p // block_size]), p % block_size
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen)
+    return PagedBatch(
+        q=q.to(dtype).to(device),
+        k_cache=k_cache.to(dtype).to(device),
+        v_cache=v_cache.to(dtype).to(device),
+        block_tables=tables.to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:
+    """Token-by-token, head-by-head attention in float64 (the oracle of the reference)."""
+    q = batch.q.double().cpu()
+    k_cache, v_cache = batch.k_cache.double().cpu(), batch.v_cache.double().cpu()
+    tables = batch.block_tables.cpu()
+    qsl = batch.query_start_loc.tolist()
+    lens = batch.seq_lens.tolist()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    for b, seq_len in enumerate(lens):
+        q_len = qsl[b + 1] - qsl[b]
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            if pos < 0:
+                continue
+            keys = torch.arange(pos + 1)
+            blk = tables[b, keys // block_size].long()
+            k = k_cache[blk, keys % block_size]  # [n, Hkv, D]
+            v = v_cache[blk, keys % block_size]
+            for h in range(q.shape[1]):
+                s = k[:, h // group] @ q[qsl[b] + j, h] * batch.scale
+                out[qsl[b] + j, h] = torch.softmax(s, 0) @ v[:, h // group]
+    return out

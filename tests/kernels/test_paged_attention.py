@@ -1,0 +1,183 @@
+"""Paged attention: the torch reference against a naive oracle, the Triton kernel (interpreter
+on CPU, real at Llama sizes on a GPU) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import requires_cuda
+from paged_cases import PagedBatch, make_paged_batch, naive_paged_attention
+
+import kernels.paged_attention as pa
+from kernels import paged_attention
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+
+# (q_lens, seq_lens): decode rows, a padding row (seq_len 0), a fresh prefill, a chunked
+# prefill over a cached prefix, page-crossing lengths.
+MIXED = ([1, 1, 9, 1, 20, 1], [7, 0, 40, 33, 20, 16])
+DECODE = ([1, 1, 1, 1, 1], [5, 0, 48, 17, 33])
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= atol, f"max abs error {err} > {atol}"
+
+
+@pytest.mark.parametrize("case", [MIXED, DECODE, ([3], [3]), ([17, 2], [50, 2])])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)])
+def test_reference_matches_naive(case: tuple[list[int], list[int]], heads: tuple[int, int]) -> None:
+    batch = make_paged_batch(*case, *heads, head_dim=16, block_size=4)
+    out = paged_attention_ref(*batch.args())
+    expected = naive_paged_attention(batch)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_reference_writes_into_out_and_zeros_padding() -> None:
+    batch = make_paged_batch(*DECODE, 4, 2, head_dim=8, block_size=4, table_pad=0)
+    out = torch.full_like(batch.q, 7.0)
+    res = paged_attention_ref(*batch.args(), out=out)
+    assert res is out
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the seq_len 0 row
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), atol=2e-6, rtol=0)
+
+
+def test_dispatcher_uses_reference_on_cpu() -> None:
+    batch = make_paged_batch(*MIXED, 4, 2, head_dim=8, block_size=4)
+    torch.testing.assert_close(paged_attention(*batch.args()), paged_attention_ref(*batch.args()))
+
+
+def _triton_vs_ref(batch: PagedBatch, atol: float, **kwargs: object) -> None:
+    ref = paged_attention_ref(*batch.args())
+    out = paged_attention_triton(*batch.args(), **kwargs)
+    _assert_close(out, ref, atol)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (6, 2)])
+def test_triton_mixed_batch(heads: tuple[int, int]) -> None:
+    batch = make_paged_batch(*MIXED, *heads, head_dim=32, block_size=16)
+    _triton_vs_ref(batch, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
+def test_triton_half_precision(dtype: torch.dtype, atol: float) -> None:
+    batch = make_paged_batch(*MIXED, 8, 2, head_dim=64, block_size=16, dtype=dtype, seed=1)
+    _triton_vs_ref(batch, atol=atol)
+
+
+def test_triton_large_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long queries take the large-tile launch, short ones the small-tile launch."""
+    monkeypatch.setattr(pa, "PREFILL_TILE_MIN_QUERY_LEN", 8)
+    batch = make_paged_batch([1, 40, 5, 12], [30, 70, 5, 12], 8, 2, head_dim=32, seed=2)
+    _triton_vs_ref(batch, atol=2e-5)
+    _triton_vs_ref(batch, atol=2e-5, max_query_len=40)
+
+
+def test_triton_max_query_len_hint_skips_large_launch() -> None:
+    batch = make_paged_batch([3, 1, 6], [10, 22, 6], 4, 2, head_dim=16, seed=3)
+    _triton_vs_ref(batch, atol=2e-5, max_query_len=6)
+
+
+@pytest.mark.parametrize("segments", [2, 8])
+def test_triton_split_kv_decode(segments: int) -> None:
+    """Split-KV mode, including empty segments (short rows) and the padding row."""
+    batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=16, seed=4)
+    _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
+
+
+def test_triton_split_kv_with_multi_token_rows() -> None:
+    """Split mode is general: a T == B batch that is not all decodes stays correct."""
+    batch = make_paged_batch([2, 0, 1], [9, 4, 40], 4, 1, head_dim=16, block_size=8, seed=5)
+    _triton_vs_ref(batch, atol=2e-5, num_segments=4, decode_only=True)
+
+
+def test_triton_odd_head_dim_and_out_views() -> None:
+    """head_dim 40 (padded to 64), q as a strided view of a fused qkv, `out` given."""
+    num_heads, num_kv_heads, head_dim = 6, 2, 40
+    batch = make_paged_batch(*MIXED, num_heads, num_kv_heads, head_dim=head_dim, seed=6)
+    qkv = torch.randn(batch.q.shape[0], (num_heads + 2 * num_kv_heads) * head_dim)
+    q_view = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    q_view.copy_(batch.q)
+    out = torch.full_like(batch.q, float("nan"))
+    args = list(batch.args())
+    args[0] = q_view
+    res = paged_attention_triton(*args, out=out)
+    assert res is out
+    _assert_close(out, paged_attention_ref(*batch.args()), atol=2e-5)
+
+
+def test_triton_padding_rows_only() -> None:
+    """A batch of CUDA-graph padding rows only: zeros, no table dereference."""
+    batch = make_paged_batch([1, 1], [0, 0], 4, 2, head_dim=16, table_pad=-(2**30))
+    out = paged_attention_triton(*batch.args())
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+# ------------------------------------------------------------------ GPU, at Llama sizes
+
+
+def _gpu_case(
+    q_lens: list[int], seq_lens: list[int], num_kv_heads: int, seed: int = 0
+) -> PagedBatch:
+    return make_paged_batch(
+        q_lens, seq_lens, 32, num_kv_heads, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device="cuda", seed=seed, extra_blocks=8,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_kv_heads", [32, 8])
+@pytest.mark.parametrize("batch_size,ctx", [(1, 4000), (7, 1000), (64, 700), (256, 300)])
+def test_gpu_decode(num_kv_heads: int, batch_size: int, ctx: int) -> None:
+    gen = torch.Generator().manual_seed(batch_size)
+    lens = torch.randint(1, ctx + 1, (batch_size,), generator=gen).tolist()
+    lens[0] = ctx
+    if batch_size > 1:
+        lens[-1] = 0  # a padding row
+    batch = _gpu_case([1] * batch_size, lens, num_kv_heads)
+    ref = paged_attention_ref(*batch.args())
+    _assert_close(paged_attention_triton(*batch.args()), ref, atol=2e-2)
+    for segments in (1, 16):
+        out = paged_attention_triton(*batch.args(), num_segments=segments, decode_only=True)
+        _assert_close(out, ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_kv_heads", [32, 8])
+def test_gpu_mixed_and_prefill(num_kv_heads: int) -> None:
+    q_lens = [1, 1, 512, 1, 300, 37, 1, 2000]
+    seq_lens = [900, 0, 512, 3000, 1324, 100, 5, 4000]
+    batch = _gpu_case(q_lens, seq_lens, num_kv_heads, seed=1)
+    ref = paged_attention_ref(*batch.args())
+    _assert_close(paged_attention_triton(*batch.args()), ref, atol=2e-2)
+    _assert_close(paged_attention_triton(*batch.args(), max_query_len=2000), ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fp32_and_cuda_graph_decode() -> None:
+    """fp32 (IEEE dots) matches tightly; a captured decode graph replays with new lengths."""
+    batch = make_paged_batch(
+        [1] * 8, [100, 0, 33, 400, 17, 250, 64, 1], 32, 8, head_dim=128,
+        dtype=torch.float32, device="cuda", seed=2,
+    )  # fmt: skip
+    ref = paged_attention_ref(*batch.args())
+    _assert_close(paged_attention_triton(*batch.args()), ref, atol=1e-4)
+
+    out = torch.empty_like(batch.q)
+    lens = batch.seq_lens.clone()
+    args = list(batch.args())
+    args[5] = lens
+    paged_attention(*args, out=out, decode_only=True)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args, out=out, decode_only=True)
+    lens.copy_(torch.tensor([50, 0, 3, 400, 1, 200, 64, 0], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(out, paged_attention_ref(*args), atol=1e-4)
