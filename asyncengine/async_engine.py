@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -21,14 +22,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from asyncengine.config import EngineArgs
-from asyncengine.engine_stats import device_stats
 from asyncengine.metrics import LatencyWindow, StatLoggerBase
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
-from asyncengine.stats import DeviceStats, EngineStats
+from asyncengine.stats import EngineStats
 
 if TYPE_CHECKING:
     from asyncengine.llm_engine import LLMEngine
@@ -38,9 +36,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # How often the step thread refreshes the stats snapshot while busy (it always refreshes
-# when going idle), and the device readings (NVML/psutil calls are not free).
+# when going idle): snapshots walk the block pool and read the device, so not every step.
 _STATS_INTERVAL_S = 0.05
-_DEVICE_INTERVAL_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -135,6 +132,46 @@ class _RequestState:
     finish_recorded: bool = False
 
 
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator.
+
+    Ends after the finished output; raises the request's error. `close()` (idempotent)
+    forgets the request and aborts it in the engine if it has not finished.
+    """
+
+    __slots__ = ("_ended", "_engine", "_state")
+
+    def __init__(self, engine: AsyncLLMEngine, state: _RequestState) -> None:
+        self._engine = engine
+        self._state = state
+        self._ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        mailbox = self._state.mailbox
+        try:
+            out = mailbox.get_nowait() or await mailbox.get()
+        except BaseException:
+            if self._state.finished:  # the request failed: nothing more will come
+                self._ended = True
+            raise
+        if out.finished:
+            self._ended = True
+        return out
+
+    def close(self) -> None:
+        self._ended = True
+        self._engine._close_stream(self._state)
+
+
 class AsyncLLMEngine:
     """Runs an `LLMEngine` in a background thread and streams outputs to asyncio consumers.
 
@@ -156,12 +193,12 @@ class AsyncLLMEngine:
         self._ttft_window = LatencyWindow()
         self._itl_window = LatencyWindow()
         self._latest_stats = EngineStats(model=self.model_name)
-        self._device_stats = DeviceStats()
         self._dead_error: BaseException | None = None
         self._shutdown = False
         self._num_queued_prompt_tokens = 0
         self._num_queued_requests = 0
         self.max_consecutive_step_errors = 3
+        self._auto_ids = itertools.count()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -182,7 +219,21 @@ class AsyncLLMEngine:
 
     @property
     def model_name(self) -> str:
-        return str(getattr(self.engine.model_config, "model_name", "") or "")
+        e = self.engine
+        return str(getattr(e, "model_name", None) or getattr(e.model_config, "model_name", "")
+                   or "")
+
+    @property
+    def max_model_len(self) -> int:
+        e = self.engine
+        return int(getattr(e, "max_model_len", None)
+                   or getattr(e.model_config, "max_model_len", 0) or 0)
+
+    @property
+    def block_pool(self) -> Any:
+        """The engine's KV block pool (read-only use from the loop: counts, sizes)."""
+        e = self.engine
+        return getattr(e, "pool", None) or e.scheduler.block_pool
 
     @property
     def is_running(self) -> bool:
@@ -221,7 +272,7 @@ class AsyncLLMEngine:
             self._stat_loggers.remove(stat_logger)
 
     # ------------------------------------------------------------------ public API
-    async def generate(
+    def add_request(
         self,
         prompt: str | list[int] | None,
         sampling_params: SamplingParams | None = None,
@@ -229,18 +280,17 @@ class AsyncLLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         num_prompt_tokens: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request.
+    ) -> RequestStream:
+        """Submit a request now and return its stream (what `generate` iterates).
 
-        Raises `ValueError` for an invalid request (duplicate id, empty or too long prompt),
-        `RequestFailedError` when the engine fails this request, `EngineDeadError` when the
-        engine is dead. `num_prompt_tokens`, when the caller already knows it, lets the
-        queue-size accounting include this request's prompt before the engine reports it.
+        Synchronous, so callers can count it against queue limits before they yield; close
+        the stream (`stream.close()`) if you stop before its end, which aborts the request.
+        `num_prompt_tokens`, when known, counts the prompt in the queue accounting at once.
         """
         self._ensure_started()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id is None:
-            request_id = f"req-{time.monotonic_ns()}-{id(params):x}"
+            request_id = f"req-{next(self._auto_ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if num_prompt_tokens is None and prompt_token_ids is not None:
@@ -257,19 +307,38 @@ class AsyncLLMEngine:
         if self.log_requests:
             logger.info("request %s added (%d prompt tokens)", request_id, state.num_prompt_tokens)
         self._submit(("add", request_id, prompt, params, prompt_token_ids, arrival))
+        return RequestStream(self, state)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request.
+
+        Raises `ValueError` for an invalid request (duplicate id, empty or too long prompt),
+        `RequestFailedError` when the engine fails this request, `EngineDeadError` when the
+        engine is dead. Leaving the loop early or cancelling the task aborts the request.
+        """
+        stream = self.add_request(prompt, sampling_params, request_id,
+                                  prompt_token_ids=prompt_token_ids)
         try:
-            while True:
-                out = state.mailbox.get_nowait() or await state.mailbox.get()
+            async for out in stream:
                 yield out
-                if out.finished:
-                    return
         finally:
-            self._forget(state)
-            if not state.finished:
-                # Left early or cancelled: free the request's blocks at once.
-                if self._thread is not None and self._dead_error is None:
-                    self._submit(("abort", [request_id]))
-                self._record_finish(state, "abort", None)
+            stream.close()
+
+    def _close_stream(self, state: _RequestState) -> None:
+        self._forget(state)
+        if not state.finished:
+            # Left early or cancelled: free the request's blocks at once.
+            state.finished = True
+            if self._thread is not None and self._dead_error is None:
+                self._submit(("abort", [state.request_id]))
+            self._record_finish(state, "abort", None)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; their iterators end with a final output, finish_reason "abort"."""
@@ -288,10 +357,9 @@ class AsyncLLMEngine:
             self._record_finish(state, "abort", None)
 
     def stats(self) -> EngineStats:
-        """The latest engine snapshot, with the device part and recent TTFT/ITL filled in."""
+        """The latest engine snapshot (taken by the step thread at most every 50 ms and when
+        it goes idle), with the device part; TTFT/ITL fall back to what the loop measured."""
         snap = msgspec_copy(self._latest_stats)
-        if not snap.device.name:  # the engine did not fill it: use the step thread's reading
-            snap.device = self._device_stats
         if snap.ttft.count == 0:
             snap.ttft = self._ttft_window.summary()
         if snap.itl.count == 0:
@@ -323,6 +391,8 @@ class AsyncLLMEngine:
         self._shutdown = True
         thread = self._thread
         if thread is not None:
+            if self._requests and self._dead_error is None:
+                self._submit(("abort", list(self._requests)))
             self._submit(("stop",))
             await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
             if thread.is_alive():
@@ -367,7 +437,6 @@ class AsyncLLMEngine:
         outputs: list[RequestOutput],
         failures: dict[str, BaseException],
         stats: EngineStats | None,
-        device: DeviceStats | None,
     ) -> None:
         """Runs on the loop: one call per step. Never blocks."""
         now = time.monotonic()
@@ -388,8 +457,6 @@ class AsyncLLMEngine:
             state = self._requests.get(rid)
             if state is not None and not state.finished:
                 self._fail(state, exc)
-        if device is not None:
-            self._device_stats = device
         if stats is not None:
             self._latest_stats = stats
             for sl in self._stat_loggers:
@@ -472,10 +539,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         next_stats = 0.0
-        next_device = 0.0
         was_busy = True  # publish one snapshot at start
         consecutive_errors = 0
-        device = _engine_device(engine)
         try:
             while True:
                 self._wakeup.clear()
@@ -502,16 +567,12 @@ class AsyncLLMEngine:
                     busy = engine.has_unfinished_requests()
                 now = time.monotonic()
                 stats = None
-                dev = None
                 if now >= next_stats or (was_busy and not busy) or stop:
                     stats = engine.get_stats()
                     next_stats = now + _STATS_INTERVAL_S
-                    if now >= next_device:
-                        dev = device_stats(device.type, device.index or 0)
-                        next_device = now + _DEVICE_INTERVAL_S
                 was_busy = busy
                 if (outputs or failures or stats is not None) and not self._hand_off(
-                    self._dispatch, outputs, failures, stats, dev
+                    self._dispatch, outputs, failures, stats
                 ):
                     return
                 if stop:
@@ -549,14 +610,6 @@ class AsyncLLMEngine:
                     self._hand_off(_settle, fut, result, None)
             elif kind == "stop":
                 return True
-
-
-def _engine_device(engine: Any) -> torch.device:
-    for owner in (engine, getattr(engine, "model_runner", None)):
-        dev = getattr(owner, "device", None)
-        if dev is not None:
-            return torch.device(dev)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -34,7 +34,12 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from asyncengine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from asyncengine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
 from asyncengine.metrics import PrometheusStatLogger
 from frontends import protocol as p
 
@@ -94,6 +99,15 @@ class _InFlight:
     task: asyncio.Task[None] | None
     prompt_tokens: int
     completion_tokens: int = 0
+    stream: RequestStream | None = None
+
+    def stop(self) -> None:
+        """Cancel the streaming task and abort the engine request (idempotent)."""
+        if self.task is not None:
+            self.task.cancel()
+        if self.stream is not None:
+            # A task cancelled before it first ran never reaches its `finally`.
+            self.stream.close()
 
 
 class _Connection:
@@ -208,8 +222,9 @@ class EngineServer:
         if tasks:
             logger.info("draining %d in-flight request(s) (timeout %.1fs)", len(tasks), timeout)
             _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                task.cancel()
+            for slot in [r for c in self._connections for r in c.requests.values()]:
+                if slot.task in pending:
+                    slot.stop()
             if pending:
                 logger.warning("cancelled %d request(s) still running after drain timeout",
                                len(pending))
@@ -284,11 +299,14 @@ class EngineServer:
             # Either side ending (client gone, send failed) ends the connection.
             await asyncio.wait([reader, writer], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            tasks = [r.task for r in conn.requests.values() if r.task is not None]
+            slots = list(conn.requests.values())
+            tasks = [r.task for r in slots if r.task is not None]
             if conn.stats_task is not None:
                 tasks.append(conn.stats_task)
             for t in (reader, writer, *tasks):
                 t.cancel()
+            for slot in slots:
+                slot.stop()
             # Cancelling a request task aborts it in the engine (its blocks are freed).
             await asyncio.gather(reader, writer, *tasks, return_exceptions=True)
             self._connections.discard(conn)
@@ -358,7 +376,11 @@ class EngineServer:
         slot.prompt_tokens = len(prompt_ids)
         if self.config.log_prompts:
             logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
-        slot.task = asyncio.create_task(self._stream(conn, rid, slot, prompt_ids, params))
+        # Synchronous from the queue check to here, so the queue limits hold exactly.
+        # Engine ids are per connection so two clients may use the same request_id.
+        slot.stream = engine.add_request(None, params, f"c{conn.id}:{rid}",
+                                         prompt_token_ids=prompt_ids)
+        slot.task = asyncio.create_task(self._stream(conn, rid, slot, slot.stream))
 
     async def _tokenize(self, msg: p.Generate) -> list[int]:
         engine = self.engine
@@ -379,8 +401,8 @@ class EngineServer:
                                              engine.engine.apply_chat_template, messages)
             else:
                 assert msg.prompt is not None
-                ids = await _maybe_in_thread(len(msg.prompt), encode_prompt,
-                                             engine.tokenizer, msg.prompt)
+                ids = await _maybe_in_thread(len(msg.prompt), engine.engine.tokenize,
+                                             msg.prompt)
         except ValueError as exc:
             raise _Reject(p.INVALID_REQUEST, str(exc)) from exc
         if not ids:
@@ -388,7 +410,7 @@ class EngineServer:
         return list(ids)
 
     def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        max_len = int(getattr(self.engine.model_config, "max_model_len", 0) or 0)
+        max_len = self.engine.max_model_len
         if max_len and num_prompt + max_tokens > max_len:
             raise _Reject(p.PROMPT_TOO_LONG, f"prompt ({num_prompt} tokens) + max_tokens "
                           f"({max_tokens}) exceeds max_model_len ({max_len})")
@@ -399,22 +421,18 @@ class EngineServer:
                           f"blocks of {block_size} tokens)")
 
     async def _stream(self, conn: _Connection, rid: str, slot: _InFlight,
-                      prompt_ids: list[int], params: Any) -> None:
+                      stream: RequestStream) -> None:
         """Run one request: deltas, then done (or an error)."""
         finish_reason = "abort"
         try:
-            # Engine ids are per connection so two clients may use the same request_id.
-            gen = self.engine.generate(None, params, f"c{conn.id}:{rid}",
-                                       prompt_token_ids=prompt_ids)
-            async with contextlib.aclosing(gen):
-                async for out in gen:
-                    comp = out.outputs[0]
-                    if comp.token_ids or comp.text:
-                        slot.completion_tokens += len(comp.token_ids)
-                        await conn.send(p.Delta(request_id=rid, text=comp.text,
-                                                token_ids=comp.token_ids))
-                    if out.finished:
-                        finish_reason = comp.finish_reason or "stop"
+            async for out in stream:
+                comp = out.outputs[0]
+                if comp.token_ids or comp.text:
+                    slot.completion_tokens += len(comp.token_ids)
+                    await conn.send(p.Delta(request_id=rid, text=comp.text,
+                                            token_ids=comp.token_ids))
+                if out.finished:
+                    finish_reason = comp.finish_reason or "stop"
             await conn.send(p.Done(request_id=rid, finish_reason=finish_reason,
                                    usage=p.Usage(prompt_tokens=slot.prompt_tokens,
                                                  completion_tokens=slot.completion_tokens)))
@@ -425,6 +443,7 @@ class EngineServer:
         except (RequestFailedError, EngineDeadError) as exc:
             await conn.send(p.Error(code=p.ENGINE_ERROR, message=str(exc), request_id=rid))
         finally:
+            stream.close()
             if conn.requests.get(rid) is slot:
                 del conn.requests[rid]
 
@@ -434,7 +453,7 @@ class EngineServer:
             await conn.send(p.Error(code=p.NOT_FOUND, request_id=rid,
                                     message=f"no request {rid!r} in flight on this connection"))
             return
-        slot.task.cancel()
+        slot.stop()
         await asyncio.wait([slot.task])
         await conn.send(p.Done(request_id=rid, finish_reason="abort",
                                usage=p.Usage(prompt_tokens=slot.prompt_tokens,
@@ -449,11 +468,6 @@ class EngineServer:
             await asyncio.sleep(max(0.0, next_at - loop.time()))
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of a text prompt, as the engine would tokenize it."""
-    return list(tokenizer.encode(prompt))
-
-
 async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
     if size > _TOKENIZE_INLINE_CHARS:
         return await asyncio.to_thread(fn, *args)
@@ -461,15 +475,9 @@ async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
 
 
 def _kv_capacity(engine: AsyncLLMEngine) -> tuple[int, int]:
-    """(number of KV blocks, block size), or (0, 0) when not known yet."""
-    pool = getattr(getattr(engine.engine, "scheduler", None), "block_pool", None)
-    num_blocks = int(getattr(pool, "num_blocks", 0) or 0)
-    block_size = int(getattr(pool, "block_size", 0) or 0)
-    if not block_size:
-        stats = engine.stats()
-        block_size = stats.kv_block_size
-        num_blocks = num_blocks or stats.kv_blocks_total
-    return num_blocks, block_size or 16
+    """(number of KV blocks, block size) of the engine's pool."""
+    pool = engine.block_pool
+    return int(pool.num_blocks), int(pool.block_size)
 
 
 def _is_length_error(message: str) -> bool:

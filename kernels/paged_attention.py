@@ -555,4 +555,3 @@ def paged_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
         max_query_len=max_query_len, decode_only=decode_only,
     )  # fmt: skip
-

@@ -81,10 +81,40 @@ def _rotary_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=dmask, other=0.0)
     cos = cos.to(dt).to(tl.float32)
     sin = sin.to(dt).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh,
-                  cos, sin, NUM_Q_HEADS, HEAD_DIM, HALF, HQ_PAD, HALF_PAD, REST_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh,
-                  cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, HKV_PAD, HALF_PAD, REST_PAD)
+    _rotate_heads(
+        q_ptr,
+        q_out_ptr,
+        token,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        cos,
+        sin,
+        NUM_Q_HEADS,
+        HEAD_DIM,
+        HALF,
+        HQ_PAD,
+        HALF_PAD,
+        REST_PAD,
+    )
+    _rotate_heads(
+        k_ptr,
+        k_out_ptr,
+        token,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        cos,
+        sin,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HALF,
+        HKV_PAD,
+        HALF_PAD,
+        REST_PAD,
+    )
 
 
 def apply_rotary_emb_triton(

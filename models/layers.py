@@ -27,6 +27,15 @@ def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
         )
 
 
+def _check_full_shape(name: str, loaded: torch.Tensor, full: tuple[int, ...]) -> None:
+    """Check an unsharded checkpoint tensor before slicing this rank's part out of it."""
+    if tuple(loaded.shape) != full[: loaded.dim()] or loaded.dim() > len(full):
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint has {tuple(loaded.shape)}, "
+            f"the model expects {full[: loaded.dim()]}"
+        )
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with this rank's shard of W; subclasses define the sharding."""
 
@@ -62,8 +71,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         size = param.shape[0]
+        _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, self.in_features))
         shard = loaded.narrow(0, self.tp_rank * size, size)
-        _check_shape("column-parallel weight", param, shard)
         param.data.copy_(shard)
 
 
@@ -77,6 +86,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _check_full_shape(f"merged shard {shard_id}", loaded,
+                          (self.output_sizes[shard_id], self.in_features))
         shard = loaded.narrow(0, self.tp_rank * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"merged shard {shard_id}", target, shard)
@@ -92,6 +103,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp)
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         if num_kv_heads >= tp:
             self.num_kv_heads = divide(num_kv_heads, tp)
             self.kv_replicas = 1
@@ -108,6 +120,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        _check_full_shape(f"{shard_id}_proj", loaded, (heads * self.head_dim, self.in_features))
         shard = loaded.narrow(0, rank * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"{shard_id}_proj", target, shard)
@@ -127,6 +141,7 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(loaded)
             return
         size = param.shape[1]
+        _check_full_shape("row-parallel weight", loaded, (self.out_features, size * self.tp_size))
         shard = loaded.narrow(1, self.tp_rank * size, size)
         _check_shape("row-parallel weight", param, shard)
         param.data.copy_(shard)

@@ -65,9 +65,12 @@ def local_fonts(svg: str, font: str) -> str:
 
     The SVG names Fira Code and fetches it from a CDN, which a browser does but offline
     converters can't; their fallback font may not be monospace, and the box-drawing
-    characters then drift out of their cells.
+    characters then drift out of their cells. The font is also scaled a little so that its
+    advance (0.602 em in the DejaVu/Menlo family) fills the 0.61 em cell the SVG assumes;
+    otherwise long runs of block characters fall short and leave gaps.
     """
-    return svg.replace("font-family: Fira Code, monospace;", f'font-family: "{font}", monospace;')
+    svg = svg.replace("font-family: Fira Code, monospace;", f'font-family: "{font}", monospace;')
+    return svg.replace("font-size: 20px;", "font-size: 20.27px;", 1)
 
 
 def to_png(svg_path: Path, png_path: Path, scale: float, font: str) -> str | None:
@@ -94,20 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="server WebSocket URL; omit to use the demo engine")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds per snapshot")
-    parser.add_argument("--snapshots", type=int, default=30,
-                        help="live: snapshots to collect before the screenshot")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="live: give up after this many seconds")
-    parser.add_argument("--frames", type=int, default=97, help="demo: snapshots to play")
+    parser.add_argument(
+        "--snapshots", type=int, default=30, help="live: snapshots to collect before the screenshot"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="live: give up after this many seconds"
+    )
+    parser.add_argument("--frames", type=int, default=96, help="demo: snapshots to play")
     parser.add_argument("--seed", type=int, default=0, help="demo: random seed")
     parser.add_argument("--size", default="120x40", help="terminal size, WIDTHxHEIGHT")
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.svg")
-    parser.add_argument("--png", type=Path, default=None,
-                        help="PNG path (default: next to --out)")
+    parser.add_argument("--png", type=Path, default=None, help="PNG path (default: next to --out)")
     parser.add_argument("--scale", type=float, default=1.5, help="PNG scale factor")
-    parser.add_argument("--font", default="DejaVu Sans Mono",
-                        help="installed monospace font for the PNG")
+    parser.add_argument(
+        "--font", default="DejaVu Sans Mono", help="installed monospace font for the PNG"
+    )
     args = parser.parse_args(argv)
 
     svg = asyncio.run(screenshot(args))

@@ -10,12 +10,13 @@ the history, `q` quits.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import msgspec
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
-from textual.binding import Binding
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -100,12 +101,13 @@ class MonitorApp(App[None]):
     """Live view of an asyncengine server's queue, KV cache, throughput and device."""
 
     CSS_PATH = "dashboard.tcss"
+    ENABLE_COMMAND_PALETTE = False
     TITLE = "asyncengine monitor"
-    BINDINGS = [
-        Binding("p", "pause", "Pause"),
-        Binding("p", "resume", "Resume"),
-        Binding("r", "reset", "Reset history"),
-        Binding("q", "quit", "Quit"),
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("p", "pause", "Pause"),
+        ("p", "resume", "Resume"),
+        ("r", "reset", "Reset history"),
+        ("q", "quit", "Quit"),
     ]
 
     stats: reactive[EngineStats | None] = reactive(None, always_update=True)
@@ -197,8 +199,6 @@ class MonitorApp(App[None]):
         for panel in self.query(Panel):
             panel.show(stats, self.history)
         self.query_one(ConnectionStatus).model = stats.model
-        if stats.model:
-            self.sub_title = stats.model
 
     def watch_connection(self, state: ConnectionState) -> None:
         self.query_one(ConnectionStatus).state = state

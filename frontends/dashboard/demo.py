@@ -53,7 +53,7 @@ class DemoEngine:
         self,
         *,
         seed: int = 0,
-        num_blocks: int = 2560,
+        num_blocks: int = 912,
         block_size: int = 16,
         device: DeviceStats | None = None,
         model: str = "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -74,7 +74,7 @@ class DemoEngine:
         self.cached: OrderedDict[int, None] = OrderedDict()  # LRU of free blocks with a hash
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         # System prompts that many requests start with (their blocks are shared).
-        self.prefixes = [self._take(n) for n in (12, 5, 24)]
+        self.prefixes = [self._take(n) for n in (6, 3, 12)]
         self.prefix_weights = (0.45, 0.2, 0.1)
         self.requests: list[_Request] = []
         self.next_id = 0
@@ -125,8 +125,8 @@ class DemoEngine:
             shared_tokens = len(self.prefixes[prefix]) * self.block_size if prefix >= 0 else 0
             req = _Request(
                 request_id=f"chat-{self.rng.getrandbits(24):06x}",
-                prompt_tokens=self.rng.randint(40, 1200) + shared_tokens,
-                max_tokens=self.rng.randint(64, 900),
+                prompt_tokens=self.rng.randint(20, 420) + shared_tokens,
+                max_tokens=self.rng.randint(48, 640),
                 arrival=self.time,
                 prefix=prefix,
             )
@@ -145,7 +145,7 @@ class DemoEngine:
         for req in self.requests:
             if running >= self.max_running:
                 return
-            if req.state == "swapped" and self._available() > len(req.blocks) + 4:
+            if req.state == "swapped" and self._available() > len(req.blocks) + 48:
                 req.blocks = self._take(len(req.blocks))
                 req.state = "running"
                 self.swaps_in += 1
@@ -215,7 +215,7 @@ class DemoEngine:
         """Advance `dt` seconds at `load` arrivals per second and return the snapshot."""
         self.time += dt
         if load is None:
-            load = 2.9 + 2.6 * math.sin(self.time / 11.0) + self.rng.random()
+            load = 2.7 + 2.4 * math.sin(self.time / 11.0) + self.rng.random()
         self._arrive(load)
         self._admit()
         prompt, gen = self._decode(dt)
@@ -244,9 +244,9 @@ class DemoEngine:
             memory_used_bytes=int(min(self.device.memory_total_bytes, (96.0 + kv_gib) * GiB))
             if self.device.kind == "cuda"
             else self.device.memory_used_bytes,
-            utilization_percent=min(100.0, 35.0 + 2.6 * busy + 4 * self.rng.random()),
-            power_watts=180.0 + 21.0 * busy if self.device.kind == "cuda" else None,
-            temperature_c=41.0 + 0.9 * busy if self.device.kind == "cuda" else None,
+            utilization_percent=min(100.0, 30.0 + 1.4 * busy + 4 * self.rng.random()),
+            power_watts=min(700.0, 160.0 + 11.0 * busy) if self.device.kind == "cuda" else None,
+            temperature_c=38.0 + 0.6 * busy if self.device.kind == "cuda" else None,
         )
         return EngineStats(
             timestamp=self.time,

@@ -61,7 +61,10 @@ class ThroughputPanel(Panel):
 
     def compose(self) -> ComposeResult:
         with Horizontal():
-            for name, caption in (("prompt", "prompt tokens/s"), ("generation", "generation tokens/s")):
+            for name, caption in (
+                ("prompt", "prompt tokens/s"),
+                ("generation", "generation tokens/s"),
+            ):
                 with Vertical(classes="rate", id=f"{name}-rate"):
                     yield Label(caption, classes="caption")
                     yield Digits("0", id=f"{name}-digits")
@@ -69,17 +72,26 @@ class ThroughputPanel(Panel):
                     yield Label("", id=f"{name}-total", classes="caption")
 
     def show(self, stats: EngineStats, history: StatsHistory) -> None:
-        for name, rate, total, series, noun in (
-            ("prompt", stats.prompt_tokens_per_s, stats.prompt_tokens_total, "prompt_tps",
-             "prompt tokens"),
-            ("generation", stats.generation_tokens_per_s, stats.generation_tokens_total,
-             "generation_tps", "tokens generated"),
+        for name, rate, total, series in (
+            ("prompt", stats.prompt_tokens_per_s, stats.prompt_tokens_total, "prompt_tps"),
+            (
+                "generation",
+                stats.generation_tokens_per_s,
+                stats.generation_tokens_total,
+                "generation_tps",
+            ),
         ):
             self.query_one(f"#{name}-digits", Digits).update(fmt_rate(rate))
             spark = self.query_one(f"#{name}-spark", HistorySparkline)
             spark.floor = 50.0
             spark.data = history[series]
-            self.query_one(f"#{name}-total", Label).update(f"{fmt_compact(total)} {noun}")
+            peak = max(history[series], default=0.0)
+            caption = Text(no_wrap=True, overflow="ellipsis")
+            caption.append("total ", style="dim")
+            caption.append(fmt_compact(total), style="bold")
+            caption.append("  peak ", style="dim")
+            caption.append(fmt_compact(peak), style="bold")
+            self.query_one(f"#{name}-total", Label).update(caption)
 
 
 class QueuePanel(Panel):
@@ -131,17 +143,17 @@ class DevicePanel(Panel):
         self.query_one("#device-name", Label).update(name)
 
         memory = self.query_one("#device-memory", Meter)
-        memory.label = "GPU memory" if gpu else "RAM"
+        memory.label = "memory" if gpu else "RAM"
         if device.memory_total_bytes:
             memory.fraction = device.memory_used_bytes / device.memory_total_bytes
             memory.value_text = (
-                f"{fmt_gib(device.memory_used_bytes)} / {fmt_gib(device.memory_total_bytes)} GiB"
+                f"{fmt_gib(device.memory_used_bytes)}/{fmt_gib(device.memory_total_bytes)} GiB"
             )
         else:
             memory.fraction, memory.value_text = None, ""
 
         util = self.query_one("#device-util", Meter)
-        util.label = "GPU utilisation" if gpu else "CPU load"
+        util.label = "utilisation" if gpu else "CPU load"
         if device.utilization_percent is None:
             util.fraction, util.value_text = None, ""
         else:
@@ -169,6 +181,20 @@ class KVCachePanel(Panel):
         yield BlockMap(id="kv-map")
         yield Label("", id="kv-events")
 
+    def on_mount(self) -> None:
+        super().on_mount()
+        self._pool = (0, 16)  # (blocks, tokens per block) of the last snapshot
+        self.watch(self.query_one(BlockMap), "blocks_per_cell", self._update_subtitle)
+
+    def _update_subtitle(self) -> None:
+        total, block_size = self._pool
+        if not total:
+            self.border_subtitle = ""
+            return
+        per_cell = self.query_one(BlockMap).blocks_per_cell
+        scale = "1 block" if per_cell == 1 else f"{per_cell} blocks"
+        self.border_subtitle = f"{fmt_count(total)} blocks × {block_size} tokens · ▀ = {scale}"
+
     def show(self, stats: EngineStats, history: StatsHistory) -> None:
         total = stats.kv_blocks_total
         block_map = stats.kv_block_map
@@ -195,13 +221,9 @@ class KVCachePanel(Panel):
                 ]
             )
         )
-        block_view = self.query_one("#kv-map", BlockMap)
-        block_view.block_map = block_map
-        per_cell = block_view.blocks_per_cell
-        scale = "1 block" if per_cell == 1 else f"{per_cell} blocks"
-        self.border_subtitle = (
-            f"{fmt_count(total)} blocks × {stats.kv_block_size} tokens · ▀ = {scale}"
-        )
+        self.query_one("#kv-map", BlockMap).block_map = block_map
+        self._pool = (total, stats.kv_block_size)
+        self._update_subtitle()
 
         events = Text(no_wrap=True, overflow="ellipsis")
         events.append("prefix hits ", style="dim")
@@ -213,8 +235,9 @@ class KVCachePanel(Panel):
         events.append("   preemptions ", style="dim")
         events.append(fmt_count(stats.num_preemptions), style="bold")
         events.append("   swaps out/in ", style="dim")
-        events.append(f"{fmt_count(stats.num_swaps_out)}/{fmt_count(stats.num_swaps_in)}",
-                      style="bold")
+        events.append(
+            f"{fmt_count(stats.num_swaps_out)}/{fmt_count(stats.num_swaps_in)}", style="bold"
+        )
         self.query_one("#kv-events", Label).update(events)
 
 
@@ -224,14 +247,12 @@ def latency_table(ttft: LatencySummary, itl: LatencySummary) -> Table:
     table.add_column("", style="bold", no_wrap=True)
     for heading in ("p50", "p90", "p99"):
         table.add_column(heading, justify="right", header_style="dim", no_wrap=True)
-    table.add_column("n", justify="right", header_style="dim", style="dim", no_wrap=True)
     for name, summary in (("TTFT", ttft), ("ITL", itl)):
         table.add_row(
             name,
             fmt_latency(summary.p50, summary.count),
             fmt_latency(summary.p90, summary.count),
             Text(fmt_latency(summary.p99, summary.count), style="#d29922"),
-            fmt_compact(summary.count),
         )
     return table
 
@@ -243,12 +264,19 @@ class LatencyPanel(Panel):
 
     def compose(self) -> ComposeResult:
         yield Static(latency_table(LatencySummary(), LatencySummary()), id="latency-table")
-        yield Label("", id="latency-kv", classes="caption")
+        yield Label("", id="latency-counts", classes="caption")
         yield Meter("KV cache usage", id="kv-usage")
         yield HistorySparkline(id="kv-usage-spark")
 
     def show(self, stats: EngineStats, history: StatsHistory) -> None:
         self.query_one("#latency-table", Static).update(latency_table(stats.ttft, stats.itl))
+        counts = Text(no_wrap=True, overflow="ellipsis")
+        counts.append("over ", style="dim")
+        counts.append(fmt_compact(stats.ttft.count), style="bold")
+        counts.append(" requests, ", style="dim")
+        counts.append(fmt_compact(stats.itl.count), style="bold")
+        counts.append(" tokens", style="dim")
+        self.query_one("#latency-counts", Label).update(counts)
         total = stats.kv_blocks_total
         usage = self.query_one("#kv-usage", Meter)
         usage.fraction = stats.kv_blocks_used / total if total else None
@@ -275,9 +303,11 @@ class RequestTable(DataTable[Text | str]):
         self._shown: dict[str, tuple[Text | str, ...]] = {}
 
     def on_mount(self) -> None:
-        widths = {"request": 24, "state": 9}
+        widths = {"request": 30, "state": 10}
         for label, key in self.COLUMNS:
-            self.add_column(label, key=key, width=widths.get(key, 10))
+            numeric = key not in widths
+            header = Text(label, justify="right" if numeric else "left")
+            self.add_column(header, key=key, width=widths.get(key, 13))
 
     @staticmethod
     def cells(request: RequestStats) -> tuple[Text | str, ...]:
@@ -288,8 +318,9 @@ class RequestTable(DataTable[Text | str]):
             Text(request.state, style=STATE_STYLES.get(request.state, "")),
             Text(fmt_count(request.prompt_tokens), justify=right),
             Text(fmt_count(request.generated_tokens), justify=right),
-            Text(f"{request.tokens_per_s:.1f}" if request.state == "running" else "—",
-                 justify=right),
+            Text(
+                f"{request.tokens_per_s:.1f}" if request.state == "running" else "—", justify=right
+            ),
             Text(fmt_age(request.age_s), justify=right),
         )
 

@@ -220,7 +220,9 @@ class Meter(Widget):
             filled = round(fraction * width)
             bar.append("━" * filled, style=level_color(fraction))
             bar.append("━" * (width - filled), style="#2d333b")
-        return Text("\n").join([head, bar])
+        lines = Text("\n").join([head, bar])
+        lines.no_wrap = True
+        return lines
 
 
 class BlockMap(Widget):
@@ -233,12 +235,19 @@ class BlockMap(Widget):
     """
 
     block_map: reactive[str] = reactive("")
+    blocks_per_cell: reactive[int] = reactive(1)
+    """How many blocks one half-cell stands for at the current size (kept up to date)."""
 
-    @property
-    def blocks_per_cell(self) -> int:
-        """How many blocks one half-cell stands for at the current size."""
+    def _update_scale(self) -> None:
         capacity = self.size.width * self.size.height * 2
-        return max(1, math.ceil(len(self.block_map) / capacity)) if capacity else 1
+        if capacity:
+            self.blocks_per_cell = max(1, math.ceil(len(self.block_map) / capacity))
+
+    def watch_block_map(self) -> None:
+        self._update_scale()
+
+    def on_resize(self) -> None:
+        self._update_scale()
 
     def render(self) -> RenderResult:
         width, height = self.size.width, self.size.height

@@ -1,157 +1,100 @@
-"""Fixtures for the frontend tests: engines, servers on port 0, and a time unit."""
+"""Fixtures for the frontend tests: the tiny model behind an async engine and a server on
+port 0. Every timeout is a multiple of `UNIT`; every test ends with the KV pool checked."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncengine.async_engine import AsyncLLMEngine
-from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
-from asyncengine.stats import EngineStats
-from frontends.server import ServerConfig, serve_engine
+from asyncengine.config import EngineArgs
+from asyncengine.llm_engine import LLMEngine
+from asyncengine.outputs import CompletionOutput
+from asyncengine.sampling_params import SamplingParams
+from frontends.server import EngineServer, ServerConfig, serve_engine
 
-UNIT = 1.0  # seconds; every timeout in these tests is a multiple of it
+UNIT = 1.0  # seconds
 
-
-class _Tok:
-    eos_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return [1 + (ord(c) % 200) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(96 + (i % 26)) for i in ids)
+ENGINE_ARGS: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
+    max_num_seqs=64, enforce_eager=True, seed=0,
+)
 
 
-@dataclasses.dataclass
-class _Cfg:
-    max_model_len: int = 128
-    model_name: str = "fake"
-    vocab_size: int = 256
+def engine_args(model_dir: Path, **overrides: Any) -> EngineArgs:
+    return EngineArgs(model=str(model_dir), **{**ENGINE_ARGS, **overrides})
 
 
-class _Pool:
-    def __init__(self, n: int, bs: int) -> None:
-        self.num_blocks = n
-        self.block_size = bs
-        self.num_free_blocks = n
+@functools.cache
+def _offline_llm(model_dir: str) -> Any:
+    from asyncengine.llm import LLM
+
+    return LLM(model_dir, **ENGINE_ARGS)
 
 
-class _Sched:
-    def __init__(self) -> None:
-        self.block_pool = _Pool(64, 4)
+def offline_greedy(model_dir: Path, prompts: list[str], max_tokens: int,
+                   **params: Any) -> list[Any]:
+    """The offline engine's greedy outputs (the oracle for streamed results)."""
+    llm = _offline_llm(str(model_dir))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [_Expected(o.prompt_token_ids, o.outputs[0]) for o in outs]
 
 
-@dataclasses.dataclass
-class _Req:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    out: list[int] = dataclasses.field(default_factory=list)
-    blocks: int = 0
-    sent: int = 0
+class _Expected:
+    def __init__(self, prompt_token_ids: list[int], c: CompletionOutput) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.text = c.text
+        self.token_ids = c.token_ids
+        self.finish_reason = c.finish_reason
 
 
-class FakeLLMEngine:
-    """Deterministic stand-in: token i+1 follows token i; each request holds blocks."""
+async def all_blocks_free(engine: AsyncLLMEngine, timeout: float = 10 * UNIT) -> None:
+    """Wait until the engine is idle, then assert the pool is whole and entirely free."""
 
-    def __init__(self, step_time: float = 0.001) -> None:
-        self.tokenizer = _Tok()
-        self.model_config = _Cfg()
-        self.scheduler = _Sched()
-        self.step_time = step_time
-        self.reqs: dict[str, _Req] = {}
-        self.fail_next_step = False
+    def idle(e: LLMEngine) -> bool:
+        return not e.has_unfinished_requests()
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
-                    *, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        if request_id in self.reqs:
-            raise ValueError("duplicate")
-        ids = prompt_token_ids or self.tokenizer.encode(prompt)
-        params = params or SamplingParams()
-        if len(ids) + (params.max_tokens or 0) > self.model_config.max_model_len:
-            raise ValueError("exceeds max_model_len")
-        pool = self.scheduler.block_pool
-        need = -(-(len(ids) + (params.max_tokens or 0)) // pool.block_size)
-        if need > pool.num_free_blocks:
-            raise ValueError("not enough KV blocks")
-        pool.num_free_blocks -= need
-        self.reqs[request_id] = _Req(request_id, list(ids), params, blocks=need)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await engine.run_in_engine_thread(idle):
+        assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
+        await asyncio.sleep(0.02)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
+    def check(e: LLMEngine) -> tuple[int, int]:
+        e.check_integrity()
+        return e.pool.num_free_blocks, e.pool.num_blocks
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            self._free(rid)
-
-    def _free(self, rid: str) -> None:
-        r = self.reqs.pop(rid, None)
-        if r is not None:
-            self.scheduler.block_pool.num_free_blocks += r.blocks
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(self.step_time)
-        if self.fail_next_step:
-            self.fail_next_step = False
-            ids = list(self.reqs)
-            for rid in ids:
-                self._free(rid)
-            exc = RuntimeError("boom")
-            exc.request_ids = ids  # type: ignore[attr-defined]
-            raise exc
-        outs = []
-        for r in list(self.reqs.values()):
-            last = (r.out or r.prompt)[-1]
-            r.out.append((last + 1) % self.model_config.vocab_size)
-            done = len(r.out) >= (r.params.max_tokens or 16)
-            kind = r.params.output_kind
-            if kind == RequestOutputKind.FINAL_ONLY and not done:
-                continue
-            ids = r.out[r.sent:] if kind == RequestOutputKind.DELTA else list(r.out)
-            r.sent = len(r.out)
-            outs.append(RequestOutput(r.rid, None, r.prompt, [CompletionOutput(
-                0, self.tokenizer.decode(ids), ids, "length" if done else None)], done))
-            if done:
-                self._free(r.rid)
-        return outs
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.reqs)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.reqs)
-
-    def get_stats(self) -> EngineStats:
-        pool = self.scheduler.block_pool
-        return EngineStats(timestamp=time.time(), num_running=len(self.reqs),
-                           kv_blocks_total=pool.num_blocks, kv_block_size=pool.block_size,
-                           kv_blocks_used=pool.num_blocks - pool.num_free_blocks, model="fake")
-
-    def check_integrity(self) -> None:
-        pool = self.scheduler.block_pool
-        assert pool.num_free_blocks + sum(r.blocks for r in self.reqs.values()) == pool.num_blocks
+    free, total = await engine.run_in_engine_thread(check)
+    assert free == total
 
 
 @pytest.fixture
-def unit() -> float:
-    return UNIT
+def model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[AsyncLLMEngine]:
-    eng = AsyncLLMEngine(FakeLLMEngine())  # type: ignore[arg-type]
+def llm_engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine.from_engine_args(engine_args(model_dir))
+
+
+@pytest.fixture
+async def engine(llm_engine: LLMEngine) -> AsyncIterator[AsyncLLMEngine]:
+    eng = AsyncLLMEngine(llm_engine)
     yield eng
+    healthy = not eng.errored
     await eng.shutdown()
+    if healthy:  # no test may leak blocks
+        llm_engine.check_integrity()
+        assert llm_engine.pool.num_free_blocks == llm_engine.pool.num_blocks
 
 
 @pytest.fixture
-async def server(engine: AsyncLLMEngine) -> AsyncIterator[Any]:
+async def server(engine: AsyncLLMEngine) -> AsyncIterator[EngineServer]:
     async with serve_engine(engine, ServerConfig(port=0)) as srv:
         yield srv

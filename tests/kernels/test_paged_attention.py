@@ -3,14 +3,22 @@ on CPU, real at Llama sizes on a GPU) against the reference."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-from conftest import requires_cuda
-from paged_cases import PagedBatch, make_paged_batch, naive_paged_attention
 
-import kernels.paged_attention as pa
 from kernels import paged_attention
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from tests.kernels.kernel_cases import (
+    PagedBatch,
+    make_paged_batch,
+    naive_paged_attention,
+    requires_cuda,
+)
+
+# The submodule, not the function `kernels.paged_attention` re-exported by the package.
+pa = importlib.import_module("kernels.paged_attention")
 
 # (q_lens, seq_lens): decode rows, a padding row (seq_len 0), a fresh prefill, a chunked
 # prefill over a cached prefix, page-crossing lengths.

@@ -1,10 +1,14 @@
-"""Builders of random paged-attention batches and a naive oracle, shared by kernel tests."""
+"""Shared helpers of the kernel tests: the GPU skip mark, random paged-attention batches and a
+naive attention oracle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @dataclass

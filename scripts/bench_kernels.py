@@ -1,0 +1,280 @@
+"""Time the Triton kernels at Llama-2-7B (W1: 32 heads MHA) and Llama-3-8B (W2: 32/8 GQA) sizes.
+
+Prints one JSON line per case: time (median of CUDA-event timings after warm-up), achieved
+GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s against
+787.5 for compute-bound prefill attention. Attention bytes count K/V read plus q and out.
+
+    python scripts/bench_kernels.py            # all kernels
+    python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import math
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_GBPS = 4250.0  # measured device-to-device copy rate of an H200
+BF16_TFLOPS = 787.5  # measured dense bf16 matmul rate of an H200
+WORKLOADS = {"W1": (32, 32), "W2": (32, 8)}  # (q heads, kv heads), head_dim 128
+HEAD_DIM, HIDDEN, BLOCK_SIZE = 128, 4096, 16
+INTERMEDIATE = {"W1": 11008, "W2": 14336}
+VOCAB = {"W1": 32000, "W2": 128256}
+
+
+def bench(fn: Callable[[], Any], warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds of `fn` over `iters` CUDA-event timed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def emit(kernel: str, shape: dict[str, Any], ms: float, nbytes: float = 0.0, flops: float = 0.0):
+    row: dict[str, Any] = {"kernel": kernel, **shape, "ms": round(ms, 4)}
+    if nbytes:
+        gbps = nbytes / ms / 1e6
+        row.update(gbps=round(gbps, 1), frac_hbm=round(gbps / HBM_GBPS, 3))
+    if flops:
+        tflops = flops / ms / 1e9
+        row.update(tflops=round(tflops, 1), frac_bf16=round(tflops / BF16_TFLOPS, 3))
+    print(json.dumps(row), flush=True)
+
+
+def run_case(kernel: str, shape: dict[str, Any], fn: Callable[..., None], **kwargs: Any) -> None:
+    """Run `fn(shape=shape, **kwargs)`; a failure prints an error line and the script goes on."""
+    try:
+        fn(shape=shape, **kwargs)
+    except Exception as exc:  # a shape that does not fit must not stop the other cases
+        print(json.dumps({"kernel": kernel, **shape, "error": repr(exc)[:300]}), flush=True)
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _attention_inputs(
+    q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int
+) -> tuple[tuple, int]:
+    """Random bf16 batch with shuffled blocks; returns (args, bytes of K/V read + q + out)."""
+    dev, dt = "cuda", torch.bfloat16
+    blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    max_blocks = max([*blocks, 1])
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device=dev, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    q = torch.randn(int(qsl[-1]), num_heads, HEAD_DIM, device=dev, dtype=dt)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    args = (q, k_cache, v_cache, tables, qsl.to(dev), lens, HEAD_DIM**-0.5)
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * HEAD_DIM * 2
+    return args, kv_bytes + 2 * q.numel() * 2
+
+
+def _attention_case(
+    shape: dict[str, Any],
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: tuple[int, int],
+    causal_flops: bool = False,
+    **kwargs: Any,
+) -> None:
+    from kernels.paged_attention import paged_attention_triton
+
+    args, nbytes = _attention_inputs(q_lens, seq_lens, *heads)
+    out = torch.empty_like(args[0])
+    ms = bench(lambda: paged_attention_triton(*args, out=out, **kwargs))
+    flops = 0.0
+    if causal_flops:  # QK^T and PV over the causal triangle (+ prefix) of every query
+        flops = sum(
+            4.0 * heads[0] * HEAD_DIM * (s - q + j + 1)
+            for q, s in zip(q_lens, seq_lens, strict=True)
+            for j in range(q)
+        )
+    emit("paged_attention", shape, ms, nbytes=nbytes, flops=flops)
+
+
+def bench_attention() -> None:
+    for wl, heads in WORKLOADS.items():
+        for ctx in (640, 2000):
+            for bsz in (1, 32, 256):
+                shape = {"workload": wl, "mode": "decode", "batch": bsz, "ctx": ctx}
+                run_case(
+                    "paged_attention", shape, _attention_case,
+                    q_lens=[1] * bsz, seq_lens=[ctx] * bsz, heads=heads, decode_only=True,
+                )  # fmt: skip
+        for num, qlen in ((8, 512), (1, 4096)):
+            shape = {"workload": wl, "mode": "prefill", "batch": num, "q_len": qlen}
+            run_case(
+                "paged_attention", shape, _attention_case, q_lens=[qlen] * num,
+                seq_lens=[qlen] * num, heads=heads, causal_flops=True, max_query_len=qlen,
+            )  # fmt: skip
+        # A mixed step: a 512-token chunk over a 1536-token prefix plus 63 decodes at 1000.
+        shape = {"workload": wl, "mode": "mixed", "batch": 64, "chunk": 512}
+        run_case(
+            "paged_attention", shape, _attention_case, q_lens=[512] + [1] * 63,
+            seq_lens=[2048] + [1000] * 63, heads=heads, causal_flops=True, max_query_len=512,
+        )  # fmt: skip
+
+
+def _sweep_case(
+    shape: dict[str, Any], args: tuple, out: torch.Tensor, nbytes: int, cfg: dict[str, int]
+) -> None:
+    pa = importlib.import_module("kernels.paged_attention")
+    original = pa._small_tile_config
+
+    def patched(group: int, elem: int) -> dict[str, int]:
+        return {**original(group, elem), **cfg}
+
+    pa._small_tile_config = patched
+    try:
+        ms = bench(
+            lambda: pa.paged_attention_triton(
+                *args, out=out, decode_only=True, num_segments=shape["segments"]
+            ),
+            warmup=2,
+            iters=10,
+        )
+    finally:
+        pa._small_tile_config = original
+    emit("sweep_decode", shape, ms, nbytes=nbytes)
+
+
+def sweep_decode() -> None:
+    """Decode configs (tile, stages) x split counts, to tune the host heuristics."""
+    for wl, heads in WORKLOADS.items():
+        for ctx in (640, 2000):
+            for bsz in (1, 8, 32, 128):
+                args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads)
+                out = torch.empty_like(args[0])
+                for tile, stages, segs in itertools.product((16, 32, 64), (2, 3, 4), (1, 4, 16)):
+                    shape = {"workload": wl, "batch": bsz, "ctx": ctx, "tile": tile,
+                             "stages": stages, "segments": segs}  # fmt: skip
+                    cfg = {"TILE": tile, "num_stages": stages}
+                    run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
+                             nbytes=nbytes, cfg=cfg)  # fmt: skip
+
+
+def _norm_case(shape: dict[str, Any], tokens: int) -> None:
+    from kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res, w = torch.randn_like(x), torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: rms_norm_triton(x, w, 1e-6))
+    emit("rms_norm", shape, ms, nbytes=2 * x.numel() * 2)
+    ms = bench(lambda: fused_add_rms_norm_triton(x, res, w, 1e-6))
+    emit("fused_add_rms_norm", shape, ms, nbytes=4 * x.numel() * 2)
+
+
+def _rotary_case(shape: dict[str, Any], tokens: int, heads: tuple[int, int]) -> None:
+    from kernels.rotary import apply_rotary_emb_triton
+
+    q = torch.randn(tokens, heads[0], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, heads[1], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(8192, HEAD_DIM, device="cuda")
+    pos = torch.randint(0, 8192, (tokens,), device="cuda")
+    ms = bench(lambda: apply_rotary_emb_triton(pos, q, k, cache))
+    emit("rotary", shape, ms, nbytes=2 * (q.numel() + k.numel()) * 2)
+
+
+def _silu_case(shape: dict[str, Any], tokens: int, inter: int) -> None:
+    from kernels.activation import silu_and_mul_triton
+
+    x = torch.randn(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: silu_and_mul_triton(x))
+    emit("silu_and_mul", shape, ms, nbytes=1.5 * x.numel() * 2)
+
+
+def _kv_write_case(shape: dict[str, Any], tokens: int, num_kv_heads: int) -> None:
+    from kernels.kv_cache_write import write_kv_cache_triton
+
+    key = torch.randn(tokens, num_kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    num_blocks = 4 * math.ceil(tokens / BLOCK_SIZE)
+    k_cache = torch.empty(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda",
+                          dtype=torch.bfloat16)  # fmt: skip
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:tokens]
+    ms = bench(lambda: write_kv_cache_triton(key, value, k_cache, v_cache, slots))
+    emit("write_kv_cache", shape, ms, nbytes=4 * key.numel() * 2)
+
+
+def bench_elementwise() -> None:
+    for wl, heads in WORKLOADS.items():
+        for tokens in (256, 4096):
+            shape = {"workload": wl, "tokens": tokens}
+            run_case("rms_norm", shape, _norm_case, tokens=tokens)
+            run_case("rotary", shape, _rotary_case, tokens=tokens, heads=heads)
+            run_case("silu_and_mul", shape, _silu_case, tokens=tokens, inter=INTERMEDIATE[wl])
+            run_case("write_kv_cache", shape, _kv_write_case, tokens=tokens, num_kv_heads=heads[1])
+
+
+def _sampling_case(shape: dict[str, Any], bsz: int, vocab: int, filters: bool) -> None:
+    from kernels.sampling import sample_from_logits_triton
+
+    logits = torch.randn(bsz, vocab, device="cuda") * 4
+    noise = torch.empty_like(logits).exponential_()
+    top_k = torch.full((bsz,), 50 if filters else 0, dtype=torch.int32, device="cuda")
+    top_p = torch.full((bsz,), 0.9 if filters else 1.0, device="cuda")
+    min_p = torch.full((bsz,), 0.05 if filters else 0.0, device="cuda")
+    ms = bench(lambda: sample_from_logits_triton(logits, top_k, top_p, min_p, noise))
+    emit("sample_from_logits", shape, ms, nbytes=2 * logits.numel() * 4)
+
+
+def bench_sampling() -> None:
+    for wl, vocab in VOCAB.items():
+        for bsz in (1, 32, 256):
+            for filters in (False, True):
+                shape = {"workload": wl, "batch": bsz, "vocab": vocab,
+                         "filters": "top_k+top_p+min_p" if filters else "none"}  # fmt: skip
+                run_case("sample_from_logits", shape, _sampling_case, bsz=bsz, vocab=vocab,
+                         filters=filters)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", choices=["attention", "sweep", "elementwise", "sampling"])
+    parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device: the kernels are benchmarked on a GPU"}))
+        return
+    torch.manual_seed(0)
+    if args.only in (None, "attention"):
+        bench_attention()
+    if args.sweep or args.only == "sweep":
+        sweep_decode()
+    if args.only in (None, "elementwise"):
+        bench_elementwise()
+    if args.only in (None, "sampling"):
+        bench_sampling()
+
+
+if __name__ == "__main__":
+    main()

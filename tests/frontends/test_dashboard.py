@@ -1,0 +1,2 @@
+def test_import():
+    import frontends.dashboard  # noqa: F401

@@ -1,0 +1,79 @@
+"""Our Llama-family forward equals HF transformers' logits on the same weights (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.forward_context import AttentionMetadata, set_forward_context
+from models.loader import load_model
+from tests.tiny_models import build_tiny_model_dir
+
+BLOCK = 16
+
+
+def flat_forward(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Run all prompts in ONE flattened varlen step through a fresh paged cache."""
+    cfg = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    blocks_per = [-(-len(p) // BLOCK) for p in prompts]
+    num_blocks = sum(blocks_per)
+    for attn in model.attention_layers():
+        shape = (num_blocks, BLOCK, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+    # Hand out blocks in reverse so block tables are not the identity.
+    free = list(range(num_blocks))[::-1]
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per]
+    width = max(blocks_per)
+    ids, pos, slots, qsl = [], [], [], [0]
+    for p, table in zip(prompts, tables, strict=True):
+        ids += p
+        pos += range(len(p))
+        slots += [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(p))]
+        qsl.append(qsl[-1] + len(p))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
+    with torch.inference_mode(), set_forward_context(meta):
+        hidden = model(torch.tensor(ids), torch.tensor(pos))
+        logits = model.compute_logits(hidden)
+    return [logits[qsl[i] : qsl[i + 1]] for i in range(len(prompts))]
+
+
+def hf_logits(model_dir: Path, prompt: list[int], **kw) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    err = (ours - ref).abs().max() / ref.abs().max()
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("kind", ["llama2", "llama3", "qwen2", "tied", "mistral"])
+def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
+    model_dir = build_tiny_model_dir(tmp_path, kind)
+    gen = torch.Generator().manual_seed(0)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    # Lengths cross block boundaries and differ per prompt: 1, 15, 16, 17, 40 tokens.
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (17, 1, 40, 16, 15)]
+    ours = flat_forward(model_dir, prompts)
+    for p, logits in zip(prompts, ours, strict=True):
+        assert_close_rel(logits, hf_logits(model_dir, p))
+
+
+def test_config_reads_architecture_facts(tmp_path: Path) -> None:
+    cfg = ModelConfig.from_dir(build_tiny_model_dir(tmp_path / "q", "qwen2"))
+    assert (cfg.architecture, cfg.qkv_bias, cfg.o_bias) == ("Qwen2ForCausalLM", True, False)
+    cfg = ModelConfig.from_dir(build_tiny_model_dir(tmp_path / "l", "llama3"))
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_theta) == (4, 2, 500000.0)
