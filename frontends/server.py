@@ -166,6 +166,7 @@ class EngineServer:
                                         "Open WebSocket connections.", registry=self.registry)
         self._connections: set[_Connection] = set()
         self._ws_server: Server | None = None
+        self._address: tuple[str, int] | None = None
         self._draining = False
         self._closed = asyncio.Event()
 
@@ -181,18 +182,20 @@ class EngineServer:
             compression=None,  # frames are small; deflate would cost CPU per token
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout,
         )
+        # Remembered: the listening sockets go away once draining starts.
+        self._address = self._ws_server.sockets[0].getsockname()[:2]
         logger.info("serving %s on %s (healthz: %s/healthz, metrics: %s/metrics)",
                     self.engine.model_name or "model", self.url, self.http_url, self.http_url)
 
     @property
     def port(self) -> int:
-        assert self._ws_server is not None, "server not started"
-        return self._ws_server.sockets[0].getsockname()[1]
+        assert self._address is not None, "server not started"
+        return int(self._address[1])
 
     @property
     def host(self) -> str:
-        assert self._ws_server is not None, "server not started"
-        return self._ws_server.sockets[0].getsockname()[0]
+        assert self._address is not None, "server not started"
+        return str(self._address[0])
 
     @property
     def url(self) -> str:
@@ -216,8 +219,9 @@ class EngineServer:
         if self._ws_server is None or self._closed.is_set():
             return
         timeout = self.config.drain_timeout if timeout is None else timeout
+        # New handshakes get HTTP 503 and /healthz says 503 while the listener stays up, so
+        # load balancers see the drain instead of refused connections.
         self._draining = True
-        self._ws_server.server.close()  # no new TCP connections
         tasks = self.in_flight_tasks()
         if tasks:
             logger.info("draining %d in-flight request(s) (timeout %.1fs)", len(tasks), timeout)

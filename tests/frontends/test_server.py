@@ -30,20 +30,30 @@ async def send(ws: ClientConnection, obj: dict[str, Any]) -> None:
     await ws.send(json.dumps(obj))
 
 
-async def collect(ws: ClientConnection, rid: str) -> tuple[list[int], str, dict[str, Any]]:
-    """Read events of one request until its `done`; returns token ids, text and the done."""
-    ids: list[int] = []
-    text = ""
-    while True:
+async def collect_many(
+    ws: ClientConnection, rids: list[str]
+) -> dict[str, tuple[list[int], str, dict[str, Any]]]:
+    """Read interleaved events until every request in `rids` is done."""
+    ids: dict[str, list[int]] = {r: [] for r in rids}
+    text = dict.fromkeys(rids, "")
+    done: dict[str, dict[str, Any]] = {}
+    while len(done) < len(rids):
         ev = await recv(ws)
-        assert ev.get("request_id") == rid, ev
+        rid = ev.get("request_id")
+        assert rid in ids and rid not in done, ev
         if ev["type"] == "delta":
-            ids += ev["token_ids"]
-            text += ev["text"]
+            ids[rid] += ev["token_ids"]
+            text[rid] += ev["text"]
         elif ev["type"] == "done":
-            return ids, text, ev
+            done[rid] = ev
         else:
             raise AssertionError(ev)
+    return {r: (ids[r], text[r], done[r]) for r in rids}
+
+
+async def collect(ws: ClientConnection, rid: str) -> tuple[list[int], str, dict[str, Any]]:
+    """Read one request's events until its `done`: token ids, text and the done event."""
+    return (await collect_many(ws, [rid]))[rid]
 
 
 def http_get(server: EngineServer, path: str) -> tuple[int, str, str]:
@@ -64,8 +74,9 @@ async def test_streamed_text_equals_offline_greedy(server: EngineServer, model_d
         for i, prompt in enumerate(PROMPTS):
             await send(ws, {"type": "generate", "request_id": f"g{i}", "prompt": prompt,
                             "params": {"temperature": 0, "max_tokens": 12}})
+        results = await collect_many(ws, [f"g{i}" for i in range(len(PROMPTS))])
         for i in range(len(PROMPTS)):
-            ids, text, done = await collect(ws, f"g{i}")
+            ids, text, done = results[f"g{i}"]
             assert ids == expected[i].token_ids
             assert text == expected[i].text
             assert done["finish_reason"] == expected[i].finish_reason
@@ -87,17 +98,9 @@ async def test_fifty_concurrent_requests_over_several_connections(
                 i = int(rid[1:])
                 await send(ws, {"type": "generate", "request_id": rid, "prompt": prompts[i],
                                 "params": {"temperature": 0, "max_tokens": 8}})
-            got: dict[str, list[int]] = {rid: [] for rid in rids}
-            done = set()
-            while len(done) < per_conn:
-                ev = await recv(ws)
-                if ev["type"] == "delta":
-                    got[ev["request_id"]] += ev["token_ids"]
-                else:
-                    assert ev["type"] == "done", ev
-                    done.add(ev["request_id"])
+            results = await collect_many(ws, rids)
             for rid in rids:
-                assert got[rid] == expected[int(rid[1:])].token_ids
+                assert results[rid][0] == expected[int(rid[1:])].token_ids
 
     await asyncio.wait_for(asyncio.gather(*(one_connection(c) for c in range(n_conn))),
                            60 * UNIT)
@@ -161,7 +164,7 @@ async def test_bad_messages_get_errors_and_the_connection_goes_on(
 
 async def test_prompt_over_max_model_len_is_rejected(server: EngineServer,
                                                      engine: AsyncLLMEngine) -> None:
-    max_len = engine.model_config.max_model_len
+    max_len = engine.max_model_len
     async with connect(server.url) as ws:
         await send(ws, {"type": "generate", "request_id": "big",
                         "prompt_token_ids": [5] * max_len, "params": {"max_tokens": 1}})
@@ -346,6 +349,10 @@ async def test_drain_finishes_in_flight_requests_then_closes(engine: AsyncLLMEng
         await asyncio.sleep(0)
         status, _, _ = await get(server, "/healthz")
         assert status == 503
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(server.url):
+                pass
+        assert info.value.response.status_code == 503
         events = []
         with pytest.raises(ConnectionClosed):
             while True:

@@ -1,0 +1,35 @@
+"""Helpers for engine tests: HF greedy references and pool-emptiness checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncengine.llm import LLM
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF transformers `generate`, one prompt at a time (no padding effects), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def assert_pool_clean(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    if engine.scheduler.swap_space is not None:
+        assert engine.scheduler.swap_space.num_free_blocks == engine.scheduler.swap_space.num_blocks

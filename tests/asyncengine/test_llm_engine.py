@@ -1,0 +1,160 @@
+"""Greedy engine output equals HF transformers token for token, under every scheduling path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine import LLM, SamplingParams
+from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
+
+MAX_TOKENS = 24
+LENGTHS = [5, 37, 16, 70, 1, 23]
+
+
+def make_prompts(vocab: int, lengths: list[int] = LENGTHS, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+CASES = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 19},  # prefill chunks mixed with decodes
+    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
+    "few_seqs": {"max_num_seqs": 2},
+}
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_mha_dir", "tiny_llama_dir"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_hf(request: pytest.FixtureRequest, model_fixture: str, case: str) -> None:
+    model_dir = request.getfixturevalue(model_fixture)
+    vocab = 452
+    prompts = make_prompts(vocab)
+    llm, ours = run(model_dir, prompts, **CASES[case])
+    assert ours == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    if case.startswith("preempt"):
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    if case == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swaps_out > 0
+        assert llm.llm_engine.scheduler.num_swaps_in > 0
+    assert_pool_clean(llm)
+
+
+def test_shared_prefix_hits_cache(tiny_llama_dir: Path) -> None:
+    prefix = make_prompts(452, [48], seed=7)[0]
+    suffixes = make_prompts(452, [3, 9, 20, 1], seed=8)
+    prompts = [prefix + s for s in suffixes]
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in first + rest]
+    assert ours == hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
+    pool = llm.llm_engine.pool
+    # The 3 later requests each reuse the 3 full blocks of the shared 48-token prefix.
+    assert pool.prefix_hits == 3 * 48
+    assert sum(o.metrics.num_cached_prompt_tokens for o in rest) == 3 * 48
+    assert_pool_clean(llm)
+
+
+def test_default_model_greedy_equals_hf(default_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    texts = ["The capital of France is", "Once upon a time, there was a",
+             "def add(a, b):\n    return", "1, 2, 3, 4,"]
+    prompts = [tok.encode(t) for t in texts]
+    llm, ours = run(default_model_dir, prompts, max_num_batched_tokens=12)
+    assert ours == hf_greedy(default_model_dir, prompts, MAX_TOKENS)
+    assert_pool_clean(llm)
+
+
+def test_default_model_chat_knows_paris() -> None:
+    llm = LLM(dtype="float32", device="cpu")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+    assert_pool_clean(llm)
+
+
+def test_stop_strings_and_tokens(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    prompt = make_prompts(452, [12], seed=3)[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    # Stop on the 5th generated token id.
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == base.token_ids[: first + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_tok)
+    # Stop on a piece of the text: output is trimmed before it.
+    text = base.text
+    needle = text[len(text) // 2 : len(text) // 2 + 3]
+    if needle.strip():
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20,
+                                                    ignore_eos=True, stop=[needle]),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.text == text[: text.index(needle)]
+        assert (out.finish_reason, out.stop_reason) == ("stop", needle)
+    assert_pool_clean(llm)
+
+
+def test_rejects_requests_that_can_never_fit(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64,
+              num_kv_blocks=3)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="needs 4 KV blocks but the pool has only 3"):
+        engine.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("c", [1, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("d", [], SamplingParams())
+    engine.add_request("e", [5, 6], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("e", [5, 6], SamplingParams())
+    engine.abort_request("e")
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
+def test_output_kinds_and_logprobs(tiny_llama_dir: Path) -> None:
+    from asyncengine import RequestOutputKind
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    prompt = make_prompts(452, [10], seed=5)[0]
+    engine.add_request("d", prompt, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
+        output_kind=RequestOutputKind.DELTA))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert len(deltas) == 8 and all(len(d.outputs[0].token_ids) == 1 for d in deltas)
+    ids = [d.outputs[0].token_ids[0] for d in deltas]
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+    for d in deltas:
+        lp = d.outputs[0].logprobs[0]
+        tok = d.outputs[0].token_ids[0]
+        assert tok in lp and 3 <= len(lp) <= 4
+        assert lp[tok] == pytest.approx(max(lp.values()))  # greedy picks the top logprob
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert full.token_ids == ids
+    assert full.text == "".join(d.outputs[0].text for d in deltas)
