@@ -115,6 +115,9 @@ class LLMEngine:
         self._itl: deque[float] = deque(maxlen=5000)
         self.num_finished = 0
         self.num_aborted = 0
+        # Wall time per phase, summed over steps (benchmarks report where the time goes).
+        self.step_timing = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0,
+                            "steps": 0}
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "max_model_len %d",
@@ -252,9 +255,11 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        t1 = time.perf_counter()
         now = time.monotonic()
         for s in sched.scheduled:
             if s.request.metrics.first_scheduled_time is None:
@@ -269,7 +274,15 @@ class LLMEngine:
             self.num_aborted += len(ids)
             logger.exception("engine step failed; aborted %d request(s)", len(ids))
             raise StepError(ids, e) from e
-        return self._postprocess(sched, result)
+        t2 = time.perf_counter()
+        outputs = self._postprocess(sched, result)
+        t3 = time.perf_counter()
+        timing = self.step_timing
+        timing["schedule_s"] += t1 - t0
+        timing["execute_s"] += t2 - t1
+        timing["postprocess_s"] += t3 - t2
+        timing["steps"] += 1
+        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()

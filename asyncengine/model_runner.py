@@ -97,6 +97,7 @@ class ModelRunner:
         attn = model.attention_layers()  # type: ignore[operator]
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
+        self.graphs = None
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -164,8 +165,13 @@ class ModelRunner:
     def prepare_for_serving(
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:
-        """Set-up after the KV cache exists (CUDA graph capture on the GPU)."""
-        self.max_blocks_per_seq = max_blocks_per_seq
+        """Set-up after the KV cache exists: CUDA graphs for decode steps on the GPU."""
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            from asyncengine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq)
+            self.graphs.capture()
 
     # --------------------------------------------------------------- a step
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
@@ -227,6 +233,8 @@ class ModelRunner:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits."""
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs).index_select(0, inputs.logits_indices)
         with set_forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden.index_select(0, inputs.logits_indices)

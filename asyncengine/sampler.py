@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.sampling_params import SamplingParams
+from kernels.sampling import sample_from_logits
 
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (SamplingParams.is_greedy)
 
@@ -23,9 +24,11 @@ _GREEDY_EPS = 1e-5  # temperatures below this are greedy (SamplingParams.is_gree
 class SamplingMetadata:
     """Per-row sampling inputs for one step, one row per request that samples a token.
 
-    Tensors live on the logits' device; the boolean flags are host values that pick fast paths
-    without a sync. Disabled filters are neutral values (top_k 0, top_p 1, min_p 0); greedy rows
-    carry temperature 1 (so dividing is safe) and are marked in `is_greedy`.
+    Tensors live on the logits' device; the boolean flags are host values that let the sampler
+    skip whole stages (penalties, the min_tokens ban, random sampling) without a sync, and tell
+    callers which filters the batch uses. Disabled filters hold neutral values (top_k 0, top_p 1,
+    min_p 0); greedy rows carry temperature 1 (so dividing is safe) and are marked in
+    `is_greedy`.
     """
 
     temperature: torch.Tensor  # float32 [B]
@@ -249,12 +252,8 @@ class Sampler(torch.nn.Module):
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits.div_(meta.temperature.unsqueeze(1))
         noise = exponential_noise(tuple(logits.shape), meta.generators, logits.device)
-        if meta.no_top_k and meta.no_top_p and meta.no_min_p:
-            # Plain temperature sampling: the race needs no filtering (and no sort).
-            probs = torch.softmax(logits, dim=-1)
-            return probs.div_(noise).argmax(dim=-1)
-        from kernels.sampling import sample_from_logits
-
+        # Always the same op, even without filters (it has its own cheap path then): a seeded
+        # row must sample identically whatever the other rows of its batch ask for.
         return sample_from_logits(logits, meta.top_k, meta.top_p, meta.min_p, noise)
 
 

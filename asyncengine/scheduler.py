@@ -122,9 +122,12 @@ class Scheduler:
                 self.swapped.popleft()
                 out.blocks_to_swap_in += self.swap_space.swap_in(self.pool, req)
                 self.num_swaps_in += 1
-                num_new = min(req.num_tokens_to_compute, budget)
+                # can_swap_in promised one spare block only: a request swapped out mid-prefill
+                # continues with the chunk that fits in its blocks plus what is free.
+                room = (len(req.block_table) + self.pool.num_free_blocks) * self.pool.block_size
+                num_new = min(req.num_tokens_to_compute, budget, room - req.num_computed_tokens)
                 copies = self.pool.allocate_slots(req, num_new)
-                assert copies is not None  # can_swap_in left room for one more block
+                assert copies is not None
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new))

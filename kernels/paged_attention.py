@@ -288,7 +288,9 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    q_block_id = tl.program_id(0)
+    # Reversed so the last query blocks of long prompts (the most keys) start first and the
+    # short ones fill the tail of the launch.
+    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 

@@ -122,47 +122,57 @@ def _sample_kernel(
     key_max = _float_key(m)
 
     # top-k: the largest key t with count(key >= t) >= k, i.e. the k-th largest logit.
+    # Per-pivot partial counts stay elementwise in a 2D accumulator; one reduction per pass.
     thr_k = key_min
     if (k > 0) & (k < vocab):
         lo = key_min
         hi = key_max
         while lo < hi:
             piv = _pivots(lo, hi, NUM_PIVOTS)
-            count = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
+            count = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
             for start in range(0, vocab, BLOCK_V):
                 valid = start + offs < vocab
                 x = tl.load(row_ptr + start + offs, mask=valid, other=float("-inf"))
                 ge = (_float_key(x)[:, None] >= piv[None, :]) & valid[:, None]
-                count += tl.sum(ge.to(tl.int32), axis=0)
-            lo, hi = _narrow(lo, hi, piv, count >= k)
+                count += ge.to(tl.int32)
+            lo, hi = _narrow(lo, hi, piv, tl.sum(count, axis=0) >= k)
         thr_k = lo
-
-    # top-p over the top-k survivors: the largest t whose mass(key >= t) reaches p * total.
-    thr_p = key_min
-    if p < 1.0:
-        total = 0.0
-        for start in range(0, vocab, BLOCK_V):
-            x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-            e = tl.where(_float_key(x) >= thr_k, tl.exp(x - m), 0.0)
-            total += tl.sum(e, axis=0)
-        target = p * total
-        lo = thr_k
-        hi = key_max
-        while lo < hi:
-            piv = _pivots(lo, hi, NUM_PIVOTS)
-            mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
-            for start in range(0, vocab, BLOCK_V):
-                x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-                e = tl.where(_float_key(x) >= thr_k, tl.exp(x - m), 0.0)
-                ge = _float_key(x)[:, None] >= piv[None, :]
-                mass += tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
-            lo, hi = _narrow(lo, hi, piv, mass >= target)
-        thr_p = lo
 
     # min-p: p_i >= min_p * p_max  <=>  x_i >= max + log(min_p).
     thr_min = key_min
     if min_p > 0.0:
         thr_min = _float_key(m + tl.log(min_p))
+
+    # top-p over the top-k survivors: the largest t whose mass(key >= t) reaches p * total.
+    # When even the min-p survivors fall short of p * total, min-p's threshold is the higher
+    # one and the search is skipped.
+    thr_p = key_min
+    if p < 1.0:
+        total = 0.0
+        above_min = 0.0
+        for start in range(0, vocab, BLOCK_V):
+            x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
+            key = _float_key(x)
+            e = tl.where(key >= thr_k, tl.exp(x - m), 0.0)
+            total += tl.sum(e, axis=0)
+            above_min += tl.sum(tl.where(key >= thr_min, e, 0.0), axis=0)
+        target = p * total
+        if above_min >= target:
+            lo = tl.maximum(thr_k, thr_min)
+            hi = key_max
+            while lo < hi:
+                piv = _pivots(lo, hi, NUM_PIVOTS)
+                mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
+                for start in range(0, vocab, BLOCK_V):
+                    valid = start + offs < vocab
+                    x = tl.load(row_ptr + start + offs, mask=valid, other=float("-inf"))
+                    key = _float_key(x)
+                    e = tl.where(key >= thr_k, tl.exp(x - m), 0.0)
+                    mass += tl.where(key[:, None] >= piv[None, :], e[:, None], 0.0)
+                lo, hi = _narrow(lo, hi, piv, tl.sum(mass, axis=0) >= target)
+            thr_p = lo
+
+    # min-p: p_i >= min_p * p_max  <=>  x_i >= max + log(min_p).
     thr = tl.maximum(tl.maximum(thr_k, thr_p), thr_min)
 
     # Exponential race among the survivors: argmax of exp(x - max) / noise.
@@ -198,7 +208,7 @@ def sample_from_logits_triton(
     noise = exp_noise.float()
     if noise.stride(-1) != 1:
         noise = noise.contiguous()
-    block_v = min(1024, triton.next_power_of_2(vocab))
+    block_v = min(512, triton.next_power_of_2(vocab))
     _sample_kernel[(num_rows,)](
         logits, noise, top_k, top_p, min_p, out, vocab, logits.stride(0), noise.stride(0),
         BLOCK_V=block_v, NUM_PIVOTS=16, num_warps=8,

@@ -32,5 +32,7 @@ class Attention(nn.Module):
             meta.query_start_loc,
             meta.seq_lens,
             self.scale,
+            max_query_len=meta.max_query_len,
+            decode_only=meta.decode_only,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

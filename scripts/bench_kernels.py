@@ -33,19 +33,33 @@ INTERMEDIATE = {"W1": 11008, "W2": 14336}
 VOCAB = {"W1": 32000, "W2": 128256}
 
 
-def bench(fn: Callable[[], Any], warmup: int = 5, iters: int = 30) -> float:
-    """Median milliseconds of `fn` over `iters` CUDA-event timed runs."""
+def bench(fn: Callable[[], Any], warmup: int = 3, iters: int = 20, inner: int = 10) -> float:
+    """Median milliseconds of one `fn` call: CUDA-graph replays of `inner` calls, timed with
+    CUDA events, so Python launch overhead is left out (eager timing if capture fails)."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+    except Exception:
+        graph = None
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(inner):
+                fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     times.sort()
     return times[len(times) // 2]
 
@@ -159,7 +173,7 @@ def _sweep_case(
                 *args, out=out, decode_only=True, num_segments=shape["segments"]
             ),
             warmup=2,
-            iters=10,
+            iters=5,
         )
     finally:
         pa._small_tile_config = original
@@ -179,6 +193,28 @@ def sweep_decode() -> None:
                     cfg = {"TILE": tile, "num_stages": stages}
                     run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                              nbytes=nbytes, cfg=cfg)  # fmt: skip
+
+
+def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict[str, int]) -> None:
+    pa = importlib.import_module("kernels.paged_attention")
+    original = pa._large_tile_config
+    pa._large_tile_config = lambda group, d_pad, elem: {**cfg, "BLOCK_Q": cfg["BLOCK_M"] // group}
+    try:
+        q_lens = [shape["q_len"]] * shape["batch"]
+        _attention_case(shape, q_lens, q_lens, heads, causal_flops=True, max_query_len=q_lens[0])
+    finally:
+        pa._large_tile_config = original
+
+
+def sweep_prefill() -> None:
+    """Large-tile configs for causal prefill (8 x 512 and 1 x 4096 tokens)."""
+    for wl, heads in WORKLOADS.items():
+        for (num, qlen), bm, tile, warps, stages in itertools.product(
+            ((8, 512), (1, 4096)), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
+        ):
+            cfg = {"BLOCK_M": bm, "TILE": tile, "num_warps": warps, "num_stages": stages}
+            shape = {"workload": wl, "mode": "prefill_sweep", "batch": num, "q_len": qlen, **cfg}
+            run_case("paged_attention", shape, _prefill_sweep_case, heads=heads, cfg=cfg)
 
 
 def _norm_case(shape: dict[str, Any], tokens: int) -> None:
@@ -270,6 +306,7 @@ def main() -> None:
         bench_attention()
     if args.sweep or args.only == "sweep":
         sweep_decode()
+        sweep_prefill()
     if args.only in (None, "elementwise"):
         bench_elementwise()
     if args.only in (None, "sampling"):

@@ -3,11 +3,12 @@
 Against a live server, it runs the dashboard headless until it has received enough
 snapshots to draw some history, then saves the screen:
 
-    python scripts/dashboard_screenshot.py --url ws://127.0.0.1:8765 --out docs/dashboard.svg
+    python scripts/dashboard_screenshot.py --url ws://127.0.0.1:8765 --png docs/dashboard.png
 
 Without --url it plays the seeded demo engine of `frontends.dashboard.demo` (a busy GPU
-server), which needs nothing but this repository. The PNG is written next to the SVG
-via cairosvg when it is installed, else via `rsvg-convert` when on PATH.
+server), which needs nothing but this repository. The SVG goes next to the PNG unless
+--svg says otherwise; the PNG is made with cairosvg when it is installed, else with
+`rsvg-convert` when it is on PATH.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="demo: random seed")
     parser.add_argument("--size", default="120x40", help="terminal size, WIDTHxHEIGHT")
     parser.add_argument("--title", default=None)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.svg")
-    parser.add_argument("--png", type=Path, default=None, help="PNG path (default: next to --out)")
+    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "dashboard.png")
+    parser.add_argument(
+        "--svg", type=Path, default=None, help="SVG path (default: the PNG's, as .svg)"
+    )
     parser.add_argument("--scale", type=float, default=1.5, help="PNG scale factor")
     parser.add_argument(
         "--font", default="DejaVu Sans Mono", help="installed monospace font for the PNG"
@@ -116,13 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     svg = asyncio.run(screenshot(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(svg, encoding="utf-8")
-    print(f"wrote {args.out}")
-    png = args.png or args.out.with_suffix(".png")
-    tool = to_png(args.out, png, args.scale, args.font)
+    svg_path = args.svg or args.png.with_suffix(".svg")
+    svg_path.parent.mkdir(parents=True, exist_ok=True)
+    svg_path.write_text(svg, encoding="utf-8")
+    print(f"wrote {svg_path}")
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    tool = to_png(svg_path, args.png, args.scale, args.font)
     if tool:
-        print(f"wrote {png} ({tool})")
+        print(f"wrote {args.png} ({tool})")
     else:
         print("no SVG converter found (pip install cairosvg); PNG not written")
     return 0

@@ -78,22 +78,22 @@ class ConnectionStatus(Widget):
     def render(self) -> Text:
         state = self.state
         glyph, colour = _STATUS_STYLES.get(state.status, ("●", "white"))
-        text = Text(no_wrap=True, overflow="ellipsis")
+        text = Text(no_wrap=True, overflow="ellipsis", end="")
         text.append(f" {glyph} ", style=f"bold {colour}")
         if state.status == "reconnecting" and state.retry_in_s is not None:
-            text.append(f"reconnecting in {math.ceil(state.retry_in_s)} s", style=colour)
+            text.append(f"reconnecting in {math.ceil(state.retry_in_s)} s", style=f"bold {colour}")
         else:
             text.append(state.status, style=f"bold {colour}")
-        if state.reason and state.status != "connected":
-            text.append(f" ({state.reason})", style=colour)
-        text.append("   ")
+        text.append("  ")
         text.append(state.url, style="underline")
         if self.model:
-            text.append("   model ", style="dim")
+            text.append("  model ", style="dim")
             text.append(self.model, style="bold")
         if self.paused:
-            text.append("   ")
+            text.append("  ")
             text.append(" ⏸ PAUSED ", style="bold #0d1117 on #d29922")
+        if state.reason and state.status != "connected":
+            text.append(f"  {state.reason}", style=colour)
         return text
 
 

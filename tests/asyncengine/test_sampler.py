@@ -43,14 +43,18 @@ def seeded(seed: int) -> torch.Generator:
 
 
 def sample_many(
-    logits_row: torch.Tensor, params: SamplingParams, num_samples: int, seed: int = 0
+    logits_row: torch.Tensor,
+    params: SamplingParams,
+    num_samples: int,
+    seed: int = 0,
+    device: torch.device = CPU,
 ) -> torch.Tensor:
     """Counts per token of `num_samples` draws (one batch row per draw)."""
     torch.manual_seed(seed)
-    logits = logits_row.unsqueeze(0).expand(num_samples, -1).contiguous()
-    meta = build([params] * num_samples, logits_row.numel())
+    logits = logits_row.to(device).unsqueeze(0).expand(num_samples, -1).contiguous()
+    meta = build([params] * num_samples, logits_row.numel(), device=device)
     ids = Sampler()(logits, meta).sampled_token_ids
-    return torch.bincount(ids, minlength=logits_row.numel()).double()
+    return torch.bincount(ids, minlength=logits_row.numel()).double().cpu()
 
 
 def assert_distribution(counts: torch.Tensor, expected: torch.Tensor) -> None:
@@ -430,3 +434,37 @@ def test_forward_never_syncs_on_gpu() -> None:
     assert ids[0].item() == logits[0].float().argmax().item()
     assert ids[2].item() != EOS
     assert out.logprobs is not None and out.logprobs.shape == (4, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_filtered_distributions_and_seeds_on_gpu() -> None:
+    device = torch.device("cuda")
+    counts = sample_many(LOGITS, SamplingParams(top_k=2), 100_000, device=device)
+    assert_distribution(counts, torch.where(PROBS >= 0.3, PROBS, 0.0))
+    counts = sample_many(LOGITS, SamplingParams(top_p=0.85, min_p=0.15), 100_000, device=device)
+    assert_distribution(counts, torch.where(PROBS >= 0.1, PROBS, 0.0))
+
+    # A seeded row samples the same tokens whatever the rest of its batch is.
+    vocab = 32_000
+    torch.manual_seed(0)
+    target = torch.randn(vocab, device=device)
+    params = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, seed=11)
+
+    def draw(batch: int, row: int, others: SamplingParams) -> list[int]:
+        gens = [None] * batch
+        gens[row] = torch.Generator(device=device).manual_seed(11)
+        rows = [others] * batch
+        rows[row] = params
+        meta = build(rows, vocab, generators=gens, device=device)
+        tokens = []
+        for _ in range(8):
+            logits = torch.randn(batch, vocab, device=device)
+            logits[row] = target
+            tokens.append(Sampler()(logits, meta).sampled_token_ids[row].item())
+        return tokens
+
+    alone = draw(1, 0, SamplingParams())
+    assert draw(7, 3, SamplingParams()) == alone
+    assert draw(33, 32, SamplingParams(temperature=0)) == alone
+    assert draw(4, 1, SamplingParams(top_k=5, min_p=0.2)) == alone

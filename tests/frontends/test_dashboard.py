@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from rich.text import Text
 from textual.widgets import Digits, Label, Static
+from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from asyncengine.stats import DeviceStats, EngineStats, LatencySummary, RequestStats
@@ -38,6 +39,8 @@ from frontends.dashboard.widgets import (
     StackedBar,
     downsample_block_map,
     fmt_age,
+    fmt_compact,
+    fmt_count,
     fmt_latency,
     fmt_rate,
     split_cells,
@@ -48,7 +51,9 @@ SIZE = (120, 40)
 URL = "ws://127.0.0.1:8765"
 
 
-def _request(rid: str, state: str = "running", generated: int = 10, age: float = 1.0) -> RequestStats:
+def _request(
+    rid: str, state: str = "running", generated: int = 10, age: float = 1.0
+) -> RequestStats:
     return RequestStats(
         request_id=rid,
         state=state,  # type: ignore[arg-type]
@@ -163,9 +168,7 @@ def test_backoff_grows_is_capped_and_jitter_only_shortens() -> None:
     assert no_jitter == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
     full = backoff_delay(3, initial=0.5, maximum=10.0, jitter=0.2, rng=lambda: 1.0)
     assert full == pytest.approx(4.0 * 0.8)
-    assert all(
-        backoff_delay(a, initial=1, maximum=5, rng=lambda: 0.5) <= 5 for a in range(20)
-    )
+    assert all(backoff_delay(a, initial=1, maximum=5, rng=lambda: 0.5) <= 5 for a in range(20))
 
 
 # -- WebSocketStatsSource ----------------------------------------------------------------
@@ -183,7 +186,10 @@ async def test_source_counts_down_each_second_before_retrying() -> None:
 
     port = _free_port()  # nothing listens there: every attempt is refused
     source = WebSocketStatsSource(
-        f"ws://127.0.0.1:{port}", backoff_initial=2.7, backoff_max=30, rng=lambda: 0.0,
+        f"ws://127.0.0.1:{port}",
+        backoff_initial=2.7,
+        backoff_max=30,
+        rng=lambda: 0.0,
         sleep=fake_sleep,
     )
     events: list[SourceEvent] = []
@@ -194,7 +200,12 @@ async def test_source_counts_down_each_second_before_retrying() -> None:
                 break
     kinds = [type(e).__name__ for e in events]
     assert kinds[:6] == [
-        "Connecting", "Disconnected", "Reconnecting", "Reconnecting", "Reconnecting", "Connecting"
+        "Connecting",
+        "Disconnected",
+        "Reconnecting",
+        "Reconnecting",
+        "Reconnecting",
+        "Connecting",
     ]
     first = events[1]
     assert isinstance(first, Disconnected) and first.reason == "connection refused"
@@ -263,14 +274,19 @@ async def test_source_reconnects_after_the_server_restarts() -> None:
     server = TinyStatsServer()
     await server.start()
     source = WebSocketStatsSource(
-        f"ws://127.0.0.1:{server.port}", api_key="sekret", interval=0.25,
-        backoff_initial=0.05, backoff_max=0.2,
+        f"ws://127.0.0.1:{server.port}",
+        api_key="sekret",
+        interval=0.25,
+        backoff_initial=0.05,
+        backoff_max=0.2,
     )
     queue: asyncio.Queue[SourceEvent] = asyncio.Queue()
     seen: list[SourceEvent] = []
     consumer = asyncio.create_task(_collect(source, queue))
     try:
-        await _next_matching(queue, seen, lambda e: isinstance(e, EngineStats) and e.num_running == 2)
+        await _next_matching(
+            queue, seen, lambda e: isinstance(e, EngineStats) and e.num_running == 2
+        )
         assert server.subscriptions == [{"type": "stats.subscribe", "interval": 0.25}]
         assert server.auth_headers == ["Bearer sekret"]
 
@@ -462,13 +478,15 @@ async def test_status_line_follows_the_connection(source: ScriptedStatsSource) -
         await fed(app, source, pilot, Connected(url=URL), busy_stats())
         await fed(app, source, pilot, Disconnected(url=URL, reason="connection refused"))
         assert app.connection.status == "disconnected"
-        assert "disconnected (connection refused)" in status.render().plain
+        assert status.render().plain.startswith(" ● disconnected  ws://")
+        assert status.render().plain.endswith("connection refused")
         assert app.query_one("#panels").has_class("-stale")
         # The last figures stay on screen while the server is away.
         assert plain(app.query_one("#running-count", Label)) == "2"
 
         await fed(app, source, pilot, Reconnecting(url=URL, delay_s=2.7, attempt=1))
-        assert "reconnecting in 3 s (connection refused)" in status.render().plain
+        line = status.render().plain
+        assert "reconnecting in 3 s" in line and line.endswith("connection refused")
         await fed(app, source, pilot, Reconnecting(url=URL, delay_s=2.0, attempt=1))
         assert "reconnecting in 2 s" in status.render().plain
         await fed(app, source, pilot, Connecting(url=URL, attempt=1), Connected(url=URL))
@@ -517,6 +535,48 @@ async def test_quit_key_exits(source: ScriptedStatsSource) -> None:
 
 def test_block_colours_cover_every_state() -> None:
     assert set(BLOCK_COLORS) == {".", "c", "u", "s"}
+
+
+# -- end to end: the real server and engine (fixtures from conftest.py) ------------------
+async def test_dashboard_follows_a_real_server(server) -> None:
+    """The app, on a live WebSocketStatsSource, shows what a real engine reports."""
+    source = WebSocketStatsSource(server.url, interval=0.05, backoff_initial=0.05)
+    app = MonitorApp(source)
+    async with app.run_test(size=SIZE) as pilot:
+        async with asyncio.timeout(10 * UNIT):
+            while app.snapshots_received < 2:
+                await asyncio.sleep(0.02)
+        assert app.connection.status == "connected"
+        first = app.stats
+        assert first is not None and first.healthy
+
+        async with connect(server.url) as ws:
+            generate = {
+                "type": "generate",
+                "request_id": "e2e",
+                "prompt": "Hello there",
+                "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True},
+            }
+            await ws.send(json.dumps(generate))
+            async with asyncio.timeout(10 * UNIT):
+                while json.loads(await ws.recv())["type"] != "done":
+                    pass
+
+        async with asyncio.timeout(10 * UNIT):
+            while app.stats is None or app.stats.generation_tokens_total < 8:
+                await asyncio.sleep(0.02)
+        await pilot.pause()
+        stats = app.stats
+        assert stats.prompt_tokens_total > first.prompt_tokens_total
+        assert stats.kv_blocks_total > 0 and len(stats.kv_block_map) > 0
+        assert app.query_one(BlockMap).block_map == stats.kv_block_map
+        total = app.query_one("#generation-total", Label)
+        assert f"total {fmt_compact(stats.generation_tokens_total)}" in plain(total)
+        assert plain(app.query_one("#running-count", Label)) == fmt_count(stats.num_running)
+        status = app.query_one(ConnectionStatus).render().plain
+        assert "connected" in status and server.url in status
+        if stats.model:
+            assert stats.model in status
 
 
 # -- snapshots ---------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -202,12 +204,9 @@ async def test_chat_messages_use_the_chat_template(server: EngineServer,
 
 
 async def test_overload_is_rejected_at_once(engine: AsyncLLMEngine) -> None:
-    release = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    gate = __import__("threading").Event()
-
+    gate = threading.Event()
     # Hold the step thread so that accepted requests stay queued.
-    blocker = asyncio.ensure_future(engine.run_in_engine_thread(lambda _: gate.wait(30)))
+    blocker = asyncio.ensure_future(engine.run_in_engine_thread(lambda _: gate.wait(30 * UNIT)))
     config = ServerConfig(port=0, max_queued_requests=2)
     async with serve_engine(engine, config) as server, connect(server.url) as ws:
         for i in range(3):
@@ -215,8 +214,7 @@ async def test_overload_is_rejected_at_once(engine: AsyncLLMEngine) -> None:
                             "params": {"max_tokens": 2, "ignore_eos": True}})
         ev = await recv(ws)
         assert ev["type"] == "error" and ev["code"] == "overloaded" and ev["request_id"] == "q2"
-        loop.call_soon(gate.set)
-        release.set()
+        gate.set()
         await blocker
         done = set()
         while len(done) < 2:
@@ -330,12 +328,12 @@ async def test_origin_allow_list(engine: AsyncLLMEngine) -> None:
 
 
 async def test_oversized_frame_closes_with_1009(engine: AsyncLLMEngine) -> None:
-    async with serve_engine(engine, ServerConfig(port=0, max_size=1024)) as server:
-        async with connect(server.url) as ws:
-            await send(ws, {"type": "generate", "request_id": "huge", "prompt": "x" * 4096})
-            with pytest.raises(ConnectionClosed):
-                await recv(ws)
-            assert ws.close_code == 1009
+    config = ServerConfig(port=0, max_size=1024)
+    async with serve_engine(engine, config) as server, connect(server.url) as ws:
+        await send(ws, {"type": "generate", "request_id": "huge", "prompt": "x" * 4096})
+        with pytest.raises(ConnectionClosed):
+            await recv(ws)
+        assert ws.close_code == 1009
 
 
 async def test_drain_finishes_in_flight_requests_then_closes(engine: AsyncLLMEngine) -> None:

@@ -42,5 +42,7 @@ def test_gpu_llama_sizes(dtype: torch.dtype) -> None:
     x = torch.randn(1000, 2 * 14336, device="cuda", dtype=dtype) * 3
     out = silu_and_mul_triton(x)
     exact = (F.silu(x[:, :14336].float()) * x[:, 14336:].float()).to(dtype)
-    assert torch.equal(out, exact)  # one rounding of the fp32 result
+    # One rounding of the fp32 result (fp32 silu formulas may differ in the last bit).
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(out, exact, atol=1e-6, rtol=ulp)
     torch.testing.assert_close(out, silu_and_mul_ref(x), atol=TOLS[dtype], rtol=TOLS[dtype])

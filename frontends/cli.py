@@ -1,0 +1,257 @@
+"""The `asyncengine` command: `serve`, `chat`, `generate` and `monitor`.
+
+Engine flags are generated from `EngineArgs` in vLLM's spelling (`--max-num-seqs`,
+`--enable-prefix-caching/--no-enable-prefix-caching`, ...). The async entry points run on
+uvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import types
+import typing
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from asyncengine.config import EngineArgs
+
+logger = logging.getLogger("asyncengine.cli")
+
+DEFAULT_URL = "ws://127.0.0.1:8765"
+_ENGINE_HELP = {
+    "model": "model directory or GGUF file; omitted: the embedded SmolLM2-135M-Instruct",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "device": "where the model runs",
+    "dtype": "weight and activation dtype",
+    "seed": "random seed for weights (dummy) and sampling",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's limit)",
+    "block_size": "tokens per KV-cache block",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "num_kv_blocks": "number of KV-cache blocks (overrides memory profiling)",
+    "swap_space": "CPU swap space for preempted requests, GiB",
+    "preemption_mode": "what preemption does with a request's KV blocks",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "token budget of one step",
+    "enforce_eager": "never use CUDA graphs",
+    "tensor_parallel_size": "number of GPUs to shard the model over",
+    "load_format": "weight format; dummy = random weights with the model's shapes",
+    "quantization": "weight quantization (none supported yet)",
+    "skip_tokenizer_init": "no tokenizer: token-id prompts in, token ids out",
+    "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field, typed and defaulted from the dataclass."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        kwargs: dict[str, Any] = {"default": field.default, "dest": field.name,
+                                  "help": _ENGINE_HELP.get(field.name, field.name)}
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(hint))
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+            inner = args[0]
+            if typing.get_origin(inner) is typing.Literal:
+                kwargs["choices"] = list(typing.get_args(inner))
+            else:
+                kwargs["type"] = inner
+        else:
+            kwargs["type"] = hint
+        if "help" in kwargs and field.default is not None and hint is not bool:
+            kwargs["help"] += f" (default: {field.default})"
+        group.add_argument(flag, **kwargs)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncengine",
+                                     description="LLM inference engine with a WebSocket server.")
+    parser.add_argument("--log-level", default=os.environ.get("ASYNCENGINE_LOG_LEVEL", "INFO"),
+                        help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over WebSocket")
+    add_engine_args(serve)
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="interface to bind (non-loopback needs an API key)")
+    net.add_argument("--port", type=int, default=8765)
+    _add_api_key(net)
+    net.add_argument("--allowed-origins", nargs="*", default=None,
+                     help="accepted Origin headers (browsers); default: any")
+    net.add_argument("--max-queued-requests", type=int, default=1024)
+    net.add_argument("--max-queued-prompt-tokens", type=int, default=1 << 20)
+    net.add_argument("--max-requests-per-connection", type=int, default=256)
+    net.add_argument("--max-message-size", type=int, default=1 << 20,
+                     help="largest accepted WebSocket frame, bytes")
+    net.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may take to finish on shutdown")
+    net.add_argument("--log-prompts", action="store_true",
+                     help="log prompt text (off by default)")
+    net.add_argument("--dashboard", action="store_true",
+                     help="run the terminal dashboard in this process")
+    net.add_argument("--demo-load", action="store_true",
+                     help="keep a few demo generations running against the server")
+
+    chat = sub.add_parser("chat", help="interactive chat with a running server")
+    chat.add_argument("--url", default=DEFAULT_URL)
+    _add_api_key(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+
+    gen = sub.add_parser("generate", help="generate for one prompt offline (no server)")
+    add_engine_args(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+    mon = sub.add_parser("monitor", help="terminal dashboard of a running server")
+    mon.add_argument("--url", default=DEFAULT_URL)
+    _add_api_key(mon)
+    mon.add_argument("--interval", type=float, default=1.0)
+    return parser
+
+
+def _add_api_key(parser: Any) -> None:
+    parser.add_argument("--api-key", default=os.environ.get("ASYNCENGINE_API_KEY"),
+                        help="API key (default: $ASYNCENGINE_API_KEY)")
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run `coro` on uvloop."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def _import_run_monitor() -> Any:
+    try:
+        from frontends.dashboard import run_monitor
+    except ImportError as exc:
+        raise SystemExit(f"the dashboard is not available ({exc}); "
+                         "run `asyncengine serve` without --dashboard") from exc
+    return run_monitor
+
+
+async def serve(ns: argparse.Namespace) -> None:
+    from asyncengine.async_engine import AsyncLLMEngine
+    from frontends.server import ServerConfig, run_server
+
+    config = ServerConfig(
+        host=ns.host, port=ns.port, api_key=ns.api_key, allowed_origins=ns.allowed_origins,
+        max_size=ns.max_message_size, max_queued_requests=ns.max_queued_requests,
+        max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
+        max_requests_per_connection=ns.max_requests_per_connection,
+        drain_timeout=ns.drain_timeout, log_prompts=ns.log_prompts,
+    )
+    config.validate()  # refuse a bad bind before spending time on the model
+    run_monitor = _import_run_monitor() if ns.dashboard else None
+    args = engine_args_from(ns)
+    logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
+    engine = AsyncLLMEngine.from_engine_args(args)
+    llm = engine.engine
+    pool = engine.block_pool
+    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+                engine.model_name, getattr(llm, "device", "?"), getattr(llm, "dtype", "?"),
+                pool.num_blocks, pool.block_size, engine.max_model_len)
+
+    async def after_start(server: Any) -> None:
+        logger.info("listening on %s%s", server.url,
+                    " (API key required)" if config.api_key else "")
+        demo = None
+        if ns.demo_load:
+            from frontends.demo_load import run_demo_load
+
+            demo = asyncio.create_task(run_demo_load(server.url, config.api_key))
+        try:
+            if run_monitor is not None:
+                with _logs_to_textual():
+                    await run_monitor(server.url, config.api_key)
+            else:
+                await asyncio.Event().wait()  # until a signal stops the server
+        finally:
+            if demo is not None:
+                demo.cancel()
+                await asyncio.gather(demo, return_exceptions=True)
+
+    try:
+        await run_server(engine, config, on_started=after_start)
+    finally:
+        await engine.shutdown()
+
+
+@contextlib.contextmanager
+def _logs_to_textual() -> Any:
+    """While the dashboard owns the terminal, log lines go to Textual's log, not stderr."""
+    from textual.logging import TextualHandler
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [TextualHandler()]
+    try:
+        yield
+    finally:
+        root.handlers = saved
+
+
+def generate(ns: argparse.Namespace) -> None:
+    from asyncengine.llm import LLM
+    from asyncengine.sampling_params import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)
+    if ns.chat:
+        [out] = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        [out] = llm.generate([ns.prompt], params, use_tqdm=False)
+    comp = out.outputs[0]
+    print(comp.text if llm.get_tokenizer() is not None else comp.token_ids)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "serve":
+            run_async(serve(ns))
+        elif ns.command == "generate":
+            generate(ns)
+        elif ns.command == "chat":
+            from frontends.chat import run_chat
+
+            run_async(run_chat(ns.url, ns.api_key, system=ns.system,
+                               max_tokens=ns.max_tokens, temperature=ns.temperature))
+        elif ns.command == "monitor":
+            run_monitor = _import_run_monitor()
+            run_async(run_monitor(ns.url, ns.api_key, interval=ns.interval))
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:  # bad arguments: one clear line, no traceback
+        print(f"asyncengine: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

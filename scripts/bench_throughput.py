@@ -1,0 +1,234 @@
+"""W1 / W2 (offline throughput) and L1 (single-stream latency) of BENCHMARKS.md.
+
+Runs one system per invocation (`--system engine|hf`) so each gets the whole GPU, and prints
+one JSON line per result. The engine run also reports M1 (KV pool occupancy and waste at the
+peak number of running requests) and where the step time goes (schedule / execute /
+postprocess on the host, and the kernels' share of GPU time with --profile-steps).
+
+  python scripts/bench_throughput.py --workload w1 --system engine
+  python scripts/bench_throughput.py --workload w1 --system hf --hf-batch-size 128
+  python scripts/bench_throughput.py --workload l1 --system engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.bench_common import SHAPES, dummy_model_dir, emit, param_count  # noqa: E402
+
+WORKLOADS = {
+    "w1": dict(shape="llama2-7b", num_requests=512, prompt_len=512, output_len=256),
+    "w2": dict(shape="llama3-8b", num_requests=1000, prompt_len=1000, output_len=1000),
+    "l1": dict(shape="llama2-7b", num_requests=1, prompt_len=512, output_len=256),
+    "smoke": dict(shape="tiny", num_requests=64, prompt_len=128, output_len=64),
+}
+PEAK_FLOPS = 787.5e12  # measured bf16 dense matmul on one H200
+PEAK_BW = 4.25e12  # measured device-to-device copy rate
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    c = SHAPES[shape]
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+
+
+def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
+    """Lower bound on the run time from the hardware limits (see BENCHMARKS.md)."""
+    n, p, o = w["num_requests"], w["prompt_len"], w["output_len"]
+    params = param_count(w["shape"])
+    prefill = n * p * 2 * params / PEAK_FLOPS
+    avg_ctx = p + o / 2
+    kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"]) / PEAK_BW
+    steps = o * max(1, -(-n // max(concurrency, 1)))
+    weights = steps * params * 2 / PEAK_BW
+    return {"prefill_s": prefill, "kv_read_s": kv, "weights_s": weights,
+            "total_s": prefill + kv + weights}
+
+
+def make_prompts(w: dict, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (w["num_requests"], w["prompt_len"]), generator=gen).tolist()
+
+
+def run_engine(w: dict, args: argparse.Namespace) -> None:
+    from asyncengine import EngineArgs, SamplingParams
+    from asyncengine.llm_engine import LLMEngine
+    from asyncengine.sampling_params import RequestOutputKind
+
+    engine = LLMEngine(EngineArgs(
+        model=str(dummy_model_dir(w["shape"])), load_format="dummy",
+        skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False, device=args.device,
+        dtype="bfloat16" if args.device != "cpu" else "float32",
+    ))
+    vocab = SHAPES[w["shape"]]["vocab_size"]
+    params = SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    # Warm-up: compiles every kernel variant (prefill, mixed and decode steps).
+    for i, p in enumerate(make_prompts(dict(w, num_requests=4), vocab, seed=99)):
+        engine.add_request(f"warm-{i}", p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync()
+    for k in engine.step_timing:
+        engine.step_timing[k] = 0
+    prompts = make_prompts(w, vocab, args.seed)
+    pool, bs = engine.pool, engine.pool.block_size
+    peak = {"running": 0, "used_blocks": 0, "live_tokens": 0}
+    step_times: list[float] = []
+    first_token_time = None
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        step_times.append(time.perf_counter() - t0)
+        running = engine.scheduler.running
+        if first_token_time is None and any(r.num_output_tokens for r in running):
+            first_token_time = time.perf_counter() - start
+        if len(running) >= peak["running"]:
+            live = sum(r.num_computed_tokens for r in running)
+            peak = {"running": len(running), "used_blocks": pool.num_used_blocks,
+                    "live_tokens": live}
+        for o in outs:
+            out_tokens += len(o.outputs[0].token_ids)
+    _sync()
+    elapsed = time.perf_counter() - start
+    floor = floor_seconds(w, peak["running"])
+    limit_tok_s = w["num_requests"] * w["output_len"] / floor["total_s"]
+    timing = engine.step_timing
+    record = {
+        "workload": args.workload, "system": "asyncengine", "graphs": not args.enforce_eager,
+        "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(out_tokens / elapsed, 1),
+        "total_tok_s": round((out_tokens + w["num_requests"] * w["prompt_len"]) / elapsed, 1),
+        "limit_output_tok_s": round(limit_tok_s, 1),
+        "fraction_of_limit": round(out_tokens / elapsed / limit_tok_s, 3),
+        "floor": {k: round(v, 2) for k, v in floor.items()},
+        "steps": int(timing["steps"]),
+        "host_schedule_s": round(timing["schedule_s"], 3),
+        "execute_s": round(timing["execute_s"], 3),
+        "host_postprocess_s": round(timing["postprocess_s"], 3),
+        "m1": {
+            "kv_blocks": pool.num_blocks,
+            "kv_pool_gib": round(pool.num_blocks * engine.runner.block_bytes() / 2**30, 2),
+            "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+            if torch.cuda.is_available() else None,
+            "peak_running": peak["running"], "used_blocks_at_peak": peak["used_blocks"],
+            "waste_at_peak": round(1 - peak["live_tokens"] / max(peak["used_blocks"] * bs, 1), 4),
+        },
+    }
+    if args.workload == "l1":
+        decode = step_times[1:]
+        record["ms_per_token"] = round(1000 * elapsed / max(out_tokens, 1), 3)
+        record["decode_ms_per_token"] = round(1000 * sum(decode) / max(len(decode), 1), 3)
+        weights_floor_ms = 1000 * param_count(w["shape"]) * 2 / PEAK_BW
+        record["floor_ms_per_token"] = round(weights_floor_ms, 3)
+        record["fraction_of_limit"] = round(weights_floor_ms / record["decode_ms_per_token"], 3)
+    emit(record)
+    if args.profile_steps:
+        profile_decode(engine, w, params, args.profile_steps)
+
+
+def profile_decode(engine, w: dict, params, steps: int) -> None:
+    """Share of GPU time per kernel over `steps` steady-state steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = SHAPES[w["shape"]]["vocab_size"]
+    n = min(w["num_requests"], engine.scheduler.max_num_seqs)
+    for i, p in enumerate(make_prompts(dict(w, num_requests=n), vocab, seed=7)):
+        engine.add_request(f"prof-{i}", p, params)
+    for _ in range(4):  # past the prefills
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) or 1
+    top = sorted(events, key=lambda e: -e.device_time_total)[:12]
+    emit({"workload": "profile", "steps": steps, "batch": n, "wall_ms_per_step":
+          round(1000 * wall / steps, 3),
+          "gpu_busy_ms_per_step": round(total / 1000 / steps, 3),
+          "kernels": [{"name": e.key[:60], "share": round(e.device_time_total / total, 3)}
+                      for e in top]})
+    engine.abort_request([f"prof-{i}" for i in range(n)])
+
+
+def run_hf(w: dict, args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**{k: v for k, v in SHAPES[w["shape"]].items()
+                         if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
+    model.eval()
+    vocab = cfg.vocab_size
+    prompts = torch.tensor(make_prompts(w, vocab, args.seed), device="cuda")
+    bsz = args.hf_batch_size if args.workload != "l1" else 1
+
+    def gen(batch: torch.Tensor, new: int) -> torch.Tensor:
+        return model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    with torch.inference_mode():
+        gen(prompts[:bsz], 4)  # warm-up
+        _sync()
+        start = time.perf_counter()
+        out_tokens = 0
+        for i in range(0, len(prompts), bsz):
+            batch = prompts[i : i + bsz]
+            out = gen(batch, w["output_len"])
+            out_tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        _sync()
+        elapsed = time.perf_counter() - start
+    record = {"workload": args.workload, "system": f"hf-generate-static-bs{bsz}",
+              "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
+              "output_tok_s": round(out_tokens / elapsed, 1)}
+    if args.workload == "l1":
+        record["ms_per_token"] = round(1000 * elapsed / out_tokens, 3)
+    emit(record)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
+    ap.add_argument("--system", choices=["engine", "hf"], default="engine")
+    ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hf-batch-size", type=int, default=128)
+    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    w = dict(WORKLOADS[args.workload])
+    if args.num_requests:
+        w["num_requests"] = args.num_requests
+    if args.workload == "l1":
+        args.max_num_seqs = 1
+    (run_engine if args.system == "engine" else run_hf)(w, args)
+
+
+if __name__ == "__main__":
+    main()

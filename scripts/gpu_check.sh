@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: install what is missing, check correctness, then time.
+#   bash scripts/gpu_check.sh check    # GPU tests (kernels at size, engine vs HF) + kernel bench
+#   bash scripts/gpu_check.sh bench    # W1 / L1 engine and HF peers, W2 engine
+# Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 ASYNCENGINE_CACHE=/tmp/asyncengine-cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+phase="${1:-check}"
+bench() { python3 scripts/bench_throughput.py "$@" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"; }
+if [ "$phase" = check ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/asyncengine/test_gpu_engine.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  python3 scripts/bench_kernels.py 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl"
+  bench --workload smoke --system engine
+  bench --workload l1 --system engine
+  bench --workload w1 --system engine --profile-steps 10
+elif [ "$phase" = bench ]; then
+  bench --workload w1 --system engine
+  bench --workload w1 --system hf --hf-batch-size 128
+  bench --workload l1 --system engine --enforce-eager
+  bench --workload l1 --system hf
+  bench --workload w2 --system engine
+fi
+tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
+echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
