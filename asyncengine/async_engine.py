@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How often the step thread refreshes the stats snapshot while busy (it always refreshes
-# when going idle): snapshots walk the block pool and read the device, so not every step.
-_STATS_INTERVAL_S = 0.05
+# Snapshots walk the block pool and read the device, so the step thread takes one only when
+# somebody asked since the last one, at most this often, and whenever it goes idle.
+_STATS_INTERVAL_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -199,6 +199,7 @@ class AsyncLLMEngine:
         self._num_queued_requests = 0
         self.max_consecutive_step_errors = 3
         self._auto_ids = itertools.count()
+        self._stats_requested = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -219,21 +220,16 @@ class AsyncLLMEngine:
 
     @property
     def model_name(self) -> str:
-        e = self.engine
-        return str(getattr(e, "model_name", None) or getattr(e.model_config, "model_name", "")
-                   or "")
+        return str(self.engine.model_name)
 
     @property
     def max_model_len(self) -> int:
-        e = self.engine
-        return int(getattr(e, "max_model_len", None)
-                   or getattr(e.model_config, "max_model_len", 0) or 0)
+        return int(self.engine.max_model_len)
 
     @property
     def block_pool(self) -> Any:
         """The engine's KV block pool (read-only use from the loop: counts, sizes)."""
-        e = self.engine
-        return getattr(e, "pool", None) or e.scheduler.block_pool
+        return self.engine.pool
 
     @property
     def is_running(self) -> bool:
@@ -359,6 +355,7 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The latest engine snapshot (taken by the step thread at most every 50 ms and when
         it goes idle), with the device part; TTFT/ITL fall back to what the loop measured."""
+        self._stats_requested = True
         snap = msgspec_copy(self._latest_stats)
         if snap.ttft.count == 0:
             snap.ttft = self._ttft_window.summary()
@@ -553,6 +550,7 @@ class AsyncLLMEngine:
                         outputs = engine.step()
                         consecutive_errors = 0
                     except Exception as exc:
+                        # A StepError names the requests it aborted; anything else is fatal.
                         ids = getattr(exc, "request_ids", None)
                         if ids is None:
                             raise
@@ -567,7 +565,8 @@ class AsyncLLMEngine:
                     busy = engine.has_unfinished_requests()
                 now = time.monotonic()
                 stats = None
-                if now >= next_stats or (was_busy and not busy) or stop:
+                if (self._stats_requested and now >= next_stats) or (was_busy and not busy):
+                    self._stats_requested = False
                     stats = engine.get_stats()
                     next_stats = now + _STATS_INTERVAL_S
                 was_busy = busy

@@ -41,6 +41,18 @@ class StepResult:
     logprobs: list[dict[int, float]] | None
 
 
+def _plain_greedy(req: Request) -> bool:
+    p = req.params
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens)
+    )
+
+
 class KVCache:
     """Per-layer K and V tensors laid out [num_blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -98,6 +110,7 @@ class ModelRunner:
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.graphs = None
+        self.last_step_decode_only = False
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -198,26 +211,31 @@ class ModelRunner:
             if s.needs_logits:
                 logits_idx.append(qsl[-1] - 1)
                 sampling.append(req)
-        dev = self.device
-        pin = dev.type == "cuda"
-
-        def t(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
-
         max_q = max(s.num_new_tokens for s in sched.scheduled)
+        # One host buffer and one host-to-device copy for all the step's integer inputs:
+        # separate small copies cost more in launch and pinning than the data itself.
+        t, b, w = len(input_ids), len(seq_lens), max_blocks
+        flat = input_ids + positions + slots + qsl + seq_lens + logits_idx
+        for row in tables:
+            flat += row
+        host = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        parts = dev.split([t, t, t, b + 1, b, len(logits_idx), b * w])
         meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_tables=t(tables, torch.int32),
+            slot_mapping=parts[2],
+            query_start_loc=parts[3].to(torch.int32),
+            seq_lens=parts[4].to(torch.int32),
+            block_tables=parts[6].view(b, w).to(torch.int32),
             max_query_len=max_q,
             decode_only=max_q == 1,
         )
         return StepInputs(
-            input_ids=t(input_ids, torch.int64),
-            positions=t(positions, torch.int64),
+            input_ids=parts[0],
+            positions=parts[1],
             meta=meta,
-            logits_indices=t(logits_idx, torch.int64),
+            logits_indices=parts[5],
             sampling_requests=sampling,
         )
 
@@ -243,12 +261,17 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         self.apply_block_moves(sched)
         inputs = self.prepare_inputs(sched)
+        self.last_step_decode_only = inputs.meta.decode_only
         reqs = inputs.sampling_requests
         if not reqs:
             self.run_model(inputs)
             return StepResult([], [], None)
         hidden = self.run_model(inputs)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        if all(_plain_greedy(r) for r in reqs):
+            # Nothing to filter or penalize: skip building the sampler's per-row tensors.
+            token_ids = logits.argmax(dim=-1).tolist()
+            return StepResult(reqs, token_ids, None)
         meta = SamplingMetadata.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],

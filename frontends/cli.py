@@ -232,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:  # one line per connection is noise
+        logging.getLogger("websockets").setLevel(logging.WARNING)
     try:
         if ns.command == "serve":
             run_async(serve(ns))

@@ -139,6 +139,11 @@ class _Connection:
         self.outq.put_nowait(p.encode(event))
         return True
 
+    def discard_unsent(self) -> None:
+        while not self.outq.empty():
+            self.outq.get_nowait()
+            self.outq.task_done()
+
     async def writer(self) -> None:
         while True:
             frame = await self.outq.get()
@@ -313,6 +318,7 @@ class EngineServer:
                 slot.stop()
             # Cancelling a request task aborts it in the engine (its blocks are freed).
             await asyncio.gather(reader, writer, *tasks, return_exceptions=True)
+            conn.discard_unsent()  # nobody will send them; a drain must not wait on them
             self._connections.discard(conn)
             self._connections_gauge.dec()
             logger.debug("connection %d closed (%s)", conn.id, ws.close_code)

@@ -14,7 +14,8 @@ top_p == 1, min_p == 0.
   t whose "mass of tokens >= t" still reaches top_p, min-p's is max + log(min_p). The first two
   are found by a search over the order-preserving integer image of the float32 logits; each
   pass over the row tests 16 pivots at once, so a search takes about 8 passes (32 bits,
-  4 bits a pass) and is exact. A row with no filter costs two passes (max, then the race).
+  4 bits a pass) and is exact. A row with no filter costs two passes (max, then the race);
+  top-k adds ~8, top-p ~9 (skipped when min-p's threshold is already the higher one).
   Tokens tied with a threshold are all kept, where a sort would break ties by position.
 """
 
@@ -172,7 +173,6 @@ def _sample_kernel(
                 lo, hi = _narrow(lo, hi, piv, tl.sum(mass, axis=0) >= target)
             thr_p = lo
 
-    # min-p: p_i >= min_p * p_max  <=>  x_i >= max + log(min_p).
     thr = tl.maximum(tl.maximum(thr_k, thr_p), thr_min)
 
     # Exponential race among the survivors: argmax of exp(x - max) / noise.

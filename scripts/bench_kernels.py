@@ -184,10 +184,10 @@ def sweep_decode() -> None:
     """Decode configs (tile, stages) x split counts, to tune the host heuristics."""
     for wl, heads in WORKLOADS.items():
         for ctx in (640, 2000):
-            for bsz in (1, 8, 32, 128):
+            for bsz in (1, 4, 8, 16, 32, 64):
                 args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads)
                 out = torch.empty_like(args[0])
-                for tile, stages, segs in itertools.product((16, 32, 64), (2, 3, 4), (1, 4, 16)):
+                for tile, stages, segs in itertools.product((32, 64), (2, 3, 4), (1, 2, 4, 8, 16)):
                     shape = {"workload": wl, "batch": bsz, "ctx": ctx, "tile": tile,
                              "stages": stages, "segments": segs}  # fmt: skip
                     cfg = {"TILE": tile, "num_stages": stages}

@@ -89,6 +89,8 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     pool, bs = engine.pool, engine.pool.block_size
     peak = {"running": 0, "used_blocks": 0, "live_tokens": 0}
     step_times: list[float] = []
+    by_kind = {"decode_s": 0.0, "prefill_or_mixed_s": 0.0}
+    by_kind_steps = {"decode_s": 0, "prefill_or_mixed_s": 0}
     first_token_time = None
     start = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -98,6 +100,9 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         outs = engine.step()
         step_times.append(time.perf_counter() - t0)
+        kind = "decode_s" if engine.runner.last_step_decode_only else "prefill_or_mixed_s"
+        by_kind[kind] += step_times[-1]
+        by_kind_steps[kind] += 1
         running = engine.scheduler.running
         if first_token_time is None and any(r.num_output_tokens for r in running):
             first_token_time = time.perf_counter() - start
@@ -124,6 +129,8 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         "host_schedule_s": round(timing["schedule_s"], 3),
         "execute_s": round(timing["execute_s"], 3),
         "host_postprocess_s": round(timing["postprocess_s"], 3),
+        "step_time_by_kind_s": {k: round(v, 3) for k, v in by_kind.items()},
+        "steps_by_kind": by_kind_steps,
         "m1": {
             "kv_blocks": pool.num_blocks,
             "kv_pool_gib": round(pool.num_blocks * engine.runner.block_bytes() / 2**30, 2),

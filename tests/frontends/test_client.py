@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,49 @@ async def test_stats_stream(server: EngineServer, engine: AsyncLLMEngine) -> Non
         assert seen[-1].device.kind == "cpu" and seen[-1].healthy
         # unsubscribed on leaving: generations still route correctly afterwards
         assert len((await client.complete("x", max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+async def test_chat_session_keeps_history_and_streams(server: EngineServer) -> None:
+    from frontends.chat import run_chat
+
+    lines = iter(["hello", "/reset", "again", "/exit"])
+    out = io.StringIO()
+    history = await asyncio.wait_for(
+        run_chat(server.url, system="be nice", max_tokens=4, temperature=0.0,
+                 input_fn=lambda _: next(lines), output=out), 30 * UNIT)
+    assert [m["role"] for m in history] == ["system", "user", "assistant"]
+    assert history[1]["content"] == "again"
+    assert "(history cleared)" in out.getvalue()
+    assert out.getvalue().count("assistant> ") == 2
+
+
+async def test_demo_load_keeps_requests_going(server: EngineServer,
+                                              engine: AsyncLLMEngine) -> None:
+    from frontends.demo_load import run_demo_load
+
+    task = asyncio.create_task(run_demo_load(server.url, concurrency=3, max_tokens=(4, 24),
+                                             cancel_fraction=0.5, pause_s=(0.0, 0.05)))
+    async with asyncio.timeout(30 * UNIT):
+        while (s := engine.stats()).num_requests_aborted < 1 or s.num_requests_finished < 3:
+            await asyncio.sleep(0.05)  # some requests ran to the end, some were cancelled
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await all_blocks_free(engine)
+
+
+def test_cli_engine_flags_follow_engine_args() -> None:
+    from frontends.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args([
+        "serve", "--model", "m", "--device", "cpu", "--max-model-len", "128",
+        "--num-kv-blocks", "7", "--no-enable-prefix-caching", "--enforce-eager",
+        "--preemption-mode", "swap", "--max-num-batched-tokens", "64", "--port", "0",
+    ])
+    args = engine_args_from(ns)
+    assert (args.model, args.device, args.max_model_len, args.num_kv_blocks) == ("m", "cpu", 128, 7)
+    assert not args.enable_prefix_caching and args.enforce_eager
+    assert args.preemption_mode == "swap" and args.max_num_batched_tokens == 64
+    assert ns.host == "127.0.0.1" and ns.port == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float8"])

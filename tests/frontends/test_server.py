@@ -368,15 +368,17 @@ async def test_slow_reader_does_not_stall_other_connections(engine: AsyncLLMEngi
     config = ServerConfig(port=0, max_pending_frames=2)
     async with serve_engine(engine, config) as server:
         # A client that never reads: its requests stall at the send buffer, not the engine.
-        async with connect(server.url, max_queue=1) as sleeper, connect(server.url) as ws:
-            for i in range(4):
-                await send(sleeper, {"type": "generate", "request_id": f"s{i}",
-                                     "prompt": "never read", "params": {"max_tokens": 100,
-                                                                        "ignore_eos": True}})
+        sleeper = await connect(server.url, max_queue=1)
+        for i in range(4):
+            await send(sleeper, {"type": "generate", "request_id": f"s{i}",
+                                 "prompt": "never read",
+                                 "params": {"max_tokens": 100, "ignore_eos": True}})
+        async with connect(server.url) as ws:
             await send(ws, {"type": "generate", "request_id": "fast", "prompt": "read me",
                             "params": {"max_tokens": 30, "ignore_eos": True}})
             ids, _, done = await collect(ws, "fast")
             assert len(ids) == 30 and done["finish_reason"] == "length"
+        sleeper.transport.abort()  # the stuck client vanishes without a closing handshake
         await all_blocks_free(engine)
 
 
@@ -395,3 +397,41 @@ def test_sampling_params_defaults_match() -> None:
     ref = SamplingParams()
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         assert getattr(sp, name) == getattr(ref, name)
+
+
+def test_sigterm_drains_in_flight_requests_under_uvloop(llm_engine: Any) -> None:
+    import os
+    import signal
+
+    import uvloop
+
+    from asyncengine.async_engine import AsyncLLMEngine as Engine
+    from frontends.cli import run_async
+    from frontends.client import AsyncClient
+    from frontends.server import run_server
+
+    async def scenario() -> list[Any]:
+        assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+        engine = Engine(llm_engine)
+        listening: asyncio.Future[EngineServer] = asyncio.get_running_loop().create_future()
+
+        async def on_started(srv: EngineServer) -> None:
+            listening.set_result(srv)
+            await asyncio.Event().wait()
+
+        serving = asyncio.create_task(run_server(engine, ServerConfig(port=0),
+                                                 on_started=on_started))
+        srv = await asyncio.wait_for(listening, 10 * UNIT)
+        async with AsyncClient(srv.url) as client:
+            gen = client.generate("drain me", max_tokens=20, ignore_eos=True)
+            chunks = [await anext(gen)]
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by run_server: drain, then return
+            chunks += [c async for c in gen]
+        await asyncio.wait_for(serving, 30 * UNIT)
+        await engine.shutdown()
+        return chunks
+
+    chunks = run_async(scenario())
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 20
+    assert llm_engine.pool.num_free_blocks == llm_engine.pool.num_blocks

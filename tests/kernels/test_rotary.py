@@ -76,9 +76,12 @@ def test_triton_strided_views_of_qkv() -> None:
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
-def test_gpu_bitwise_equal_reference(heads: tuple[int, int]) -> None:
+def test_gpu_within_one_ulp_of_reference(heads: tuple[int, int]) -> None:
     pos, q, k = _inputs(1000, *heads, 128, torch.bfloat16, device="cuda")
     cache = _cos_sin_cache(128).cuda()
     tq, tk = apply_rotary_emb_triton(pos, q, k, cache)
     rq, rk = apply_rotary_emb_ref(pos, q, k, cache)
-    assert torch.equal(tq, rq) and torch.equal(tk, rk)
+    # The GPU fuses x1*cos - x2*sin into one FMA where torch rounds twice: allow one ulp
+    # of bf16 (plus an absolute floor for results near zero).
+    torch.testing.assert_close(tq, rq, atol=2.0**-8, rtol=2.0**-7)
+    torch.testing.assert_close(tk, rk, atol=2.0**-8, rtol=2.0**-7)

@@ -1,0 +1,302 @@
+"""S1 of BENCHMARKS.md: serving through the WebSocket server at several request rates.
+
+Starts the server in this process (or uses `--url`), drives it from a separate client
+process over real WebSocket connections on loopback with Poisson arrivals at each rate in
+`--rates` (`inf` sends everything at once: saturation), then runs the same requests through
+the offline engine for the saturation comparison. Prompts are random token ids and EOS is
+ignored, so lengths are exactly those drawn from `--seed`. One JSON line per rate/system.
+
+  python scripts/bench_serving.py --shape llama2-7b --rates 1,4,16,inf --num-requests 512 \\
+      --input-len 512 --output-len 256 --device cuda
+  python scripts/bench_serving.py --model /path/to/model --rates 2,inf --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import math
+import multiprocessing as mp
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from frontends.cli import add_engine_args, engine_args_from, run_async
+from scripts.bench_common import SHAPES, dummy_model_dir, emit
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclasses.dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    itls: list[float] = dataclasses.field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_requests(n: int, input_len: int, output_len: int, jitter: float, vocab: int,
+                  seed: int, content_seed: int = 0) -> list[BenchRequest]:
+    """Lengths come from `seed`; token ids from `content_seed`, so every run can have the
+    same shapes with fresh content (no prefix-cache hits from a previous run)."""
+    rng = random.Random(seed)
+    ids_rng = random.Random(f"{seed}/{content_seed}")
+
+    def draw(mean: int) -> int:
+        lo, hi = max(1, round(mean * (1 - jitter))), max(1, round(mean * (1 + jitter)))
+        return rng.randint(lo, hi)
+
+    # Avoid the lowest ids, which are often special tokens in real vocabularies.
+    low = min(100, vocab // 2)
+    out = []
+    for _ in range(n):
+        in_len, out_len = draw(input_len), draw(output_len)
+        out.append(BenchRequest([ids_rng.randrange(low, vocab) for _ in range(in_len)], out_len))
+    return out
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ----------------------------------------------------------------------- client process
+async def _drive(url: str, api_key: str | None, requests: list[BenchRequest],
+                 arrivals: list[float], num_connections: int) -> tuple[list[RequestResult], float]:
+    from frontends.client import AsyncClient
+
+    clients = [AsyncClient(url, api_key) for _ in range(num_connections)]
+    for c in clients:
+        await c.connect()
+    clock = time.perf_counter  # the loop's clock may tick in whole milliseconds (uvloop)
+
+    async def one(i: int, start_at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start_at - clock()))
+        req = requests[i]
+        sent = last = clock()
+        res = RequestResult(ok=False)
+        try:
+            async for chunk in clients[i % num_connections].generate(
+                prompt_token_ids=req.prompt_token_ids, max_tokens=req.output_len,
+                temperature=0.0, ignore_eos=True,
+            ):
+                now = clock()
+                n = len(chunk.token_ids)
+                if n:
+                    if res.output_tokens == 0:
+                        res.ttft = now - sent
+                        n_gap = n - 1
+                    else:
+                        # A merged delta carries several tokens: spread its gap over them.
+                        res.itls.extend([(now - last) / n] * n)
+                        n_gap = 0
+                    res.itls.extend([0.0] * n_gap)
+                    res.output_tokens += n
+                    last = now
+            res.e2e = clock() - sent
+            res.ok = True
+        except Exception as exc:  # reported per request in the summary
+            res.error = f"{type(exc).__name__}: {exc}"
+        return res
+
+    t0 = clock() + 0.05
+    results = await asyncio.gather(*(one(i, t0 + a) for i, a in enumerate(arrivals)))
+    duration = clock() - t0
+    for c in clients:
+        await c.close()
+    return list(results), duration
+
+
+def _client_process(conn: Any, url: str, api_key: str | None, requests: list[BenchRequest],
+                    arrivals: list[float], num_connections: int) -> None:
+    conn.send(run_async(_drive(url, api_key, requests, arrivals, num_connections)))
+    conn.close()
+
+
+async def run_clients(url: str, api_key: str | None, requests: list[BenchRequest],
+                      arrivals: list[float],
+                      num_connections: int) -> tuple[list[RequestResult], float]:
+    """Run the clients in their own process so they do not share the server's GIL."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_process,
+                       args=(child, url, api_key, requests, arrivals, num_connections))
+    proc.start()
+    child.close()
+    result = await asyncio.to_thread(parent.recv)
+    await asyncio.to_thread(proc.join)
+    return result
+
+
+# ----------------------------------------------------------------------- reporting
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(system: str, rate: float, results: list[RequestResult], duration: float,
+              common: dict[str, Any]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok]
+    itls = [x for r in ok for x in r.itls]
+    out_tokens = sum(r.output_tokens for r in ok)
+    record = {
+        "system": system, "rate": "inf" if math.isinf(rate) else rate,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "duration_s": round(duration, 3),
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": out_tokens / duration,
+        "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
+        "itl_p50_ms": pct(itls, 0.5) * 1e3, "itl_p99_ms": pct(itls, 0.99) * 1e3,
+        "e2e_p50_s": pct([r.e2e for r in ok], 0.5),
+        **common,
+    }
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        record["errors"] = errors[:5]
+    return record
+
+
+def offline_run(llm_engine: Any, requests: list[BenchRequest]) -> tuple[float, int]:
+    """The same requests through the engine's own step loop: (seconds, output tokens)."""
+    from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+
+    for i, req in enumerate(requests):
+        llm_engine.add_request(
+            f"offline-{i}", None,
+            SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True,
+                           output_kind=RequestOutputKind.FINAL_ONLY),
+            prompt_token_ids=req.prompt_token_ids)
+    t0 = time.perf_counter()
+    tokens = 0
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    _sync()
+    return time.perf_counter() - t0, tokens
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------- main
+async def bench(ns: argparse.Namespace) -> None:
+    from asyncengine.async_engine import AsyncLLMEngine
+    from frontends.server import ServerConfig, serve_engine
+
+    rates = [float(r) for r in ns.rates.split(",")]
+    common: dict[str, Any] = {
+        "benchmark": "S1", "num_requests": ns.num_requests, "input_len": ns.input_len,
+        "output_len": ns.output_len, "len_jitter": ns.len_jitter, "seed": ns.seed,
+        "connections": ns.num_connections, "host": platform.node(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+    engine = None
+    if ns.url is None:
+        if ns.shape is not None:
+            ns.model, ns.load_format = str(dummy_model_dir(ns.shape)), "dummy"
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns))
+        vocab = int(engine.model_config.vocab_size)
+        common["model"] = engine.model_name
+        common["device"] = engine.stats().device.name or str(getattr(engine.engine, "device", ""))
+    else:
+        vocab = ns.vocab_size or (SHAPES[ns.shape]["vocab_size"] if ns.shape else 32000)
+        common["url"] = ns.url
+    def requests_for(run: int) -> list[BenchRequest]:
+        return make_requests(ns.num_requests, ns.input_len, ns.output_len, ns.len_jitter,
+                             vocab, ns.seed, content_seed=run)
+
+    warmup = make_requests(ns.num_warmup, ns.input_len, min(ns.output_len, 16), 0.0, vocab,
+                           ns.seed + 1, content_seed=-1)
+
+    async def serve_rates(url: str, api_key: str | None) -> dict[float, dict[str, Any]]:
+        records = {}
+        if warmup:
+            await run_clients(url, api_key, warmup, [0.0] * len(warmup), 1)
+        for run, rate in enumerate(rates):
+            arrivals = arrival_times(ns.num_requests, rate, ns.seed)
+            results, duration = await run_clients(url, api_key, requests_for(run), arrivals,
+                                                  ns.num_connections)
+            records[rate] = summarize("asyncengine-serve", rate, results, duration, common)
+            emit(records[rate])
+        return records
+
+    if engine is None:
+        await serve_rates(ns.url, ns.api_key)
+        return
+    config = ServerConfig(port=0, max_queued_requests=max(1024, ns.num_requests),
+                          max_queued_prompt_tokens=1 << 30,
+                          max_requests_per_connection=max(256, ns.num_requests))
+    async with serve_engine(engine, config) as server:
+        records = await serve_rates(server.url, None)
+    await engine.shutdown()  # the step thread stops; the LLMEngine is ours again
+
+    if not ns.skip_offline:
+        llm_engine = engine.engine
+        offline_run(llm_engine, warmup)
+        seconds, tokens = offline_run(llm_engine, requests_for(len(rates)))
+        offline = {"system": "asyncengine-offline", "rate": "inf",
+                   "completed": ns.num_requests, "duration_s": round(seconds, 3),
+                   "request_throughput": ns.num_requests / seconds,
+                   "output_tokens_per_s": tokens / seconds, **common}
+        sat = max(rates)
+        if sat in records:
+            served = records[sat]["output_tokens_per_s"]
+            offline["serve_over_offline"] = served / offline["output_tokens_per_s"]
+            offline["frontend_overhead"] = 1.0 - offline["serve_over_offline"]
+        emit(offline)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="a BENCHMARKS.md model shape with dummy weights (sets --model)")
+    parser.add_argument("--url", default=None, help="benchmark a running server instead")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="vocabulary size for prompts when using --url")
+    parser.add_argument("--rates", default="1,4,16,inf",
+                        help="request rates (req/s), comma-separated; inf = all at once")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--num-warmup", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--len-jitter", type=float, default=0.5,
+                        help="lengths uniform in [L*(1-j), L*(1+j)]")
+    parser.add_argument("--num-connections", type=int, default=8)
+    parser.add_argument("--skip-offline", action="store_true")
+    ns = parser.parse_args(argv)
+    if ns.seed is None:
+        ns.seed = 0
+    run_async(bench(ns))
+
+
+if __name__ == "__main__":
+    main()
