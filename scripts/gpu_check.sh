@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: install what is missing, check correctness, then time.
 #   bash scripts/gpu_check.sh check    # GPU tests (kernels at size, engine vs HF) + kernel bench
-#   bash scripts/gpu_check.sh bench    # W1 / L1 engine and HF peers, W2 engine
+#   bash scripts/gpu_check.sh bench    # W1 / L1: engine and HF peers
+#   bash scripts/gpu_check.sh w2       # W2: engine
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +28,14 @@ if [ "$phase" = check ]; then
   bench --workload l1 --system engine
   bench --workload w1 --system engine --profile-steps 10
 elif [ "$phase" = bench ]; then
-  bench --workload w1 --system engine
-  bench --workload w1 --system hf --hf-batch-size 128
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_rms_norm.py \
+    tests/kernels/test_rotary.py 2>&1 | tee "$OUT/gpu_tests_norm_rotary.log" | tail -n 3
+  bench --workload l1 --system engine
   bench --workload l1 --system engine --enforce-eager
+  bench --workload w1 --system engine
   bench --workload l1 --system hf
+  bench --workload w1 --system hf --hf-batch-size 128
+elif [ "$phase" = w2 ]; then
   bench --workload w2 --system engine
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"

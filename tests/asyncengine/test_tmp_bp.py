@@ -1,0 +1,661 @@
+"""BlockPool and SwapSpace: allocation, ref counts, prefix caching, eviction order,
+copy-on-write, swapping, and a stateful property test that tracks what every block holds."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from asyncengine.block_pool import BlockPool, SwapSpace
+from asyncengine.request import Request
+from asyncengine.sampling_params import SamplingParams
+
+BS = 4  # block size used throughout: small, so a few tokens span several blocks
+
+_ids = itertools.count()
+
+
+def make_request(tokens: list[int], max_tokens: int = 8) -> Request:
+    return Request(f"req-{next(_ids)}", None, list(tokens), SamplingParams(), max_tokens)
+
+
+def compute(pool: BlockPool, req: Request, num_new: int | None = None) -> None:
+    """Allocate and 'run' the request's next `num_new` tokens (all of them by default)."""
+    n = req.num_tokens_to_compute if num_new is None else num_new
+    assert pool.allocate_slots(req, n) is not None
+    req.num_computed_tokens += n
+    pool.cache_full_blocks(req)
+
+
+def admit(pool: BlockPool, req: Request) -> list[int]:
+    """Admit a fresh request the way the scheduler does: prefix hits first, then the rest."""
+    cached = pool.find_cached_blocks(req)
+    remaining = req.num_tokens - len(cached) * BS
+    assert pool.allocate_slots(req, remaining, cached) is not None
+    req.num_computed_tokens += remaining
+    pool.cache_full_blocks(req)
+    return cached
+
+
+def pool_state(pool: BlockPool) -> dict[str, Any]:
+    return {
+        "ref_counts": list(pool.ref_counts),
+        "block_hash": list(pool.block_hash),
+        "block_tokens": list(pool.block_tokens),
+        "hash_to_block": dict(pool.hash_to_block),
+        "free_plain": list(pool._free_plain),
+        "free_cached": list(pool._free_cached),
+    }
+
+
+# ------------------------------------------------------------------ allocation
+def test_allocate_and_free_return_every_block() -> None:
+    pool = BlockPool(8, BS)
+    req = make_request(list(range(10)))
+    assert pool.allocate_slots(req, 10) == []
+    assert len(req.block_table) == 3  # ceil(10 / 4)
+    assert all(pool.ref_counts[b] == 1 for b in req.block_table)
+    assert pool.num_free_blocks == 5 and pool.num_used_blocks == 3
+    pool.check_integrity([req])
+    # Growing within the last block takes nothing; crossing into a new one takes one.
+    req.num_computed_tokens = 10
+    assert pool.allocate_slots(req, 2) == []
+    assert len(req.block_table) == 3
+    assert pool.allocate_slots(req, 3) == []
+    assert len(req.block_table) == 4
+    pool.free(req)
+    assert req.block_table == []
+    assert pool.num_free_blocks == 8
+    pool.check_integrity([req])
+
+
+def test_pool_needs_a_block() -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockPool(0, BS)
+
+
+def test_fork_shares_blocks_and_counts_references() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(8)))
+    compute(pool, parent)
+    child = make_request(parent.all_token_ids)
+    pool.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert child.num_computed_tokens == parent.num_computed_tokens
+    assert all(pool.ref_counts[b] == 2 for b in parent.block_table)
+    pool.check_integrity([parent, child])
+    pool.free(parent)
+    assert all(pool.ref_counts[b] == 1 for b in child.block_table)
+    assert pool.num_used_blocks == 2
+    pool.check_integrity([child])
+    pool.free(child)
+    assert pool.num_free_blocks == 8
+
+
+# ------------------------------------------------------------------ prefix cache
+def test_prefix_hit_shares_full_blocks() -> None:
+    pool = BlockPool(16, BS)
+    first = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    compute(pool, first)
+    second = make_request([1, 2, 3, 4, 5, 6, 7, 8, 20, 21])
+    cached = pool.find_cached_blocks(second)
+    assert cached == first.block_table[:2]
+    assert pool.allocate_slots(second, second.num_tokens - 2 * BS, cached) == []
+    assert second.num_computed_tokens == 2 * BS
+    assert second.block_table[:2] == first.block_table[:2]
+    assert second.block_table[2] != first.block_table[2]
+    assert [pool.ref_counts[b] for b in second.block_table] == [2, 2, 1]
+    pool.check_integrity([first, second])
+
+
+def test_hashes_are_chained_on_the_previous_block() -> None:
+    pool = BlockPool(16, BS)
+    compute(pool, make_request([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # Same second block, different first block: the second block must not hit either.
+    other = make_request([0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert pool.find_cached_blocks(other) == []
+
+
+def test_last_known_token_is_never_served_from_the_cache() -> None:
+    pool = BlockPool(16, BS)
+    first = make_request(list(range(8)))
+    compute(pool, first)
+    assert len(pool.hash_to_block) == 2
+    # Exactly the same 8 tokens: the second block holds the last token, whose logits we need.
+    same = make_request(list(range(8)))
+    assert pool.find_cached_blocks(same) == first.block_table[:1]
+    longer = make_request([*range(8), 99])
+    assert pool.find_cached_blocks(longer) == first.block_table[:2]
+
+
+def test_prefix_cache_disabled_never_hits() -> None:
+    pool = BlockPool(16, BS, enable_prefix_caching=False)
+    first = make_request(list(range(9)))
+    compute(pool, first)
+    assert pool.hash_to_block == {}
+    assert pool.find_cached_blocks(make_request(list(range(9)))) == []
+
+
+def test_only_computed_blocks_are_cached() -> None:
+    pool = BlockPool(16, BS)
+    req = make_request(list(range(12)))
+    assert pool.allocate_slots(req, 12) == []
+    req.num_computed_tokens = 6  # the chunk computed so far covers one full block
+    pool.cache_full_blocks(req)
+    assert list(pool.hash_to_block.values()) == req.block_table[:1]
+    assert req.num_hashed_blocks == 1
+
+
+def test_freed_block_is_revived_by_a_hit() -> None:
+    pool = BlockPool(4, BS)
+    first = make_request(list(range(9)))
+    compute(pool, first)
+    table = list(first.block_table)
+    pool.free(first)
+    assert pool.num_cached_free_blocks == 2  # the partial third block holds no hash
+    again = make_request(list(range(9)))
+    assert admit(pool, again) == table[:2]
+    assert pool.num_cached_free_blocks == 0
+    pool.check_integrity([again])
+
+
+def test_plain_free_blocks_are_used_before_cached_ones() -> None:
+    pool = BlockPool(4, BS)
+    req = make_request(list(range(5)))
+    compute(pool, req)
+    cached_block = req.block_table[0]
+    pool.free(req)
+    # 3 plain blocks and 1 cached: new work takes all the plain ones first.
+    other = make_request([50 + i for i in range(12)])
+    assert pool.allocate_slots(other, 12) == []
+    assert cached_block not in other.block_table
+    assert pool.hash_to_block  # the cached prefix survived
+    assert pool.find_cached_blocks(make_request(list(range(5)))) == [cached_block]
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    pool = BlockPool(3, BS)
+    reqs = [make_request([10 * k + i for i in range(5)]) for k in range(3)]
+    for r in reqs:
+        # One full, hashed block each; the partial second block is allocated only when used.
+        compute(pool, r, BS)
+    tables = [r.block_table[0] for r in reqs]
+    order = [1, 0, 2]
+    for k in order:
+        pool.free(reqs[k])
+    assert list(pool._free_cached) == [tables[k] for k in order]
+    probe = make_request([99, 98, 97, 96])
+    assert pool.allocate_slots(probe, 4) == []
+    assert probe.block_table == [tables[1]]  # freed first, evicted first
+    # Eviction drops the hash: the evicted prefix no longer hits, the others still do.
+    assert pool.block_hash[tables[1]] is None
+    assert tables[1] not in pool.hash_to_block.values()
+    assert pool.find_cached_blocks(make_request(reqs[1].all_token_ids)) == []
+    assert pool.find_cached_blocks(make_request(reqs[0].all_token_ids)) == [tables[0]]
+    pool.check_integrity([probe])
+
+
+def test_free_releases_the_tail_of_a_prefix_first() -> None:
+    pool = BlockPool(3, BS)
+    req = make_request(list(range(13)))
+    compute(pool, req, 12)
+    head, mid, tail = req.block_table
+    pool.free(req)
+    probe = make_request([90, 91, 92])
+    assert pool.allocate_slots(probe, 3) == []
+    assert probe.block_table == [tail]
+    # The head and middle still form a hit of two blocks.
+    assert pool.find_cached_blocks(make_request(list(range(10)))) == [head, mid]
+
+
+def test_duplicate_content_is_not_hashed_twice() -> None:
+    pool = BlockPool(8, BS)
+    a = make_request(list(range(5)))
+    b = make_request(list(range(5)))
+    # Both computed without a hit (as in the same step): only the first block is registered.
+    assert pool.allocate_slots(a, 5) == [] and pool.allocate_slots(b, 5) == []
+    a.num_computed_tokens = b.num_computed_tokens = 5
+    pool.cache_full_blocks(a)
+    pool.cache_full_blocks(b)
+    assert pool.hash_to_block == {pool.block_hash[a.block_table[0]]: a.block_table[0]}
+    assert pool.block_hash[b.block_table[0]] is None
+    pool.free(a)
+    pool.free(b)
+    pool.check_integrity([])
+
+
+# ---------------------------------------------------------------- copy-on-write
+def test_fork_then_write_into_shared_partial_block_copies() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(6)))
+    compute(pool, parent)
+    parent_table = list(parent.block_table)
+    child = make_request(parent.all_token_ids)
+    pool.fork(parent, child)
+    child.append_token(7)
+    copies = pool.allocate_slots(child, 1)
+    assert copies is not None and len(copies) == 1
+    src, dst = copies[0]
+    assert src == parent_table[1]
+    assert dst not in parent_table
+    assert parent.block_table == parent_table  # the parent keeps its block
+    assert child.block_table == [parent_table[0], dst]
+    assert pool.ref_counts[src] == 1 and pool.ref_counts[dst] == 1
+    assert pool.ref_counts[parent_table[0]] == 2  # the full block stays shared
+    pool.check_integrity([parent, child])
+    # The parent is the sole owner now: its own next write copies nothing.
+    parent.append_token(8)
+    assert pool.allocate_slots(parent, 1) == []
+    pool.check_integrity([parent, child])
+
+
+def test_fork_at_block_boundary_needs_no_copy() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(8)))
+    compute(pool, parent)
+    child = make_request(parent.all_token_ids)
+    pool.fork(parent, child)
+    child.append_token(1)
+    assert pool.allocate_slots(child, 1) == []
+    assert child.block_table[:2] == parent.block_table
+    assert len(child.block_table) == 3
+
+
+def test_copy_on_write_fails_cleanly_when_the_pool_is_full() -> None:
+    pool = BlockPool(2, BS)
+    parent = make_request(list(range(6)))
+    compute(pool, parent)
+    child = make_request(parent.all_token_ids)
+    pool.fork(parent, child)
+    child.append_token(3)
+    before = pool_state(pool)
+    assert pool.allocate_slots(child, 1) is None
+    assert pool_state(pool) == before
+    assert child.block_table == parent.block_table
+
+
+# -------------------------------------------------------------------- failures
+def test_allocate_slots_failure_leaves_everything_unchanged() -> None:
+    pool = BlockPool(5, BS)
+    holder = make_request(list(range(9)))
+    compute(pool, holder)
+    pool.free(holder)  # two cached free blocks, three plain ones
+    hog = make_request([70 + i for i in range(8)])
+    assert pool.allocate_slots(hog, 8) == []
+    # A hit on both cached blocks plus 12 new tokens needs 2 revived + 3 new > 3 free.
+    req = make_request([*range(8), *range(100, 112)])
+    cached = pool.find_cached_blocks(req)
+    assert len(cached) == 2
+    before_pool, before_req = pool_state(pool), copy.deepcopy(
+        (req.block_table, req.num_computed_tokens, req.num_hashed_blocks)
+    )
+    assert pool.allocate_slots(req, 12, cached) is None
+    assert pool_state(pool) == before_pool
+    assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks) == before_req
+    # A smaller chunk fits.
+    assert pool.allocate_slots(req, 4, cached) == []
+    assert req.num_computed_tokens == 8
+    pool.check_integrity([hog, req])
+
+
+def test_cached_blocks_only_start_an_empty_table() -> None:
+    pool = BlockPool(8, BS)
+    first = make_request(list(range(9)))
+    compute(pool, first)
+    req = make_request(list(range(9)))
+    cached = pool.find_cached_blocks(req)
+    assert pool.allocate_slots(req, 1) == []
+    with pytest.raises(ValueError, match="empty block table"):
+        pool.allocate_slots(req, 1, cached)
+
+
+# ------------------------------------------------------------------ swap space
+def test_swap_out_and_in_round_trip() -> None:
+    pool = BlockPool(6, BS)
+    swap = SwapSpace(4)
+    req = make_request(list(range(10)))
+    compute(pool, req)
+    gpu_before = list(req.block_table)
+    out_pairs = swap.swap_out(pool, req)
+    assert out_pairs is not None
+    assert [g for g, _ in out_pairs] == gpu_before
+    cpu_blocks = [c for _, c in out_pairs]
+    assert len(set(cpu_blocks)) == 3
+    assert req.block_table == [] and req.num_computed_tokens == 10
+    assert pool.num_free_blocks == 6
+    assert swap.num_free_blocks == 1
+    swap.check_integrity()
+    pool.check_integrity([req])
+
+    assert swap.can_swap_in(pool, req)
+    in_pairs = swap.swap_in(pool, req)
+    assert [c for c, _ in in_pairs] == cpu_blocks
+    assert [g for _, g in in_pairs] == req.block_table
+    assert len(req.block_table) == 3
+    assert swap.num_free_blocks == 4 and swap.tables == {}
+    swap.check_integrity()
+    pool.check_integrity([req])
+    # Back on the GPU the request continues: one more token fits without trouble.
+    req.append_token(5)
+    assert pool.allocate_slots(req, 1) == []
+
+
+def test_swap_space_exhaustion_returns_none_and_changes_nothing() -> None:
+    pool = BlockPool(8, BS)
+    swap = SwapSpace(2)
+    req = make_request(list(range(10)))
+    compute(pool, req)
+    table = list(req.block_table)
+    assert swap.swap_out(pool, req) is None
+    assert req.block_table == table
+    assert pool.num_used_blocks == 3
+    assert swap.num_free_blocks == 2 and swap.tables == {}
+    swap.check_integrity()
+
+
+def test_swap_in_needs_a_spare_block() -> None:
+    pool = BlockPool(3, BS)
+    swap = SwapSpace(4)
+    req = make_request(list(range(12)))
+    compute(pool, req)
+    assert swap.swap_out(pool, req) is not None
+    hog = make_request([1])
+    compute(pool, hog)
+    assert not swap.can_swap_in(pool, req)  # 3 blocks back plus one for the next token
+    pool.free(hog)
+    assert swap.can_swap_in(pool, req) is False  # still only 3 blocks in all
+    swap.discard(req)
+    assert swap.num_free_blocks == 4
+    swap.check_integrity()
+
+
+# ------------------------------------------------------------------- integrity
+def _busy_pool() -> tuple[BlockPool, list[Request]]:
+    pool = BlockPool(8, BS)
+    a = make_request(list(range(9)))
+    compute(pool, a)
+    b = make_request(list(range(20, 25)))
+    compute(pool, b)
+    pool.free(b)
+    return pool, [a]
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda pool, reqs: pool.ref_counts.__setitem__(reqs[0].block_table[0], 2),
+        lambda pool, reqs: pool.ref_counts.__setitem__(pool._free_plain[0], 1),
+        lambda pool, reqs: pool._free_plain.append(pool._free_plain[0]),
+        lambda pool, reqs: pool._free_plain.append(next(iter(pool._free_cached))),
+        lambda pool, reqs: pool._free_plain.append(reqs[0].block_table[0]),
+        lambda pool, reqs: pool.block_hash.__setitem__(pool._free_plain[0], 1234),
+        lambda pool, reqs: pool.hash_to_block.pop(pool.block_hash[reqs[0].block_table[0]]),
+        lambda pool, reqs: reqs[0].block_table.append(reqs[0].block_table[0]),
+    ],
+    ids=["ref-count", "free-but-referenced", "free-twice", "both-free-lists",
+         "used-and-free", "plain-with-hash", "hash-map", "table-lists-twice"],
+)
+def test_check_integrity_catches_corruption(corrupt) -> None:
+    pool, holders = _busy_pool()
+    pool.check_integrity(holders)
+    corrupt(pool, holders)
+    with pytest.raises(AssertionError):
+        pool.check_integrity(holders)
+
+
+def test_swap_space_integrity_catches_a_leak() -> None:
+    swap = SwapSpace(4)
+    swap.check_integrity()
+    swap._free.pop()
+    with pytest.raises(AssertionError, match="leaked"):
+        swap.check_integrity()
+
+
+# ---------------------------------------------------------- stateful property
+class KVShadow:
+    """What each physical block would hold: the token id written to each slot.
+
+    Applying the pool's copies to this shadow and checking that every request reads back its
+    own tokens catches wrong prefix hits, missing copy-on-write and lost swaps alike.
+    """
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+
+    def write(self, req: Request, start: int, end: int) -> None:
+        bs = self.block_size
+        for pos in range(start, end):
+            self.gpu[req.block_table[pos // bs]][pos % bs] = req.all_token_ids[pos]
+
+    @staticmethod
+    def _copy(src: list[list[int | None]], dst: list[list[int | None]],
+              pairs: list[tuple[int, int]]) -> None:
+        # All sources are read before any destination is written, as one batched copy does.
+        moved = [list(src[s]) for s, _ in pairs]
+        for (_, d), data in zip(pairs, moved, strict=True):
+            dst[d] = data
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.log.append('swap_')
+        self._copy(self.gpu, self.cpu, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.log.append('swap_')
+        self._copy(self.cpu, self.gpu, pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(self.gpu, self.gpu, pairs)
+
+    def check_gpu(self, req: Request) -> None:
+        bs = self.block_size
+        got = [self.gpu[req.block_table[p // bs]][p % bs] for p in range(req.num_computed_tokens)]
+        assert got == req.all_token_ids[: req.num_computed_tokens], (
+            f"{req.request_id} reads back wrong KV"
+        )
+
+    def check_cpu(self, req: Request, cpu_blocks: list[int]) -> None:
+        bs = self.block_size
+        got = [self.cpu[cpu_blocks[p // bs]][p % bs] for p in range(req.num_computed_tokens)]
+        assert got == req.all_token_ids[: req.num_computed_tokens], (
+            f"{req.request_id} swapped KV is wrong"
+        )
+
+
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=18)  # tiny alphabet: prefixes repeat
+MAX_LEN = 28  # tokens per request, prompt and samples
+MAX_LIVE = 5  # live requests at once
+NUM_GPU_BLOCKS = 10
+NUM_CPU_BLOCKS = 8
+SEL = st.integers(0, 10**6)  # picks among the current requests (modulo their number)
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random add / allocate / compute / fork / free / swap sequences on a small pool.
+
+    A request's tokens are computed in two stages as in the engine: `allocate` reserves
+    slots for a chunk (prefix hits first for a fresh request), `compute` writes the chunk,
+    registers full blocks and, at the last known token, appends a sampled token.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_GPU_BLOCKS, BS)
+        self.swap = SwapSpace(NUM_CPU_BLOCKS)
+        self.kv = KVShadow(NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, BS)
+        self.on_gpu: list[Request] = []
+        self.swapped: list[Request] = []
+        self.pending: dict[str, int] = {}  # request_id -> allocated, not yet computed tokens
+        self.log = []
+        self.history: list[list[int]] = []  # every prompt so far, to derive shared prefixes
+
+    # Candidates for each rule; a rule is enabled only when it has one.
+    def _idle(self) -> list[Request]:
+        return [r for r in self.on_gpu if r.request_id not in self.pending]
+
+    def _to_allocate(self) -> list[Request]:
+        return [r for r in self._idle() if r.num_tokens_to_compute]
+
+    def _to_compute(self) -> list[Request]:
+        return [r for r in self.on_gpu if r.request_id in self.pending]
+
+    def _to_fork(self) -> list[Request]:
+        return [r for r in self._idle() if r.num_computed_tokens] if self._room() else []
+
+    def _to_swap_out(self) -> list[Request]:
+        return [r for r in self._idle() if r.block_table]
+
+    def _room(self) -> bool:
+        # Few live requests at a time, so the steps go to computing them.
+        return len(self.on_gpu) + len(self.swapped) < MAX_LIVE
+
+    def _add(self, tokens: list[int]) -> None:
+        self.history.append(tokens)
+        self.on_gpu.append(make_request(tokens))
+
+    @precondition(_room)
+    @rule(tokens=TOKENS)
+    def add(self, tokens: list[int]) -> None:
+        self.log.append('add')
+        self._add(tokens)
+
+    @precondition(lambda self: self.history and self._room())
+    @rule(sel=SEL, cut=st.integers(0, 18), suffix=TOKENS)
+    def add_sharing_prefix(self, sel: int, cut: int, suffix: list[int]) -> None:
+        self.log.append('add_s')
+        self._add(pick(self.history, sel)[:cut] + suffix)
+
+    @precondition(lambda self: self._to_allocate())
+    @rule(sel=SEL, chunk=st.integers(1, 12))
+    def allocate(self, sel: int, chunk: int) -> None:
+        self.log.append('alloc')
+        req = pick(self._to_allocate(), sel)
+        cached: list[int] = []
+        if req.num_computed_tokens == 0 and not req.block_table:
+            cached = self.pool.find_cached_blocks(req)
+        num_new = min(chunk, req.num_tokens_to_compute - len(cached) * BS)
+        before = pool_state(self.pool)
+        before_req = (list(req.block_table), req.num_computed_tokens, req.num_hashed_blocks)
+        copies = self.pool.allocate_slots(req, num_new, cached)
+        if copies is None:
+            assert pool_state(self.pool) == before
+            assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks) == before_req
+            event("allocate: pool short")
+            return
+        if cached:
+            event("allocate: prefix hit")
+        if copies:
+            event("allocate: copy on write")
+        assert len(req.block_table) * BS >= req.num_computed_tokens + num_new
+        for src, dst in copies:
+            assert src != dst and self.pool.ref_counts[dst] == 1
+        self.kv.copy(copies)
+        self.pending[req.request_id] = num_new
+
+    @precondition(lambda self: self.pending)
+    @rule(sel=SEL, token=st.integers(0, 1))
+    def compute(self, sel: int, token: int) -> None:
+        self.log.append('compu')
+        req = pick(self._to_compute(), sel)
+        n = self.pending.pop(req.request_id)
+        start = req.num_computed_tokens
+        self.kv.write(req, start, start + n)
+        req.num_computed_tokens += n
+        self.pool.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens and req.num_tokens < MAX_LEN:
+            req.append_token(token)
+
+    @precondition(lambda self: self._to_fork())
+    @rule(sel=SEL, token=st.integers(0, 1))
+    def fork(self, sel: int, token: int) -> None:
+        self.log.append('fork')
+        parent = pick(self._to_fork(), sel)
+        child = make_request(parent.all_token_ids)
+        self.pool.fork(parent, child)
+        # Parallel samples diverge at once: the child gets its own next token.
+        if child.num_computed_tokens == child.num_tokens and child.num_tokens < MAX_LEN:
+            child.append_token(token)
+        self.on_gpu.append(child)
+
+    @precondition(lambda self: self.on_gpu)
+    @rule(sel=SEL)
+    def free(self, sel: int) -> None:
+        self.log.append('free')
+        req = pick(self.on_gpu, sel)
+        self.pool.free(req)
+        self.on_gpu.remove(req)
+        self.pending.pop(req.request_id, None)
+        assert req.block_table == []
+
+    @precondition(lambda self: self._to_swap_out())
+    @rule(sel=SEL)
+    def swap_out(self, sel: int) -> None:
+        self.log.append('swap_')
+        req = pick(self._to_swap_out(), sel)
+        table = list(req.block_table)
+        pairs = self.swap.swap_out(self.pool, req)
+        if pairs is None:
+            assert req.block_table == table
+            event("swap out: swap space full")
+            return
+        assert [g for g, _ in pairs] == table
+        self.kv.swap_out(pairs)
+        self.on_gpu.remove(req)
+        self.swapped.append(req)
+
+    @precondition(lambda self: self.swapped)
+    @rule(sel=SEL)
+    def swap_in(self, sel: int) -> None:
+        self.log.append('swap_')
+        req = pick(self.swapped, sel)
+        if not self.swap.can_swap_in(self.pool, req):
+            event("swap in: no room")
+            return
+        event("swap in")
+        pairs = self.swap.swap_in(self.pool, req)
+        self.kv.swap_in(pairs)
+        self.swapped.remove(req)
+        self.on_gpu.append(req)
+
+    @invariant()
+    def integrity(self) -> None:
+        self.pool.check_integrity(self.on_gpu)
+        self.swap.check_integrity()
+        for req in self.on_gpu:
+            self.kv.check_gpu(req)
+        for req in self.swapped:
+            assert req.block_table == []
+            self.kv.check_cpu(req, self.swap.tables[req.request_id])
+        assert set(self.swap.tables) == {r.request_id for r in self.swapped}
+
+    def teardown(self) -> None:
+        print('RULES', ' '.join(self.log))
+        for req in self.on_gpu:
+            self.pool.free(req)
+        for req in self.swapped:
+            self.swap.discard(req)
+        self.pool.check_integrity([])
+        self.swap.check_integrity()
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        assert self.swap.num_free_blocks == self.swap.num_blocks
+        assert sum(self.pool.ref_counts) == 0
+
+
+def pick(items: list[Any], sel: int) -> Any:
+    return items[sel % len(items)]
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockPoolMachine = BlockPoolMachine.TestCase
