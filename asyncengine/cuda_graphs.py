@@ -64,8 +64,7 @@ class DecodeGraphs:
         t0 = time.monotonic()
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
-        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs",
-                      unit="graph"):
+        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
             meta = self._meta(b)
             with set_forward_context(meta):
                 # Warm-up compiles every kernel variant before capture.
@@ -77,14 +76,18 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[b], self.outputs[b] = graph, out
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs),
-                    time.monotonic() - t0)
+        logger.info(
+            "captured %d decode CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
+        )
 
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
         b = meta.seq_lens.shape[0]
-        return (meta.decode_only and b <= self.sizes[-1]
-                and meta.block_tables.shape[1] <= self.max_blocks)
+        return (
+            meta.decode_only
+            and b <= self.sizes[-1]
+            and meta.block_tables.shape[1] <= self.max_blocks
+        )
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.meta

@@ -89,8 +89,13 @@ class LLM:
             engine.add_request(rid, prompt, params, prompt_token_ids=ids)
             order[rid] = len(order)
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", unit="req", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(order),
+            desc="Processed prompts",
+            unit="req",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         start = time.monotonic()
         in_tokens = out_tokens = 0
         try:
@@ -102,9 +107,8 @@ class LLM:
                     in_tokens += len(out.prompt_token_ids)
                     out_tokens += len(out.outputs[0].token_ids)
                     elapsed = max(time.monotonic() - start, 1e-9)
-                    bar.set_postfix_str(
-                        f"in: {in_tokens / elapsed:.0f} tok/s, out: {out_tokens / elapsed:.0f} tok/s"
-                    )
+                    rates = (in_tokens / elapsed, out_tokens / elapsed)
+                    bar.set_postfix_str("in: {:.0f} tok/s, out: {:.0f} tok/s".format(*rates))
                     bar.update(1)
         except BaseException:
             engine.abort_request(list(order))

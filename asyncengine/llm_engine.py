@@ -77,14 +77,22 @@ class LLMEngine:
         self.eos_token_ids |= self._generation_config_eos(model_dir)
 
         model = load_model(
-            model_dir, cfg, dtype=self.dtype, device=self.device,
-            load_format=args.load_format, seed=args.seed,
+            model_dir,
+            cfg,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=args.load_format,
+            seed=args.seed,
         )
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
         self.runner = ModelRunner(
-            model, cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
+            model,
+            cfg,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=args.block_size,
             eos_token_ids=self.eos_token_ids,
         )
         num_blocks = args.num_kv_blocks or self.runner.profile_num_blocks(
@@ -106,7 +114,8 @@ class LLMEngine:
             swap_space=swap,
         )
         self.runner.prepare_for_serving(
-            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
         )
         self._prompt_meter = RateMeter()
@@ -116,13 +125,18 @@ class LLMEngine:
         self.num_finished = 0
         self.num_aborted = 0
         # Wall time per phase, summed over steps (benchmarks report where the time goes).
-        self.step_timing = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0,
-                            "steps": 0}
+        self.step_timing = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "steps": 0}
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "max_model_len %d",
-            time.monotonic() - t0, cfg.architecture, self.device, self.dtype, num_blocks,
-            args.block_size, num_blocks * self.runner.block_bytes() / 2**30, self.max_model_len,
+            time.monotonic() - t0,
+            cfg.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            args.block_size,
+            num_blocks * self.runner.block_bytes() / 2**30,
+            self.max_model_len,
         )
 
     @classmethod
@@ -231,7 +245,9 @@ class LLMEngine:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop_strings,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
@@ -289,8 +305,9 @@ class LLMEngine:
         prompt_tokens = 0
         for s in sched.scheduled:
             req = s.request
-            prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens,
-                                        s.num_new_tokens))
+            prompt_tokens += max(
+                0, min(req.num_prompt_tokens - req.num_computed_tokens, s.num_new_tokens)
+            )
             req.num_computed_tokens += s.num_new_tokens
             self.pool.cache_full_blocks(req)
         self._prompt_meter.add(prompt_tokens, now)
@@ -298,8 +315,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
             try:
-                self._append_token(req, token, result.logprobs[i] if result.logprobs else None,
-                                   now)
+                self._append_token(req, token, result.logprobs[i] if result.logprobs else None, now)
             except Exception as e:  # one request's failure must not hurt the others
                 logger.exception("postprocessing failed for request %s", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
@@ -394,18 +410,25 @@ class LLMEngine:
         sched, pool = self.scheduler, self.pool
         reqs: list[RequestStats] = []
         if include_requests:
-            queues = (("running", sched.running), ("swapped", sched.swapped),
-                      ("waiting", sched.waiting))
+            queues = (
+                ("running", sched.running),
+                ("swapped", sched.swapped),
+                ("waiting", sched.waiting),
+            )
             for state, queue in queues:
                 for r in list(queue)[:200]:
                     age = now - r.arrival_time
                     gen_time = now - r.metrics.first_token_time if r.metrics.first_token_time else 0
-                    reqs.append(RequestStats(
-                        request_id=r.request_id, state=state,  # type: ignore[arg-type]
-                        prompt_tokens=r.num_prompt_tokens, generated_tokens=r.num_output_tokens,
-                        tokens_per_s=r.num_output_tokens / gen_time if gen_time > 0 else 0.0,
-                        age_s=age,
-                    ))
+                    reqs.append(
+                        RequestStats(
+                            request_id=r.request_id,
+                            state=state,  # type: ignore[arg-type]
+                            prompt_tokens=r.num_prompt_tokens,
+                            generated_tokens=r.num_output_tokens,
+                            tokens_per_s=r.num_output_tokens / gen_time if gen_time > 0 else 0.0,
+                            age_s=age,
+                        )
+                    )
         queries = pool.prefix_queries
         return EngineStats(
             timestamp=time.time(),

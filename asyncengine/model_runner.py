@@ -146,7 +146,8 @@ class ModelRunner:
         """A forward pass over `num_tokens` tokens with no cache writes, to measure memory."""
         num_tokens = max(num_tokens, 1)
         dummy_k = torch.zeros(
-            (1, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+            (1, self.block_size, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype,
             device=self.device,
         )
         for layer in self.model.attention_layers():  # type: ignore[operator]
@@ -161,7 +162,7 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         with set_forward_context(meta):
             hidden = self.model(ids, ids)
-        self.model.compute_logits(hidden[-min(num_tokens, 256):])  # type: ignore[operator]
+        self.model.compute_logits(hidden[-min(num_tokens, 256) :])  # type: ignore[operator]
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         layers = self.cfg.num_hidden_layers

@@ -31,7 +31,9 @@ _current: AttentionMetadata | None = None
 
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
-        raise RuntimeError("attention metadata is not set: run the model inside set_forward_context")
+        raise RuntimeError(
+            "attention metadata is not set: run the model inside set_forward_context"
+        )
     return _current
 
 

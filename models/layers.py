@@ -50,7 +50,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         _check_shape("weight", param, loaded)
         param.data.copy_(loaded)
 
@@ -69,7 +71,9 @@ class ColumnParallelLinear(LinearBase):
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         super().__init__(in_features, divide(out_features, self.tp_size), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         size = param.shape[0]
         _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, self.in_features))
         shard = loaded.narrow(0, self.tp_rank * size, size)
@@ -83,11 +87,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _check_full_shape(f"merged shard {shard_id}", loaded,
-                          (self.output_sizes[shard_id], self.in_features))
+        _check_full_shape(
+            f"merged shard {shard_id}", loaded, (self.output_sizes[shard_id], self.in_features)
+        )
         shard = loaded.narrow(0, self.tp_rank * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"merged shard {shard_id}", target, shard)
@@ -113,7 +120,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, rank = 0, q_size, self.tp_rank
@@ -135,7 +144,9 @@ class RowParallelLinear(LinearBase):
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         super().__init__(divide(in_features, self.tp_size), out_features, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         if param.dim() == 1:  # bias: added once, after the reduction
             _check_shape("row-parallel bias", param, loaded)
             param.data.copy_(loaded)
@@ -163,12 +174,12 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard_size = math.ceil(num_embeddings / self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard_size, embedding_dim), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
             raise ValueError(
                 f"shape mismatch for embedding: checkpoint has {tuple(loaded.shape)}, "
@@ -236,9 +247,7 @@ def compute_cos_sin_cache(
     head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
     """[max_position, head_dim] float32: cos of the head_dim/2 frequencies, then their sin."""
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling or {})

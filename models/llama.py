@@ -8,6 +8,7 @@ runner selects. `load_weights` maps HF tensor names onto the fused QKV and gate/
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -123,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; QKV and gate/up are fused, so HF names are remapped on load."""
 
     # HF name fragment -> (our fused module fragment, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -165,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}"
+                )
             try:
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, tensor.to(param.dtype), shard)

@@ -59,9 +59,13 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    model_dir: Path, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     files = _safetensors_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors", unit="file", disable=not progress or len(files) < 2):
+    for path in tqdm(
+        files, desc="Loading safetensors", unit="file", disable=not progress or len(files) < 2
+    ):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)

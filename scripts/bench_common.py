@@ -10,27 +10,57 @@ from typing import Any
 SHAPES: dict[str, dict[str, Any]] = {
     # W1 / L1: Llama-2-7B
     "llama2-7b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-        intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-        torch_dtype="bfloat16", tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
     ),
     # W2: Llama-3-8B
     "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
-        torch_dtype="bfloat16", tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
     ),
     # A small shape for smoke runs.
     "tiny": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
-        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-        torch_dtype="bfloat16", tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
     ),
 }
 
@@ -45,8 +75,12 @@ def dummy_model_dir(shape: str) -> Path:
 
 def param_count(shape: str) -> int:
     c = SHAPES[shape]
-    h, i, layers, v = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
-                       c["vocab_size"])
+    h, i, layers, v = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
     hd = h // c["num_attention_heads"]
     attn = h * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
     return layers * (attn + 3 * h * i + 2 * h) + 2 * v * h + h

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_common import SHAPES, dummy_model_dir, emit, param_count  # noqa: E402
+from scripts.bench_common import SHAPES, dummy_model_dir, emit, param_count
 
 WORKLOADS = {
     "w1": dict(shape="llama2-7b", num_requests=512, prompt_len=512, output_len=256),
@@ -52,8 +52,12 @@ def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
     kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"]) / PEAK_BW
     steps = o * max(1, -(-n // max(concurrency, 1)))
     weights = steps * params * 2 / PEAK_BW
-    return {"prefill_s": prefill, "kv_read_s": kv, "weights_s": weights,
-            "total_s": prefill + kv + weights}
+    return {
+        "prefill_s": prefill,
+        "kv_read_s": kv,
+        "weights_s": weights,
+        "total_s": prefill + kv + weights,
+    }
 
 
 def make_prompts(w: dict, vocab: int, seed: int) -> list[list[int]]:
@@ -66,17 +70,27 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     from asyncengine.llm_engine import LLMEngine
     from asyncengine.sampling_params import RequestOutputKind
 
-    engine = LLMEngine(EngineArgs(
-        model=str(dummy_model_dir(w["shape"])), load_format="dummy",
-        skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=False, device=args.device,
-        dtype="bfloat16" if args.device != "cpu" else "float32",
-    ))
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(dummy_model_dir(w["shape"])),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=args.enforce_eager,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=False,
+            device=args.device,
+            dtype="bfloat16" if args.device != "cpu" else "float32",
+        )
+    )
     vocab = SHAPES[w["shape"]]["vocab_size"]
-    params = SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=w["output_len"],
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     # Warm-up: compiles every kernel variant (prefill, mixed and decode steps).
     for i, p in enumerate(make_prompts(dict(w, num_requests=4), vocab, seed=99)):
         engine.add_request(f"warm-{i}", p, params)
@@ -108,8 +122,11 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             first_token_time = time.perf_counter() - start
         if len(running) >= peak["running"]:
             live = sum(r.num_computed_tokens for r in running)
-            peak = {"running": len(running), "used_blocks": pool.num_used_blocks,
-                    "live_tokens": live}
+            peak = {
+                "running": len(running),
+                "used_blocks": pool.num_used_blocks,
+                "live_tokens": live,
+            }
         for o in outs:
             out_tokens += len(o.outputs[0].token_ids)
     _sync()
@@ -118,8 +135,11 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     limit_tok_s = w["num_requests"] * w["output_len"] / floor["total_s"]
     timing = engine.step_timing
     record = {
-        "workload": args.workload, "system": "asyncengine", "graphs": not args.enforce_eager,
-        "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
+        "workload": args.workload,
+        "system": "asyncengine",
+        "graphs": not args.enforce_eager,
+        "output_tokens": out_tokens,
+        "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(out_tokens / elapsed, 1),
         "total_tok_s": round((out_tokens + w["num_requests"] * w["prompt_len"]) / elapsed, 1),
         "limit_output_tok_s": round(limit_tok_s, 1),
@@ -135,8 +155,10 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             "kv_blocks": pool.num_blocks,
             "kv_pool_gib": round(pool.num_blocks * engine.runner.block_bytes() / 2**30, 2),
             "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-            if torch.cuda.is_available() else None,
-            "peak_running": peak["running"], "used_blocks_at_peak": peak["used_blocks"],
+            if torch.cuda.is_available()
+            else None,
+            "peak_running": peak["running"],
+            "used_blocks_at_peak": peak["used_blocks"],
             "waste_at_peak": round(1 - peak["live_tokens"] / max(peak["used_blocks"] * bs, 1), 4),
         },
     }
@@ -171,30 +193,49 @@ def profile_decode(engine, w: dict, params, steps: int) -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) or 1
     top = sorted(events, key=lambda e: -e.device_time_total)[:12]
-    emit({"workload": "profile", "steps": steps, "batch": n, "wall_ms_per_step":
-          round(1000 * wall / steps, 3),
-          "gpu_busy_ms_per_step": round(total / 1000 / steps, 3),
-          "kernels": [{"name": e.key[:60], "share": round(e.device_time_total / total, 3)}
-                      for e in top]})
+    emit(
+        {
+            "workload": "profile",
+            "steps": steps,
+            "batch": n,
+            "wall_ms_per_step": round(1000 * wall / steps, 3),
+            "gpu_busy_ms_per_step": round(total / 1000 / steps, 3),
+            "kernels": [
+                {"name": e.key[:60], "share": round(e.device_time_total / total, 3)} for e in top
+            ],
+        }
+    )
     engine.abort_request([f"prof-{i}" for i in range(n)])
 
 
 def run_hf(w: dict, args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(**{k: v for k, v in SHAPES[w["shape"]].items()
-                         if k not in ("architectures", "model_type", "torch_dtype")})
+    cfg = LlamaConfig(
+        **{
+            k: v
+            for k, v in SHAPES[w["shape"]].items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        }
+    )
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
     model.eval()
     vocab = cfg.vocab_size
     prompts = torch.tensor(make_prompts(w, vocab, args.seed), device="cuda")
     bsz = args.hf_batch_size if args.workload != "l1" else 1
 
     def gen(batch: torch.Tensor, new: int) -> torch.Tensor:
-        return model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        return model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
 
     with torch.inference_mode():
         gen(prompts[:bsz], 4)  # warm-up
@@ -207,9 +248,13 @@ def run_hf(w: dict, args: argparse.Namespace) -> None:
             out_tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         _sync()
         elapsed = time.perf_counter() - start
-    record = {"workload": args.workload, "system": f"hf-generate-static-bs{bsz}",
-              "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
-              "output_tok_s": round(out_tokens / elapsed, 1)}
+    record = {
+        "workload": args.workload,
+        "system": f"hf-generate-static-bs{bsz}",
+        "output_tokens": out_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(out_tokens / elapsed, 1),
+    }
     if args.workload == "l1":
         record["ms_per_token"] = round(1000 * elapsed / out_tokens, 3)
     emit(record)

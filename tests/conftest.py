@@ -14,11 +14,11 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.tiny_models import build_tiny_model_dir, build_tiny_tokenizer  # noqa: E402
+from tests.tiny_models import build_tiny_model_dir, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,11 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Any:
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
-        eos_token="<|im_end|>", pad_token="<|im_end|>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -49,8 +52,14 @@ def tiny_config(kind: str, vocab_size: int = 512) -> Any:
     import transformers as tf
 
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
         architectures=None,
     )
     if kind == "llama2":
@@ -58,9 +67,16 @@ def tiny_config(kind: str, vocab_size: int = 512) -> Any:
         cfg.architectures = ["LlamaForCausalLM"]
     elif kind == "llama3":
         cfg = tf.LlamaConfig(
-            num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
             **common,
         )
         cfg.architectures = ["LlamaForCausalLM"]

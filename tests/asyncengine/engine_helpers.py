@@ -19,8 +19,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
         for p in prompts:
             ids = torch.tensor([p])
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs

@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.request import Request
@@ -517,19 +523,34 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.history.append(tokens)
         self.on_gpu.append(make_request(tokens))
 
+    @initialize(prefix=TOKENS, suffixes=st.lists(TOKENS, min_size=1, max_size=3))
+    def warm_cache(self, prefix: list[int], suffixes: list[list[int]]) -> None:
+        """Start from a used pool: requests sharing a prefix, computed and then freed."""
+        for suffix in suffixes:
+            req = make_request(prefix + suffix)
+            cached = self.pool.find_cached_blocks(req)
+            copies = self.pool.allocate_slots(req, req.num_tokens - len(cached) * BS, cached)
+            if copies is None:
+                break
+            self.kv.write(req, req.num_computed_tokens, req.num_tokens)
+            req.num_computed_tokens = req.num_tokens
+            self.pool.cache_full_blocks(req)
+            self.pool.free(req)
+        self.history.append(prefix)
+
     @precondition(_room)
     @rule(tokens=TOKENS)
     def add(self, tokens: list[int]) -> None:
         self._add(tokens)
 
     @precondition(lambda self: self.history and self._room())
-    @rule(sel=SEL, cut=st.integers(0, 18), suffix=TOKENS)
+    @rule(sel=SEL, cut=st.integers(0, 5), suffix=TOKENS)
     def add_sharing_prefix(self, sel: int, cut: int, suffix: list[int]) -> None:
-        self._add(pick(self.history, sel)[:cut] + suffix)
+        self._add(pick(self.history, sel)[: cut * BS] + suffix)
 
     @precondition(lambda self: self._to_allocate())
-    @rule(sel=SEL, chunk=st.integers(1, 12))
-    def allocate(self, sel: int, chunk: int) -> None:
+    @rule(sel=SEL, chunk=st.integers(1, 12), then_compute=st.booleans(), token=st.integers(0, 1))
+    def allocate(self, sel: int, chunk: int, then_compute: bool, token: int) -> None:
         req = pick(self._to_allocate(), sel)
         cached: list[int] = []
         if req.num_computed_tokens == 0 and not req.block_table:
@@ -552,11 +573,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert src != dst and self.pool.ref_counts[dst] == 1
         self.kv.copy(copies)
         self.pending[req.request_id] = num_new
+        if then_compute:
+            self._compute(req, token)
 
     @precondition(lambda self: self.pending)
     @rule(sel=SEL, token=st.integers(0, 1))
     def compute(self, sel: int, token: int) -> None:
-        req = pick(self._to_compute(), sel)
+        self._compute(pick(self._to_compute(), sel), token)
+
+    def _compute(self, req: Request, token: int) -> None:
         n = self.pending.pop(req.request_id)
         start = req.num_computed_tokens
         self.kv.write(req, start, start + n)

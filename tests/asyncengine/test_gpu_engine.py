@@ -20,13 +20,21 @@ pytestmark = [
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_gpu_greedy_equals_hf(tiny_llama_dir: Path, enforce_eager: bool,
-                              preemption_mode: str) -> None:
+def test_gpu_greedy_equals_hf(
+    tiny_llama_dir: Path, enforce_eager: bool, preemption_mode: str
+) -> None:
     prefix = make_prompts(452, [40], seed=11)[0]
     prompts = make_prompts(452) + [prefix + s for s in make_prompts(452, [2, 7, 30], seed=12)]
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=16,
-              max_num_batched_tokens=23, preemption_mode=preemption_mode,
-              enforce_eager=enforce_eager, max_num_seqs=8)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        device="cuda",
+        num_kv_blocks=16,
+        max_num_batched_tokens=23,
+        preemption_mode=preemption_mode,
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
@@ -43,8 +51,9 @@ def test_gpu_bf16_matches_hf_mostly(tiny_llama_dir: Path) -> None:
     """bf16 rounding differs between implementations; the first tokens must still agree."""
     prompts = make_prompts(452, [9, 33, 64], seed=4)
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", device="cuda", max_num_seqs=4)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     ref = hf_greedy(tiny_llama_dir, prompts, 4)
     agree = sum(o.outputs[0].token_ids[0] == r[0] for o, r in zip(outs, ref, strict=True))
     assert agree == len(prompts)

@@ -73,8 +73,12 @@ def test_default_model_greedy_equals_hf(default_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    texts = ["The capital of France is", "Once upon a time, there was a",
-             "def add(a, b):\n    return", "1, 2, 3, 4,"]
+    texts = [
+        "The capital of France is",
+        "Once upon a time, there was a",
+        "def add(a, b):\n    return",
+        "1, 2, 3, 4,",
+    ]
     prompts = [tok.encode(t) for t in texts]
     llm, ours = run(default_model_dir, prompts, max_num_batched_tokens=12)
     assert ours == hf_greedy(default_model_dir, prompts, MAX_TOKENS)
@@ -83,8 +87,11 @@ def test_default_model_greedy_equals_hf(default_model_dir: Path) -> None:
 
 def test_default_model_chat_knows_paris() -> None:
     llm = LLM(dtype="float32", device="cpu")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=30),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
     assert_pool_clean(llm)
@@ -93,30 +100,35 @@ def test_default_model_chat_knows_paris() -> None:
 def test_stop_strings_and_tokens(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
     prompt = make_prompts(452, [12], seed=3)[0]
-    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     # Stop on the 5th generated token id.
     stop_tok = base.token_ids[4]
     first = base.token_ids.index(stop_tok)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].token_ids == base.token_ids[: first + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_tok)
     # Stop on a piece of the text: output is trimmed before it.
     text = base.text
     needle = text[len(text) // 2 : len(text) // 2 + 3]
     if needle.strip():
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20,
-                                                    ignore_eos=True, stop=[needle]),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[needle]),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert out.text == text[: text.index(needle)]
         assert (out.finish_reason, out.stop_reason) == ("stop", needle)
     assert_pool_clean(llm)
 
 
 def test_rejects_requests_that_can_never_fit(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64,
-              num_kv_blocks=3)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=3)
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=10))
@@ -140,9 +152,17 @@ def test_output_kinds_and_logprobs(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
     engine = llm.llm_engine
     prompt = make_prompts(452, [10], seed=5)[0]
-    engine.add_request("d", prompt, SamplingParams(
-        temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
-        output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "d",
+        prompt,
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            ignore_eos=True,
+            logprobs=3,
+            output_kind=RequestOutputKind.DELTA,
+        ),
+    )
     deltas = []
     while engine.has_unfinished_requests():
         deltas += engine.step()
@@ -154,7 +174,8 @@ def test_output_kinds_and_logprobs(tiny_llama_dir: Path) -> None:
         tok = d.outputs[0].token_ids[0]
         assert tok in lp and 3 <= len(lp) <= 4
         assert lp[tok] == pytest.approx(max(lp.values()))  # greedy picks the top logprob
-    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    full = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert full.token_ids == ids
     assert full.text == "".join(d.outputs[0].text for d in deltas)

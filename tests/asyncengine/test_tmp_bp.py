@@ -10,12 +10,19 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
 
+_orig=BlockPool.find_cached_blocks; BlockPool.find_cached_blocks = lambda self, r: self._orig_fcb(r)[:1] + self._orig_fcb(r)[2:]; BlockPool._orig_fcb=_orig
 BS = 4  # block size used throughout: small, so a few tokens span several blocks
 
 _ids = itertools.count()
@@ -444,11 +451,9 @@ class KVShadow:
             dst[d] = data
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.log.append('swap_')
         self._copy(self.gpu, self.cpu, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.log.append('swap_')
         self._copy(self.cpu, self.gpu, pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
@@ -493,7 +498,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.on_gpu: list[Request] = []
         self.swapped: list[Request] = []
         self.pending: dict[str, int] = {}  # request_id -> allocated, not yet computed tokens
-        self.log = []
         self.history: list[list[int]] = []  # every prompt so far, to derive shared prefixes
 
     # Candidates for each rule; a rule is enabled only when it has one.
@@ -520,22 +524,34 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.history.append(tokens)
         self.on_gpu.append(make_request(tokens))
 
+    @initialize(prefix=TOKENS, suffixes=st.lists(TOKENS, min_size=1, max_size=3))
+    def warm_cache(self, prefix: list[int], suffixes: list[list[int]]) -> None:
+        """Start from a used pool: requests sharing a prefix, computed and then freed."""
+        for suffix in suffixes:
+            req = make_request(prefix + suffix)
+            cached = self.pool.find_cached_blocks(req)
+            copies = self.pool.allocate_slots(req, req.num_tokens - len(cached) * BS, cached)
+            if copies is None:
+                break
+            self.kv.write(req, req.num_computed_tokens, req.num_tokens)
+            req.num_computed_tokens = req.num_tokens
+            self.pool.cache_full_blocks(req)
+            self.pool.free(req)
+        self.history.append(prefix)
+
     @precondition(_room)
     @rule(tokens=TOKENS)
     def add(self, tokens: list[int]) -> None:
-        self.log.append('add')
         self._add(tokens)
 
     @precondition(lambda self: self.history and self._room())
-    @rule(sel=SEL, cut=st.integers(0, 18), suffix=TOKENS)
+    @rule(sel=SEL, cut=st.integers(0, 5), suffix=TOKENS)
     def add_sharing_prefix(self, sel: int, cut: int, suffix: list[int]) -> None:
-        self.log.append('add_s')
-        self._add(pick(self.history, sel)[:cut] + suffix)
+        self._add(pick(self.history, sel)[: cut * BS] + suffix)
 
     @precondition(lambda self: self._to_allocate())
-    @rule(sel=SEL, chunk=st.integers(1, 12))
-    def allocate(self, sel: int, chunk: int) -> None:
-        self.log.append('alloc')
+    @rule(sel=SEL, chunk=st.integers(1, 12), then_compute=st.booleans(), token=st.integers(0, 1))
+    def allocate(self, sel: int, chunk: int, then_compute: bool, token: int) -> None:
         req = pick(self._to_allocate(), sel)
         cached: list[int] = []
         if req.num_computed_tokens == 0 and not req.block_table:
@@ -558,12 +574,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert src != dst and self.pool.ref_counts[dst] == 1
         self.kv.copy(copies)
         self.pending[req.request_id] = num_new
+        if then_compute:
+            self._compute(req, token)
 
     @precondition(lambda self: self.pending)
     @rule(sel=SEL, token=st.integers(0, 1))
     def compute(self, sel: int, token: int) -> None:
-        self.log.append('compu')
-        req = pick(self._to_compute(), sel)
+        self._compute(pick(self._to_compute(), sel), token)
+
+    def _compute(self, req: Request, token: int) -> None:
         n = self.pending.pop(req.request_id)
         start = req.num_computed_tokens
         self.kv.write(req, start, start + n)
@@ -575,7 +594,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._to_fork())
     @rule(sel=SEL, token=st.integers(0, 1))
     def fork(self, sel: int, token: int) -> None:
-        self.log.append('fork')
         parent = pick(self._to_fork(), sel)
         child = make_request(parent.all_token_ids)
         self.pool.fork(parent, child)
@@ -587,7 +605,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.on_gpu)
     @rule(sel=SEL)
     def free(self, sel: int) -> None:
-        self.log.append('free')
         req = pick(self.on_gpu, sel)
         self.pool.free(req)
         self.on_gpu.remove(req)
@@ -597,7 +614,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._to_swap_out())
     @rule(sel=SEL)
     def swap_out(self, sel: int) -> None:
-        self.log.append('swap_')
         req = pick(self._to_swap_out(), sel)
         table = list(req.block_table)
         pairs = self.swap.swap_out(self.pool, req)
@@ -613,7 +629,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.swapped)
     @rule(sel=SEL)
     def swap_in(self, sel: int) -> None:
-        self.log.append('swap_')
         req = pick(self.swapped, sel)
         if not self.swap.can_swap_in(self.pool, req):
             event("swap in: no room")
@@ -636,7 +651,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert set(self.swap.tables) == {r.request_id for r in self.swapped}
 
     def teardown(self) -> None:
-        print('RULES', ' '.join(self.log))
         for req in self.on_gpu:
             self.pool.free(req)
         for req in self.swapped:

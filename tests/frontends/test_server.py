@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -368,11 +369,20 @@ async def test_slow_reader_does_not_stall_other_connections(engine: AsyncLLMEngi
     config = ServerConfig(port=0, max_pending_frames=2)
     async with serve_engine(engine, config) as server:
         # A client that never reads: its requests stall at the send buffer, not the engine.
-        sleeper = await connect(server.url, max_queue=1)
-        for i in range(4):
+        # A tiny receive window makes the server's sends back up after a few frames.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.connect((server.host, server.port))
+        sleeper = await connect(server.url, sock=sock, max_queue=1)
+        for i in range(8):
             await send(sleeper, {"type": "generate", "request_id": f"s{i}",
                                  "prompt": "never read",
-                                 "params": {"max_tokens": 100, "ignore_eos": True}})
+                                 "params": {"max_tokens": 200, "ignore_eos": True}})
+        async with asyncio.timeout(20 * UNIT):
+            # wait until the writer is blocked on the socket with its buffer full
+            while not any(c.outq.qsize() >= config.max_pending_frames
+                          for c in server._connections):
+                await asyncio.sleep(0.01)
         async with connect(server.url) as ws:
             await send(ws, {"type": "generate", "request_id": "fast", "prompt": "read me",
                             "params": {"max_tokens": 30, "ignore_eos": True}})

@@ -23,7 +23,11 @@ def test_logits_match_hf_gguf(default_model_dir: Path) -> None:
 
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    texts = ["The capital of France is", "Hello", "def fibonacci(n):\n    if n < 2:\n        return"]
+    texts = [
+        "The capital of France is",
+        "Hello",
+        "def fibonacci(n):\n    if n < 2:\n        return",
+    ]
     prompts = [tok.encode(t) for t in texts]
     ours = flat_forward(default_model_dir, prompts)
     hf = AutoModelForCausalLM.from_pretrained(
@@ -41,7 +45,8 @@ def test_minimal_greedy_loop_answers_paris(default_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=True,
+        add_generation_prompt=True,
+        tokenize=True,
     )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     start = len(ids)

@@ -17,8 +17,9 @@ from tests.tiny_models import build_tiny_model_dir
 def _load(path: Path, load_format: str = "auto") -> torch.nn.Module:
     model_dir = resolve_model_path(str(path), load_format)
     cfg = ModelConfig.from_dir(model_dir)
-    return load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"),
-                      load_format=load_format)
+    return load_model(
+        model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"), load_format=load_format
+    )
 
 
 def test_wrong_path(tmp_path: Path) -> None:
@@ -27,7 +28,7 @@ def test_wrong_path(tmp_path: Path) -> None:
 
 
 def test_directory_without_config(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         _load(tmp_path)
 
 
@@ -71,8 +72,10 @@ def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
     (d / "model.safetensors").unlink()
     names = sorted(weights)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     weight_map = {}
     for fname, keys in shards.items():
         save_file({k: weights[k] for k in keys}, str(d / fname))
