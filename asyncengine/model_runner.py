@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -189,41 +190,49 @@ class ModelRunner:
 
     # --------------------------------------------------------------- a step
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests into the step's tensors (one host-to-device copy)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
+        scheduled = sched.scheduled
+        b = len(scheduled)
+        w = max(len(s.request.block_table) for s in scheduled)
+        lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
+        starts = np.fromiter(
+            (s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=b
+        )
+        t = int(lens.sum())
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        seq_lens = starts + lens
+        tables = np.zeros((b, w), dtype=np.int64)
+        input_ids = np.empty(t, dtype=np.int64)
         sampling: list[Request] = []
-        max_blocks = max(len(s.request.block_table) for s in sched.scheduled)
-        tables: list[list[int]] = []
-        for s in sched.scheduled:
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            input_ids += req.all_token_ids[start : start + n]
-            positions += range(start, start + n)
+        logits_idx: list[int] = []
+        for i, s in enumerate(scheduled):
+            req = s.request
             table = req.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            if s.needs_logits:
-                logits_idx.append(qsl[-1] - 1)
+            tables[i, : len(table)] = table
+            lo, n, start = int(qsl[i]), int(lens[i]), int(starts[i])
+            if n == 1:
+                input_ids[lo] = req.all_token_ids[start]
+            else:
+                input_ids[lo : lo + n] = req.all_token_ids[start : start + n]
+            if start + n == req.num_tokens:
+                logits_idx.append(lo + n - 1)
                 sampling.append(req)
-        max_q = max(s.num_new_tokens for s in sched.scheduled)
-        # One host buffer and one host-to-device copy for all the step's integer inputs:
-        # separate small copies cost more in launch and pinning than the data itself.
-        t, b, w = len(input_ids), len(seq_lens), max_blocks
-        flat = input_ids + positions + slots + qsl + seq_lens + logits_idx
-        for row in tables:
-            flat += row
-        host = torch.tensor(flat, dtype=torch.int64)
+        # Token i of request r sits at position starts[r] + (i - qsl[r]).
+        owner = np.repeat(np.arange(b), lens)
+        positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
+        slots = tables[owner, positions // bs] * bs + positions % bs
+        flat = np.concatenate(
+            [input_ids, positions, slots, qsl, seq_lens, np.asarray(logits_idx, np.int64),
+             tables.reshape(-1)]
+        )
+        host = torch.from_numpy(flat)
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
         parts = dev.split([t, t, t, b + 1, b, len(logits_idx), b * w])
+        max_q = int(lens.max())
         meta = AttentionMetadata(
             slot_mapping=parts[2],
             query_start_loc=parts[3].to(torch.int32),
