@@ -597,6 +597,11 @@ class AsyncLLMEngine:
                                        arrival_time=arrival)
                 except ValueError as exc:
                     failures[rid] = exc
+                except Exception as exc:
+                    # `LLMEngine.add_request` queues the request last, so a failure before
+                    # that leaves no trace: fail this request, not the engine.
+                    logger.exception("adding request %s failed", rid)
+                    failures[rid] = RequestFailedError(rid, f"{type(exc).__name__}: {exc}")
             elif kind == "abort":
                 engine.abort_request(cmd[1])
             elif kind == "call":

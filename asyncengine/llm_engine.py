@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,13 @@ class LLMEngine:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids |= self._generation_config_eos(model_dir)
 
+        # Tensor parallelism: spawn ranks 1..N-1 and make this process rank 0, so the model
+        # built below is rank 0's shard and the runner mirrors each step on the workers.
+        make_runner: Callable[..., ModelRunner] = ModelRunner
+        if args.tensor_parallel_size > 1:
+            from asyncengine.tp_runner import start_tensor_parallel
+
+            make_runner = start_tensor_parallel(args, model_dir, cfg, self.dtype, self.device)
         model = load_model(
             model_dir,
             cfg,
@@ -87,7 +94,7 @@ class LLMEngine:
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
-        self.runner = ModelRunner(
+        self.runner = make_runner(
             model,
             cfg,
             device=self.device,
@@ -142,6 +149,12 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit); no steps after."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ------------------------------------------------------------ set-up bits
     def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
@@ -340,25 +353,30 @@ class LLMEngine:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(token, 0.0)
         params = req.params
+        min_ok = req.num_output_tokens >= params.min_tokens
+        # A stopping token ends the request before its text is rendered (as in vLLM).
+        if min_ok and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            return
+        if min_ok and token in (params.stop_token_ids or ()):
+            req.stop_reason = token
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            return
         if req.detokenizer is not None:
             req.detokenizer.append([token])
             if req.detokenizer.finished_by_stop:
                 req.stop_reason = req.detokenizer.stop_reason
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 return
-        min_ok = req.num_output_tokens >= params.min_tokens
-        if min_ok and not params.ignore_eos and token in self.eos_token_ids:
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif min_ok and token in (params.stop_token_ids or ()):
-            req.stop_reason = token
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.detokenizer is not None and status != RequestStatus.FINISHED_STOPPED:
+        detok = req.detokenizer
+        if detok is not None and not detok.finished_by_stop:
+            # Text held back for a stop string that never came belongs to the output.
             try:
-                req.detokenizer.flush()
+                detok.flush()
             except Exception:
                 logger.exception("detokenizer flush failed for %s", req.request_id)
         req.metrics.finished_time = time.monotonic()

@@ -112,6 +112,8 @@ class ModelRunner:
         self.head_dim = attn[0].head_dim
         self.graphs = None
         self.last_step_decode_only = False
+        self._staging: torch.Tensor | None = None
+        self._staging_done: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -227,10 +229,7 @@ class ModelRunner:
             [input_ids, positions, slots, qsl, seq_lens, np.asarray(logits_idx, np.int64),
              tables.reshape(-1)]
         )
-        host = torch.from_numpy(flat)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = self._to_device(flat)
         parts = dev.split([t, t, t, b + 1, b, len(logits_idx), b * w])
         max_q = int(lens.max())
         meta = AttentionMetadata(
@@ -248,6 +247,28 @@ class ModelRunner:
             logits_indices=parts[5],
             sampling_requests=sampling,
         )
+
+    def _to_device(self, flat: np.ndarray) -> torch.Tensor:
+        """One host-to-device copy through a reused pinned buffer (no pinning per step).
+
+        An event guards the buffer: the previous step's copy must have left it before it is
+        written again (usually long done: steps end by reading the sampled ids back).
+        """
+        host = torch.from_numpy(flat)
+        if self.device.type != "cuda":
+            return host
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(
+                max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True
+            )
+        staged = self._staging[: host.numel()]
+        staged.copy_(host)
+        dev = staged.to(self.device, non_blocking=True)
+        self._staging_done = torch.cuda.Event()
+        self._staging_done.record()
+        return dev
 
     def apply_block_moves(self, sched: SchedulerOutput) -> None:
         assert self.kv_cache is not None

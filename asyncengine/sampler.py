@@ -43,9 +43,9 @@ class SamplingMetadata:
     # no row needs them.
     prompt_token_ids: torch.Tensor  # int64 [B, Lp]
     output_token_ids: torch.Tensor  # int64 [B, Lo]
-    # (row, token) pairs that must not be sampled: stop ids of rows still under min_tokens.
-    min_tokens_rows: torch.Tensor  # int64 [K]
-    min_tokens_token_ids: torch.Tensor  # int64 [K]
+    # Stop ids of rows still under min_tokens, as flat indices row * vocab_size + token into
+    # the logits (index_fill_ on a flat view does not sync, unlike indexing by two tensors).
+    min_tokens_ban: torch.Tensor  # int64 [K]
     generators: dict[int, torch.Generator]  # row -> the seeded request's own generator
     all_greedy: bool
     all_random: bool
@@ -100,8 +100,7 @@ class SamplingMetadata:
         no_freq_pres = all(f == 0.0 for f in freq) and all(p == 0.0 for p in pres)
         no_penalties = no_rep and no_freq_pres
 
-        ban_rows: list[int] = []
-        ban_ids: list[int] = []
+        ban: list[int] = []
         for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
             if len(out) >= p.min_tokens:
                 continue
@@ -109,9 +108,7 @@ class SamplingMetadata:
             stop_ids = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 stop_ids |= eos
-            for tok in sorted(t for t in stop_ids if 0 <= t < vocab_size):
-                ban_rows.append(row)
-                ban_ids.append(tok)
+            ban.extend(row * vocab_size + t for t in sorted(stop_ids) if 0 <= t < vocab_size)
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(asked) if asked else None
@@ -139,8 +136,7 @@ class SamplingMetadata:
             presence_penalties=to_dev(pres, torch.float32),
             prompt_token_ids=padded(prompt_token_ids, not no_rep),
             output_token_ids=padded(output_token_ids, not no_penalties),
-            min_tokens_rows=to_dev(ban_rows, torch.int64),
-            min_tokens_token_ids=to_dev(ban_ids, torch.int64),
+            min_tokens_ban=to_dev(ban, torch.int64),
             generators={i: g for i, g in enumerate(generators) if g is not None},
             all_greedy=all_greedy,
             all_random=not any(greedy),
@@ -151,7 +147,7 @@ class SamplingMetadata:
             no_top_k=all(k == 0 for k in top_k),
             no_top_p=all(p >= 1.0 for p in top_p),
             no_min_p=all(p <= 0.0 for p in min_p),
-            has_min_tokens_ban=bool(ban_rows),
+            has_min_tokens_ban=bool(ban),
             max_num_logprobs=max_num_logprobs,
         )
 
@@ -230,7 +226,7 @@ class Sampler(torch.nn.Module):
         )
 
         if meta.has_min_tokens_ban:
-            logits[meta.min_tokens_rows, meta.min_tokens_token_ids] = float("-inf")
+            logits.view(-1).index_fill_(0, meta.min_tokens_ban, float("-inf"))
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
 

@@ -27,12 +27,14 @@ OVERLOADED: Final = "overloaded"
 UNAUTHORIZED: Final = "unauthorized"
 ENGINE_ERROR: Final = "engine_error"
 NOT_FOUND: Final = "not_found"
+INTERNAL_ERROR: Final = "internal_error"  # a server bug; the connection goes on
 ErrorCode = Literal[
     "invalid_request", "unknown_type", "duplicate_request_id", "prompt_too_long",
-    "overloaded", "unauthorized", "engine_error", "not_found",
+    "overloaded", "unauthorized", "engine_error", "not_found", "internal_error",
 ]
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_MAX_REQUEST_ID = 256
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_REQUEST_ID)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _MAX_TOKENS_LIMIT = 1 << 20
@@ -189,15 +191,21 @@ def decode_client_message(data: bytes | str) -> Generate | Cancel | StatsSubscri
         probe = _probe(data)
         if probe.type is not None and probe.type not in CLIENT_TYPES:
             return Error(code=UNKNOWN_TYPE, request_id=probe.request_id,
-                         message=f"unknown message type {probe.type!r}; expected one of "
+                         message=f"unknown message type {probe.type[:64]!r}; expected one of "
                                  f"{', '.join(sorted(CLIENT_TYPES))}")
         return Error(code=INVALID_REQUEST, message=str(exc), request_id=probe.request_id)
     except msgspec.DecodeError as exc:
         return Error(code=INVALID_REQUEST, message=f"malformed JSON: {exc}")
+    except RecursionError:
+        # msgspec recurses while it skips fields (e.g. to find the tag): deep nesting ends here.
+        return Error(code=INVALID_REQUEST, message="malformed JSON: nested too deeply")
 
 
 def _probe(data: bytes | str) -> _Probe:
     try:
-        return _probe_decoder.decode(data)
-    except msgspec.MsgspecError:
+        probe = _probe_decoder.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
         return _Probe()
+    if probe.request_id is not None and len(probe.request_id) > _MAX_REQUEST_ID:
+        probe.request_id = None  # not a valid id: echoing it back would only amplify
+    return probe

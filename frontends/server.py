@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import ipaddress
 import itertools
 import logging
 import math
+import re
 import signal
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -47,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 16_384
+# What a chat message costs the template beyond its content, in characters of the above:
+# thousands of empty messages must not render on the loop either.
+_CHAT_MESSAGE_OVERHEAD_CHARS = 32
+# Browser origins accepted by default: pages served from this machine.
+_LOOPBACK_ORIGIN = re.compile(r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?")
 
 
 @dataclasses.dataclass
@@ -56,7 +63,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     api_key: str | None = None
-    # Accepted `Origin` headers (browsers); None accepts any, including none.
+    # Accepted browser `Origin` headers. None: pages from this machine only (http(s) on
+    # localhost, 127.x.x.x or [::1], any port), so a web page elsewhere cannot drive a local
+    # server; "*" accepts any. Clients that send no Origin (non-browsers) always pass this
+    # check: for them the API key is the gate.
     allowed_origins: list[str] | None = None
     max_size: int = 1 << 20  # largest accepted frame, bytes (bigger: close 1009)
     max_queued_requests: int = 1024  # accepted requests still waiting for a first token
@@ -76,6 +86,22 @@ class ServerConfig:
         for name in ("max_size", "max_requests_per_connection", "max_pending_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+
+
+def accepted_origins(allowed: list[str] | None) -> list[str | re.Pattern[str] | None] | None:
+    """The `origins` argument of `websockets.serve` for `ServerConfig.allowed_origins`."""
+    if allowed is None:
+        return [None, _LOOPBACK_ORIGIN]
+    if "*" in allowed:
+        return None
+    return [None, *allowed]
+
+
+class _NoDebugLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """websockets' logger without DEBUG records: at DEBUG it logs every frame, prompts too."""
+
+    def isEnabledFor(self, level: int) -> bool:
+        return level > logging.DEBUG and self.logger.isEnabledFor(level)
 
 
 def is_loopback(host: str) -> bool:
@@ -170,6 +196,9 @@ class EngineServer:
         self._connections_gauge = Gauge("asyncengine_websocket_connections",
                                         "Open WebSocket connections.", registry=self.registry)
         self._connections: set[_Connection] = set()
+        # Keys are compared as digests: equal lengths, so the comparison time says nothing.
+        self._key_digest = (hashlib.sha256(config.api_key.encode()).digest()
+                            if config.api_key is not None else None)
         self._ws_server: Server | None = None
         self._address: tuple[str, int] | None = None
         self._draining = False
@@ -179,10 +208,12 @@ class EngineServer:
     async def start(self) -> None:
         cfg = self.config
         self.engine.add_stat_logger(self.metrics)
+        ws_logger = logging.getLogger("websockets.server")
         self._ws_server = await serve(
             self._handler, cfg.host, cfg.port,
             process_request=self._process_request,
-            origins=list(cfg.allowed_origins) if cfg.allowed_origins else None,
+            origins=accepted_origins(cfg.allowed_origins),
+            logger=ws_logger if cfg.log_prompts else _NoDebugLogger(ws_logger, {}),
             max_size=cfg.max_size,
             compression=None,  # frames are small; deflate would cost CPU per token
             ping_interval=cfg.ping_interval, ping_timeout=cfg.ping_timeout,
@@ -286,15 +317,15 @@ class EngineServer:
         return None
 
     def _authorized(self, headers: Headers, query: str) -> bool:
-        assert self.config.api_key is not None
-        expected = self.config.api_key.encode()
+        assert self._key_digest is not None
         given = ""
         auth = headers.get("Authorization", "")
         if auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
         else:
             given = parse_qs(query).get("api_key", [""])[0]
-        return hmac.compare_digest(given.encode(), expected)
+        digest = hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(digest, self._key_digest)
 
     # ------------------------------------------------------------------ WebSocket
     async def _handler(self, ws: ServerConnection) -> None:
@@ -326,9 +357,22 @@ class EngineServer:
     async def _read(self, conn: _Connection) -> None:
         with contextlib.suppress(ConnectionClosed):
             async for raw in conn.ws:
-                await self._on_message(conn, raw)
+                try:
+                    await self._on_message(conn, raw)
+                except Exception:
+                    # A bug must cost one message, not the connection and its other requests.
+                    logger.exception("connection %d: unexpected error handling a message",
+                                     conn.id)
+                    self._rejected.labels(p.INTERNAL_ERROR).inc()
+                    await conn.send(p.Error(code=p.INTERNAL_ERROR,
+                                            message="internal server error"))
 
     async def _on_message(self, conn: _Connection, raw: str | bytes) -> None:
+        if isinstance(raw, bytes):
+            self._rejected.labels(p.INVALID_REQUEST).inc()
+            await conn.send(p.Error(code=p.INVALID_REQUEST, message="binary frames are not "
+                                    "accepted: send JSON text frames"))
+            return
         msg = p.decode_client_message(raw)
         if isinstance(msg, p.Generate):
             try:
@@ -388,8 +432,15 @@ class EngineServer:
             logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
         # Synchronous from the queue check to here, so the queue limits hold exactly.
         # Engine ids are per connection so two clients may use the same request_id.
-        slot.stream = engine.add_request(None, params, f"c{conn.id}:{rid}",
-                                         prompt_token_ids=prompt_ids)
+        try:
+            slot.stream = engine.add_request(None, params, f"c{conn.id}:{rid}",
+                                             prompt_token_ids=prompt_ids)
+        except EngineDeadError as exc:  # died since the check above
+            del conn.requests[rid]
+            raise _Reject(p.ENGINE_ERROR, "engine is not running") from exc
+        except BaseException:
+            del conn.requests[rid]
+            raise
         slot.task = asyncio.create_task(self._stream(conn, rid, slot, slot.stream))
 
     async def _tokenize(self, msg: p.Generate) -> list[int]:
@@ -407,8 +458,8 @@ class EngineServer:
         try:
             if msg.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in msg.messages]
-                ids = await _maybe_in_thread(sum(len(m["content"]) for m in messages),
-                                             engine.engine.apply_chat_template, messages)
+                size = sum(len(m["content"]) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
+                ids = await _maybe_in_thread(size, engine.engine.apply_chat_template, messages)
             else:
                 assert msg.prompt is not None
                 ids = await _maybe_in_thread(len(msg.prompt), engine.engine.tokenize,

@@ -406,45 +406,50 @@ def _reduce_segments_kernel(
 
 # Sequences with at least this many query tokens go to the large-tile (prefill) launch.
 PREFILL_TILE_MIN_QUERY_LEN = 64
-# Split-KV is used for decode batches (T == B) whose 2D grid has fewer working programs
-# than this many per multiprocessor.
+# Split-KV decode aims at this many programs per multiprocessor after the split.
 SPLIT_KV_PROGRAMS_PER_SM = 4
 MAX_SPLIT_SEGMENTS = 16
 
 
 def _small_tile_config(group: int, elem_size: int) -> dict[str, int]:
-    """Decode / short-query tiles: the G heads of one KV head packed into >= 16 MMA rows."""
+    """Decode / short-query tiles: the G heads of one KV head packed into >= 16 MMA rows.
+
+    Measured on an H200 (bf16, D 128): 2 stages beat 3-4; 32-key tiles are best for MHA,
+    64-key tiles once several heads share each K/V tile."""
     block_m = max(16, next_power_of_2(group))
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
-        "TILE": 64 if elem_size <= 2 else 32,
+        "TILE": 64 if group > 1 and elem_size <= 2 else 32,
         "num_warps": 4,
-        "num_stages": 3,
+        "num_stages": 2,
     }
 
 
 def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:
-    """Prefill tiles: 128 rows (Hopper wgmma wants M >= 64), 64-key tiles, 8 warps."""
-    block_m = max(128, next_power_of_2(group))
+    """Prefill tiles. Measured on an H200 (bf16, D 128, causal 8x512 and 1x4096): 64 rows x
+    64 keys, 4 warps, 2 stages was best or within 3 % of the best of 72 configs."""
+    block_m = max(64, next_power_of_2(group))
     big = head_dim_pad <= 128 and elem_size <= 2
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
         "TILE": 64 if big else 32,
-        "num_warps": 8,
+        "num_warps": 4,
         "num_stages": 2 if big else 1,
     }
 
 
 def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Segments per row block for split-KV decode (1 = no split). Depends on B only."""
+    """Segments per row block for split-KV decode (1 = no split). Depends on B only, so a
+    captured graph stays valid. Measured on an H200: splitting pays while the 2D grid has at
+    most one program per multiprocessor; ~4 programs per SM after the split is the sweet spot."""
     programs = num_seqs * num_kv_heads
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
-    target = SPLIT_KV_PROGRAMS_PER_SM * sms
-    if programs >= target:
+    if programs > sms:
         return 1
-    return min(MAX_SPLIT_SEGMENTS, next_power_of_2(-(-target // programs)))
+    target = SPLIT_KV_PROGRAMS_PER_SM * sms // programs
+    return max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
 
 
 def paged_attention_triton(

@@ -551,7 +551,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._to_allocate())
     @rule(sel=SEL, chunk=st.integers(1, 12), then_compute=st.booleans(), token=st.integers(0, 1))
     def allocate(self, sel: int, chunk: int, then_compute: bool, token: int) -> None:
-        req = pick(self._to_allocate(), sel)
+        self._allocate(pick(self._to_allocate(), sel), chunk, then_compute, token)
+
+    def _allocate(self, req: Request, chunk: int, then_compute: bool, token: int) -> None:
         cached: list[int] = []
         if req.num_computed_tokens == 0 and not req.block_table:
             cached = self.pool.find_cached_blocks(req)
@@ -591,15 +593,23 @@ class BlockPoolMachine(RuleBasedStateMachine):
             req.append_token(token)
 
     @precondition(lambda self: self._to_fork())
-    @rule(sel=SEL, token=st.integers(0, 1))
-    def fork(self, sel: int, token: int) -> None:
+    @rule(sel=SEL, decode_both=st.booleans(), token=st.integers(0, 1))
+    def fork(self, sel: int, decode_both: bool, token: int) -> None:
         parent = pick(self._to_fork(), sel)
-        child = make_request(parent.all_token_ids)
+        # A parallel sample: same computed prefix, then a token other than the parent's, so a
+        # write into a still-shared block would show up in the parent's KV.
+        done = parent.num_computed_tokens
+        tokens = parent.all_token_ids[:done]
+        if done < MAX_LEN:
+            nxt = parent.all_token_ids[done] if done < parent.num_tokens else 0
+            tokens.append(1 - nxt)
+        child = make_request(tokens)
         self.pool.fork(parent, child)
-        # Parallel samples diverge at once: the child gets its own next token.
-        if child.num_computed_tokens == child.num_tokens and child.num_tokens < MAX_LEN:
-            child.append_token(token)
         self.on_gpu.append(child)
+        if decode_both:  # both samples take their next step together, as in one engine step
+            for req in (child, parent):
+                if req.num_tokens_to_compute:
+                    self._allocate(req, 1, True, token)
 
     @precondition(lambda self: self.on_gpu)
     @rule(sel=SEL)

@@ -111,9 +111,7 @@ def test_metadata_min_tokens_ban_pairs() -> None:
         SamplingParams(min_tokens=2, stop_token_ids=[99]),  # out-of-vocab ids are dropped
     ]
     meta = build(params, 10, outputs=[[1], [1], [], []], eos={EOS, 9})
-    pairs = sorted(
-        zip(meta.min_tokens_rows.tolist(), meta.min_tokens_token_ids.tolist(), strict=True)
-    )
+    pairs = sorted(divmod(i, 10) for i in meta.min_tokens_ban.tolist())  # (row, token)
     assert pairs == [(0, EOS), (0, 7), (0, 9), (2, 8), (3, EOS), (3, 9)]
     assert meta.has_min_tokens_ban
 

@@ -81,7 +81,8 @@ def test_gpu_within_one_ulp_of_reference(heads: tuple[int, int]) -> None:
     cache = _cos_sin_cache(128).cuda()
     tq, tk = apply_rotary_emb_triton(pos, q, k, cache)
     rq, rk = apply_rotary_emb_ref(pos, q, k, cache)
-    # The GPU fuses x1*cos - x2*sin into one FMA where torch rounds twice: allow one ulp
-    # of bf16 (plus an absolute floor for results near zero).
-    torch.testing.assert_close(tq, rq, atol=2.0**-8, rtol=2.0**-7)
-    torch.testing.assert_close(tk, rk, atol=2.0**-8, rtol=2.0**-7)
+    # A few elements per million differ by one bf16 ulp of the products x*cos, x*sin (|x| < 4
+    # here, so 2^-6), which is large relative to a result that cancels to near zero.
+    torch.testing.assert_close(tq, rq, atol=2.0**-5, rtol=2.0**-7)
+    torch.testing.assert_close(tk, rk, atol=2.0**-5, rtol=2.0**-7)
+    assert (tq != rq).float().mean().item() < 1e-4
