@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh check    # GPU tests (kernels at size, engine vs HF) + kernel bench
 #   bash scripts/gpu_check.sh bench    # W1 / L1: engine and HF peers
 #   bash scripts/gpu_check.sh w2       # W2: engine
+#   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,15 @@ elif [ "$phase" = bench ]; then
   bench --workload w1 --system hf --hf-batch-size 128
 elif [ "$phase" = w2 ]; then
   bench --workload w2 --system engine
+elif [ "$phase" = final ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/asyncengine/test_gpu_engine.py \
+    tests/asyncengine/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+  bench --workload l1 --system engine
+  bench --workload w1 --system engine
+  bench --workload w2 --system engine --num-requests 200
+  python3 scripts/bench_serving.py --shape llama2-7b --device cuda --rates 4,16,inf \
+    --num-requests 128 --input-len 512 --output-len 256 --skip-tokenizer-init \
+    --load-format dummy 2>>"$OUT/bench.log" | tee "$OUT/serving.jsonl"
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -305,3 +305,22 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float
             return
         assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------------ figures
+@pytest.fixture
+def figures(request: pytest.FixtureRequest,
+            record_property: Callable[[str, Any], None]) -> Iterator[dict[str, Any]]:
+    """A dict the test fills with the figures it measured. They go to the JUnit properties,
+    to stdout, and, when $ASYNCENGINE_RELIABILITY_REPORT names a file, into that JSON file
+    (keyed by test) for docs/reliability.md."""
+    data: dict[str, Any] = {}
+    yield data
+    for key, value in data.items():
+        record_property(key, value)
+    print(f"\n[figures] {request.node.name}: {json.dumps(data, sort_keys=True)}")
+    path = os.environ.get("ASYNCENGINE_RELIABILITY_REPORT")
+    if path and data:
+        report = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        report[request.node.name] = data
+        Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
