@@ -436,7 +436,9 @@ class LLMEngine:
             for state, queue in queues:
                 for r in list(queue)[:200]:
                     age = now - r.arrival_time
-                    gen_time = now - r.metrics.first_token_time if r.metrics.first_token_time else 0
+                    # Since first scheduled: a rate over the first token's instant is meaningless.
+                    started = r.metrics.first_scheduled_time
+                    gen_time = now - started if started is not None else 0.0
                     reqs.append(
                         RequestStats(
                             request_id=r.request_id,
