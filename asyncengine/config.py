@@ -34,6 +34,9 @@ class EngineArgs:
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None
     skip_tokenizer_init: bool = False
+    # Admission keeps KV room for each running request to grow this many more tokens (up to
+    # its max_tokens), trading a little concurrency for fewer preemptions. 0 disables it.
+    kv_growth_reserve_tokens: int = 256
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
 
@@ -68,6 +71,8 @@ class EngineArgs:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", "must be >= 1")
+        if self.kv_growth_reserve_tokens < 0:
+            fail("kv_growth_reserve_tokens", "must be >= 0")
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "must be >= 1")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

@@ -36,6 +36,8 @@ elif [ "$phase" = bench ]; then
   bench --workload w1 --system engine
   bench --workload l1 --system hf
   bench --workload w1 --system hf --hf-batch-size 128
+elif [ "$phase" = w1 ]; then
+  bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then
   bench --workload w2 --system engine
 elif [ "$phase" = final ]; then
