@@ -35,8 +35,9 @@ class EngineArgs:
     quantization: str | None = None
     skip_tokenizer_init: bool = False
     # Admission keeps KV room for each running request to grow this many more tokens (up to
-    # its max_tokens), trading a little concurrency for fewer preemptions. 0 disables it.
-    kv_growth_reserve_tokens: int = 256
+    # its max_tokens), trading concurrency for fewer preemptions. 0 (the default) disables
+    # it: on W1 a full reserve removed every preemption but ran no faster (H200, 2026-11-29).
+    kv_growth_reserve_tokens: int = 0
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
 
