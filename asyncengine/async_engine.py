@@ -394,6 +394,9 @@ class AsyncLLMEngine:
             await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
             if thread.is_alive():
                 logger.warning("engine thread did not stop within %.1fs", timeout)
+        stop_workers = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
+        if stop_workers is not None and (thread is None or not thread.is_alive()):
+            stop_workers()
         self._fail_all(EngineDeadError("engine was shut down"))
 
     # ------------------------------------------------------------------ loop side
