@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm.auto import tqdm
 
 from models.parallel import set_tensor_parallel
 
@@ -61,6 +62,11 @@ def backend_for(device: torch.device) -> str:
 
 def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    # Ranks on the CPU share the host's cores; oversubscribed threads spin against each other.
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def set_process_env() -> None:
@@ -168,14 +174,15 @@ def _worker_bootstrap(
 ) -> None:
     set_process_env()
     os.environ["TQDM_DISABLE"] = "1"  # rank 0 shows the progress bars
+    # tqdm's default lock is a named semaphore, which the fast exit below would leak.
+    tqdm.set_lock(threading.RLock())
     threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
     try:
         device = rank_device(device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            # Ranks share the host's cores; oversubscribed threads only add contention.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
         conn.send(("started", None))
         store = dist.TCPStore(
             _HOST, port, world_size, is_master=False, timeout=collective_timeout()
@@ -190,12 +197,16 @@ def _worker_bootstrap(
         sys.stderr.write(f"tensor-parallel worker rank {rank} failed:\n{message}")
         sys.stderr.flush()
         os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Interpreter teardown (torch, CUDA, Triton) only costs time in a process ending anyway.
+    os._exit(0)
 
 
 # ------------------------------------------------------------------- rank 0 side
 def _describe_exit(code: int | None) -> str:
     if code is None:
-        return "is unresponsive"
+        return "exited"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -215,6 +226,8 @@ class _State:
         self.failure: str | None = None
         self.stopping = False
         self.closed = False
+        self.threads_before: int | None = None
+        self.monitor: threading.Thread | None = None
         self.lock = threading.Lock()
         self.wake_r, self.wake_w = mp.get_context("spawn").Pipe(duplex=False)
 
@@ -227,17 +240,34 @@ class _State:
             except (EOFError, OSError):
                 pass
 
+    def dead(self) -> list[int]:
+        """Indices of workers that have exited. Their sentinels say so whichever thread
+        reaps them (exitcode reads None in one thread while another is reaping)."""
+        ready = wait([p.sentinel for p in self.procs], timeout=0)
+        return [i for i, p in enumerate(self.procs) if p.sentinel in ready]
+
     def record_death(self, i: int) -> None:
         """Note worker i+1's death (once); the first death is the one reported."""
         if self.stopping:
             return
         self.drain(i)
         proc = self.procs[i]
-        what = _describe_exit(proc.exitcode)
+        code = proc.exitcode
+        deadline = time.monotonic() + 1.0
+        # Another thread may be reaping it this instant; its exit status appears shortly.
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            code = proc.exitcode
+        what = _describe_exit(code)
         text = f"tensor-parallel worker rank {i + 1} (pid {proc.pid}) {what}"
         errors = [m[1] for m in self.messages[i] if m[0] == "error"]
         if errors:
             text += f"; its traceback:\n{errors[-1]}"
+        elif not any(m[0] == "started" for m in self.messages[i]):
+            text += (
+                " before it started (see its stderr). Spawned processes re-import the main "
+                "module: a script must start the engine under `if __name__ == '__main__':`"
+            )
         with self.lock:
             if self.failure is None:
                 self.failure = text
@@ -278,6 +308,10 @@ class _State:
             except Exception:
                 logger.warning("destroying the tensor-parallel process group failed", exc_info=True)
                 set_tensor_parallel(0, 1)
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+        if self.monitor is not None and self.monitor is not threading.current_thread():
+            self.monitor.join(5)  # woken above; its pipe must not close under its wait()
         self.wake_r.close()
         self.wake_w.close()
 
@@ -315,6 +349,9 @@ class WorkerGroup:
         state = self._state = _State()
         # Runs at close(), when the group is garbage collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, state.close, 30.0)
+        if device.type == "cpu":  # rank 0 shares the cores too; restored at close
+            state.threads_before = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
         set_process_env()
         store = dist.TCPStore(
             _HOST,
@@ -346,7 +383,6 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        self._monitor: threading.Thread | None = None
 
     @property
     def groups(self) -> ProcessGroups:
@@ -366,9 +402,9 @@ class WorkerGroup:
                 state.drain(i)
                 if any(m[0] == kind for m in state.messages[i]):
                     pending.discard(i)
-                elif state.procs[i].exitcode is not None:
+                elif i in state.dead():
                     state.record_death(i)
-            self.raise_if_failed()
+            self.raise_if_failed()  # the monitor is not running yet: deaths noted just above
             if not pending:
                 break
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -386,11 +422,12 @@ class WorkerGroup:
         """Block until every worker has built its model shard; raise if one failed."""
         # No timeout: loading a large shard takes as long as it takes; death is noticed.
         self._wait_for("ready", None)
-        if self._monitor is None:
-            self._monitor = threading.Thread(
-                target=_monitor, args=(self._state,), name="asyncengine-tp-monitor", daemon=True
+        state = self._state
+        if state.monitor is None:
+            state.monitor = threading.Thread(
+                target=_monitor, args=(state,), name="asyncengine-tp-monitor", daemon=True
             )
-            self._monitor.start()
+            state.monitor.start()
 
     def failure(self, wait_s: float = 0.0) -> str | None:
         """Why the group cannot go on (a worker died, or it was marked broken), or None.
@@ -399,21 +436,21 @@ class WorkerGroup:
         error names it rather than the collective's symptom."""
         state = self._state
         if state.failure is None and wait_s > 0 and not state.stopping:
-            alive = [p.sentinel for p in state.procs if p.exitcode is None]
-            if alive:
-                wait(alive, timeout=wait_s)
+            wait([p.sentinel for p in state.procs], timeout=wait_s)
         if state.failure is None and not state.stopping:
-            for i, proc in enumerate(state.procs):
-                if proc.exitcode is not None:
-                    state.record_death(i)
+            for i in state.dead():
+                state.record_death(i)
         return state.failure
 
     def raise_if_failed(self) -> None:
-        """Raise `TensorParallelWorkerError` if a worker died or the group is closed."""
-        failure = self.failure()
-        if failure is not None:
-            raise TensorParallelWorkerError(failure)
-        if self._state.closed:
+        """Raise `TensorParallelWorkerError` if a worker died or the group is closed.
+
+        Cheap enough for every step: no system call, the monitor thread records deaths (and
+        a collective that fails first is handled by the caller through `failure`)."""
+        state = self._state
+        if state.failure is not None:
+            raise TensorParallelWorkerError(state.failure)
+        if state.closed:
             raise TensorParallelWorkerError("the tensor-parallel workers were shut down")
 
     def mark_broken(self, reason: str) -> None:

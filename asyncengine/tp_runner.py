@@ -125,11 +125,11 @@ class TensorParallelModelRunner(ModelRunner):
         except TensorParallelWorkerError:
             self.workers.close()
             raise
-        except Exception as e:
-            died = self.workers.failure(wait_s=5.0)
+        except BaseException as e:  # an interrupt mid-step leaves the ranks out of step too
+            died = self.workers.failure(wait_s=5.0 if isinstance(e, Exception) else 0.0)
             self.workers.mark_broken(f"{what} failed on rank 0: {e!r}")
             self.workers.close()
-            if died is not None:
+            if died is not None and isinstance(e, Exception):
                 raise TensorParallelWorkerError(died) from e
             raise
 

@@ -366,6 +366,10 @@ class EngineServer:
                     self._rejected.labels(p.INTERNAL_ERROR).inc()
                     await conn.send(p.Error(code=p.INTERNAL_ERROR,
                                             message="internal server error"))
+                # Buffered frames are handed out without a suspension: yield once per frame,
+                # so that a flooding client shares the loop and the request tasks it started
+                # run before it can cancel them.
+                await asyncio.sleep(0)
 
     async def _on_message(self, conn: _Connection, raw: str | bytes) -> None:
         if isinstance(raw, bytes):
@@ -516,6 +520,9 @@ class EngineServer:
             return
         slot.stop()
         await asyncio.wait([slot.task])
+        # A task cancelled before it first ran never reached its `finally`.
+        if conn.requests.get(rid) is slot:
+            del conn.requests[rid]
         await conn.send(p.Done(request_id=rid, finish_reason="abort",
                                usage=p.Usage(prompt_tokens=slot.prompt_tokens,
                                              completion_tokens=slot.completion_tokens)))

@@ -23,10 +23,10 @@ _ids = itertools.count()
 
 
 def make_request(num_prompt: int, max_tokens: int = 8, tokens: list[int] | None = None) -> Request:
-    rid = f"r{next(_ids)}"
+    n = next(_ids)
     # Distinct tokens per request unless given: no accidental prefix-cache hits.
-    ids = tokens if tokens is not None else [hash((rid, i)) % 1000 for i in range(num_prompt)]
-    return Request(rid, None, ids, SamplingParams(), max_tokens)
+    ids = tokens if tokens is not None else [1000 * n + i for i in range(num_prompt)]
+    return Request(f"r{n}", None, ids, SamplingParams(), max_tokens)
 
 
 def make_scheduler(

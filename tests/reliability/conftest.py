@@ -40,6 +40,14 @@ ENGINE_ARGS: dict[str, Any] = dict(
 MakeEngine = Callable[..., AsyncLLMEngine]
 
 
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Run these tests on uvloop, the loop `asyncengine serve` runs on."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
 @pytest.fixture(scope="package", autouse=True)
 def one_torch_thread() -> Iterator[None]:
     """One intra-op thread: the step thread, the event loop and the test's clients share two
@@ -65,8 +73,10 @@ def _offline_llm(model_dir: str) -> Any:
 
 def offline_greedy(model_dir: Path, prompts: list[str | list[int]], max_tokens: int,
                    **params: Any) -> list[tuple[list[int], str]]:
-    """(token ids, text) of each prompt under offline greedy decoding: the oracle."""
+    """(token ids, text) of each prompt under offline greedy decoding: the oracle of what
+    `generate_msg` asks for (`ignore_eos` unless overridden)."""
     llm = _offline_llm(str(model_dir))
+    params.setdefault("ignore_eos", True)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
     return [(list(o.outputs[0].token_ids), o.outputs[0].text)
             for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -205,6 +215,17 @@ def small_rcvbuf_socket(host: str, port: int, size: int = 2048) -> socket.socket
     return sock
 
 
+def narrow_server_side(server: EngineServer, client_port: int, size: int = 2048) -> None:
+    """Shrink the server's kernel send buffer for the client on `client_port`, as a slow
+    network path would: what that client does not read then backs up inside the server."""
+    for conn in server._connections:
+        if conn.ws.remote_address[1] == client_port:
+            sock = conn.ws.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            return
+    raise AssertionError(f"no server connection from port {client_port}")
+
+
 # ------------------------------------------------------------------------ raw frames
 class RawWebSocket:
     """A hand-driven client connection: lets tests write frames no library would send."""
@@ -215,9 +236,15 @@ class RawWebSocket:
 
     @classmethod
     async def open(cls, host: str, port: int, path: str = "/",
-                   headers: dict[str, str] | None = None) -> tuple[RawWebSocket, bytes]:
-        """Connect and send an upgrade request; returns the socket and the HTTP response head."""
-        reader, writer = await asyncio.open_connection(host, port)
+                   headers: dict[str, str] | None = None, rcvbuf: int | None = None,
+                   ) -> tuple[RawWebSocket, bytes]:
+        """Connect and send an upgrade request; returns the socket and the HTTP response head.
+        `rcvbuf` shrinks the receive window first (for clients that will stop reading)."""
+        if rcvbuf is None:
+            reader, writer = await asyncio.open_connection(host, port)
+        else:
+            sock = small_rcvbuf_socket(host, port, rcvbuf)
+            reader, writer = await asyncio.open_connection(sock=sock)
         key = base64.b64encode(os.urandom(16)).decode()
         lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Upgrade: websocket",
                  "Connection: Upgrade", f"Sec-WebSocket-Key: {key}",
@@ -227,8 +254,29 @@ class RawWebSocket:
         head = await read_http_head(reader)
         return cls(reader, writer), head
 
+    @property
+    def local_port(self) -> int:
+        return int(self.writer.get_extra_info("sockname")[1])
+
     def write(self, data: bytes) -> None:
         self.writer.write(data)
+
+    def stop_reading(self) -> None:
+        """Read nothing more from the socket (the stream reader would otherwise keep
+        buffering on its own), so the server's sends back up."""
+        self.writer.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.writer.transport.resume_reading()
+
+    def send_json(self, obj: dict[str, Any]) -> None:
+        self.writer.write(client_frame(0x1, json.dumps(obj).encode()))
+
+    async def read_event(self, timeout: float = 20 * UNIT) -> dict[str, Any]:
+        """The next text frame, decoded (fails on anything else)."""
+        frame = await asyncio.wait_for(read_frame(self.reader), timeout)
+        assert frame is not None and frame[0] == 0x1, frame
+        return json.loads(frame[1])
 
     async def read_until_close(self, timeout: float = 10 * UNIT
                                ) -> tuple[int | None, list[dict[str, Any]]]:
