@@ -38,13 +38,18 @@ class RateMeter:
         self.total = 0
 
     def add(self, count: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         self.total += count
-        self._events.append((time.monotonic() if now is None else now, count))
+        self._events.append((now, count))
+        self._trim(now)  # bounded even when nobody reads the rate
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.popleft()
+        self._trim(now)
         if not self._events:
             return 0.0
         span = max(now - self._events[0][0], 1.0)

@@ -297,10 +297,13 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched)
         except Exception as e:
-            ids = [s.request.request_id for s in sched.scheduled]
-            for s in sched.scheduled:
-                if not s.request.is_finished:
-                    self.scheduler.finish_request(s.request, RequestStatus.FINISHED_ABORTED)
+            # Requests swapped out in this step may have lost their copy: abort them too.
+            lost = [s.request for s in sched.scheduled]
+            lost += [r for r in sched.preempted if r.status == RequestStatus.SWAPPED]
+            ids = [r.request_id for r in lost]
+            for r in lost:
+                if not r.is_finished:
+                    self.scheduler.finish_request(r, RequestStatus.FINISHED_ABORTED)
             self.num_aborted += len(ids)
             logger.exception("engine step failed; aborted %d request(s)", len(ids))
             raise StepError(ids, e) from e

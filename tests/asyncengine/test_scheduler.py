@@ -325,6 +325,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv: KVShadow
         self.rng = random.Random(0)
         self.history: list[list[int]] = []
+        self.added: list[Request] = []
 
     @initialize(
         num_blocks=st.integers(3, 12),
@@ -362,12 +363,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens += [self.rng.randrange(ALPHABET) for _ in range(num_prompt - len(tokens))]
         tokens = tokens[:num_prompt]
         self.history.append(tokens)
-        self.sched.add_request(make_request(0, total - num_prompt, tokens))
+        self.added.append(make_request(0, total - num_prompt, tokens))
+        self.sched.add_request(self.added[-1])
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        reqs = sorted(self.sched.requests.values(), key=lambda r: r.request_id)
+        reqs = [r for r in self.added if r.request_id in self.sched.requests]  # arrival order
         req = data.draw(st.sampled_from(reqs), label="abort")
         event(f"abort {req.status.value}")
         self.sched.finish_request(req, RequestStatus.FINISHED_ABORTED)

@@ -16,6 +16,8 @@ import json
 import os
 import socket
 import struct
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,32 @@ async def collect_streams(ws: ClientConnection, rids: list[str], timeout: float 
             else:
                 raise AssertionError(ev)
     return {r: (ids[r], text[r], end[r]) for r in rids}
+
+
+# ------------------------------------------------------------------------ plain HTTP
+async def http_get(server: EngineServer, path: str) -> tuple[int, str]:
+    """(status, body) of a GET on the server's HTTP side (/healthz, /metrics)."""
+
+    def fetch() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(server.http_url + path, timeout=10 * UNIT) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    return await asyncio.to_thread(fetch)
+
+
+async def metric(server: EngineServer, name: str, **labels: str) -> float:
+    """One sample of /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = await http_get(server, "/metrics")
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
 
 
 # ------------------------------------------------------------------------ misbehaving

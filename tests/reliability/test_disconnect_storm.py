@@ -50,7 +50,9 @@ def _prompt(rng: random.Random, i: int) -> str:
 async def _open(url: str, host: str, port: int, mode: str | None) -> ClientConnection:
     if mode == "stop_reading":  # a tiny window and a one-message queue: backs up at once
         return await connect(url, sock=small_rcvbuf_socket(host, port), max_queue=1)
-    return await connect(url)
+    # A websockets client whose message queue is full stops reading, so its close() never
+    # sees the server's close frame and waits out close_timeout: keep that short.
+    return await connect(url, close_timeout=1)
 
 
 async def _vanish(ws: ClientConnection, mode: str) -> None:

@@ -316,6 +316,7 @@ async def fuzz_connection(url: str, frames: list[Frame], tag: str, tally: FuzzTa
 
 async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
                          tally: FuzzTally) -> None:
+    """Read the connection's events; check each message's answer, window by window."""
     streams: dict[str, _Stream] = {}
     accepted: list[_Stream] = []
     history: collections.deque[str] = collections.deque(maxlen=400)  # for failure messages
@@ -409,6 +410,7 @@ async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
             if ev["type"] == "stats" or (ev["type"] == "error" and ev["code"] == p.NOT_FOUND):
                 continue  # a cancel that crossed the stream's own end
             assert route(ev, None), ev
+    assert all(s.end is not None for s in accepted)
     tally.accepted_streams += len(accepted)
 
 
