@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--port", type=int, default=8765)
     _add_api_key(net)
     net.add_argument("--allowed-origins", nargs="*", default=None,
-                     help="accepted Origin headers of browser clients; default: loopback pages only, "
-                          "'*' for any (clients that send no Origin are accepted)")
+                     help="accepted Origin headers of browser clients; default: loopback "
+                          "pages only, '*' for any (clients sending no Origin are accepted)")
     net.add_argument("--max-queued-requests", type=int, default=1024)
     net.add_argument("--max-queued-prompt-tokens", type=int, default=1 << 20)
     net.add_argument("--max-requests-per-connection", type=int, default=256)
