@@ -129,18 +129,23 @@ def _decode_rows_ref(
     tables = block_tables[:, :num_blocks].to(torch.int64)
     tables = torch.where(block_start[None, :] < lens[:, None], tables, torch.zeros_like(tables))
     valid = torch.arange(padded, device=device)[None, :] < lens[:, None]  # [n, padded]
-    keep = valid[:, :, None, None]
-    # Unwritten slots may hold NaN: zero them rather than rely on the score mask.
+    invalid = ~valid[:, :, None, None]
+    # The gather copies; unwritten slots may hold NaN, so zero them in that copy (0 * NaN in
+    # P @ V would poison the row) rather than rely on the score mask alone.
     k = k_cache[tables].reshape(n, padded, num_kv_heads, head_dim).float()
-    k = torch.where(keep, k, torch.zeros((), device=device))
     v = v_cache[tables].reshape(n, padded, num_kv_heads, head_dim).float()
-    v = torch.where(keep, v, torch.zeros((), device=device))
-    qg = q.float().view(n, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # seq_len 0 rows (padding) give zeros
-    o = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    k.masked_fill_(invalid, 0.0)  # in place: advanced indexing made k and v fresh copies
+    v.masked_fill_(invalid, 0.0)
+    o = F.scaled_dot_product_attention(
+        q.float().view(n, num_heads, 1, head_dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=group > 1,
+    )
+    # Rows of length 0 (padding) are fully masked: SDPA gives NaN there, we give zeros.
+    o = torch.where((lens > 0)[:, None, None, None], o, torch.zeros((), device=device))
     return o.reshape(n, num_heads, head_dim)
 
 
