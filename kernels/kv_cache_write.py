@@ -24,11 +24,19 @@ def write_kv_cache_ref(
     """Plain torch (the CPU path): copy the rows of tokens whose slot is >= 0."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
-    idx = torch.nonzero(slots >= 0).flatten()
-    blk, off = slots[idx] // block_size, slots[idx] % block_size
-    # Indexing by (block, offset) also works for caches that are strided views.
-    k_cache[blk, off] = key[idx].to(k_cache.dtype)
-    v_cache[blk, off] = value[idx].to(v_cache.dtype)
+    if bool((slots >= 0).all()):
+        idx, kept = None, slots
+    else:
+        idx = torch.nonzero(slots >= 0).flatten()
+        kept = slots[idx]
+    keys = key if idx is None else key[idx]
+    values = value if idx is None else value[idx]
+    for cache, rows in ((k_cache, keys), (v_cache, values)):
+        if cache.is_contiguous():
+            # One index_copy_ into the [slots, heads, dim] view: the cheapest scatter on CPU.
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, kept, rows.to(cache.dtype))
+        else:  # strided views: index by (block, offset)
+            cache[kept // block_size, kept % block_size] = rows.to(cache.dtype)
 
 
 @triton.jit
