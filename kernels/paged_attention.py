@@ -63,11 +63,20 @@ def paged_attention_ref(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
-    result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
-
+    lens = seq_lens.to(torch.int64)
     qsl = query_start_loc.to(torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
-    lens = seq_lens.to(torch.int64)
+    if num_tokens == lens.numel() and bool((q_lens == 1).all()):  # a decode-only step
+        max_len = int(lens.max()) if num_tokens else 0
+        if max_len > 0:
+            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale, group)
+        else:
+            o = torch.zeros(num_tokens, num_heads, head_dim, device=device)
+        if out is None:
+            return o.to(q.dtype)
+        out.copy_(o)
+        return out
+    result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
 
     decode_idx = torch.nonzero(q_lens == 1).flatten()
     if decode_idx.numel() > 0:
