@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,15 +61,33 @@ def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
     }
 
 
+def greedy_params(output_len: int) -> Any:
+    """Exactly `output_len` greedy tokens (EOS ignored), reported once when finished."""
+    from asyncengine import SamplingParams
+    from asyncengine.sampling_params import RequestOutputKind
+
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def warm_up(engine: Any, w: dict, params: Any) -> None:
+    """A few requests through prefill, mixed and decode steps: compiles every kernel variant."""
+    vocab = SHAPES[w["shape"]]["vocab_size"]
+    for i, p in enumerate(make_prompts(dict(w, num_requests=4), vocab, seed=99)):
+        engine.add_request(f"warm-{i}", p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync()
+
+
 def make_prompts(w: dict, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (w["num_requests"], w["prompt_len"]), generator=gen).tolist()
 
 
 def run_engine(w: dict, args: argparse.Namespace) -> None:
-    from asyncengine import EngineArgs, SamplingParams
+    from asyncengine import EngineArgs
     from asyncengine.llm_engine import LLMEngine
-    from asyncengine.sampling_params import RequestOutputKind
 
     engine = LLMEngine(
         EngineArgs(
@@ -85,18 +104,8 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         )
     )
     vocab = SHAPES[w["shape"]]["vocab_size"]
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=w["output_len"],
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    # Warm-up: compiles every kernel variant (prefill, mixed and decode steps).
-    for i, p in enumerate(make_prompts(dict(w, num_requests=4), vocab, seed=99)):
-        engine.add_request(f"warm-{i}", p, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _sync()
+    params = greedy_params(w["output_len"])
+    warm_up(engine, w, params)
     for k in engine.step_timing:
         engine.step_timing[k] = 0
     prompts = make_prompts(w, vocab, args.seed)

@@ -37,7 +37,9 @@ from scripts.bench_throughput import (
     PEAK_FLOPS,
     WORKLOADS,
     floor_seconds,
+    greedy_params,
     make_prompts,
+    warm_up,
 )
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -178,23 +180,10 @@ def child_bench(args: argparse.Namespace) -> None:
 
 
 def _time_workload(engine: Any, w: dict, args: argparse.Namespace) -> dict[str, Any]:
-    from asyncengine import SamplingParams
-    from asyncengine.sampling_params import RequestOutputKind
-
     tp = args.tp
     vocab = SHAPES[w["shape"]]["vocab_size"]
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=w["output_len"],
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    # Warm-up: compiles every kernel variant (prefill, mixed and decode steps) on every rank.
-    for i, p in enumerate(make_prompts(dict(w, num_requests=4), vocab, seed=99)):
-        engine.add_request(f"warm-{i}", p, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _sync()
+    params = greedy_params(w["output_len"])
+    warm_up(engine, w, params)  # on every rank: each compiles every kernel variant
     prompts = make_prompts(w, vocab, args.seed)
     step_times: list[float] = []
     peak_running = 0

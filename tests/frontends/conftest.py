@@ -54,8 +54,8 @@ class _Expected:
         self.finish_reason = c.finish_reason
 
 
-async def all_blocks_free(engine: AsyncLLMEngine, timeout: float = 10 * UNIT) -> None:
-    """Wait until the engine is idle, then assert the pool is whole and entirely free."""
+async def wait_idle(engine: AsyncLLMEngine, timeout: float = 10 * UNIT) -> None:
+    """Wait until the engine holds no request (finished or aborted)."""
 
     def idle(e: LLMEngine) -> bool:
         return not e.has_unfinished_requests()
@@ -64,6 +64,11 @@ async def all_blocks_free(engine: AsyncLLMEngine, timeout: float = 10 * UNIT) ->
     while not await engine.run_in_engine_thread(idle):
         assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
         await asyncio.sleep(0.02)
+
+
+async def all_blocks_free(engine: AsyncLLMEngine, timeout: float = 10 * UNIT) -> None:
+    """Wait until the engine is idle, then assert the pool is whole and entirely free."""
+    await wait_idle(engine, timeout)
 
     def check(e: LLMEngine) -> tuple[int, int]:
         e.check_integrity()

@@ -31,6 +31,7 @@ from asyncengine.config import EngineArgs
 from asyncengine.llm_engine import LLMEngine
 from asyncengine.sampling_params import SamplingParams
 from frontends.server import EngineServer, ServerConfig, serve_engine
+from tests.frontends.conftest import wait_idle as _wait_idle
 
 UNIT = float(os.environ.get("ASYNCENGINE_TEST_TIMEOUT_FACTOR", "1.0"))  # seconds
 
@@ -87,14 +88,7 @@ def offline_greedy(model_dir: Path, prompts: list[str | list[int]], max_tokens: 
 # ------------------------------------------------------------------------ engines
 async def wait_idle(engine: AsyncLLMEngine, timeout: float = 20 * UNIT) -> None:
     """Wait until the engine holds no request (finished or aborted)."""
-
-    def idle(e: LLMEngine) -> bool:
-        return not e.has_unfinished_requests()
-
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await engine.run_in_engine_thread(idle):
-        assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
-        await asyncio.sleep(0.02)
+    await _wait_idle(engine, timeout)
 
 
 async def kv_audit(engine: AsyncLLMEngine, timeout: float = 20 * UNIT) -> dict[str, int]:
