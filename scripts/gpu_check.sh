@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh bench    # W1 / L1: engine and HF peers
 #   bash scripts/gpu_check.sh w2       # W2: engine
 #   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
+#   bash scripts/gpu_check.sh tp       # several GPUs: TP tests, TP=1/2/4/8 check and benchmarks
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,10 @@ elif [ "$phase" = bench ]; then
   bench --workload w1 --system engine
   bench --workload l1 --system hf
   bench --workload w1 --system hf --hf-batch-size 128
+elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
+    2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
+  python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then
