@@ -192,7 +192,10 @@ class AsyncLLMEngine:
         self._stat_loggers: list[StatLoggerBase] = []
         self._ttft_window = LatencyWindow()
         self._itl_window = LatencyWindow()
-        self._latest_stats = EngineStats(model=self.model_name)
+        # A first real snapshot (pool size, block map) before any step: the step thread only
+        # starts with the first request, and a dashboard may attach to an idle server.
+        get_stats = getattr(engine, "get_stats", None)
+        self._latest_stats = get_stats() if get_stats else EngineStats(model=self.model_name)
         self._dead_error: BaseException | None = None
         self._shutdown = False
         self._num_queued_prompt_tokens = 0
