@@ -143,9 +143,6 @@ class BlockPool:
         request.num_hashed_blocks = num_full
 
     # ---------------------------------------------------------- request blocks
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
     ) -> list[tuple[int, int]] | None:

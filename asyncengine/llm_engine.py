@@ -64,7 +64,6 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
-        cfg.raw["max_model_len"] = self.max_model_len
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
         torch.manual_seed(args.seed)
 

@@ -218,7 +218,7 @@ class ModelRunner:
                 input_ids[lo] = req.all_token_ids[start]
             else:
                 input_ids[lo : lo + n] = req.all_token_ids[start : start + n]
-            if start + n == req.num_tokens:
+            if s.needs_logits:
                 logits_idx.append(lo + n - 1)
                 sampling.append(req)
         # Token i of request r sits at position starts[r] + (i - qsl[r]).

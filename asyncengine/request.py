@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from asyncengine.outputs import RequestMetrics
 from asyncengine.sampling_params import SamplingParams
@@ -64,7 +64,6 @@ class Request:
     # What was already handed out, for DELTA outputs.
     sent_text_len: int = 0
     sent_token_len: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
