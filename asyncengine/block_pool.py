@@ -128,7 +128,9 @@ class BlockPool:
         """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        # Tokens still in flight have K/V (or will) but no id yet: they cannot be hashed.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(known // self.block_size, len(request.block_table))
         if num_full <= request.num_hashed_blocks:
             return
         hashes = self.compute_block_hashes(request)

@@ -20,7 +20,7 @@ from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
 from asyncengine.engine_stats import RateMeter, block_map, device_stats, percentiles
-from asyncengine.model_runner import ModelRunner, StepResult
+from asyncengine.model_runner import InflightStep, ModelRunner
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -132,7 +132,11 @@ class LLMEngine:
         self.num_finished = 0
         self.num_aborted = 0
         # Wall time per phase, summed over steps (benchmarks report where the time goes).
-        self.step_timing = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "steps": 0}
+        self.step_timing = {
+            "schedule_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "postprocess_s": 0.0, "steps": 0
+        }
+        self.async_scheduling = args.async_scheduling and self.runner.supports_async_scheduling
+        self._inflight: InflightStep | None = None
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
             "max_model_len %d",
@@ -277,47 +281,70 @@ class LLMEngine:
                 self.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then resolve the previous one.
+
+        With asynchronous scheduling the outputs returned are those of the step launched by
+        the previous call, so the host's work here overlaps the device's; otherwise each call
+        launches a step and waits for it.
+        """
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        if prev is not None and not self._can_overlap(prev):
+            self._inflight = None
+            outputs += self._resolve(prev)
+            prev = None
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
         t1 = time.perf_counter()
+        launched = self._launch(sched, prev) if not sched.is_empty else None
+        t2 = time.perf_counter()
+        self._inflight = launched
+        if prev is not None:
+            outputs += self._resolve(prev)
+        if launched is not None and not self.async_scheduling:
+            self._inflight = None
+            outputs += self._resolve(launched)
+        timing = self.step_timing
+        timing["schedule_s"] += t1 - t0
+        timing["launch_s"] += t2 - t1
+        timing["steps"] += launched is not None
+        return outputs
+
+    def _can_overlap(self, step: InflightStep) -> bool:
+        """Whether the next step may be scheduled before `step`'s tokens reach the host:
+        not while a request in it needs its exact output history to sample."""
+        for req in step.requests:
+            p = req.params
+            if req.is_finished:
+                continue
+            if (
+                p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+                or req.num_output_tokens < p.min_tokens
+            ):
+                return False
+        return True
+
+    def _launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         now = time.monotonic()
         for s in sched.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched)
+            step = self.runner.launch(sched, prev)
         except Exception as e:
             # Requests swapped out in this step may have lost their copy: abort them too.
             lost = [s.request for s in sched.scheduled]
             lost += [r for r in sched.preempted if r.status == RequestStatus.SWAPPED]
-            ids = [r.request_id for r in lost]
-            for r in lost:
-                if not r.is_finished:
-                    self.scheduler.finish_request(r, RequestStatus.FINISHED_ABORTED)
-            self.num_aborted += len(ids)
-            logger.exception("engine step failed; aborted %d request(s)", len(ids))
-            raise StepError(ids, e) from e
-        t2 = time.perf_counter()
-        outputs = self._postprocess(sched, result)
-        t3 = time.perf_counter()
-        timing = self.step_timing
-        timing["schedule_s"] += t1 - t0
-        timing["execute_s"] += t2 - t1
-        timing["postprocess_s"] += t3 - t2
-        timing["steps"] += 1
-        return outputs
-
-    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        now = time.monotonic()
+            raise self._step_failed(lost, e) from e
         prompt_tokens = 0
         for s in sched.scheduled:
             req = s.request
@@ -325,13 +352,34 @@ class LLMEngine:
                 0, min(req.num_prompt_tokens - req.num_computed_tokens, s.num_new_tokens)
             )
             req.num_computed_tokens += s.num_new_tokens
-            self.pool.cache_full_blocks(req)
+        for req in step.requests:
+            req.num_pending_tokens += 1
         self._prompt_meter.add(prompt_tokens, now)
-        self._gen_meter.add(len(result.token_ids), now)
+        return step
+
+    def _resolve(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and apply them to its requests."""
+        t0 = time.perf_counter()
+        try:
+            result = step.result()
+        except Exception as e:
+            raise self._step_failed([*step.scheduled, *step.requests], e) from e
+        t1 = time.perf_counter()
+        now = time.monotonic()
+        for req in step.scheduled:
+            if req.status == RequestStatus.RUNNING:
+                self.pool.cache_full_blocks(req)
         outputs: list[RequestOutput] = []
+        generated = 0
         for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
+            req.num_pending_tokens -= 1
+            if req.is_finished:  # aborted while its step was in flight
+                continue
+            generated += 1
             try:
                 self._append_token(req, token, result.logprobs[i] if result.logprobs else None, now)
+                if req.status == RequestStatus.RUNNING:
+                    self.pool.cache_full_blocks(req)
             except Exception as e:  # one request's failure must not hurt the others
                 logger.exception("postprocessing failed for request %s", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
@@ -339,7 +387,26 @@ class LLMEngine:
             out = self._make_output(req)
             if out is not None:
                 outputs.append(out)
+        self._gen_meter.add(generated, now)
+        timing = self.step_timing
+        timing["wait_s"] += t1 - t0
+        timing["postprocess_s"] += time.perf_counter() - t1
         return outputs
+
+    def _step_failed(self, requests: list[Request], cause: Exception) -> StepError:
+        """Abort the requests a failed step held (each once) and describe the failure."""
+        ids: list[str] = []
+        seen: set[int] = set()
+        for r in requests:
+            if id(r) in seen:
+                continue
+            seen.add(id(r))
+            ids.append(r.request_id)
+            if not r.is_finished:
+                self.scheduler.finish_request(r, RequestStatus.FINISHED_ABORTED)
+                self.num_aborted += 1
+        logger.error("engine step failed (%r); aborted %d request(s)", cause, len(ids))
+        return StepError(ids, cause)
 
     def _append_token(
         self, req: Request, token: int, logprobs: dict[int, float] | None, now: float

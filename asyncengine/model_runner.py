@@ -4,6 +4,11 @@ model and the sampler. It owns the KV cache tensors (GPU pool and CPU swap pool)
 The flattened step is `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (-1 = padding),
 `query_start_loc[B+1]`, `seq_lens[B]` and `block_tables[B, max_blocks]`; logits are computed
 only for requests whose chunk reaches their last known token.
+
+`launch()` enqueues a step and returns at once with an `InflightStep`; its sampled ids reach
+the host when `result()` is called. With asynchronous scheduling the engine launches step
+N+1 before resolving step N: a request whose token from step N is still on the device gets
+it as input straight from step N's sampled-id tensor, so the GPU never waits for the host.
 """
 
 from __future__ import annotations
@@ -40,6 +45,69 @@ class StepResult:
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
+
+
+class InflightStep:
+    """A launched step. Sampled ids stay on the device (for the next step's inputs) and are
+    copied to pinned host memory behind an event; `result()` waits for that copy only."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        token_ids: torch.Tensor | None,
+        logprobs: tuple[torch.Tensor, torch.Tensor] | None,
+        scheduled: list[Request],
+    ) -> None:
+        self.requests = requests
+        self.scheduled = scheduled
+        self.token_ids = token_ids
+        self.rows = {id(r): i for i, r in enumerate(requests)}
+        self._host_ids = token_ids
+        self._host_logprobs = logprobs
+        self._done: torch.cuda.Event | None = None
+        self._result: StepResult | None = None
+        if token_ids is not None and token_ids.is_cuda:
+            self._host_ids = token_ids.to("cpu", non_blocking=True)
+            if logprobs is not None:
+                ids, lps = logprobs
+                self._host_logprobs = (
+                    ids.to("cpu", non_blocking=True),
+                    lps.to("cpu", non_blocking=True),
+                )
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> StepResult:
+        if self._result is not None:
+            return self._result
+        if self._done is not None:
+            self._done.synchronize()
+        if self._host_ids is None:
+            self._result = StepResult([], [], None)
+            return self._result
+        token_ids = self._host_ids.tolist()
+        logprobs = None
+        if self._host_logprobs is not None:
+            logprobs = _logprob_dicts(*self._host_logprobs, self.requests)
+        self._result = StepResult(self.requests, token_ids, logprobs)
+        return self._result
+
+
+def _logprob_dicts(
+    ids_t: torch.Tensor, lps_t: torch.Tensor, reqs: list[Request]
+) -> list[dict[int, float]]:
+    ids, lps = ids_t.tolist(), lps_t.tolist()
+    result = []
+    for req, row_ids, row_lps in zip(reqs, ids, lps, strict=True):
+        n = req.params.logprobs
+        if n is None:
+            result.append({})
+            continue
+        entry = {row_ids[0]: row_lps[0]}
+        for tok, lp in zip(row_ids[1 : n + 1], row_lps[1 : n + 1], strict=True):
+            entry.setdefault(tok, lp)
+        result.append(entry)
+    return result
 
 
 def _plain_greedy(req: Request) -> bool:
@@ -83,11 +151,17 @@ def copy_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> Non
         return
     src_ids = torch.tensor([p[0] for p in pairs], device=src.data.device)
     dst_ids = torch.tensor([p[1] for p in pairs], device=dst.data.device)
-    moved = src.data.index_select(2, src_ids).to(dst.data.device, non_blocking=True)
+    moved = src.data.index_select(2, src_ids)
+    # To the GPU the copy may run behind the queue; to the CPU it must have landed before the
+    # CPU-side index_copy_ reads it, so that direction blocks.
+    moved = moved.to(dst.data.device, non_blocking=dst.data.device.type == "cuda")
     dst.data.index_copy_(2, dst_ids, moved)
 
 
 class ModelRunner:
+    # Whether `launch` may take a previous step whose sampled ids are still on the device.
+    supports_async_scheduling = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -112,8 +186,11 @@ class ModelRunner:
         self.head_dim = attn[0].head_dim
         self.graphs = None
         self.last_step_decode_only = False
-        self._staging: torch.Tensor | None = None
-        self._staging_done: torch.cuda.Event | None = None
+        # Two pinned staging buffers used in turn: step N+1 is prepared while step N's copy
+        # may still be queued behind step N-1.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging_done: list[torch.cuda.Event | None] = [None, None]
+        self._staging_turn = 0
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -191,8 +268,13 @@ class ModelRunner:
             self.graphs.capture()
 
     # --------------------------------------------------------------- a step
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled requests into the step's tensors (one host-to-device copy)."""
+    def prepare_inputs(
+        self, sched: SchedulerOutput, prev: InflightStep | None = None
+    ) -> StepInputs:
+        """Flatten the scheduled requests into the step's tensors (one host-to-device copy).
+
+        A request whose last token is still in flight in `prev` takes it on the device.
+        """
         bs = self.block_size
         scheduled = sched.scheduled
         b = len(scheduled)
@@ -209,12 +291,20 @@ class ModelRunner:
         input_ids = np.empty(t, dtype=np.int64)
         sampling: list[Request] = []
         logits_idx: list[int] = []
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
         for i, s in enumerate(scheduled):
             req = s.request
             table = req.block_table
             tables[i, : len(table)] = table
             lo, n, start = int(qsl[i]), int(lens[i]), int(starts[i])
-            if n == 1:
+            if start >= len(req.all_token_ids):  # sampled by `prev`, id not on the host yet
+                if prev is None or n != 1 or id(req) not in prev.rows:
+                    raise RuntimeError(f"request {req.request_id} has no token to compute")
+                input_ids[lo] = 0
+                fill_dst.append(lo)
+                fill_src.append(prev.rows[id(req)])
+            elif n == 1:
                 input_ids[lo] = req.all_token_ids[start]
             else:
                 input_ids[lo : lo + n] = req.all_token_ids[start : start + n]
@@ -225,23 +315,29 @@ class ModelRunner:
         owner = np.repeat(np.arange(b), lens)
         positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
         slots = tables[owner, positions // bs] * bs + positions % bs
+        nf = len(fill_dst)
         flat = np.concatenate(
             [input_ids, positions, slots, qsl, seq_lens, np.asarray(logits_idx, np.int64),
-             tables.reshape(-1)]
+             np.asarray(fill_dst + fill_src, np.int64), tables.reshape(-1)]
         )
         dev = self._to_device(flat)
-        parts = dev.split([t, t, t, b + 1, b, len(logits_idx), b * w])
+        parts = dev.split([t, t, t, b + 1, b, len(logits_idx), 2 * nf, b * w])
+        input_ids_dev = parts[0]
+        if nf:
+            assert prev is not None and prev.token_ids is not None
+            fill = parts[6]
+            input_ids_dev[fill[:nf]] = prev.token_ids[fill[nf:]]
         max_q = int(lens.max())
         meta = AttentionMetadata(
             slot_mapping=parts[2],
             query_start_loc=parts[3].to(torch.int32),
             seq_lens=parts[4].to(torch.int32),
-            block_tables=parts[6].view(b, w).to(torch.int32),
+            block_tables=parts[7].view(b, w).to(torch.int32),
             max_query_len=max_q,
             decode_only=max_q == 1,
         )
         return StepInputs(
-            input_ids=parts[0],
+            input_ids=input_ids_dev,
             positions=parts[1],
             meta=meta,
             logits_indices=parts[5],
@@ -251,23 +347,27 @@ class ModelRunner:
     def _to_device(self, flat: np.ndarray) -> torch.Tensor:
         """One host-to-device copy through a reused pinned buffer (no pinning per step).
 
-        An event guards the buffer: the previous step's copy must have left it before it is
-        written again (usually long done: steps end by reading the sampled ids back).
+        An event guards each buffer: the copy that last read it must be done before it is
+        written again (usually long done: that step has been resolved by then).
         """
         host = torch.from_numpy(flat)
         if self.device.type != "cuda":
             return host
-        if self._staging_done is not None:
-            self._staging_done.synchronize()
-        if self._staging is None or self._staging.numel() < host.numel():
-            self._staging = torch.empty(
-                max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True
-            )
-        staged = self._staging[: host.numel()]
+        turn = self._staging_turn
+        self._staging_turn ^= 1
+        done = self._staging_done[turn]
+        if done is not None:
+            done.synchronize()
+        buf = self._staging[turn]
+        if buf is None or buf.numel() < host.numel():
+            buf = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+            self._staging[turn] = buf
+        staged = buf[: host.numel()]
         staged.copy_(host)
         dev = staged.to(self.device, non_blocking=True)
-        self._staging_done = torch.cuda.Event()
-        self._staging_done.record()
+        done = torch.cuda.Event()
+        done.record()
+        self._staging_done[turn] = done
         return dev
 
     def apply_block_moves(self, sched: SchedulerOutput) -> None:
@@ -289,20 +389,20 @@ class ModelRunner:
         return hidden.index_select(0, inputs.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
+        """Enqueue the step on the device; nothing here waits for the device."""
         self.apply_block_moves(sched)
-        inputs = self.prepare_inputs(sched)
+        inputs = self.prepare_inputs(sched, prev)
         self.last_step_decode_only = inputs.meta.decode_only
         reqs = inputs.sampling_requests
-        if not reqs:
-            self.run_model(inputs)
-            return StepResult([], [], None)
+        scheduled = [s.request for s in sched.scheduled]
         hidden = self.run_model(inputs)
+        if not reqs:
+            return InflightStep([], None, None, scheduled)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         if all(_plain_greedy(r) for r in reqs):
             # Nothing to filter or penalize: skip building the sampler's per-row tensors.
-            token_ids = logits.argmax(dim=-1).tolist()
-            return StepResult(reqs, token_ids, None)
+            return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled)
         meta = SamplingMetadata.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
@@ -313,22 +413,11 @@ class ModelRunner:
             self.device,
         )
         out: SamplerOutput = self.sampler(logits, meta)
-        token_ids = out.sampled_token_ids.tolist()  # the step's one device-to-host copy
-        return StepResult(reqs, token_ids, self._logprobs(out, reqs))
+        logprobs = None
+        if out.logprob_token_ids is not None and out.logprobs is not None:
+            logprobs = (out.logprob_token_ids, out.logprobs)
+        return InflightStep(reqs, out.sampled_token_ids, logprobs, scheduled)
 
-    @staticmethod
-    def _logprobs(out: SamplerOutput, reqs: list[Request]) -> list[dict[int, float]] | None:
-        if out.logprob_token_ids is None or out.logprobs is None:
-            return None
-        ids, lps = out.logprob_token_ids.tolist(), out.logprobs.tolist()
-        result = []
-        for req, row_ids, row_lps in zip(reqs, ids, lps, strict=True):
-            n = req.params.logprobs
-            if n is None:
-                result.append({})
-                continue
-            entry = {row_ids[0]: row_lps[0]}
-            for tok, lp in zip(row_ids[1 : n + 1], row_lps[1 : n + 1], strict=True):
-                entry.setdefault(tok, lp)
-            result.append(entry)
-        return result
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Launch and wait: one synchronous step."""
+        return self.launch(sched).result()

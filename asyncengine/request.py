@@ -50,6 +50,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still in flight (asynchronous scheduling): counted as known,
+    # their ids arrive when the step is resolved. At most one.
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # full blocks of block_table registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
@@ -83,7 +86,12 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def reaches_max_tokens(self) -> bool:
+        """True once the tokens in flight bring it to max_tokens: it needs no more steps."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
 
     @property
     def is_finished(self) -> bool:

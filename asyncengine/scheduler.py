@@ -25,7 +25,9 @@ class ScheduledRequest:
     @property
     def needs_logits(self) -> bool:
         """True when this chunk reaches the last known token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        req = self.request
+        known = req.num_tokens + req.num_pending_tokens
+        return req.num_computed_tokens + self.num_new_tokens == known
 
 
 @dataclass
@@ -101,6 +103,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and req.reaches_max_tokens:
+                # Its last token is in flight: it ends when that step is resolved.
+                i += 1
+                continue
             num_new = min(req.num_tokens_to_compute, budget)
             while True:
                 copies = self.pool.allocate_slots(req, num_new)

@@ -42,7 +42,7 @@ from asyncengine.distributed import (
     min_over_ranks,
     receive_header,
 )
-from asyncengine.model_runner import ModelRunner, StepInputs
+from asyncengine.model_runner import InflightStep, ModelRunner, StepInputs
 from asyncengine.scheduler import SchedulerOutput
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata
@@ -97,6 +97,9 @@ def start_tensor_parallel(
 
 class TensorParallelModelRunner(ModelRunner):
     """Rank 0's runner: a `ModelRunner` whose every model call is mirrored by the workers."""
+
+    # The workers would need the previous step's sampled ids, which only rank 0 holds.
+    supports_async_scheduling = False
 
     def __init__(
         self, model: nn.Module, model_config: ModelConfig, *, workers: WorkerGroup, **kwargs: Any
@@ -169,14 +172,20 @@ class TensorParallelModelRunner(ModelRunner):
             )
 
     # --------------------------------------------------------------- a step
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(
+        self, sched: SchedulerOutput, prev: InflightStep | None = None
+    ) -> StepInputs:
+        if prev is not None:
+            raise RuntimeError("tensor parallelism runs steps synchronously")
         inputs = super().prepare_inputs(sched)
         send_step(self.workers.groups, inputs, sched)
         return inputs
 
-    def execute(self, sched: SchedulerOutput) -> Any:
+    def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
         with self._guard("step"):
-            return super().execute(sched)
+            step = super().launch(sched, prev)
+            step.result()  # steps are synchronous here: a failure surfaces inside the guard
+            return step
 
 
 # ------------------------------------------------------------------ wire format

@@ -40,6 +40,7 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one step",
     "enforce_eager": "never use CUDA graphs",
+    "async_scheduling": "prepare step N+1 while step N runs on the device",
     "tensor_parallel_size": "number of GPUs to shard the model over",
     "load_format": "weight format; dummy = random weights with the model's shapes",
     "quantization": "weight quantization (none supported yet)",

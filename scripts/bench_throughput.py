@@ -2,8 +2,8 @@
 
 Runs one system per invocation (`--system engine|hf`) so each gets the whole GPU, and prints
 one JSON line per result. The engine run also reports M1 (KV pool occupancy and waste at the
-peak number of running requests) and where the step time goes (schedule / execute /
-postprocess on the host, and the kernels' share of GPU time with --profile-steps).
+peak number of running requests) and where the step time goes (schedule / launch / wait
+for the device / postprocess on the host, and the kernels' share of GPU time with --profile-steps).
 
   python scripts/bench_throughput.py --workload w1 --system engine
   python scripts/bench_throughput.py --workload w1 --system hf --hf-batch-size 128
@@ -97,6 +97,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
+            async_scheduling=not args.sync,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,
             device=args.device,
@@ -156,7 +157,9 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         "floor": {k: round(v, 2) for k, v in floor.items()},
         "steps": int(timing["steps"]),
         "host_schedule_s": round(timing["schedule_s"], 3),
-        "execute_s": round(timing["execute_s"], 3),
+        "host_launch_s": round(timing["launch_s"], 3),
+        "wait_for_device_s": round(timing["wait_s"], 3),
+        "async_scheduling": engine.async_scheduling,
         "host_postprocess_s": round(timing["postprocess_s"], 3),
         "step_time_by_kind_s": {k: round(v, 3) for k, v in by_kind.items()},
         "steps_by_kind": by_kind_steps,
@@ -180,41 +183,60 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         record["fraction_of_limit"] = round(weights_floor_ms / record["decode_ms_per_token"], 3)
     emit(record)
     if args.profile_steps:
-        profile_decode(engine, w, params, args.profile_steps)
+        profile_steps(engine, w, params, args.profile_steps)
 
 
-def profile_decode(engine, w: dict, params, steps: int) -> None:
-    """Share of GPU time per kernel over `steps` steady-state steps."""
+def profile_steps(engine, w: dict, params, steps: int) -> None:
+    """GPU time per kernel over `steps` prefill/mixed steps, then over `steps` decode-only
+    steps (each kernel counted once: its self device time)."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = SHAPES[w["shape"]]["vocab_size"]
     n = min(w["num_requests"], engine.scheduler.max_num_seqs)
     for i, p in enumerate(make_prompts(dict(w, num_requests=n), vocab, seed=7)):
         engine.add_request(f"prof-{i}", p, params)
-    for _ in range(4):  # past the prefills
+
+    def in_prefill() -> bool:
+        return any(r.num_tokens_to_compute > 1 for r in engine.scheduler.requests.values())
+
+    def measure(phase: str) -> None:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            _sync()
+            wall = time.perf_counter() - t0
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events) or 1
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:14]
+        emit(
+            {
+                "workload": f"profile-{phase}",
+                "steps": steps,
+                "running": len(engine.scheduler.running),
+                "wall_ms_per_step": round(1000 * wall / steps, 3),
+                "gpu_kernel_ms_per_step": round(total / 1000 / steps, 3),
+                "kernels": [
+                    {
+                        "name": e.key[:70],
+                        "ms_per_step": round(e.self_device_time_total / 1000 / steps, 4),
+                        "calls_per_step": round(e.count / steps, 1),
+                    }
+                    for e in top
+                ],
+            }
+        )
+
+    engine.step()  # the first step of a batch includes lazy set-up
+    if in_prefill():
+        measure("prefill-or-mixed")
+    while in_prefill():
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync()
-        wall = time.perf_counter() - t0
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events) or 1
-    top = sorted(events, key=lambda e: -e.device_time_total)[:12]
-    emit(
-        {
-            "workload": "profile",
-            "steps": steps,
-            "batch": n,
-            "wall_ms_per_step": round(1000 * wall / steps, 3),
-            "gpu_busy_ms_per_step": round(total / 1000 / steps, 3),
-            "kernels": [
-                {"name": e.key[:60], "share": round(e.device_time_total / total, 3)} for e in top
-            ],
-        }
-    )
+    engine.step()
+    measure("decode")
     engine.abort_request([f"prof-{i}" for i in range(n)])
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def run_hf(w: dict, args: argparse.Namespace) -> None:
@@ -281,6 +303,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--sync", action="store_true", help="no asynchronous scheduling")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     w = dict(WORKLOADS[args.workload])

@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh w2       # W2: engine
 #   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
 #   bash scripts/gpu_check.sh tp       # several GPUs: TP tests, TP=1/2/4/8 check and benchmarks
+#   bash scripts/gpu_check.sh async    # GPU tests, then L1 / W1 with and without async scheduling
+#                                      # and a per-kernel profile of decode and mixed steps
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,13 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
+elif [ "$phase" = async ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/asyncengine/test_gpu_engine.py \
+    tests/asyncengine/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+  bench --workload l1 --system engine --profile-steps 20
+  bench --workload l1 --system engine --sync
+  bench --workload w1 --system engine --profile-steps 4
+  bench --workload w1 --system engine --sync
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then

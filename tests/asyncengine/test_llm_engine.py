@@ -37,6 +37,10 @@ CASES = {
                      "kv_growth_reserve_tokens": 0},
     "growth_reserve": {"num_kv_blocks": 14, "kv_growth_reserve_tokens": 64},
     "few_seqs": {"max_num_seqs": 2},
+    # One step at a time (the default launches step N+1 before resolving step N).
+    "synchronous": {"async_scheduling": False},
+    "synchronous_swap": {"async_scheduling": False, "num_kv_blocks": 14,
+                         "preemption_mode": "swap"},
 }
 
 
@@ -48,9 +52,9 @@ def test_greedy_equals_hf(request: pytest.FixtureRequest, model_fixture: str, ca
     prompts = make_prompts(vocab)
     llm, ours = run(model_dir, prompts, **CASES[case])
     assert ours == hf_greedy(model_dir, prompts, MAX_TOKENS)
-    if case.startswith("preempt"):
+    if "preempt" in case or "swap" in case:
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    if case == "preempt_swap":
+    if case.endswith("swap"):
         assert llm.llm_engine.scheduler.num_swaps_out > 0
         assert llm.llm_engine.scheduler.num_swaps_in > 0
     assert_pool_clean(llm)

@@ -91,11 +91,11 @@ async def test_a_failing_model_step_fails_its_batch_and_nothing_else(
     engine = make_engine(max_num_seqs=4)
     runner = engine.engine.runner
 
-    def poisoned(sched: Any) -> bool:
+    def poisoned(sched: Any, *_: Any) -> bool:
         return any(s.request.request_id.endswith(":poison") for s in sched.scheduled)
 
-    monkeypatch.setattr(runner, "execute", _fail_once(
-        runner.execute, RuntimeError("injected: device step failed"), poisoned))
+    monkeypatch.setattr(runner, "launch", _fail_once(
+        runner.launch, RuntimeError("injected: device step failed"), poisoned))
     rids = ["poison", "a1", "a2", "a3", "b1", "b2", "b3", "b4"]
     expected = dict(zip(rids, offline_greedy(model_dir, PROMPTS, 16), strict=True))
     async with serving(engine) as server, connect(server.url) as ws:
@@ -227,10 +227,10 @@ async def test_a_server_bug_on_one_message_costs_that_message_only(
 async def test_repeated_step_failures_mark_the_engine_dead_and_health_says_so(
     engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(sched: Any) -> Any:
+    def broken(sched: Any, prev: Any = None) -> Any:
         raise RuntimeError("injected: device lost")
 
-    monkeypatch.setattr(engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.engine.runner, "launch", broken)
     limit = engine.max_consecutive_step_errors
     async with serving(engine) as server, connect(server.url) as ws:
         for i in range(limit):
