@@ -98,15 +98,27 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
             async_scheduling=not args.sync,
+            kv_growth_reserve_tokens=args.kv_growth_reserve_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,
             device=args.device,
             dtype="bfloat16" if args.device != "cpu" else "float32",
         )
     )
-    vocab = SHAPES[w["shape"]]["vocab_size"]
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)
+    for round_ in range(args.repeat):
+        record = timed_run(engine, w, params, args, f"r{round_}-")
+        if args.repeat > 1:
+            record["round"] = round_ + 1
+        emit(record)
+    if args.profile_steps:
+        profile_steps(engine, w, params, args.profile_steps)
+
+
+def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) -> dict:
+    """One timed pass of the workload through a warm engine; the result record."""
+    vocab = SHAPES[w["shape"]]["vocab_size"]
     for k in engine.step_timing:
         engine.step_timing[k] = 0
     prompts = make_prompts(w, vocab, args.seed)
@@ -118,7 +130,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     first_token_time = None
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(f"{prefix}{i}", p, params)
     out_tokens = 0
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -181,9 +193,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         weights_floor_ms = 1000 * param_count(w["shape"]) * 2 / PEAK_BW
         record["floor_ms_per_token"] = round(weights_floor_ms, 3)
         record["fraction_of_limit"] = round(weights_floor_ms / record["decode_ms_per_token"], 3)
-    emit(record)
-    if args.profile_steps:
-        profile_steps(engine, w, params, args.profile_steps)
+    return record
 
 
 def profile_steps(engine, w: dict, params, steps: int) -> None:
@@ -304,6 +314,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--sync", action="store_true", help="no asynchronous scheduling")
+    ap.add_argument("--repeat", type=int, default=1, help="timed passes through one engine")
+    ap.add_argument("--kv-growth-reserve-tokens", type=int, default=0)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     w = dict(WORKLOADS[args.workload])

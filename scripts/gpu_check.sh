@@ -24,6 +24,11 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 phase="${1:-check}"
 bench() { python3 scripts/bench_throughput.py "$@" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"; }
+serving() {  # S1 with W1's model and lengths
+  python3 scripts/bench_serving.py --shape llama2-7b --device cuda --input-len 512 \
+    --output-len 256 --skip-tokenizer-init --load-format dummy "$@" 2>>"$OUT/bench.log" \
+    | tee -a "$OUT/serving.jsonl"
+}
 if [ "$phase" = check ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
@@ -50,6 +55,12 @@ elif [ "$phase" = async ]; then
   bench --workload l1 --system engine --sync
   bench --workload w1 --system engine --profile-steps 4
   bench --workload w1 --system engine --sync
+elif [ "$phase" = sched ]; then  # W1 under scheduling limits, twice each; then S1
+  bench --workload w1 --system engine --repeat 2 --max-num-seqs 512
+  bench --workload w1 --system engine --repeat 2 --max-num-seqs 256
+  bench --workload w1 --system engine --repeat 2 --max-num-seqs 512 --kv-growth-reserve-tokens 256
+  serving --rates 0.5 --num-requests 16 --skip-offline
+  serving --rates 16,inf --num-requests 256
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then
@@ -60,9 +71,8 @@ elif [ "$phase" = final ]; then
   bench --workload l1 --system engine
   bench --workload w1 --system engine
   bench --workload w2 --system engine --num-requests 200
-  python3 scripts/bench_serving.py --shape llama2-7b --device cuda --rates 4,16,inf \
-    --num-requests 128 --input-len 512 --output-len 256 --skip-tokenizer-init \
-    --load-format dummy 2>>"$OUT/bench.log" | tee "$OUT/serving.jsonl"
+  serving --rates 0.5 --num-requests 16 --skip-offline
+  serving --rates 4,16,inf --num-requests 256
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
