@@ -1,11 +1,12 @@
-"""Paged attention layer: writes this step's K/V into the cache, then attends over it."""
+"""Paged attention layer: writes this step's K/V into the cache (rotating q and k on the way
+when given the rotary table), then attends over it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels import paged_attention, write_kv_cache
+from kernels import paged_attention, rotary_and_write_kv, write_kv_cache
 from models.forward_context import get_attention_metadata
 
 
@@ -19,11 +20,26 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cos_sin_cache: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q/k/v [T, H, D]; with `positions` and `cos_sin_cache`, q and k are rotated first."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
         meta = get_attention_metadata()
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if cos_sin_cache is not None:
+            if positions is None:
+                raise ValueError("rotary embedding needs the positions")
+            q = rotary_and_write_kv(
+                positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping
+            )
+        else:
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = paged_attention(
             q,
             self.k_cache,

@@ -65,8 +65,8 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # Rotary is applied inside the attention layer, fused with the KV-cache write.
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
 
 
 class LlamaMLP(nn.Module):

@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--system", choices=["engine", "hf"], default="engine")
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine default")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")

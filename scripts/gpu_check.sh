@@ -61,6 +61,13 @@ elif [ "$phase" = sched ]; then  # W1 under scheduling limits, twice each; then 
   bench --workload w1 --system engine --repeat 2 --max-num-seqs 512 --kv-growth-reserve-tokens 256
   serving --rates 0.5 --num-requests 16 --skip-offline
   serving --rates 16,inf --num-requests 256
+elif [ "$phase" = peers ]; then  # GPU tests, then every figure of the README table with peers
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/asyncengine/test_gpu_engine.py \
+    tests/asyncengine/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+  bench --workload l1 --system engine --repeat 2
+  bench --workload w1 --system engine --repeat 2
+  bench --workload l1 --system hf
+  bench --workload w1 --system hf --hf-batch-size 128
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then

@@ -1,0 +1,84 @@
+"""Rotary fused with the KV-cache write: equal to rotary followed by the cache write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import rotary_and_write_kv
+from kernels.kv_cache_write import write_kv_cache_triton
+from kernels.rotary import apply_rotary_emb_triton
+from kernels.rotary_kv_cache import rotary_and_write_kv_ref, rotary_and_write_kv_triton
+from tests.kernels.kernel_cases import requires_cuda
+from tests.kernels.test_rotary import _cos_sin_cache
+
+BLOCK_SIZE = 8
+
+
+def _case(tokens: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(tokens * 7 + hq)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen).to(device, dtype)
+    # q/k/v as strided views of one fused projection, as the model passes them.
+    q = qkv[:, : hq * dim].view(tokens, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(tokens, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(tokens, hkv, dim)
+    num_blocks = tokens // BLOCK_SIZE + 3
+    # K and V caches as the two halves of one stacked tensor, as the runner lays them out.
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, hkv, dim, generator=gen).to(device, dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:tokens]
+    slots[1::4] = -1  # padding rows
+    pos = torch.randint(0, 256, (tokens,), generator=gen)
+    return pos.to(device), q, k, v, kv, slots.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim,rot", [((4, 2), 32, 32), ((2, 2), 64, 64), ((3, 1), 48, 32)])
+def test_triton_matches_reference(
+    dtype: torch.dtype, heads: tuple[int, int], dim: int, rot: int
+) -> None:
+    pos, q, k, v, kv, slots = _case(11, *heads, dim, dtype)
+    cache = _cos_sin_cache(rot)
+    kv_ref = kv.clone()
+    q_ref = rotary_and_write_kv_ref(pos, q, k, v, cache, kv_ref[0], kv_ref[1], slots)
+    q_tri = rotary_and_write_kv_triton(pos, q, k, v, cache, kv[0], kv[1], slots)
+    # The interpreter rounds to bf16 toward zero, GPUs to nearest: 1 bf16 ulp there.
+    tol = 2.0**-6 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(q_tri, q_ref, atol=tol * 4, rtol=tol)
+    torch.testing.assert_close(kv, kv_ref, atol=tol * 4, rtol=tol)
+    # V is copied bit for bit, and slots that were not written keep their old contents.
+    written = slots[slots >= 0]
+    assert torch.equal(kv[1].view(-1, *kv.shape[3:])[written], v[slots >= 0])
+    untouched = torch.ones(kv.shape[1] * BLOCK_SIZE, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(kv.view(2, -1, *kv.shape[3:])[:, untouched],
+                       kv_ref.view(2, -1, *kv.shape[3:])[:, untouched])
+
+
+def test_equals_the_two_kernels_it_replaces() -> None:
+    pos, q, k, v, kv, slots = _case(9, 4, 2, 32, torch.float16)
+    cache = _cos_sin_cache(32)
+    kv_two = kv.clone()
+    q_two, k_two = apply_rotary_emb_triton(pos, q, k, cache)
+    write_kv_cache_triton(k_two, v, kv_two[0], kv_two[1], slots)
+    q_one = rotary_and_write_kv(pos, q, k, v, cache, kv[0], kv[1], slots)
+    assert torch.equal(q_one, q_two) and torch.equal(kv, kv_two)
+
+
+def test_inputs_are_left_untouched() -> None:
+    pos, q, k, v, kv, slots = _case(6, 2, 2, 16, torch.float32)
+    before = [t.clone() for t in (q, k, v)]
+    rotary_and_write_kv_triton(pos, q, k, v, _cos_sin_cache(16), kv[0], kv[1], slots)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before, strict=True))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
+def test_gpu_equals_the_two_kernels_at_llama_size(heads: tuple[int, int]) -> None:
+    pos, q, k, v, kv, slots = _case(1000, *heads, 128, torch.bfloat16, device="cuda")
+    cache = _cos_sin_cache(128).cuda()
+    kv_two = kv.clone()
+    q_two, k_two = apply_rotary_emb_triton(pos, q, k, cache)
+    write_kv_cache_triton(k_two, v, kv_two[0], kv_two[1], slots)
+    q_one = rotary_and_write_kv_triton(pos, q, k, v, cache, kv[0], kv[1], slots)
+    assert torch.equal(q_one, q_two) and torch.equal(kv, kv_two)
