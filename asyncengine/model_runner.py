@@ -259,8 +259,18 @@ class ModelRunner:
     def prepare_for_serving(
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:
-        """Set-up after the KV cache exists: CUDA graphs for decode steps on the GPU."""
+        """Set-up after the KV cache exists: batch-1 GEMV choice and CUDA graphs for decode
+        steps on the GPU."""
         self.graphs = None
+        if self.device.type == "cuda":
+            from models.layers import tune_decode_gemvs
+
+            for (n, k), t in tune_decode_gemvs(self.model).items():
+                best = min(t, key=t.__getitem__)
+                logger.info(
+                    "batch-1 GEMV %dx%d: BLAS %.1f us, fastest %s %.1f us",
+                    n, k, 1000 * t["blas"], best, 1000 * t[best],
+                )  # fmt: skip
         if self.device.type == "cuda" and not enforce_eager:
             from asyncengine.cuda_graphs import DecodeGraphs
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm, silu_and_mul
+from kernels.gemv import GemvConfig, gemv_triton, tune_gemv
 from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
 
 
@@ -49,6 +50,8 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        # Set by `tune_decode_gemvs` when the Triton GEMV beats the BLAS library at batch 1.
+        self.gemv_config: GemvConfig | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -56,8 +59,13 @@ class LinearBase(nn.Module):
         _check_shape("weight", param, loaded)
         param.data.copy_(loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gemv_config is not None and x.shape[0] == 1:
+            return gemv_triton(x, self.weight, bias, self.gemv_config)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -158,7 +166,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
@@ -272,3 +280,21 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_emb(positions, q, k, self.cos_sin_cache)
+
+
+def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float]]:
+    """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
+    over the layers holding that shape, and switch them to the faster one. Returns the
+    timings per shape."""
+    groups: dict[tuple[int, int, bool], list[LinearBase]] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.weight.is_cuda:
+            has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
+            groups.setdefault((*module.weight.shape, has_bias), []).append(module)
+    timings: dict[tuple[int, int], dict[str, float]] = {}
+    for (n, k, has_bias), layers in groups.items():
+        biases = [m.bias for m in layers] if has_bias else None
+        best, timings[(n, k)] = tune_gemv([m.weight for m in layers], biases)
+        for m in layers:
+            m.gemv_config = best
+    return timings

@@ -293,9 +293,47 @@ def bench_sampling() -> None:
                          filters=filters)  # fmt: skip
 
 
+# Per-layer weights [N, K] of the decode GEMVs (qkv, o, gate/up, down).
+GEMV_SHAPES = {
+    "W1": [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)],
+    "W2": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+}
+
+
+def _gemv_case(shape: dict[str, Any], n: int, k: int) -> None:
+    import torch.nn.functional as F
+
+    from kernels.gemv import GEMV_CONFIGS, gemv_triton
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    # Enough distinct weights (as the layers are) that L2 serves none of the reads.
+    copies = max(4, math.ceil(512 * 2**20 / (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    nbytes = 2 * (n * k + n + k)
+
+    def cycling(call: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        turn = itertools.count()
+        return lambda: call(weights[next(turn) % copies])
+
+    emit("gemv", {**shape, "impl": "blas"}, bench(cycling(lambda w: F.linear(x, w))),
+         nbytes=nbytes)
+    for cfg in GEMV_CONFIGS:
+        ms = bench(cycling(lambda w, cfg=cfg: gemv_triton(x, w, None, cfg)))
+        emit("gemv", {**shape, "impl": f"triton{list(cfg)}"}, ms, nbytes=nbytes)
+
+
+def bench_gemv() -> None:
+    for wl, shapes in GEMV_SHAPES.items():
+        for n, k in shapes:
+            shape = {"workload": wl, "n": n, "k": k}
+            run_case("gemv", shape, _gemv_case, n=n, k=k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["attention", "sweep", "elementwise", "sampling"])
+    parser.add_argument(
+        "--only", choices=["attention", "sweep", "elementwise", "sampling", "gemv"]
+    )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -311,6 +349,8 @@ def main() -> None:
         bench_elementwise()
     if args.only in (None, "sampling"):
         bench_sampling()
+    if args.only in (None, "gemv"):
+        bench_gemv()
 
 
 if __name__ == "__main__":

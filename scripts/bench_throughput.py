@@ -107,10 +107,16 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     )
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)
+    gemvs = {
+        "x".join(map(str, m.weight.shape)): m.gemv_config
+        for m in engine.runner.model.modules()
+        if getattr(m, "gemv_config", None) is not None
+    }
     for round_ in range(args.repeat):
         record = timed_run(engine, w, params, args, f"r{round_}-")
         if args.repeat > 1:
             record["round"] = round_ + 1
+        record["batch1_triton_gemv"] = gemvs
         emit(record)
     if args.profile_steps:
         profile_steps(engine, w, params, args.profile_steps)

@@ -68,6 +68,11 @@ elif [ "$phase" = peers ]; then  # GPU tests, then every figure of the README ta
   bench --workload w1 --system engine --repeat 2
   bench --workload l1 --system hf
   bench --workload w1 --system hf --hf-batch-size 128
+elif [ "$phase" = gemv ]; then  # batch-1 GEMV: kernels against BLAS, then L1 end to end
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+    tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  python3 scripts/bench_kernels.py --only gemv 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl"
+  bench --workload l1 --system engine --repeat 2
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then

@@ -1,0 +1,143 @@
+"""Matrix-vector product for one-token decode steps: y[1, N] = x[1, K] @ W[N, K]^T (+ bias).
+
+At batch 1 a decode step is a stream of weight reads; each program reads BLOCK_N whole rows
+of W with wide loads and reduces them against x in fp32, with no split-K partials to write
+back and no second reduction kernel. Whether it beats the BLAS library depends on the shape
+and the GPU, so `tune_gemv` times both on the device and the model uses the winner per
+weight shape (`models/gemv_dispatch.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton_utils import tl, triton
+
+__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_ref", "gemv_triton", "tune_gemv"]
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): few rows per program for the small-N shapes
+# (enough programs to keep every multiprocessor streaming), more for the large ones.
+GemvConfig = tuple[int, int, int, int]
+GEMV_CONFIGS: list[GemvConfig] = [
+    (4, 512, 4, 4),
+    (4, 1024, 4, 3),
+    (8, 512, 4, 4),
+    (8, 256, 4, 4),
+    (16, 256, 4, 3),
+    (16, 512, 8, 3),
+    (32, 128, 4, 4),
+]
+
+
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptr + kk)
+        else:
+            k_mask = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig = GEMV_CONFIGS[2],
+) -> torch.Tensor:
+    """x [1, K] (or [K]); weight [N, K] with contiguous rows; returns [1, N] in x.dtype."""
+    k = x.shape[-1]
+    n, wk = weight.shape
+    if x.numel() != k or wk != k:
+        raise ValueError(f"gemv needs x [1, {wk}], got {tuple(x.shape)}")
+    if weight.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("gemv needs contiguous rows of x and weight")
+    block_n, block_k, num_warps, num_stages = config
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def _graph_time_ms(
+    call: Callable[[torch.Tensor, torch.Tensor | None], object],
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]],
+    reps: int,
+) -> float:
+    """GPU time of one call, as a decode CUDA graph runs it: one graph that calls it once
+    per weight in `pairs` (distinct weights, as the layers are, so L2 holds none of them)."""
+    for w, b in pairs:  # compile and warm up outside the capture
+        call(w, b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w, b in pairs:
+            call(w, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(pairs))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def tune_gemv(
+    weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None, reps: int = 5
+) -> tuple[GemvConfig | None, dict[str, float]]:
+    """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
+    only; the layers' own weights, so nothing is copied and nothing is served from L2).
+
+    Returns the fastest Triton config, or None when the library is as fast (within 2 %),
+    and the timings in ms per call.
+    """
+    pairs = list(zip(weights, biases or [None] * len(weights), strict=True))
+    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    with torch.inference_mode():
+        timings = {"blas": _graph_time_ms(lambda w, b: F.linear(x, w, b), pairs, reps)}
+        best: GemvConfig | None = None
+        for cfg in GEMV_CONFIGS:
+            try:
+                ms = _graph_time_ms(lambda w, b, cfg=cfg: gemv_triton(x, w, b, cfg), pairs, reps)
+            except Exception:  # a config this GPU cannot run (resources): skip it
+                continue
+            timings[str(list(cfg))] = ms
+            # A 2 % margin: a tie within timing noise keeps the library.
+            if ms < 0.98 * timings["blas"] and (
+                best is None or ms < timings[str(list(best))]
+            ):
+                best = cfg
+    return best, timings

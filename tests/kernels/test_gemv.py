@@ -1,0 +1,71 @@
+"""Batch-1 GEMV: the Triton kernel against F.linear, and the per-shape choice on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, tune_gemv
+from models.layers import ColumnParallelLinear, RowParallelLinear, tune_decode_gemvs
+from tests.kernels.kernel_cases import requires_cuda
+
+
+def _case(n: int, k: int, dtype: torch.dtype, bias: bool, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    x = torch.randn(1, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(24, 64), (40, 96), (7, 48)])  # even and ragged K and N
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [GEMV_CONFIGS[0], (8, 32, 4, 2), (16, 16, 4, 1)])
+def test_triton_matches_reference(
+    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, int, int, int]
+) -> None:
+    x, w, b = _case(n, k, dtype, bias)
+    got = gemv_triton(x, w, b, config)
+    want = gemv_ref(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert got.shape == (1, n) and got.dtype == dtype
+
+
+def test_rejects_a_batch_of_two() -> None:
+    x, w, _ = _case(8, 16, torch.float32, False)
+    with pytest.raises(ValueError, match="gemv needs"):
+        gemv_triton(torch.cat([x, x]), w)
+
+
+def test_tuning_skips_layers_off_the_gpu() -> None:
+    layer = ColumnParallelLinear(16, 8)
+    assert tune_decode_gemvs(layer) == {} and layer.gemv_config is None
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)])
+def test_gpu_llama_shapes_match_blas(n: int, k: int) -> None:
+    x, w, _ = _case(n, k, torch.bfloat16, False, device="cuda")
+    want = gemv_ref(x, w)
+    for config in GEMV_CONFIGS:
+        got = gemv_triton(x, w, None, config)
+        # Both accumulate in fp32 and round once; only the summation order differs.
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
+    layer = RowParallelLinear(11008, 4096).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.01)
+    best, timings = tune_gemv([layer.weight])
+    assert "blas" in timings and len(timings) > 1
+    if best is not None:
+        assert timings[str(list(best))] < timings["blas"]
+    tune_decode_gemvs(layer)  # times again: noise may pick another config, or the library
+    assert layer.gemv_config is None or layer.gemv_config in GEMV_CONFIGS
+    x = torch.randn(1, 11008, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), gemv_ref(x, layer.weight), atol=2e-2, rtol=2e-2)
