@@ -5,6 +5,10 @@
 #   bash scripts/gpu_check.sh w2       # W2: engine
 #   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
 #   bash scripts/gpu_check.sh tp       # several GPUs: TP tests, TP=1/2/4/8 check and benchmarks
+#   bash scripts/gpu_check.sh peers    # GPU tests, then W1 / L1 twice each and their HF peers
+#   bash scripts/gpu_check.sh table    # W1 / L1 twice each and their HF peers (no tests)
+#   bash scripts/gpu_check.sh sched    # W1 under scheduling limits; S1 at low load and saturation
+#   bash scripts/gpu_check.sh gemv     # batch-1 GEMV tests and kernels against BLAS, then L1
 #   bash scripts/gpu_check.sh async    # GPU tests, then L1 / W1 with and without async scheduling
 #                                      # and a per-kernel profile of decode and mixed steps
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
@@ -73,6 +77,11 @@ elif [ "$phase" = gemv ]; then  # batch-1 GEMV: kernels against BLAS, then L1 en
     tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only gemv 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl"
   bench --workload l1 --system engine --repeat 2
+elif [ "$phase" = table ]; then  # the README's W1 / L1 rows and their HF peers, no tests
+  bench --workload l1 --system engine --repeat 2
+  bench --workload w1 --system engine --repeat 2
+  bench --workload l1 --system hf
+  bench --workload w1 --system hf --hf-batch-size 128
 elif [ "$phase" = w1 ]; then
   bench --workload w1 --system engine
 elif [ "$phase" = w2 ]; then
