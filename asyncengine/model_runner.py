@@ -326,12 +326,10 @@ class ModelRunner:
         positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
         slots = tables[owner, positions // bs] * bs + positions % bs
         nf = len(fill_dst)
-        flat = np.concatenate(
+        parts = self._to_device_parts(
             [input_ids, positions, slots, qsl, seq_lens, np.asarray(logits_idx, np.int64),
              np.asarray(fill_dst + fill_src, np.int64), tables.reshape(-1)]
         )
-        dev = self._to_device(flat)
-        parts = dev.split([t, t, t, b + 1, b, len(logits_idx), 2 * nf, b * w])
         input_ids_dev = parts[0]
         if nf:
             assert prev is not None and prev.token_ids is not None
@@ -353,6 +351,22 @@ class ModelRunner:
             logits_indices=parts[5],
             sampling_requests=sampling,
         )
+
+    def _to_device_parts(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The int64 arrays on the device, through one copy of their concatenation.
+
+        Each part starts on a 16-byte boundary: Triton specializes kernels on pointer
+        alignment, so an odd-length part would give the kernels reading the next one (the
+        positions, say) a second compiled variant, compiled mid-serving.
+        """
+        padded = [len(a) + (len(a) & 1) for a in arrays]
+        flat = np.zeros(sum(padded), dtype=np.int64)
+        at = 0
+        for a, size in zip(arrays, padded, strict=True):
+            flat[at : at + len(a)] = a
+            at += size
+        dev = self._to_device(flat)
+        return [chunk[: len(a)] for a, chunk in zip(arrays, dev.split(padded), strict=True)]
 
     def _to_device(self, flat: np.ndarray) -> torch.Tensor:
         """One host-to-device copy through a reused pinned buffer (no pinning per step).

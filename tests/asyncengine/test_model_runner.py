@@ -1,0 +1,67 @@
+"""The model runner's step inputs, its device-side token hand-over and its block moves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.model_runner import InflightStep, KVCache, copy_blocks
+from asyncengine.request import Request
+from asyncengine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def _engine(model_dir: Path):
+    return LLM(str(model_dir), dtype="float32", device="cpu").llm_engine
+
+
+def _request(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, None, prompt, SamplingParams(max_tokens=4), max_tokens=4)
+
+
+def test_step_parts_start_on_16_byte_boundaries(tiny_llama_dir: Path) -> None:
+    """Odd token counts must not leave positions or slots misaligned (a second kernel
+    variant per alignment would be compiled mid-serving)."""
+    engine = _engine(tiny_llama_dir)
+    reqs = [_request("a", [5, 6, 7]), _request("b", [8, 9])]  # 5 tokens: odd
+    sched = SchedulerOutput()
+    for r in reqs:
+        assert engine.pool.allocate_slots(r, r.num_tokens) is not None
+        sched.scheduled.append(ScheduledRequest(r, r.num_tokens))
+    inputs = engine.runner.prepare_inputs(sched)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert inputs.positions.tolist() == [0, 1, 2, 0, 1]
+    assert meta.query_start_loc.tolist() == [0, 3, 5] and meta.seq_lens.tolist() == [3, 2]
+    assert inputs.logits_indices.tolist() == [2, 4]
+    for t in (inputs.positions, meta.slot_mapping, inputs.logits_indices, inputs.input_ids):
+        assert t.data_ptr() % 16 == 0
+    for r in reqs:
+        engine.pool.free(r)
+
+
+def test_pending_token_is_taken_from_the_previous_step(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir)
+    req = _request("a", [5, 6, 7])
+    assert engine.pool.allocate_slots(req, 4) is not None
+    req.num_computed_tokens = 3
+    req.num_pending_tokens = 1  # sampled by a step whose ids are still on the device
+    prev = InflightStep([_request("x", [1]), req], torch.tensor([11, 42]), None, [req])
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(req, 1)])
+    inputs = engine.runner.prepare_inputs(sched, prev)
+    assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [3]
+    assert inputs.sampling_requests == [req]
+    engine.pool.free(req)
+
+
+def test_copy_blocks_round_trip_between_caches() -> None:
+    gpu_like = KVCache(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+    cpu = KVCache(2, 3, 4, 2, 8, torch.float32, torch.device("cpu"))
+    gpu_like.data.normal_()
+    original = gpu_like.data.clone()
+    copy_blocks(gpu_like, cpu, [(4, 0), (1, 2)])
+    gpu_like.data.zero_()
+    copy_blocks(cpu, gpu_like, [(0, 4), (2, 1)])
+    assert torch.equal(gpu_like.data[:, :, [1, 4]], original[:, :, [1, 4]])
+    assert not gpu_like.data[:, :, [0, 2, 3, 5]].any()
