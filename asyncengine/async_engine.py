@@ -202,6 +202,7 @@ class AsyncLLMEngine:
         self._num_queued_requests = 0
         self.max_consecutive_step_errors = 3
         self._auto_ids = itertools.count()
+        self._last_arrival = 0.0
         self._stats_requested = True
 
     # ------------------------------------------------------------------ construction
@@ -296,7 +297,10 @@ class AsyncLLMEngine:
             num_prompt_tokens = len(prompt_token_ids)
         elif num_prompt_tokens is None and isinstance(prompt, list):
             num_prompt_tokens = len(prompt)
-        arrival = time.monotonic()
+        # The arrival time tells this request apart from an earlier one with the same id
+        # whose last outputs may still be on their way to the loop: it must be unique.
+        arrival = max(time.monotonic(), self._last_arrival + 1e-6)
+        self._last_arrival = arrival
         mailbox = RequestOutputCollector(params.output_kind == RequestOutputKind.DELTA)
         state = _RequestState(request_id, arrival, params.output_kind, mailbox,
                               num_prompt_tokens=num_prompt_tokens or 0)
@@ -438,7 +442,7 @@ class AsyncLLMEngine:
     def _dispatch(
         self,
         outputs: list[RequestOutput],
-        failures: dict[str, BaseException],
+        failures: dict[str, tuple[float | None, BaseException]],
         stats: EngineStats | None,
     ) -> None:
         """Runs on the loop: one call per step. Never blocks."""
@@ -447,6 +451,8 @@ class AsyncLLMEngine:
             state = self._requests.get(out.request_id)
             if state is None or state.finished:
                 continue  # consumer left, or aborted from outside
+            if out.metrics is not None and out.metrics.arrival_time != state.arrival_time:
+                continue  # the last words of an earlier request that had this id
             if out.error is not None:
                 self._fail(state, RequestFailedError(out.request_id, out.error))
                 continue
@@ -456,10 +462,13 @@ class AsyncLLMEngine:
                 reason = out.outputs[0].finish_reason if out.outputs else None
                 self._record_finish(state, reason or "stop", out)
             state.mailbox.put(out)
-        for rid, exc in failures.items():
+        for rid, (arrival, exc) in failures.items():
             state = self._requests.get(rid)
-            if state is not None and not state.finished:
-                self._fail(state, exc)
+            if state is None or state.finished:
+                continue
+            if arrival is not None and arrival != state.arrival_time:
+                continue  # it concerned an earlier request with this id
+            self._fail(state, exc)
         if stats is not None:
             self._latest_stats = stats
             for sl in self._stat_loggers:
@@ -547,7 +556,7 @@ class AsyncLLMEngine:
         try:
             while True:
                 self._wakeup.clear()
-                failures: dict[str, BaseException] = {}
+                failures: dict[str, tuple[float | None, BaseException]] = {}
                 stop = self._drain_inbox(engine, failures)
                 outputs: list[RequestOutput] = []
                 busy = engine.has_unfinished_requests()
@@ -562,8 +571,11 @@ class AsyncLLMEngine:
                             raise
                         consecutive_errors += 1
                         logger.error("engine step failed for %d request(s): %r", len(ids), exc)
-                        for rid in ids:
-                            failures[rid] = RequestFailedError(rid, f"engine step failed: {exc}")
+                        arrivals = getattr(exc, "arrival_times", None) or [None] * len(ids)
+                        for rid, arrival in zip(ids, arrivals, strict=True):
+                            failures[rid] = (
+                                arrival, RequestFailedError(rid, f"engine step failed: {exc}")
+                            )
                         engine.check_integrity()  # an AssertionError here kills the engine
                         if consecutive_errors >= self.max_consecutive_step_errors:
                             raise RuntimeError(
@@ -588,7 +600,9 @@ class AsyncLLMEngine:
             logger.exception("engine step thread died")
             self._hand_off(self._on_dead, exc)
 
-    def _drain_inbox(self, engine: LLMEngine, failures: dict[str, BaseException]) -> bool:
+    def _drain_inbox(
+        self, engine: LLMEngine, failures: dict[str, tuple[float | None, BaseException]]
+    ) -> bool:
         """Apply queued commands; True when asked to stop."""
         while True:
             try:
@@ -602,12 +616,14 @@ class AsyncLLMEngine:
                     engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
                                        arrival_time=arrival)
                 except ValueError as exc:
-                    failures[rid] = exc
+                    failures[rid] = (arrival, exc)
                 except Exception as exc:
                     # `LLMEngine.add_request` queues the request last, so a failure before
                     # that leaves no trace: fail this request, not the engine.
                     logger.exception("adding request %s failed", rid)
-                    failures[rid] = RequestFailedError(rid, f"{type(exc).__name__}: {exc}")
+                    failures[rid] = (
+                        arrival, RequestFailedError(rid, f"{type(exc).__name__}: {exc}")
+                    )
             elif kind == "abort":
                 engine.abort_request(cmd[1])
             elif kind == "call":

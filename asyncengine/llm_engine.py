@@ -35,9 +35,16 @@ logger = logging.getLogger(__name__)
 class StepError(RuntimeError):
     """The model step failed; the requests it held were aborted and their blocks freed."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        cause: BaseException,
+        arrival_times: list[float] | None = None,
+    ) -> None:
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
         self.request_ids = request_ids
+        # Which request of each id (an id may be reused once its request has ended).
+        self.arrival_times = arrival_times
         self.cause = cause
 
 
@@ -396,17 +403,19 @@ class LLMEngine:
     def _step_failed(self, requests: list[Request], cause: Exception) -> StepError:
         """Abort the requests a failed step held (each once) and describe the failure."""
         ids: list[str] = []
+        arrivals: list[float] = []
         seen: set[int] = set()
         for r in requests:
             if id(r) in seen:
                 continue
             seen.add(id(r))
             ids.append(r.request_id)
+            arrivals.append(r.arrival_time)
             if not r.is_finished:
                 self.scheduler.finish_request(r, RequestStatus.FINISHED_ABORTED)
                 self.num_aborted += 1
         logger.error("engine step failed (%r); aborted %d request(s)", cause, len(ids))
-        return StepError(ids, cause)
+        return StepError(ids, cause, arrivals)
 
     def _append_token(
         self, req: Request, token: int, logprobs: dict[int, float] | None, now: float

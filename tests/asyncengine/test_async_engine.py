@@ -19,7 +19,7 @@ from asyncengine.async_engine import (
 from asyncengine.config import EngineArgs
 from asyncengine.llm import LLM
 from asyncengine.llm_engine import LLMEngine, StepError
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
 UNIT = 1.0
@@ -312,3 +312,27 @@ async def test_shutdown_fails_in_flight_requests_and_frees_blocks(
     assert not engine.is_running
     llm_engine.check_integrity()
     assert llm_engine.pool.num_free_blocks == llm_engine.pool.num_blocks
+
+
+async def test_reused_id_ignores_the_last_words_of_its_predecessor(
+    engine: AsyncLLMEngine, offline: LLM
+) -> None:
+    """Outputs and failures of an ended request can still be on their way to the loop when
+    its id is reused: they must not reach (or end, or fail) the new request."""
+    first = engine.add_request("go on and on", greedy(200, ignore_eos=True), "same")
+    await anext(first)
+    first.close()  # abort; the engine may already have produced more for it
+    [exp] = offline.generate(["Numbers 0 1 2"], greedy(10), use_tqdm=False)
+    second = engine.add_request("Numbers 0 1 2", greedy(10), "same")
+    old = RequestOutput(
+        request_id="same", prompt=None, prompt_token_ids=[],
+        outputs=[CompletionOutput(index=0, text="stale", token_ids=[7], finish_reason="length")],
+        finished=True, metrics=RequestMetrics(arrival_time=-1.0),
+    )  # fmt: skip
+    engine._dispatch([old], {"same": (-1.0, RequestFailedError("same", "stale"))}, None)
+    ids: list[int] = []
+    async for out in second:
+        assert out.outputs[0].text != "stale"
+        ids += out.outputs[0].token_ids
+    assert ids == exp.outputs[0].token_ids
+    await wait_idle_and_free(engine)
