@@ -31,9 +31,10 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     # Schedule and launch step N+1 before step N's sampled ids reach the host, so the device
-    # never waits for host work. Off under tensor parallelism; steps fall back to synchronous
-    # one at a time while any request needs its exact history (penalties, min_tokens).
-    async_scheduling: bool = True
+    # never waits for host work. None: on for CUDA, off on the CPU (where the step computes
+    # while it launches, so there is nothing to overlap). Off under tensor parallelism; steps
+    # run one at a time while any request needs its exact history (penalties, min_tokens).
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None

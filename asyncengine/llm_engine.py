@@ -142,7 +142,10 @@ class LLMEngine:
         self.step_timing = {
             "schedule_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "postprocess_s": 0.0, "steps": 0
         }
-        self.async_scheduling = args.async_scheduling and self.runner.supports_async_scheduling
+        wanted = args.async_scheduling
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        self.async_scheduling = wanted and self.runner.supports_async_scheduling
         self._inflight: InflightStep | None = None
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "

@@ -40,7 +40,7 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one step",
     "enforce_eager": "never use CUDA graphs",
-    "async_scheduling": "prepare step N+1 while step N runs on the device",
+    "async_scheduling": "prepare step N+1 while step N runs on the device (default: on CUDA)",
     "tensor_parallel_size": "number of GPUs to shard the model over",
     "load_format": "weight format; dummy = random weights with the model's shapes",
     "quantization": "weight quantization (none supported yet)",
@@ -59,7 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": field.default, "dest": field.name,
                                   "help": _ENGINE_HELP.get(field.name, field.name)}
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if hint is bool:
+        if hint is bool or (args == [bool] and field.default is None):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(hint))

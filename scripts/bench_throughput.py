@@ -97,7 +97,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
-            async_scheduling=not args.sync,
+            async_scheduling=False if args.sync else None,
             kv_growth_reserve_tokens=args.kv_growth_reserve_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,

@@ -19,6 +19,8 @@ VOCAB = 452
 
 
 def make_llm(model_dir: Path, **kwargs) -> LLM:
+    # Asynchronous unless asked otherwise (the CPU default is one step at a time).
+    kwargs.setdefault("async_scheduling", True)
     return LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
 
 
@@ -28,6 +30,10 @@ def drain(engine: LLMEngine) -> dict[str, list[int]]:
         for out in engine.step():
             tokens[out.request_id] = list(out.outputs[0].token_ids)
     return tokens
+
+
+def test_default_is_asynchronous_on_cuda_only(tiny_llama_dir: Path) -> None:
+    assert not LLM(str(tiny_llama_dir), dtype="float32", device="cpu").llm_engine.async_scheduling
 
 
 def test_engine_keeps_one_step_in_flight(tiny_llama_dir: Path) -> None:
@@ -65,6 +71,7 @@ def test_requests_arriving_mid_flight_match_synchronous(tiny_llama_dir: Path) ->
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=19)
     engine = llm.llm_engine
+    assert engine.async_scheduling
     tokens: dict[str, list[int]] = {}
     for i, p in enumerate(prompts[:2]):
         engine.add_request(str(i), p, params)

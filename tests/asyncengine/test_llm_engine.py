@@ -37,10 +37,14 @@ CASES = {
                      "kv_growth_reserve_tokens": 0},
     "growth_reserve": {"num_kv_blocks": 14, "kv_growth_reserve_tokens": 64},
     "few_seqs": {"max_num_seqs": 2},
-    # One step at a time (the default launches step N+1 before resolving step N).
-    "synchronous": {"async_scheduling": False},
-    "synchronous_swap": {"async_scheduling": False, "num_kv_blocks": 14,
-                         "preemption_mode": "swap"},
+    # Step N+1 launched before step N is resolved (the CUDA default; the CPU's is one at a
+    # time), through chunking and both kinds of preemption.
+    "async": {"async_scheduling": True},
+    "async_chunked": {"async_scheduling": True, "max_num_batched_tokens": 19},
+    "async_preempt_recompute": {"async_scheduling": True, "num_kv_blocks": 14,
+                                "preemption_mode": "recompute"},
+    "async_preempt_swap": {"async_scheduling": True, "num_kv_blocks": 14,
+                           "preemption_mode": "swap"},
 }
 
 
