@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm, silu_and_mul
-from kernels.gemv import GemvConfig, gemv_triton, tune_gemv
+from kernels.cpu_linear import PACKED_MAX_ROWS, packed_linear
+from kernels.gemv import GemvConfig, gemv_triton
 from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
 
 
@@ -50,8 +51,10 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        # Set by `tune_decode_gemvs` when the Triton GEMV beats the BLAS library at batch 1.
+        # Set by `models.linear_tuning` where they beat the BLAS library: the Triton GEMV
+        # for batch-1 steps on a GPU, a oneDNN-packed weight for small batches on the CPU.
         self.gemv_config: GemvConfig | None = None
+        self.cpu_packed: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -62,6 +65,8 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv_triton(x, self.weight, bias, self.gemv_config)
+        if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_linear(x, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,8 +214,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocab shard, gathered to the full vocabulary."""
 
+    cpu_packed: torch.Tensor | None = None  # see LinearBase
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.cpu_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
+            logits = packed_linear(hidden, self.cpu_packed)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]
@@ -280,21 +290,3 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_emb(positions, q, k, self.cos_sin_cache)
-
-
-def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float]]:
-    """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
-    over the layers holding that shape, and switch them to the faster one. Returns the
-    timings per shape."""
-    groups: dict[tuple[int, int, bool], list[LinearBase]] = {}
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.is_cuda:
-            has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
-            groups.setdefault((*module.weight.shape, has_bias), []).append(module)
-    timings: dict[tuple[int, int], dict[str, float]] = {}
-    for (n, k, has_bias), layers in groups.items():
-        biases = [m.bias for m in layers] if has_bias else None
-        best, timings[(n, k)] = tune_gemv([m.weight for m in layers], biases)
-        for m in layers:
-            m.gemv_config = best
-    return timings

@@ -92,6 +92,8 @@ class EngineSystem:
         engine_args: dict[str, Any] = {"dtype": "float32", "device": "cpu"}
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if args.async_scheduling is not None:
+            engine_args["async_scheduling"] = args.async_scheduling
         self.llm = LLM(model=None, **engine_args)
 
     @staticmethod
@@ -219,6 +221,8 @@ def main() -> None:
                     help="comma-separated static batch sizes to try for the HF peer")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (C1: 2)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's async_scheduling (default: the engine's, off on CPU)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds; each round runs every system once and the best time counts "
                          "(rounds interleave the systems, so a busy spell hits them alike)")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, tune_gemv
-from models.layers import ColumnParallelLinear, RowParallelLinear, tune_decode_gemvs
+from models.layers import ColumnParallelLinear, RowParallelLinear
+from models.linear_tuning import tune_decode_gemvs
 from tests.kernels.kernel_cases import requires_cuda
 
 

@@ -1,0 +1,61 @@
+"""CPU linear layers through oneDNN with a prepacked weight, for small batches.
+
+At decode sizes (tens of rows) the BLAS call packs the weight on every call, which costs as
+much as the product for wide layers such as the LM head; oneDNN packs it once. Large batches
+(prefill) stay with the BLAS library, which is faster there. Whether the packed path wins
+depends on the shape and the CPU, so the model times both at start-up
+(`models/linear_tuning.py`). The reference is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_linear",
+           "time_packed_against_blas"]
+
+# Batches up to this many rows take the packed path (decode); larger ones the BLAS call.
+PACKED_MAX_ROWS = 64
+
+
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN copy of a float32 [N, K] weight (the dense one is kept for large batches)."""
+    return weight.detach().contiguous().to_mkldnn()
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 @ packed^T (+ bias) -> [M, N] dense."""
+    y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    return y if bias is None else y + bias
+
+
+def _median_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e6 * times[len(times) // 2]
+
+
+def time_packed_against_blas(
+    weight: torch.Tensor, rows: int = 32, reps: int = 7
+) -> tuple[float, float]:
+    """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    packed = pack_weight(weight)
+    with torch.inference_mode():
+        blas = _median_us(lambda: F.linear(x, weight), reps)
+        onednn = _median_us(lambda: packed_linear(x, packed), reps)
+    return blas, onednn
