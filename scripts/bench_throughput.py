@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,18 +123,13 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         profile_steps(engine, w, params, args.profile_steps)
 
 
-def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) -> dict:
-    """One timed pass of the workload through a warm engine; the result record."""
-    vocab = SHAPES[w["shape"]]["vocab_size"]
-    for k in engine.step_timing:
-        engine.step_timing[k] = 0
-    prompts = make_prompts(w, vocab, args.seed)
-    pool, bs = engine.pool, engine.pool.block_size
-    peak = {"running": 0, "used_blocks": 0, "live_tokens": 0}
+def run_steps(
+    engine: Any, prompts: list[list[int]], params: Any, prefix: str,
+    on_step: Callable[[float], None] | None = None,
+) -> tuple[int, float, list[float]]:
+    """Add every prompt, step until all finish (synchronized at the end); returns the output
+    tokens, the elapsed seconds and each step's seconds. `on_step` sees each step's time."""
     step_times: list[float] = []
-    by_kind = {"decode_s": 0.0, "prefill_or_mixed_s": 0.0}
-    by_kind_steps = {"decode_s": 0, "prefill_or_mixed_s": 0}
-    first_token_time = None
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{prefix}{i}", p, params)
@@ -142,12 +138,31 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         t0 = time.perf_counter()
         outs = engine.step()
         step_times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(step_times[-1])
+        for o in outs:
+            out_tokens += len(o.outputs[0].token_ids)
+    _sync()
+    return out_tokens, time.perf_counter() - start, step_times
+
+
+def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) -> dict:
+    """One timed pass of the workload through a warm engine; the result record."""
+    vocab = SHAPES[w["shape"]]["vocab_size"]
+    for k in engine.step_timing:
+        engine.step_timing[k] = 0
+    prompts = make_prompts(w, vocab, args.seed)
+    pool, bs = engine.pool, engine.pool.block_size
+    peak = {"running": 0, "used_blocks": 0, "live_tokens": 0}
+    by_kind = {"decode_s": 0.0, "prefill_or_mixed_s": 0.0}
+    by_kind_steps = {"decode_s": 0, "prefill_or_mixed_s": 0}
+
+    def on_step(seconds: float) -> None:
+        nonlocal peak
         kind = "decode_s" if engine.runner.last_step_decode_only else "prefill_or_mixed_s"
-        by_kind[kind] += step_times[-1]
+        by_kind[kind] += seconds
         by_kind_steps[kind] += 1
         running = engine.scheduler.running
-        if first_token_time is None and any(r.num_output_tokens for r in running):
-            first_token_time = time.perf_counter() - start
         if len(running) >= peak["running"]:
             live = sum(r.num_computed_tokens for r in running)
             peak = {
@@ -155,10 +170,8 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
                 "used_blocks": pool.num_used_blocks,
                 "live_tokens": live,
             }
-        for o in outs:
-            out_tokens += len(o.outputs[0].token_ids)
-    _sync()
-    elapsed = time.perf_counter() - start
+
+    out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step)
     floor = floor_seconds(w, peak["running"])
     limit_tok_s = w["num_requests"] * w["output_len"] / floor["total_s"]
     timing = engine.step_timing

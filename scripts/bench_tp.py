@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from scripts.bench_throughput import (
     floor_seconds,
     greedy_params,
     make_prompts,
+    run_steps,
     warm_up,
 )
 
@@ -143,11 +143,6 @@ def child_check(args: argparse.Namespace) -> None:
         llm.llm_engine.shutdown()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def child_bench(args: argparse.Namespace) -> None:
     """One workload at one TP size, timed as scripts/bench_throughput.py times it."""
     from asyncengine import EngineArgs
@@ -185,21 +180,13 @@ def _time_workload(engine: Any, w: dict, args: argparse.Namespace) -> dict[str, 
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)  # on every rank: each compiles every kernel variant
     prompts = make_prompts(w, vocab, args.seed)
-    step_times: list[float] = []
     peak_running = 0
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    out_tokens = 0
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        step_times.append(time.perf_counter() - t0)
+
+    def on_step(_: float) -> None:
+        nonlocal peak_running
         peak_running = max(peak_running, len(engine.scheduler.running))
-        for o in outs:
-            out_tokens += len(o.outputs[0].token_ids)
-    _sync()
-    elapsed = time.perf_counter() - start
+
+    out_tokens, elapsed, step_times = run_steps(engine, prompts, params, "r", on_step)
     n, p_len = w["num_requests"], w["prompt_len"]
     params_n = param_count(w["shape"])
     # The floor of one GPU, divided by the N GPUs that share the FLOPs and the bytes.
@@ -370,7 +357,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-requests", type=int)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine default")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per child run")
