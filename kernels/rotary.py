@@ -64,6 +64,37 @@ def _rotate_heads(
 
 
 @triton.jit
+def _load_cos_sin(
+    positions_ptr, cache_ptr, token, stride_cache, dt,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    """The token's cos and sin rows, cast to the input dtype first (as HF does), in fp32."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    dmask = offs_d < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=dmask, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=dmask, other=0.0)
+    return cos.to(dt).to(tl.float32), sin.to(dt).to(tl.float32)
+
+
+def rotary_launch_args(
+    cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """The cos/sin table with a contiguous row and the head/rotary sizes of a launch
+    (constexprs and num_warps), shared by every kernel that rotates q and k."""
+    half = cos_sin_cache.shape[-1] // 2
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    rest = head_dim - 2 * half
+    hq_pad, half_pad = next_power_of_2(num_q_heads), next_power_of_2(half)
+    return cache, {
+        "NUM_Q_HEADS": num_q_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
+        "HALF": half, "HQ_PAD": hq_pad, "HKV_PAD": next_power_of_2(num_kv_heads),
+        "HALF_PAD": half_pad, "REST_PAD": next_power_of_2(rest) if rest > 0 else 0,
+        "num_warps": max(1, min(8, hq_pad * half_pad // 512)),
+    }  # fmt: skip
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
@@ -73,15 +104,9 @@ def _rotary_kernel(
     REST_PAD: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PAD)
-    dmask = offs_d < HALF
-    dt = q_out_ptr.dtype.element_ty
-    # cos/sin cast to the input dtype first, as HF does.
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_d, mask=dmask, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_d, mask=dmask, other=0.0)
-    cos = cos.to(dt).to(tl.float32)
-    sin = sin.to(dt).to(tl.float32)
+    cos, sin = _load_cos_sin(
+        positions_ptr, cache_ptr, token, stride_cache, q_out_ptr.dtype.element_ty, HALF, HALF_PAD
+    )
     _rotate_heads(
         q_ptr,
         q_out_ptr,
@@ -127,23 +152,16 @@ def apply_rotary_emb_triton(
         raise ValueError("apply_rotary_emb needs a contiguous last (head_dim) dimension")
     if k.dtype != q.dtype:
         raise ValueError("q and k must share a dtype")
-    half = cos_sin_cache.shape[-1] // 2
-    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
-    rest = head_dim - 2 * half
-    hq_pad, hkv_pad = next_power_of_2(num_q_heads), next_power_of_2(num_kv_heads)
-    half_pad = next_power_of_2(half)
+    cache, sizes = rotary_launch_args(cos_sin_cache, num_q_heads, num_kv_heads, head_dim)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, q_out, k_out, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF_PAD=half_pad,
-        REST_PAD=next_power_of_2(rest) if rest > 0 else 0,
-        num_warps=max(1, min(8, hq_pad * half_pad // 512)),
+        **sizes,
     )  # fmt: skip
     return q_out, k_out
 

@@ -12,7 +12,7 @@ import torch
 
 from kernels._triton_utils import next_power_of_2, tl, triton, use_triton
 from kernels.kv_cache_write import write_kv_cache_ref
-from kernels.rotary import _rotate_heads, apply_rotary_emb_ref
+from kernels.rotary import _load_cos_sin, _rotate_heads, apply_rotary_emb_ref, rotary_launch_args
 
 __all__ = ["rotary_and_write_kv", "rotary_and_write_kv_ref", "rotary_and_write_kv_triton"]
 
@@ -43,14 +43,10 @@ def _rotary_and_write_kv_kernel(
     REST_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PAD)
-    dmask = offs_d < HALF
-    dt = q_out_ptr.dtype.element_ty
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + offs_d, mask=dmask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + offs_d, mask=dmask, other=0.0)
-    cos = cos.to(dt).to(tl.float32)
-    sin = sin.to(dt).to(tl.float32)
+    cos, sin = _load_cos_sin(
+        positions_ptr, cos_sin_ptr, token, stride_cos_sin, q_out_ptr.dtype.element_ty,
+        HALF, HALF_PAD,
+    )  # fmt: skip
     _rotate_heads(
         q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
         NUM_Q_HEADS, HEAD_DIM, HALF, HQ_PAD, HALF_PAD, REST_PAD,
@@ -90,25 +86,17 @@ def rotary_and_write_kv_triton(
             raise ValueError("rotary_and_write_kv needs a contiguous last (head_dim) dimension")
     if k.dtype != q.dtype or k_cache.dtype != q.dtype:
         raise ValueError("q, k and the K cache must share a dtype")
-    half = cos_sin_cache.shape[-1] // 2
-    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
-    rest = head_dim - 2 * half
-    hq_pad, hkv_pad = next_power_of_2(num_q_heads), next_power_of_2(num_kv_heads)
-    half_pad = next_power_of_2(half)
+    cache, sizes = rotary_launch_args(cos_sin_cache, num_q_heads, num_kv_heads, head_dim)
     _rotary_and_write_kv_kernel[(num_tokens,)](
         positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF_PAD=half_pad,
-        REST_PAD=next_power_of_2(rest) if rest > 0 else 0, D_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
-        num_warps=max(1, min(8, hq_pad * half_pad // 512)),
+        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], **sizes,
     )  # fmt: skip
     return q_out
 
