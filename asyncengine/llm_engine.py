@@ -330,18 +330,7 @@ class LLMEngine:
     def _can_overlap(self, step: InflightStep) -> bool:
         """Whether the next step may be scheduled before `step`'s tokens reach the host:
         not while a request in it needs its exact output history to sample."""
-        for req in step.requests:
-            p = req.params
-            if req.is_finished:
-                continue
-            if (
-                p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or req.num_output_tokens < p.min_tokens
-            ):
-                return False
-        return True
+        return not any(r.sampling_needs_history for r in step.requests if not r.is_finished)
 
     def _launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         now = time.monotonic()

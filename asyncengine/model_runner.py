@@ -113,14 +113,7 @@ def _logprob_dicts(
 
 def _plain_greedy(req: Request) -> bool:
     p = req.params
-    return (
-        p.is_greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens)
-    )
+    return p.is_greedy and p.logprobs is None and not req.sampling_needs_history
 
 
 class KVCache:

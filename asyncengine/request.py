@@ -97,6 +97,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def sampling_needs_history(self) -> bool:
+        """Whether its next token depends on the exact output so far: penalties, or EOS
+        still banned by min_tokens."""
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or self.num_output_tokens < p.min_tokens
+        )
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
