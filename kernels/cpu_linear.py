@@ -50,11 +50,11 @@ def _median_us(fn, reps: int) -> float:
 
 
 def time_packed_against_blas(
-    weight: torch.Tensor, rows: int = 32, reps: int = 7
+    weight: torch.Tensor, packed: torch.Tensor, rows: int = 32, reps: int = 7
 ) -> tuple[float, float]:
-    """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight."""
+    """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight and its
+    packed copy (`pack_weight`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    packed = pack_weight(weight)
     with torch.inference_mode():
         blas = _median_us(lambda: F.linear(x, weight), reps)
         onednn = _median_us(lambda: packed_linear(x, packed), reps)

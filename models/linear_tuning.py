@@ -58,8 +58,13 @@ def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, flo
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
             continue
         shape = (weight.shape[0], weight.shape[1])
-        if shape not in timings:
-            timings[shape] = time_packed_against_blas(weight)
-        blas, packed = timings[shape]
-        module.cpu_packed = pack_weight(weight) if packed < CPU_PACKED_MIN_GAIN * blas else None
+        packed = None
+        if shape not in timings:  # the first layer of a shape is timed with its own copy
+            packed = pack_weight(weight)
+            timings[shape] = time_packed_against_blas(weight, packed)
+        blas, fast = timings[shape]
+        if fast < CPU_PACKED_MIN_GAIN * blas:
+            module.cpu_packed = packed if packed is not None else pack_weight(weight)
+        else:
+            module.cpu_packed = None
     return timings

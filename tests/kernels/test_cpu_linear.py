@@ -35,5 +35,6 @@ def test_non_contiguous_input() -> None:
 
 
 def test_timing_returns_both_paths() -> None:
-    blas, packed = time_packed_against_blas(torch.randn(64, 32), rows=4, reps=3)
+    w = torch.randn(64, 32)
+    blas, packed = time_packed_against_blas(w, pack_weight(w), rows=4, reps=3)
     assert blas > 0 and packed > 0

@@ -29,7 +29,7 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
     monkeypatch: pytest.MonkeyPatch, packed_wins: bool
 ) -> None:
     fake = (100.0, 50.0) if packed_wins else (100.0, 95.0)  # 95: inside the noise margin
-    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w: fake)
+    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed: fake)
     model = _model()
     timings = tuning.tune_cpu_linears(model)
     assert set(timings) == {(96, 48), (48, 96), (300, 48)}
@@ -49,7 +49,7 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
 
 
 def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w: (100.0, 1.0))
+    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed: (100.0, 1.0))
     monkeypatch.setattr(tuning, "CPU_PACKED_MAX_BYTES", 48 * 96 * 4 - 1)
     model = _model()
     model["head"].to(torch.float16)
