@@ -365,6 +365,8 @@ class LLMEngine:
             raise self._step_failed([*step.scheduled, *step.requests], e) from e
         t1 = time.perf_counter()
         now = time.monotonic()
+        # Blocks whose tokens are all known are cached now, before a request that ends below
+        # frees them; a block completed by the token appended below is cached after it.
         for req in step.scheduled:
             if req.status == RequestStatus.RUNNING:
                 self.pool.cache_full_blocks(req)
