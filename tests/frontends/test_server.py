@@ -343,7 +343,8 @@ async def test_drain_finishes_in_flight_requests_then_closes(engine: AsyncLLMEng
     async with connect(server.url) as ws:
         await send(ws, {"type": "generate", "request_id": "last", "prompt": "finish me",
                         "params": {"max_tokens": 20, "ignore_eos": True}})
-        assert (await recv(ws))["type"] == "delta"
+        first = await recv(ws)
+        assert first["type"] == "delta"
         drain = asyncio.create_task(server.drain(timeout=30 * UNIT))
         await asyncio.sleep(0)
         status, _, _ = await get(server, "/healthz")
@@ -357,7 +358,8 @@ async def test_drain_finishes_in_flight_requests_then_closes(engine: AsyncLLMEng
             while True:
                 events.append(await recv(ws))
         assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "length"
-        assert sum(len(e.get("token_ids", [])) for e in events) == 19
+        # The first delta may carry several tokens (deltas merge while the reader lags).
+        assert sum(len(e.get("token_ids", [])) for e in [first, *events]) == 20
         assert ws.close_code == 1001
         await drain
     with pytest.raises(OSError):
