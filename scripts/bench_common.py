@@ -88,3 +88,45 @@ def param_count(shape: str) -> int:
 
 def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
+
+
+def triton_variants() -> dict[str, int]:
+    """Compiled variants per Triton kernel of `kernels` so far: a pass that adds any paid for
+    a compile (or a disk-cache load) inside the timed region."""
+    import sys
+
+    counts: dict[str, int] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("kernels.") or mod is None:
+            continue
+        for name, fn in vars(mod).items():
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            n = 0
+            for entry in caches.values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                n += len(cache) if hasattr(cache, "__len__") else 0
+            if n:
+                counts[f"{mod_name.removeprefix('kernels.')}.{name}"] = n
+    return counts
+
+
+def cuda_segment_allocs() -> int:
+    """cudaMalloc calls made by torch's caching allocator so far (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
+
+
+def warmth_delta(before: tuple[dict[str, int], int]) -> dict[str, Any]:
+    """What a pass added since `before` (from `warmth()`): new kernel variants and mallocs."""
+    variants, allocs = warmth()
+    new = {k: v - before[0].get(k, 0) for k, v in variants.items() if v > before[0].get(k, 0)}
+    return {"new_triton_variants": new, "new_cuda_segments": allocs - before[1]}
+
+
+def warmth() -> tuple[dict[str, int], int]:
+    return triton_variants(), cuda_segment_allocs()

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_common import SHAPES, dummy_model_dir, emit, param_count
+from scripts.bench_common import (
+    SHAPES,
+    dummy_model_dir,
+    emit,
+    param_count,
+    warmth,
+    warmth_delta,
+)
 
 WORKLOADS = {
     "w1": dict(shape="llama2-7b", num_requests=512, prompt_len=512, output_len=256),
@@ -171,6 +178,7 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
                 "live_tokens": live,
             }
 
+    before = warmth()
     out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step)
     floor = floor_seconds(w, peak["running"])
     limit_tok_s = w["num_requests"] * w["output_len"] / floor["total_s"]
@@ -194,6 +202,8 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         "host_postprocess_s": round(timing["postprocess_s"], 3),
         "step_time_by_kind_s": {k: round(v, 3) for k, v in by_kind.items()},
         "steps_by_kind": by_kind_steps,
+        "slowest_steps_ms": [round(1000 * t, 1) for t in sorted(step_times)[-5:]],
+        "warm_up_misses": warmth_delta(before),
         "m1": {
             "kv_blocks": pool.num_blocks,
             "kv_pool_gib": round(pool.num_blocks * engine.runner.block_bytes() / 2**30, 2),
