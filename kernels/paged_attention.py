@@ -277,7 +277,9 @@ def _attend_tile(
     return m_new, L, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
+# The block-table width changes from step to step; specializing on it (== 1, divisible by 16)
+# would compile new variants mid-serving, after the warm-up.
+@triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
