@@ -317,23 +317,31 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
-    # Reversed so the last query blocks of long prompts (the most keys) start first and the
-    # short ones fill the tail of the launch.
-    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-
-    # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this block's
-    # sequence on device; surplus blocks exit.
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq_idx)
-    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    if (q_len < q_len_lo) | (q_len > q_len_hi):
-        return  # this sequence belongs to the other launch (small vs large tiles)
-    q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
-    if q_block_start >= q_len:
-        return
+    if DECODE:
+        # Every sequence has one query token, token b of sequence b: no search, and the
+        # loads below do not wait on query_start_loc (a decode step is latency-bound).
+        seq_idx = tl.program_id(0)
+        q_start = seq_idx
+        q_len = 1
+        q_block_start = 0
+    else:
+        # Reversed so the last query blocks of long prompts (the most keys) start first and
+        # the short ones fill the tail of the launch.
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this
+        # block's sequence on device; surplus blocks exit.
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq_idx)
+        q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+        if (q_len < q_len_lo) | (q_len > q_len_hi):
+            return  # this sequence belongs to the other launch (small vs large tiles)
+        q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
+        if q_block_start >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len  # keys before this step's first query (-1 for padding rows)
 
@@ -499,8 +507,10 @@ def paged_attention_triton(
     """Triton paged attention; same contract as `paged_attention_ref`.
 
     Host hints (never read from device memory): `max_query_len` lets a batch of short queries
-    skip the large-tile launch; `decode_only` (or T == B) selects the decode path, which uses
-    split-KV when B is small. `num_segments` overrides the split count (tests, tuning).
+    skip the large-tile launch; T == B selects the decode path, which uses split-KV when B is
+    small. `decode_only` promises one query token per sequence (token b belongs to sequence
+    b), so programs skip the search for their sequence. `num_segments` overrides the split
+    count (tests, tuning).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -528,8 +538,11 @@ def paged_attention_triton(
     }
     scale_log2 = float(scale) * _LOG2E
 
-    def launch(cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple) -> None:
-        grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, segments)
+    def launch(
+        cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool
+    ) -> None:
+        rows = num_seqs if decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
+        grid = (rows, num_kv_heads, segments)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *seg_bufs,
             scale_log2, num_seqs, lo, hi,
@@ -537,7 +550,7 @@ def paged_attention_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0),
-            NUM_SEGMENTS=segments, **common, **cfg,
+            NUM_SEGMENTS=segments, DECODE=decode, **common, **cfg,
         )  # fmt: skip
 
     small = _small_tile_config(group, elem)
@@ -550,7 +563,8 @@ def paged_attention_triton(
             seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
             seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
             seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
-            launch(small, 0, 2**31 - 1, segments, (seg_acc, seg_max, seg_sum))
+            seg_bufs = (seg_acc, seg_max, seg_sum)
+            launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
             _reduce_segments_kernel[(num_tokens, num_heads)](
                 out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
@@ -560,10 +574,10 @@ def paged_attention_triton(
     no_bufs = (out, out, out)  # unused in 2D mode
     threshold = PREFILL_TILE_MIN_QUERY_LEN
     if decode or (max_query_len is not None and max_query_len < threshold):
-        launch(small, 0, 2**31 - 1, 1, no_bufs)
+        launch(small, 0, 2**31 - 1, 1, no_bufs, decode_only)
         return out
-    launch(small, 0, threshold - 1, 1, no_bufs)
-    launch(_large_tile_config(group, d_pad, elem), threshold, 2**31 - 1, 1, no_bufs)
+    launch(small, 0, threshold - 1, 1, no_bufs, False)
+    launch(_large_tile_config(group, d_pad, elem), threshold, 2**31 - 1, 1, no_bufs, False)
     return out
 
 

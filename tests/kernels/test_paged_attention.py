@@ -96,9 +96,19 @@ def test_triton_split_kv_decode(segments: int) -> None:
 
 
 def test_triton_split_kv_with_multi_token_rows() -> None:
-    """Split mode is general: a T == B batch that is not all decodes stays correct."""
+    """Split mode is general: a T == B batch that is not all decodes stays correct (only
+    `decode_only` promises one token per sequence)."""
     batch = make_paged_batch([2, 0, 1], [9, 4, 40], 4, 1, head_dim=16, block_size=8, seed=5)
-    _triton_vs_ref(batch, atol=2e-5, num_segments=4, decode_only=True)
+    _triton_vs_ref(batch, atol=2e-5, num_segments=4)
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_triton_decode_only_path(segments: int, heads: tuple[int, int]) -> None:
+    """`decode_only`: programs take token b as sequence b without searching query_start_loc;
+    a padding row (seq_len 0) still gives zeros."""
+    batch = make_paged_batch([1, 1, 1, 1], [9, 1, 40, 0], *heads, head_dim=16, block_size=8)
+    _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True)
 
 
 def test_triton_odd_head_dim_and_out_views() -> None:
