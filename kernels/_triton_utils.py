@@ -41,9 +41,12 @@ __all__ = [
     "interpreter_enabled",
     "next_power_of_2",
     "num_sms",
+    "pdl_kwargs",
+    "pdl_wait",
     "tl",
     "triton",
     "triton_available",
+    "use_pdl",
     "use_triton",
 ]
 
@@ -73,3 +76,37 @@ def num_sms(device_index: int = 0) -> int:
     if not torch.cuda.is_available():
         return 1
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _compute_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with programmatic dependent launch (Hopper and
+    newer): a kernel may start while the previous one drains and waits in `pdl_wait` before
+    touching memory that kernel writes, so launch latency and ramp-up overlap its tail.
+    `ASYNCENGINE_PDL=0` turns it off."""
+    if not (t.is_cuda and HAS_TRITON) or interpreter_enabled():
+        return False
+    if os.environ.get("ASYNCENGINE_PDL", "1") == "0":
+        return False
+    return _compute_capability(t.device.index or 0)[0] >= 9
+
+
+def pdl_kwargs(enabled: bool) -> dict[str, Any]:
+    """Launch options for a kernel taking `USE_PDL=enabled`."""
+    return {"launch_pdl": True} if enabled else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel's writes are visible, then let the next kernel launch.
+
+    Releasing the next kernel this early is safe: it waits here in turn before its own
+    dependent reads and writes, and it is released only once every block of this kernel has
+    started, so it never takes a multiprocessor from this kernel's later blocks."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_utils import tl, triton, use_triton
+from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl, use_triton
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton"]
 
@@ -22,8 +22,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -42,9 +44,10 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
+        pdl = use_pdl(x2)
         _silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block,
-            num_warps=4 if block >= 512 else 2,
+            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, USE_PDL=pdl,
+            num_warps=4 if block >= 512 else 2, **pdl_kwargs(pdl),
         )  # fmt: skip
     return out.view(*x.shape[:-1], inter)
 

@@ -4,7 +4,7 @@ At batch 1 a decode step is a stream of weight reads; each program reads BLOCK_N
 of W with wide loads and reduces them against x in fp32, with no split-K partials to write
 back and no second reduction kernel. Whether it beats the BLAS library depends on the shape
 and the GPU, so `tune_gemv` times both on the device and the model uses the winner per
-weight shape (`models/gemv_dispatch.py`).
+weight shape (`models/linear_tuning.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_utils import tl, triton
+from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
 
 __all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_ref", "gemv_triton", "tune_gemv"]
 
@@ -39,25 +39,50 @@ def gemv_ref(
 
 
 @triton.jit
+def _load_x(x_ptr, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """x[kk] in fp32; GATED: x holds [gate, up] and this is silu(gate) * up, rounded to x's
+    dtype exactly as the separate `silu_and_mul` kernel rounds it."""
+    if EVEN_K:
+        x = tl.load(x_ptr + kk)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+    if GATED:
+        if EVEN_K:
+            up = tl.load(x_ptr + K + kk)
+        else:
+            up = tl.load(x_ptr + K + kk, mask=kk < K, other=0.0)
+        gate = x.to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_w(w_rows, kk, K, n_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+    return tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The weights never depend on the previous kernel: the first tile is requested before
+    # waiting for it, so under programmatic dependent launch it streams in while that
+    # kernel finishes.
+    w = _load_w(w_rows, offs_k, K, n_mask, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = w.to(tl.float32) * _load_x(x_ptr, offs_k, K, EVEN_K, GATED)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptr + kk)
-        else:
-            k_mask = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _load_w(w_rows, kk, K, n_mask, EVEN_K)
+        acc += w.to(tl.float32) * _load_x(x_ptr, kk, K, EVEN_K, GATED)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -69,20 +94,27 @@ def gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GEMV_CONFIGS[2],
+    *,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [1, K] (or [K]); weight [N, K] with contiguous rows; returns [1, N] in x.dtype."""
-    k = x.shape[-1]
-    n, wk = weight.shape
-    if x.numel() != k or wk != k:
-        raise ValueError(f"gemv needs x [1, {wk}], got {tuple(x.shape)}")
+    """x [1, K] (or [K]); weight [N, K] with contiguous rows; returns [1, N] in x.dtype.
+
+    gated: x is [1, 2K] holding [gate, up], and the product is taken with silu(gate) * up
+    (the MLP's down projection, without a separate activation kernel)."""
+    n, k = weight.shape
+    if x.numel() != (2 * k if gated else k) or x.shape[-1] != x.numel():
+        want = f"[1, 2 * {k}]" if gated else f"[1, {k}]"
+        raise ValueError(f"gemv needs x {want}, got {tuple(x.shape)}")
     if weight.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError("gemv needs contiguous rows of x and weight")
     block_n, block_k, num_warps, num_stages = config
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, USE_PDL=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_kwargs(pdl),
     )  # fmt: skip
     return y
 

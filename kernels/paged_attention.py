@@ -27,8 +27,11 @@ from kernels._triton_utils import (
     interpreter_enabled,
     next_power_of_2,
     num_sms,
+    pdl_kwargs,
+    pdl_wait,
     tl,
     triton,
+    use_pdl,
     use_triton,
 )
 
@@ -318,7 +321,9 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
     DECODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     if DECODE:
@@ -419,7 +424,9 @@ def _reduce_segments_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = tok * NUM_HEADS + head
@@ -536,6 +543,7 @@ def paged_attention_triton(
         "DOT_FP32": dot_fp32,
         "IEEE": q.dtype == torch.float32 or dot_fp32,
     }
+    pdl = use_pdl(q)
     scale_log2 = float(scale) * _LOG2E
 
     def launch(
@@ -550,7 +558,8 @@ def paged_attention_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0),
-            NUM_SEGMENTS=segments, DECODE=decode, **common, **cfg,
+            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg,
+            **pdl_kwargs(pdl),
         )  # fmt: skip
 
     small = _small_tile_config(group, elem)
@@ -568,6 +577,7 @@ def paged_attention_triton(
             _reduce_segments_kernel[(num_tokens, num_heads)](
                 out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
                 NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
+                USE_PDL=pdl, **pdl_kwargs(pdl),
             )  # fmt: skip
             return out
 

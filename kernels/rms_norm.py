@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_utils import next_power_of_2, tl, triton, use_triton
+from kernels._triton_utils import (
+    next_power_of_2,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 
 __all__ = [
     "fused_add_rms_norm",
@@ -50,7 +58,9 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -85,13 +95,14 @@ def _launch(
     rows = x2.shape[0]
     if rows > 0:
         block = next_power_of_2(hidden)
+        pdl = use_pdl(x2)
         _rms_norm_kernel[(rows,)](
             x2, res2 if res2 is not None else x2, weight.contiguous(), out,
             res_out if res_out is not None else out, float(eps),
             x2.stride(0), res2.stride(0) if res2 is not None else 0,
             out.stride(0), res_out.stride(0) if res_out is not None else 0,
-            N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=max(1, min(16, block // 512)),
+            N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
+            num_warps=max(1, min(16, block // 512)), **pdl_kwargs(pdl),
         )  # fmt: skip
     out = out.view(x.shape)
     return out, (res_out.view(x.shape) if res_out is not None else None)

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_utils import next_power_of_2, tl, triton, use_triton
+from kernels._triton_utils import (
+    next_power_of_2,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 from kernels.kv_cache_write import write_kv_cache_ref
 from kernels.rotary import _load_cos_sin, _rotate_heads, apply_rotary_emb_ref, rotary_launch_args
 
@@ -41,7 +49,9 @@ def _rotary_and_write_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     REST_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _load_cos_sin(
         positions_ptr, cos_sin_ptr, token, stride_cos_sin, q_out_ptr.dtype.element_ty,
@@ -90,13 +100,15 @@ def rotary_and_write_kv_triton(
     if num_tokens == 0:
         return q_out
     cache, sizes = rotary_launch_args(cos_sin_cache, num_q_heads, num_kv_heads, head_dim)
+    pdl = use_pdl(q)
     _rotary_and_write_kv_kernel[(num_tokens,)](
         positions, q, k, v, q_out, k_cache, v_cache, slot_mapping, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cache.stride(0),
-        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], **sizes,
+        D_PAD=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], USE_PDL=pdl, **sizes,
+        **pdl_kwargs(pdl),
     )  # fmt: skip
     return q_out
 

@@ -62,15 +62,21 @@ class LinearBase(nn.Module):
         _check_shape("weight", param, loaded)
         param.data.copy_(loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    ) -> torch.Tensor:
+        """x W^T (+ bias). gated: x holds [gate, up] and silu(gate) * up is multiplied
+        instead (inside the batch-1 GEMV when that runs, saving the activation kernel)."""
         if self.gemv_config is not None and x.shape[0] == 1:
-            return gemv_triton(x, self.weight, bias, self.gemv_config)
+            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=gated)
+        if gated:
+            x = silu_and_mul(x)
         if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return self.matmul(x, self.bias, gated)
 
 
 class ReplicatedLinear(LinearBase):
@@ -170,8 +176,8 @@ class RowParallelLinear(LinearBase):
         _check_shape("row-parallel weight", param, shard)
         param.data.copy_(shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, None)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        y = self.matmul(x, None, gated)
         y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -22,7 +22,6 @@ from models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
 )
 
@@ -77,10 +76,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # SiLU-and-mul is applied by the down projection (fused into its batch-1 GEMV).
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, tune_gemv
 from models.layers import RowParallelLinear
 from models.linear_tuning import tune_decode_gemvs
@@ -32,6 +33,30 @@ def test_triton_matches_reference(
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert got.shape == (1, n) and got.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+def test_gated_equals_silu_and_mul_then_gemv(
+    dtype: torch.dtype, n: int, k: int, config: tuple[int, int, int, int]
+) -> None:
+    """gated=True takes [gate, up] and multiplies silu(gate) * up, rounded to the input
+    dtype as the activation kernel rounds it."""
+    x, w, _ = _case(n, k, dtype, False)
+    gate_up = torch.cat([x, 2 * x.flip(-1)], dim=-1)
+    want = gemv_triton(silu_and_mul_triton(gate_up), w, None, config)
+    got = gemv_triton(gate_up, w, None, config, gated=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    ref = gemv_ref(silu_and_mul_ref(gate_up.float()), w.float()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+def test_gated_rejects_an_ungated_width() -> None:
+    x, w, _ = _case(8, 16, torch.float32, False)
+    with pytest.raises(ValueError, match=r"gemv needs x \[1, 2 \* 16\]"):
+        gemv_triton(x, w, gated=True)
 
 
 def test_rejects_a_batch_of_two() -> None:
