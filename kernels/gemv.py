@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
+from kernels.activation import silu_and_mul
 
 __all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_ref", "gemv_triton", "tune_gemv"]
 
@@ -148,22 +149,33 @@ def _graph_time_ms(
 
 
 def tune_gemv(
-    weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None, reps: int = 5
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None] | None = None,
+    reps: int = 5,
+    gated: bool = False,
 ) -> tuple[GemvConfig | None, dict[str, float]]:
     """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
     only; the layers' own weights, so nothing is copied and nothing is served from L2).
+    gated: the input is [gate, up]; the library is timed after the activation kernel.
 
     Returns the fastest Triton config, or None when the library is as fast (within 2 %),
     and the timings in ms per call.
     """
     pairs = list(zip(weights, biases or [None] * len(weights), strict=True))
-    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    k = weights[0].shape[1]
+    x = torch.randn(1, 2 * k if gated else k, dtype=weights[0].dtype, device=weights[0].device)
+
+    def blas(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(silu_and_mul(x) if gated else x, w, b)
+
     with torch.inference_mode():
-        timings = {"blas": _graph_time_ms(lambda w, b: F.linear(x, w, b), pairs, reps)}
+        timings = {"blas": _graph_time_ms(blas, pairs, reps)}
         best: GemvConfig | None = None
         for cfg in GEMV_CONFIGS:
             try:
-                ms = _graph_time_ms(lambda w, b, cfg=cfg: gemv_triton(x, w, b, cfg), pairs, reps)
+                ms = _graph_time_ms(
+                    lambda w, b, cfg=cfg: gemv_triton(x, w, b, cfg, gated=gated), pairs, reps
+                )
             except Exception:  # a config this GPU cannot run (resources): skip it
                 continue
             timings[str(list(cfg))] = ms

@@ -41,9 +41,15 @@ def _check_full_shape(name: str, loaded: torch.Tensor, full: tuple[int, ...]) ->
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with this rank's shard of W; subclasses define the sharding."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, gated_input: bool = False
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        # gated_input: the input holds [gate, up] (2 * in_features wide) and the layer
+        # multiplies silu(gate) * up, inside the batch-1 GEMV when that runs (no separate
+        # activation kernel); the GEMV is tuned in that form.
+        self.gated_input = gated_input
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -62,21 +68,17 @@ class LinearBase(nn.Module):
         _check_shape("weight", param, loaded)
         param.data.copy_(loaded)
 
-    def matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
-    ) -> torch.Tensor:
-        """x W^T (+ bias). gated: x holds [gate, up] and silu(gate) * up is multiplied
-        instead (inside the batch-1 GEMV when that runs, saving the activation kernel)."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv_config is not None and x.shape[0] == 1:
-            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=gated)
-        if gated:
+            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=self.gated_input)
+        if self.gated_input:
             x = silu_and_mul(x)
         if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        return self.matmul(x, self.bias, gated)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -159,9 +161,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, gated_input: bool = False
+    ) -> None:
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(divide(in_features, self.tp_size), out_features, bias)
+        super().__init__(divide(in_features, self.tp_size), out_features, bias, gated_input)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -176,8 +180,8 @@ class RowParallelLinear(LinearBase):
         _check_shape("row-parallel weight", param, shard)
         param.data.copy_(shard)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        y = self.matmul(x, None, gated)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, None)
         y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -75,11 +75,13 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # The down projection applies SiLU-and-mul to its [gate, up] input itself.
+        self.down_proj = RowParallelLinear(
+            size, cfg.hidden_size, bias=cfg.mlp_bias, gated_input=True
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SiLU-and-mul is applied by the down projection (fused into its batch-1 GEMV).
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

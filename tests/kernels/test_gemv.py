@@ -90,3 +90,30 @@ def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
     assert layer.gemv_config is None or layer.gemv_config in GEMV_CONFIGS
     x = torch.randn(1, 11008, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), gemv_ref(x, layer.weight), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_gated_input_layer_applies_silu_and_mul_first(gemv: bool) -> None:
+    """A `gated_input` layer equals silu_and_mul then the plain matmul, on the BLAS path and
+    (batch 1) through the fused GEMV."""
+    layer = RowParallelLinear(48, 24, gated_input=True)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    layer.gemv_config = (8, 16, 4, 1) if gemv else None
+    gate_up = torch.randn(1, 96)
+    want = gemv_ref(silu_and_mul_ref(gate_up), layer.weight)
+    torch.testing.assert_close(layer(gate_up), want, atol=1e-5, rtol=1e-5)
+    two_rows = torch.randn(2, 96)  # batches above 1 never take the GEMV
+    want2 = gemv_ref(silu_and_mul_ref(two_rows), layer.weight)
+    torch.testing.assert_close(layer(two_rows), want2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_gated_layer_is_tuned_in_its_gated_form() -> None:
+    layer = RowParallelLinear(11008, 4096, gated_input=True).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.01)
+    timings = tune_decode_gemvs(layer)[(4096, 11008)]
+    assert "blas" in timings and len(timings) > 1
+    gate_up = torch.randn(1, 2 * 11008, device="cuda", dtype=torch.bfloat16)
+    want = gemv_ref(silu_and_mul_ref(gate_up), layer.weight)
+    torch.testing.assert_close(layer(gate_up), want, atol=2e-2, rtol=2e-2)
