@@ -16,8 +16,16 @@ import torch.nn.functional as F
 
 from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
+from kernels.rms_norm import fused_add_rms_norm
 
-__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_ref", "gemv_triton", "tune_gemv"]
+__all__ = [
+    "GEMV_CONFIGS",
+    "GemvConfig",
+    "gemv_ref",
+    "gemv_triton",
+    "rms_norm_gemv",
+    "tune_gemv",
+]
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): few rows per program for the small-N shapes
 # (enough programs to keep every multiprocessor streaming), more for the large ones.
@@ -40,20 +48,31 @@ def gemv_ref(
 
 
 @triton.jit
-def _load_x(x_ptr, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """x[kk] in fp32; GATED: x holds [gate, up] and this is silu(gate) * up, rounded to x's
-    dtype exactly as the separate `silu_and_mul` kernel rounds it."""
+def _load_vec(ptr, kk, K, EVEN_K: tl.constexpr):
     if EVEN_K:
-        x = tl.load(x_ptr + kk)
-    else:
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        return tl.load(ptr + kk)
+    return tl.load(ptr + kk, mask=kk < K, other=0.0)
+
+
+@triton.jit
+def _load_x(
+    x_ptr, res_ptr, norm_w_ptr, rstd, kk, K,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The GEMV's input x[kk] in fp32, formed as the unfused kernels would form and round it:
+    GATED: x holds [gate, up] and this is silu(gate) * up (as `silu_and_mul`);
+    NORM: this is rms_norm(x (+ residual)) with the row's precomputed rstd (as `rms_norm`)."""
+    dt = x_ptr.dtype.element_ty
+    x = _load_vec(x_ptr, kk, K, EVEN_K)
     if GATED:
-        if EVEN_K:
-            up = tl.load(x_ptr + K + kk)
-        else:
-            up = tl.load(x_ptr + K + kk, mask=kk < K, other=0.0)
         gate = x.to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        up = _load_vec(x_ptr + K, kk, K, EVEN_K).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(dt)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + _load_vec(res_ptr, kk, K, EVEN_K).to(tl.float32)).to(dt)
+        normed = (x.to(tl.float32) * rstd).to(dt).to(tl.float32)
+        x = (normed * _load_vec(norm_w_ptr, kk, K, EVEN_K).to(tl.float32)).to(dt)
     return x.to(tl.float32)
 
 
@@ -66,8 +85,9 @@ def _load_w(w_rows, kk, K, n_mask, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,15 +99,65 @@ def _gemv_kernel(
     # kernel finishes.
     w = _load_w(w_rows, offs_k, K, n_mask, EVEN_K)
     pdl_wait(USE_PDL)
-    acc = w.to(tl.float32) * _load_x(x_ptr, offs_k, K, EVEN_K, GATED)[None, :]
+    rstd = 0.0
+    if NORM:
+        # Every program needs the whole row's rstd: each reads the row (from L2) and reduces
+        # it, which costs less than a separate norm kernel's launch and round trip.
+        offs = tl.arange(0, K_PAD)
+        row = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + offs, mask=offs < K, other=0.0)
+            row = (row.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(res_out_ptr + offs, row, mask=offs < K)
+        rowf = row.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+    x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
+    acc = w.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         w = _load_w(w_rows, kk, K, n_mask, EVEN_K)
-        acc += w.to(tl.float32) * _load_x(x_ptr, kk, K, EVEN_K, GATED)[None, :]
+        x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
+        acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, width: int, what: str) -> None:
+    if x.numel() != width or x.shape[-1] != x.numel():
+        raise ValueError(f"gemv needs x [1, {what}], got {tuple(x.shape)}")
+    if weight.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("gemv needs contiguous rows of x and weight")
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    *,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k = weight.shape
+    block_n, block_k, num_warps, num_stages = config
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
+    pdl = use_pdl(x)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else y, y,
+        residual if residual is not None else y, norm_weight,
+        res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, K_PAD=triton.next_power_of_2(k) if norm else 1,
+        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages, **pdl_kwargs(pdl),
+    )  # fmt: skip
+    return y, res_out
 
 
 def gemv_triton(
@@ -102,22 +172,33 @@ def gemv_triton(
 
     gated: x is [1, 2K] holding [gate, up], and the product is taken with silu(gate) * up
     (the MLP's down projection, without a separate activation kernel)."""
-    n, k = weight.shape
-    if x.numel() != (2 * k if gated else k) or x.shape[-1] != x.numel():
-        want = f"[1, 2 * {k}]" if gated else f"[1, {k}]"
-        raise ValueError(f"gemv needs x {want}, got {tuple(x.shape)}")
-    if weight.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError("gemv needs contiguous rows of x and weight")
-    block_n, block_k, num_warps, num_stages = config
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, USE_PDL=pdl,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-        **pdl_kwargs(pdl),
-    )  # fmt: skip
-    return y
+    k = weight.shape[1]
+    _check(x, weight, 2 * k if gated else k, f"2 * {k}" if gated else str(k))
+    return _launch(x, weight, bias, config, gated=gated)[0]
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig = GEMV_CONFIGS[2],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + residual) @ weight^T (+ bias) at batch 1 in one kernel, rounded as the
+    separate `fused_add_rms_norm` then GEMV would round it. Returns (y [1, N], the new
+    residual x + residual, or x itself without a residual)."""
+    k = weight.shape[1]
+    _check(x, weight, k, str(k))
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"the norm weight must be [{k}] in {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must match x in shape and dtype")
+    y, res_out = _launch(
+        x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual
+    )
+    return y, res_out if res_out is not None else x
 
 
 def _graph_time_ms(
@@ -153,10 +234,13 @@ def tune_gemv(
     biases: list[torch.Tensor | None] | None = None,
     reps: int = 5,
     gated: bool = False,
+    normed: bool = False,
 ) -> tuple[GemvConfig | None, dict[str, float]]:
     """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
     only; the layers' own weights, so nothing is copied and nothing is served from L2).
     gated: the input is [gate, up]; the library is timed after the activation kernel.
+    normed: the input is normalized first (`rms_norm_gemv`); the library is timed after the
+    residual-add + RMSNorm kernel.
 
     Returns the fastest Triton config, or None when the library is as fast (within 2 %),
     and the timings in ms per call.
@@ -165,17 +249,24 @@ def tune_gemv(
     k = weights[0].shape[1]
     x = torch.randn(1, 2 * k if gated else k, dtype=weights[0].dtype, device=weights[0].device)
 
+    residual, norm_w = torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device)
+
     def blas(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if normed:
+            return F.linear(fused_add_rms_norm(x, residual, norm_w, 1e-5)[0], w, b)
         return F.linear(silu_and_mul(x) if gated else x, w, b)
+
+    def triton_gemv(w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+        if normed:
+            return rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, cfg)[0]
+        return gemv_triton(x, w, b, cfg, gated=gated)
 
     with torch.inference_mode():
         timings = {"blas": _graph_time_ms(blas, pairs, reps)}
         best: GemvConfig | None = None
         for cfg in GEMV_CONFIGS:
             try:
-                ms = _graph_time_ms(
-                    lambda w, b, cfg=cfg: gemv_triton(x, w, b, cfg, gated=gated), pairs, reps
-                )
+                ms = _graph_time_ms(lambda w, b, cfg=cfg: triton_gemv(w, b, cfg), pairs, reps)
             except Exception:  # a config this GPU cannot run (resources): skip it
                 continue
             timings[str(list(cfg))] = ms

@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm, silu_and_mul
 from kernels.cpu_linear import PACKED_MAX_ROWS, packed_linear
-from kernels.gemv import GemvConfig, gemv_triton
+from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
 from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
 
 
@@ -50,6 +50,9 @@ class LinearBase(nn.Module):
         # multiplies silu(gate) * up, inside the batch-1 GEMV when that runs (no separate
         # activation kernel); the GEMV is tuned in that form.
         self.gated_input = gated_input
+        # Set by the model on layers it calls through `forward_normed`, so that tuning times
+        # their batch-1 GEMV with the norm in its prologue.
+        self.normed_input = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -87,6 +90,21 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
+
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer applied to norm(x + residual), or norm(x) without a residual; returns
+        that and the new residual (x + residual, or x). A batch-1 step on the GEMV path runs
+        the norm in the GEMV's prologue instead of a kernel of its own."""
+        w = norm.weight
+        if self.gemv_config is not None and x.shape[0] == 1 and w.dtype == x.dtype:
+            cfg = self.gemv_config
+            return rms_norm_gemv(x, residual, w, norm.eps, self.weight, self.bias, cfg)
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()

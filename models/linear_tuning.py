@@ -28,16 +28,17 @@ def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float
     """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
     over the layers holding that shape, and switch them to the faster one. Returns the
     timings per shape."""
-    groups: dict[tuple[int, int, bool, bool], list[LinearBase]] = {}
+    groups: dict[tuple[int, int, bool, bool, bool], list[LinearBase]] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.is_cuda:
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
-            key = (*module.weight.shape, has_bias, module.gated_input)
+            key = (*module.weight.shape, has_bias, module.gated_input, module.normed_input)
             groups.setdefault(key, []).append(module)
     timings: dict[tuple[int, int], dict[str, float]] = {}
-    for (n, k, has_bias, gated), layers in groups.items():
+    for (n, k, has_bias, gated, normed), layers in groups.items():
         biases = [m.bias for m in layers] if has_bias else None
-        best, timings[(n, k)] = tune_gemv([m.weight for m in layers], biases, gated=gated)
+        weights = [m.weight for m in layers]
+        best, timings[(n, k)] = tune_gemv(weights, biases, gated=gated, normed=normed)
         for m in layers:
             m.gemv_config = best
     return timings

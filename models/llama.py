@@ -56,11 +56,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention and the output projection, from the fused QKV projection's output."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        t = hidden.shape[0]
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -91,18 +94,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Each norm feeds one projection, which applies it (see forward_normed).
+        self.self_attn.qkv_proj.normed_input = True
+        self.mlp.gate_up_proj.normed_input = True
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = attn.attend(positions, qkv)
+        gate_up, residual = mlp.gate_up_proj.forward_normed(
+            hidden, residual, self.post_attention_layernorm
+        )
+        return mlp.down_proj(gate_up), residual
 
 
 class LlamaModel(nn.Module):

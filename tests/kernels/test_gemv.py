@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, tune_gemv
+from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, rms_norm_gemv, tune_gemv
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from models.layers import RowParallelLinear
 from models.linear_tuning import tune_decode_gemvs
 from tests.kernels.kernel_cases import requires_cuda
@@ -51,6 +52,37 @@ def test_gated_equals_silu_and_mul_then_gemv(
     ref = gemv_ref(silu_and_mul_ref(gate_up.float()), w.float()).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+def test_rms_norm_gemv_equals_norm_then_gemv(
+    dtype: torch.dtype, n: int, k: int, with_residual: bool, config: tuple[int, int, int, int]
+) -> None:
+    x, w, b = _case(n, k, dtype, True)
+    gen = torch.Generator().manual_seed(k)
+    residual = torch.randn(1, k, generator=gen).to(dtype) if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, config)
+    if residual is None:
+        normed, want_residual = rms_norm_ref(x, norm_w, 1e-5), x
+    else:
+        normed, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+    want = gemv_ref(normed.float(), w.float(), b.float()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(y, want, atol=tol, rtol=tol)
+    assert y.shape == (1, n)
+
+
+def test_rms_norm_gemv_validates_its_inputs() -> None:
+    x, w, _ = _case(8, 16, torch.float32, False)
+    with pytest.raises(ValueError, match="norm weight"):
+        rms_norm_gemv(x, None, torch.ones(8), 1e-5, w)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gemv(x, torch.zeros(1, 16, dtype=torch.float16), torch.ones(16), 1e-5, w)
 
 
 def test_gated_rejects_an_ungated_width() -> None:
@@ -117,3 +149,20 @@ def test_gpu_gated_layer_is_tuned_in_its_gated_form() -> None:
     gate_up = torch.randn(1, 2 * 11008, device="cuda", dtype=torch.bfloat16)
     want = gemv_ref(silu_and_mul_ref(gate_up), layer.weight)
     torch.testing.assert_close(layer(gate_up), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n", [12288, 22016])
+def test_gpu_rms_norm_gemv_at_llama_sizes(n: int) -> None:
+    x, w, _ = _case(n, 4096, torch.bfloat16, False, device="cuda")
+    residual = torch.randn_like(x)
+    norm_w = (1 + 0.1 * torch.randn(4096, device="cuda")).bfloat16()
+    normed, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    want = gemv_ref(normed, w)
+    _, timings = tune_gemv([w], normed=True)
+    assert "blas" in timings and len(timings) > 1
+    for config in GEMV_CONFIGS:
+        y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
+        assert torch.equal(new_residual, want_residual)
+        torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)

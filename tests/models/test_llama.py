@@ -7,18 +7,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.gemv import GemvConfig
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
+from models.layers import LinearBase
 from models.loader import load_model
 from tests.tiny_models import build_tiny_model_dir
 
 BLOCK = 16
 
 
-def flat_forward(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Run all prompts in ONE flattened varlen step through a fresh paged cache."""
+def flat_forward(
+    model_dir: Path, prompts: list[list[int]], gemv_config: GemvConfig | None = None
+) -> list[torch.Tensor]:
+    """Run all prompts in ONE flattened varlen step through a fresh paged cache; with
+    `gemv_config`, every linear layer takes the batch-1 Triton GEMV where the step has one
+    token (its norms and activation fused in, as on a GPU that chose it)."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.gemv_config = gemv_config
     blocks_per = [-(-len(p) // BLOCK) for p in prompts]
     num_blocks = sum(blocks_per)
     for attn in model.attention_layers():
@@ -69,6 +78,16 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
     ours = flat_forward(model_dir, prompts)
     for p, logits in zip(prompts, ours, strict=True):
         assert_close_rel(logits, hf_logits(model_dir, p))
+
+
+@pytest.mark.parametrize("kind", ["llama2", "qwen2"])
+def test_batch1_gemv_path_matches_hf(tmp_path: Path, kind: str) -> None:
+    """One token through the fused batch-1 GEMVs (RMSNorm in the QKV and gate/up prologues,
+    SiLU-and-mul in the down projection) gives HF's logits."""
+    model_dir = build_tiny_model_dir(tmp_path, kind)
+    prompt = [7]
+    ours = flat_forward(model_dir, [prompt], gemv_config=(8, 16, 4, 1))[0]
+    assert_close_rel(ours, hf_logits(model_dir, prompt))
 
 
 def test_config_reads_architecture_facts(tmp_path: Path) -> None:
