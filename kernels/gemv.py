@@ -235,44 +235,55 @@ def tune_gemv(
     reps: int = 5,
     gated: bool = False,
     normed: bool = False,
-) -> tuple[GemvConfig | None, dict[str, float]]:
+) -> tuple[GemvConfig | None, bool, dict[str, float]]:
     """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
     only; the layers' own weights, so nothing is copied and nothing is served from L2).
-    gated: the input is [gate, up]; the library is timed after the activation kernel.
-    normed: the input is normalized first (`rms_norm_gemv`); the library is timed after the
-    residual-add + RMSNorm kernel.
 
-    Returns the fastest Triton config, or None when the library is as fast (within 2 %),
-    and the timings in ms per call.
+    gated: the input is [gate, up] and needs SiLU-and-mul; normed: it needs the residual add
+    and RMSNorm (`rms_norm_gemv`). Such an input transform can run inside the GEMV ("fused")
+    or as its own kernel before a plain GEMV or the library; all three are timed, since the
+    fused form repeats the transform in every program.
+
+    Returns the fastest Triton config (None when the library is as fast, within 2 %),
+    whether that config takes the transform fused, and the timings in ms per call.
     """
     pairs = list(zip(weights, biases or [None] * len(weights), strict=True))
     k = weights[0].shape[1]
     x = torch.randn(1, 2 * k if gated else k, dtype=weights[0].dtype, device=weights[0].device)
-
     residual, norm_w = torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=x.device)
+    transformed = gated or normed
 
-    def blas(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def transform(x: torch.Tensor) -> torch.Tensor:
         if normed:
-            return F.linear(fused_add_rms_norm(x, residual, norm_w, 1e-5)[0], w, b)
-        return F.linear(silu_and_mul(x) if gated else x, w, b)
+            return fused_add_rms_norm(x, residual, norm_w, 1e-5)[0]
+        return silu_and_mul(x) if gated else x
 
-    def triton_gemv(w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    def fused(w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
         if normed:
             return rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, cfg)[0]
         return gemv_triton(x, w, b, cfg, gated=gated)
 
+    candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
+    for cfg in GEMV_CONFIGS:
+        candidates.append((str(list(cfg)), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
+        if transformed:
+            candidates.append((
+                f"unfused {list(cfg)}", cfg, False,
+                lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c),
+            ))  # fmt: skip
     with torch.inference_mode():
-        timings = {"blas": _graph_time_ms(blas, pairs, reps)}
-        best: GemvConfig | None = None
-        for cfg in GEMV_CONFIGS:
+        timings = {"blas": _graph_time_ms(lambda w, b: F.linear(transform(x), w, b), pairs, reps)}
+        best: tuple[str, GemvConfig, bool] | None = None
+        for name, cfg, fuse, call in candidates:
             try:
-                ms = _graph_time_ms(lambda w, b, cfg=cfg: triton_gemv(w, b, cfg), pairs, reps)
+                timings[name] = _graph_time_ms(call, pairs, reps)
             except Exception:  # a config this GPU cannot run (resources): skip it
                 continue
-            timings[str(list(cfg))] = ms
             # A 2 % margin: a tie within timing noise keeps the library.
-            if ms < 0.98 * timings["blas"] and (
-                best is None or ms < timings[str(list(best))]
+            if timings[name] < 0.98 * timings["blas"] and (
+                best is None or timings[name] < timings[best[0]]
             ):
-                best = cfg
-    return best, timings
+                best = (name, cfg, fuse)
+    if best is None:
+        return None, False, timings
+    return best[1], best[2], timings

@@ -63,6 +63,8 @@ class LinearBase(nn.Module):
         # Set by `models.linear_tuning` where they beat the BLAS library: the Triton GEMV
         # for batch-1 steps on a GPU, a oneDNN-packed weight for small batches on the CPU.
         self.gemv_config: GemvConfig | None = None
+        # Whether that GEMV applies the input's transform (gated or normed input) itself.
+        self.gemv_fuses_input = False
         self.cpu_packed: torch.Tensor | None = None
 
     def weight_loader(
@@ -72,10 +74,12 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gemv_config is not None and x.shape[0] == 1:
-            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=self.gated_input)
-        if self.gated_input:
+        gemv = self.gemv_config is not None and x.shape[0] == 1
+        fuse_gate = gemv and self.gated_input and self.gemv_fuses_input
+        if self.gated_input and not fuse_gate:
             x = silu_and_mul(x)
+        if gemv:
+            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=fuse_gate)
         if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
@@ -98,7 +102,8 @@ class ColumnParallelLinear(LinearBase):
         that and the new residual (x + residual, or x). A batch-1 step on the GEMV path runs
         the norm in the GEMV's prologue instead of a kernel of its own."""
         w = norm.weight
-        if self.gemv_config is not None and x.shape[0] == 1 and w.dtype == x.dtype:
+        fused = self.gemv_config is not None and self.gemv_fuses_input
+        if fused and x.shape[0] == 1 and w.dtype == x.dtype:
             cfg = self.gemv_config
             return rms_norm_gemv(x, residual, w, norm.eps, self.weight, self.bias, cfg)
         if residual is None:

@@ -38,9 +38,9 @@ def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float
     for (n, k, has_bias, gated, normed), layers in groups.items():
         biases = [m.bias for m in layers] if has_bias else None
         weights = [m.weight for m in layers]
-        best, timings[(n, k)] = tune_gemv(weights, biases, gated=gated, normed=normed)
+        best, fuses, timings[(n, k)] = tune_gemv(weights, biases, gated=gated, normed=normed)
         for m in layers:
-            m.gemv_config = best
+            m.gemv_config, m.gemv_fuses_input = best, fuses
     return timings
 
 

@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
 #   bash scripts/gpu_check.sh tp       # several GPUs: TP tests, TP=1/2/4/8 check and benchmarks
 #   bash scripts/gpu_check.sh peers    # GPU tests, then W1 / L1 twice each and their HF peers
+#   bash scripts/gpu_check.sh stop     # GEMV/PDL/engine GPU tests, the README table, then W2
 #   bash scripts/gpu_check.sh table    # W1 / L1 twice each and their HF peers (no tests)
 #   bash scripts/gpu_check.sh sched    # W1 under scheduling limits; S1 at low load and saturation
 #   bash scripts/gpu_check.sh gemv     # batch-1 GEMV tests and kernels against BLAS, then L1
@@ -84,6 +85,15 @@ elif [ "$phase" = decode ]; then  # batch-1 decode work: correctness, then L1 an
   bench --workload l1 --system engine --repeat 2
   ASYNCENGINE_PDL=0 bench --workload l1 --system engine --profile-steps 30
   bench --workload w1 --system engine --repeat 2
+elif [ "$phase" = stop ]; then  # what a closing note reports, in one call
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_pdl.py \
+    tests/kernels/test_paged_attention.py tests/asyncengine/test_gpu_engine.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+  bench --workload l1 --system engine --repeat 2
+  bench --workload w1 --system engine --repeat 2
+  bench --workload l1 --system hf
+  bench --workload w1 --system hf --hf-batch-size 128
+  bench --workload w2 --system engine
 elif [ "$phase" = table ]; then  # the README's W1 / L1 rows and their HF peers, no tests
   bench --workload l1 --system engine --repeat 2
   bench --workload w1 --system engine --repeat 2

@@ -18,7 +18,10 @@ BLOCK = 16
 
 
 def flat_forward(
-    model_dir: Path, prompts: list[list[int]], gemv_config: GemvConfig | None = None
+    model_dir: Path,
+    prompts: list[list[int]],
+    gemv_config: GemvConfig | None = None,
+    fuse_inputs: bool = True,
 ) -> list[torch.Tensor]:
     """Run all prompts in ONE flattened varlen step through a fresh paged cache; with
     `gemv_config`, every linear layer takes the batch-1 Triton GEMV where the step has one
@@ -28,6 +31,7 @@ def flat_forward(
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.gemv_config = gemv_config
+            module.gemv_fuses_input = gemv_config is not None and fuse_inputs
     blocks_per = [-(-len(p) // BLOCK) for p in prompts]
     num_blocks = sum(blocks_per)
     for attn in model.attention_layers():
@@ -80,13 +84,15 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
         assert_close_rel(logits, hf_logits(model_dir, p))
 
 
+@pytest.mark.parametrize("fuse_inputs", [True, False])
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
-def test_batch1_gemv_path_matches_hf(tmp_path: Path, kind: str) -> None:
-    """One token through the fused batch-1 GEMVs (RMSNorm in the QKV and gate/up prologues,
-    SiLU-and-mul in the down projection) gives HF's logits."""
+def test_batch1_gemv_path_matches_hf(tmp_path: Path, kind: str, fuse_inputs: bool) -> None:
+    """One token through the batch-1 GEMVs gives HF's logits, with the input transforms
+    fused (RMSNorm in the QKV and gate/up prologues, SiLU-and-mul in the down projection) or
+    run as kernels of their own."""
     model_dir = build_tiny_model_dir(tmp_path, kind)
     prompt = [7]
-    ours = flat_forward(model_dir, [prompt], gemv_config=(8, 16, 4, 1))[0]
+    ours = flat_forward(model_dir, [prompt], gemv_config=(8, 16, 4, 1), fuse_inputs=fuse_inputs)[0]
     assert_close_rel(ours, hf_logits(model_dir, prompt))
 
 
