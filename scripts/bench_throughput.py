@@ -116,7 +116,10 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)
     gemvs = {
-        "x".join(map(str, m.weight.shape)): m.gemv_config
+        "x".join(map(str, m.weight.shape)): {
+            "config": list(m.gemv_config),
+            "fuses_input": m.gemv_fuses_input,
+        }
         for m in engine.runner.model.modules()
         if getattr(m, "gemv_config", None) is not None
     }
