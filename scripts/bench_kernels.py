@@ -180,14 +180,15 @@ def _sweep_case(
     emit("sweep_decode", shape, ms, nbytes=nbytes)
 
 
-def sweep_decode() -> None:
+def sweep_decode(batches: list[int], contexts: list[int]) -> None:
     """Decode configs (tile, stages) x split counts, to tune the host heuristics."""
     for wl, heads in WORKLOADS.items():
-        for ctx in (640, 2000):
-            for bsz in (1, 4, 8, 16, 32, 64):
+        for ctx in contexts:
+            for bsz in batches:
                 args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads)
                 out = torch.empty_like(args[0])
-                for tile, stages, segs in itertools.product((32, 64), (2, 3, 4), (1, 2, 4, 8, 16)):
+                configs = itertools.product((32, 64, 128), (2,), (1, 4, 8, 16, 32))
+                for tile, stages, segs in configs:
                     shape = {"workload": wl, "batch": bsz, "ctx": ctx, "tile": tile,
                              "stages": stages, "segments": segs}  # fmt: skip
                     cfg = {"TILE": tile, "num_stages": stages}
@@ -335,6 +336,9 @@ def main() -> None:
         "--only", choices=["attention", "sweep", "elementwise", "sampling", "gemv"]
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
+    parser.add_argument("--sweep-batches", default="1,4,8,16,32,64", help="decode sweep batches")
+    parser.add_argument("--sweep-contexts", default="640,2000", help="decode sweep lengths")
+    parser.add_argument("--no-prefill-sweep", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: the kernels are benchmarked on a GPU"}))
@@ -343,8 +347,12 @@ def main() -> None:
     if args.only in (None, "attention"):
         bench_attention()
     if args.sweep or args.only == "sweep":
-        sweep_decode()
-        sweep_prefill()
+        sweep_decode(
+            [int(b) for b in args.sweep_batches.split(",")],
+            [int(c) for c in args.sweep_contexts.split(",")],
+        )
+        if not args.no_prefill_sweep:
+            sweep_prefill()
     if args.only in (None, "elementwise"):
         bench_elementwise()
     if args.only in (None, "sampling"):

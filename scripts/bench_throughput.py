@@ -13,6 +13,7 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -93,10 +94,23 @@ def make_prompts(w: dict, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(10, vocab, (w["num_requests"], w["prompt_len"]), generator=gen).tolist()
 
 
+def override_split_kv(spec: str) -> dict[str, int]:
+    """Patch the decode attention's split heuristic (and small-tile key count) for a run."""
+    pa = importlib.import_module("kernels.paged_attention")
+    values = [int(v) for v in spec.split(",")]
+    pa.SPLIT_KV_PROGRAMS_PER_SM, pa.MAX_SPLIT_SEGMENTS = values[0], values[1]
+    if len(values) > 2:
+        original = pa._small_tile_config
+        pa._small_tile_config = lambda group, elem: {**original(group, elem), "TILE": values[2]}
+    return dict(zip(["programs_per_sm", "max_segments", "tile"], values, strict=False))
+
+
 def run_engine(w: dict, args: argparse.Namespace) -> None:
     from asyncengine import EngineArgs
     from asyncengine.llm_engine import LLMEngine
 
+    # Before the engine exists: its CUDA graphs capture the decode attention's launches.
+    split_kv = override_split_kv(args.split_kv) if args.split_kv else None
     engine = LLMEngine(
         EngineArgs(
             model=str(dummy_model_dir(w["shape"])),
@@ -128,6 +142,8 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         if args.repeat > 1:
             record["round"] = round_ + 1
         record["batch1_triton_gemv"] = gemvs
+        if split_kv:
+            record["split_kv_override"] = split_kv
         emit(record)
     if args.profile_steps:
         profile_steps(engine, w, params, args.profile_steps)
@@ -348,6 +364,10 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="no asynchronous scheduling")
     ap.add_argument("--repeat", type=int, default=1, help="timed passes through one engine")
     ap.add_argument("--kv-growth-reserve-tokens", type=int, default=0)
+    ap.add_argument(
+        "--split-kv",
+        help="decode attention override PROGRAMS_PER_SM,MAX_SEGMENTS[,TILE] (heuristic tuning)",
+    )
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     w = dict(WORKLOADS[args.workload])
