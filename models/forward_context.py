@@ -2,11 +2,14 @@
 
 The model runner sets it around `model(...)`; attention layers read it. Keeping it out of the
 forward signatures lets the same model run eagerly, under CUDA graphs (with static buffers)
-and under tensor parallelism without threading metadata through every module.
+and under tensor parallelism without threading metadata through every module. It is
+per thread: two engines in one process (an `AsyncLLMEngine`'s step thread beside an
+offline `LLM`, say) each see only their own step.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,22 +29,26 @@ class AttentionMetadata:
     decode_only: bool = False
 
 
-_current: AttentionMetadata | None = None
+class _State(threading.local):
+    current: AttentionMetadata | None = None
+
+
+_state = _State()
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _current is None:
+    current = _state.current
+    if current is None:
         raise RuntimeError(
             "attention metadata is not set: run the model inside set_forward_context"
         )
-    return _current
+    return current
 
 
 @contextmanager
 def set_forward_context(meta: AttentionMetadata) -> Iterator[None]:
-    global _current
-    previous, _current = _current, meta
+    previous, _state.current = _state.current, meta
     try:
         yield
     finally:
-        _current = previous
+        _state.current = previous
