@@ -336,3 +336,45 @@ async def test_reused_id_ignores_the_last_words_of_its_predecessor(
         ids += out.outputs[0].token_ids
     assert ids == exp.outputs[0].token_ids
     await wait_idle_and_free(engine)
+
+
+async def test_from_engine_args_builds_on_the_step_thread(
+    tiny_llama_dir: Path, offline: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is built by the thread that steps it, which then serves like any other."""
+    import threading
+
+    built_on: list[str] = []
+    original = LLMEngine.from_engine_args
+
+    def recording(args: EngineArgs) -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return original(args)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", staticmethod(recording))
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), **ARGS))
+    try:
+        assert built_on == ["asyncengine-step"]
+        [want] = offline.generate(["Numbers 0 1 2"], greedy(8), use_tqdm=False)
+        got: list[int] = []
+        async for out in eng.generate("Numbers 0 1 2", greedy(8), "a"):
+            got += out.outputs[0].token_ids
+        assert got == want.outputs[0].token_ids
+        await wait_idle_and_free(eng)
+    finally:
+        await eng.shutdown()
+    assert eng._thread is not None and not eng._thread.is_alive()
+
+
+async def test_from_engine_args_build_error_reaches_the_caller(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), **ARGS))
+
+
+async def test_engine_built_on_its_thread_stops_without_ever_serving(
+    tiny_llama_dir: Path,
+) -> None:
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), **ARGS))
+    assert eng._thread is not None and eng._thread.is_alive()
+    await eng.shutdown(timeout=10 * UNIT)
+    assert not eng._thread.is_alive()
