@@ -255,12 +255,16 @@ async def bench(ns: argparse.Namespace) -> None:
                           max_requests_per_connection=max(256, ns.num_requests))
     async with serve_engine(engine, config) as server:
         records = await serve_rates(server.url, None)
-    await engine.shutdown()  # the step thread stops; the LLMEngine is ours again
+    if not ns.skip_offline:
+        # The offline loop runs on the step thread too, the thread that built the engine and
+        # served: the comparison then measures the frontend alone.
+        await engine.run_in_engine_thread(lambda e: offline_run(e, warmup))
+        seconds, tokens = await engine.run_in_engine_thread(
+            lambda e: offline_run(e, requests_for(len(rates)))
+        )
+    await engine.shutdown()
 
     if not ns.skip_offline:
-        llm_engine = engine.engine
-        offline_run(llm_engine, warmup)
-        seconds, tokens = offline_run(llm_engine, requests_for(len(rates)))
         offline = {"system": "asyncengine-offline", "rate": "inf",
                    "completed": ns.num_requests, "duration_s": round(seconds, 3),
                    "request_throughput": ns.num_requests / seconds,
