@@ -95,6 +95,18 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        super().__init__(in_features, divide(out_features, self.tp_size), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        size = param.shape[0]
+        _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, self.in_features))
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.copy_(shard)
+
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,18 +122,6 @@ class ColumnParallelLinear(LinearBase):
             return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(in_features, divide(out_features, self.tp_size), bias)
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
-    ) -> None:
-        size = param.shape[0]
-        _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, self.in_features))
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        param.data.copy_(shard)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
