@@ -14,6 +14,8 @@ it as input straight from step N's sampled-id tensor, so the GPU never waits for
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +69,9 @@ class InflightStep:
         self._host_logprobs = logprobs
         self._done: torch.cuda.Event | None = None
         self._result: StepResult | None = None
+        # Wraps the wait in `result()`: tensor parallelism turns a failed collective of this
+        # step into an error naming the dead worker there.
+        self.guard: Callable[[], AbstractContextManager[object]] = nullcontext
         if token_ids is not None and token_ids.is_cuda:
             self._host_ids = token_ids.to("cpu", non_blocking=True)
             if logprobs is not None:
@@ -82,7 +87,8 @@ class InflightStep:
         if self._result is not None:
             return self._result
         if self._done is not None:
-            self._done.synchronize()
+            with self.guard():
+                self._done.synchronize()
         if self._host_ids is None:
             self._result = StepResult([], [], None)
             return self._result

@@ -98,9 +98,6 @@ def start_tensor_parallel(
 class TensorParallelModelRunner(ModelRunner):
     """Rank 0's runner: a `ModelRunner` whose every model call is mirrored by the workers."""
 
-    # The workers would need the previous step's sampled ids, which only rank 0 holds.
-    supports_async_scheduling = False
-
     def __init__(
         self, model: nn.Module, model_config: ModelConfig, *, workers: WorkerGroup, **kwargs: Any
     ) -> None:
@@ -175,17 +172,19 @@ class TensorParallelModelRunner(ModelRunner):
     def prepare_inputs(
         self, sched: SchedulerOutput, prev: InflightStep | None = None
     ) -> StepInputs:
-        if prev is not None:
-            raise RuntimeError("tensor parallelism runs steps synchronously")
-        inputs = super().prepare_inputs(sched)
+        """Rank 0's inputs, broadcast. With a step in flight (asynchronous scheduling) its
+        sampled ids are filled into `input_ids` on rank 0's device before the broadcast,
+        which the device orders after that step's sampling: the workers never need them."""
+        inputs = super().prepare_inputs(sched, prev)
         send_step(self.workers.groups, inputs, sched)
         return inputs
 
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
         with self._guard("step"):
             step = super().launch(sched, prev)
-            step.result()  # steps are synchronous here: a failure surfaces inside the guard
-            return step
+        # The wait for the step's ids can fail too (a collective of a dead peer).
+        step.guard = functools.partial(self._guard, "step")
+        return step
 
 
 # ------------------------------------------------------------------ wire format

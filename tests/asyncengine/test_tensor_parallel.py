@@ -217,6 +217,13 @@ CASES = {
     "tp2_preempt_swap": dict(tensor_parallel_size=2, num_kv_blocks=14, preemption_mode="swap"),
     # 2 KV heads over 4 ranks: each KV head lives on two ranks
     "tp4_replicated_kv": dict(tensor_parallel_size=4),
+    # step N+1 launched before step N's ids reach the host: rank 0 broadcasts the filled ids
+    "tp2_async_chunked": dict(
+        tensor_parallel_size=2, async_scheduling=True, max_num_batched_tokens=19
+    ),
+    "tp2_async_preempt_swap": dict(
+        tensor_parallel_size=2, async_scheduling=True, num_kv_blocks=14, preemption_mode="swap"
+    ),
 }
 
 
@@ -230,8 +237,20 @@ def test_tp_greedy_equals_tp1(
         engine = llm.llm_engine
         assert isinstance(engine.runner, TensorParallelModelRunner)
         assert get_tp_size() == CASES[case]["tensor_parallel_size"]
+        assert engine.async_scheduling == CASES[case].get("async_scheduling", False)
+        overlapped = 0
+        prepare = engine.runner.prepare_inputs
+
+        def counting_prepare(sched: Any, prev: Any = None) -> Any:
+            nonlocal overlapped
+            overlapped += prev is not None
+            return prepare(sched, prev)
+
+        engine.runner.prepare_inputs = counting_prepare  # type: ignore[method-assign]
         assert generate(llm, prompts) == expected
-        if case == "tp2_preempt_swap":
+        # Asynchronous steps really launched on top of an in-flight one.
+        assert (overlapped > 0) == engine.async_scheduling
+        if case.endswith("preempt_swap"):
             assert engine.scheduler.num_swaps_out > 0 and engine.scheduler.num_swaps_in > 0
         assert_pool_clean(llm)
         pids = engine.runner.workers.pids
@@ -243,8 +262,11 @@ def test_tp_greedy_equals_tp1(
             os.kill(pid, 0)
 
 
-def test_dead_worker_fails_the_step_with_a_clear_error(tiny_llama_dir: Path) -> None:
-    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_dead_worker_fails_the_step_with_a_clear_error(
+    tiny_llama_dir: Path, async_scheduling: bool
+) -> None:
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, async_scheduling=async_scheduling)
     try:
         prompts = make_prompts([9, 4], seed=3)
         assert len(generate(llm, prompts)) == 2
