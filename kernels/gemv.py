@@ -5,6 +5,11 @@ of W with wide loads and reduces them against x in fp32, with no split-K partial
 back and no second reduction kernel. Whether it beats the BLAS library depends on the shape
 and the GPU, so `tune_gemv` times both on the device and the model uses the winner per
 weight shape (`models/linear_tuning.py`).
+
+The kernel can also form its input from the previous layer's output, saving a kernel at
+batch 1: SiLU-and-mul of a [gate, up] input (`gated`), or the residual add and RMSNorm
+(`rms_norm_gemv`), each rounded as the separate kernel rounds it. Every program then
+repeats that work on the whole input row, so the tuner also times the unfused form.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Per-shape choice of the matmul behind each linear layer, made once at start-up by timing.
 
 - GPU, batch 1: the Triton GEMV (`kernels.gemv`) against cuBLAS, in a CUDA graph over the
-  layers' own weights.
+  layers' own weights; for a layer whose input needs SiLU-and-mul or RMSNorm first, also
+  with that transform fused into the GEMV.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
 
 A layer keeps the library unless the alternative is clearly faster, so a wrong guess costs
