@@ -11,6 +11,7 @@ from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_emb
 from kernels.rotary_kv_cache import rotary_and_write_kv
+from kernels.rotary_paged_attention import paged_decode_attention_with_rotary
 from kernels.sampling import apply_top_k_top_p_min_p_ref, sample_from_logits
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "apply_top_k_top_p_min_p_ref",
     "fused_add_rms_norm",
     "paged_attention",
+    "paged_decode_attention_with_rotary",
     "rms_norm",
     "rotary_and_write_kv",
     "sample_from_logits",

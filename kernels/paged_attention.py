@@ -20,6 +20,8 @@ Three implementations share the signature:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,19 @@ from kernels._triton_utils import (
     use_triton,
 )
 
-__all__ = ["paged_attention", "paged_attention_ref", "paged_attention_triton"]
+__all__ = ["DecodeRotary", "paged_attention", "paged_attention_ref", "paged_attention_triton"]
+
+
+@dataclass(frozen=True)
+class DecodeRotary:
+    """What a decode step's attention needs to apply rotary and write this step's K/V
+    itself: k and v are [B, Hkv, D] views (unrotated), cos_sin_cache is `kernels.rotary`'s."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
 
 _LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2 with the scale folded in
 
@@ -208,6 +222,33 @@ def _dot(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _decode_cos_sin(
+    positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d, dt,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """cos and sin of sequence `seq_idx`'s (one) token for every lane d of a head, as
+    cos[d % HALF], cast to the model dtype first like HF; in fp32."""
+    pos = tl.load(positions_ptr + seq_idx).to(tl.int64)
+    d = offs_d % HALF
+    d_mask = offs_d < HEAD_DIM
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
+    return cos.to(dt).to(tl.float32), sin.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotate_row(x, row_ptr, offs_d, mask, cos, sin, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Rotate-half rotary of x (rows of heads loaded from row_ptr + offs_d), rounded like
+    `kernels.rotary`: out = x * cos -/+ partner * sin, each product and the sum rounded to
+    x's dtype. The partner lane of d is d + HALF in the first half, d - HALF in the second."""
+    partner = tl.load(row_ptr + (offs_d + HALF) % HEAD_DIM, mask=mask, other=0.0)
+    dt = x.dtype
+    a = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
+    b = (partner.to(tl.float32) * sin).to(dt).to(tl.float32)
+    return tl.where(offs_d < HALF, a - b, a + b).to(dt)
+
+
+@triton.jit
 def _attend_tile(
     Q,
     M,
@@ -232,9 +273,14 @@ def _attend_tile(
     MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
+    new_pos,
+    k_new,
+    v_new,
+    HAS_NEW: tl.constexpr,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
-    row of the block (no causal mask, no bounds checks)."""
+    row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
+    takes `k_new`/`v_new` from registers instead of the cache (this step's own token)."""
     offs_t = tile * TILE + tl.arange(0, TILE)
     if MASKED:
         kv_valid = offs_t < num_keys
@@ -258,6 +304,8 @@ def _attend_tile(
         else:
             K = tl.load(k_base + k_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
 
+    if HAS_NEW:
+        K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
     S = _dot(Q, tl.trans(K), DOT_FP32, IEEE) * scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_abs[:, None]) & kv_valid[None, :]
@@ -276,6 +324,8 @@ def _attend_tile(
             V = tl.load(v_base + v_offs)
         else:
             V = tl.load(v_base + v_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    if HAS_NEW:
+        V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
     acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32, IEEE)
     return m_new, L, acc
 
@@ -309,6 +359,16 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    positions_ptr,
+    cos_sin_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_mapping_ptr,
+    stride_cs,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -322,6 +382,8 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,
     DECODE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROTARY: tl.constexpr = False,
+    HALF: tl.constexpr = 1,
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
@@ -361,6 +423,12 @@ def _paged_attention_kernel(
     if D_PAD != HEAD_DIM:
         q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
     Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    if ROTARY:
+        # A decode step with rotary fused in: q (and below this step's k) arrive unrotated.
+        cos, sin = _decode_cos_sin(positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d,
+                                   q_ptr.dtype.element_ty, HEAD_DIM, HALF)  # fmt: skip
+        q_row = tok[:, None] * stride_qt + (head * stride_qh)[:, None]
+        Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM, HALF)
     q_abs = ctx_len + q_pos
 
     # Causal pruning: this block sees keys 0 .. ctx_len + its last query position.
@@ -381,6 +449,26 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
 
+    new_pos = seq_len - 1  # this step's token, when ROTARY: taken from registers
+    k_new = tl.zeros([D_PAD], dtype=Q.dtype)
+    v_new = tl.zeros([D_PAD], dtype=Q.dtype)
+    if ROTARY:
+        # Only the program whose segment holds the new key reads it, so that program alone
+        # rotates it, writes k and v to their cache slot and uses them from registers.
+        last_tile = new_pos // TILE
+        if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):
+            d_mask = offs_d < HEAD_DIM
+            k_row = k_new_ptr + seq_idx.to(tl.int64) * stride_knt + kv_head * stride_knh
+            k_raw = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+            k_new = _rotate_row(k_raw, k_row, offs_d, d_mask, cos, sin, HEAD_DIM, HALF)
+            v_row = v_new_ptr + seq_idx.to(tl.int64) * stride_vnt + kv_head * stride_vnh
+            v_new = tl.load(v_row + offs_d, mask=d_mask, other=0.0)
+            slot = tl.load(slot_mapping_ptr + seq_idx).to(tl.int64)
+            if slot >= 0:
+                blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_new, mask=d_mask)
+                tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, v_new, mask=d_mask)
+
     M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     L = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -389,12 +477,14 @@ def _paged_attention_kernel(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, False, DOT_FP32, IEEE,
+            new_pos, k_new, v_new, ROTARY,
         )  # fmt: skip
     for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
+            new_pos, k_new, v_new, ROTARY,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -510,6 +600,7 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     decode_only: bool = False,
     num_segments: int | None = None,
+    rotary: DecodeRotary | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref`.
 
@@ -517,7 +608,9 @@ def paged_attention_triton(
     skip the large-tile launch; T == B selects the decode path, which uses split-KV when B is
     small. `decode_only` promises one query token per sequence (token b belongs to sequence
     b), so programs skip the search for their sequence. `num_segments` overrides the split
-    count (tests, tuning).
+    count (tests, tuning). `rotary` (with `decode_only`): q, and this step's k and v, arrive
+    unrotated and unwritten; the kernel rotates them and writes k and v to the cache itself
+    (see `paged_decode_attention_with_rotary`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -544,6 +637,22 @@ def paged_attention_triton(
         "IEEE": q.dtype == torch.float32 or dot_fp32,
     }
     pdl = use_pdl(q)
+    if rotary is not None:
+        if not decode_only:
+            raise ValueError("rotary inside attention is for decode_only steps")
+        half = rotary.cos_sin_cache.shape[-1] // 2
+        if 2 * half != head_dim:
+            raise ValueError("rotary inside attention needs the rotary dim to equal head_dim")
+        cs = rotary.cos_sin_cache
+        cs = cs if cs.stride(-1) == 1 else cs.contiguous()
+        rot_args = (
+            rotary.positions, cs, rotary.k, rotary.v, rotary.slot_mapping, cs.stride(0),
+            rotary.k.stride(0), rotary.k.stride(1), rotary.v.stride(0), rotary.v.stride(1),
+        )  # fmt: skip
+        rot_flags = {"ROTARY": True, "HALF": half}
+    else:
+        rot_args = (q, q, q, q, q, 0, 0, 0, 0, 0)
+        rot_flags = {"ROTARY": False, "HALF": 1}
     scale_log2 = float(scale) * _LOG2E
 
     def launch(
@@ -557,8 +666,8 @@ def paged_attention_triton(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg,
+            block_tables.stride(0), *rot_args,
+            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg, **rot_flags,
             **pdl_kwargs(pdl),
         )  # fmt: skip
 

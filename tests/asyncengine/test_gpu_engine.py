@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import models.attention
 from asyncengine import LLM, SamplingParams
 from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
 from tests.asyncengine.test_llm_engine import MAX_TOKENS, make_prompts
@@ -18,11 +19,18 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("fused_rotary", [False, True], ids=["", "fused-decode-rotary"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_gpu_greedy_equals_hf(
-    tiny_llama_dir: Path, enforce_eager: bool, preemption_mode: str
+    tiny_llama_dir: Path,
+    enforce_eager: bool,
+    preemption_mode: str,
+    fused_rotary: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # ASYNCENGINE_FUSED_DECODE_ROTARY=1: decode steps rotate and write K/V inside attention.
+    monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused_rotary)
     prefix = make_prompts(452, [40], seed=11)[0]
     prompts = make_prompts(452) + [prefix + s for s in make_prompts(452, [2, 7, 30], seed=12)]
     llm = LLM(

@@ -1,0 +1,63 @@
+"""The paged attention layer: the fused decode-rotary switch takes its own path and gives
+the same result as rotary + KV write + attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models.attention
+from models.attention import Attention
+from models.forward_context import AttentionMetadata, set_forward_context
+from models.layers import compute_cos_sin_cache
+
+HQ, HKV, D, BLOCK = 4, 2, 16, 4
+
+
+def _decode_step(seq_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A decode-only step: sequence b owns blocks [3b, 3b+3), its new token at seq_len - 1."""
+    b = len(seq_lens)
+    tables = torch.arange(3 * b, dtype=torch.int32).view(b, 3)
+    slots = torch.tensor([int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
+                          for i, n in enumerate(seq_lens)])  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=1,
+        decode_only=True,
+    )
+    return meta, torch.tensor([n - 1 for n in seq_lens])
+
+
+def _run(fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused)
+    calls = 0
+    fused_op = models.attention.paged_decode_attention_with_rotary
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return fused_op(*args, **kwargs)
+
+    monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", counting)
+    gen = torch.Generator().manual_seed(0)
+    layer = Attention(HQ, HKV, D, D**-0.5)
+    layer.k_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    layer.v_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    meta, positions = _decode_step([5, 9, 12, 1])
+    q = torch.randn(4, HQ, D, generator=gen)
+    k, v = torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D, generator=gen)
+    cos_sin = compute_cos_sin_cache(D, 64, 10000.0, None)
+    with set_forward_context(meta):
+        out = layer(q, k, v, positions, cos_sin)
+    return out, layer.k_cache, calls
+
+
+def test_fused_decode_rotary_equals_the_separate_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    out_sep, cache_sep, calls_sep = _run(False, monkeypatch)
+    out_fused, cache_fused, calls_fused = _run(True, monkeypatch)
+    assert (calls_sep, calls_fused) == (0, 1)
+    torch.testing.assert_close(out_fused, out_sep, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache_fused, cache_sep, atol=0, rtol=0)
