@@ -1,0 +1,135 @@
+"""Compile the Triton kernels of a decode and a prefill step for a GPU target, without a GPU.
+
+The CPU interpreter checks what the kernels compute but not whether they compile: this
+script lowers the main variants (paged attention with and without rotary, split-KV and
+prefill tiles, the GEMV forms, the norm, rotary and merge kernels) to a cubin for sm_90 with
+Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
+
+  python scripts/compile_kernels.py              # sm_90, every variant
+  python scripts/compile_kernels.py --arch 100   # another compute capability
+
+It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Pointer element types by argument name (anything else ending in _ptr is bf16); scalars
+# named here are fp32, the other runtime scalars int32.
+POINTER_TYPES = {
+    "block_tables_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "seg_acc_ptr": "*fp32",
+    "seg_max_ptr": "*fp32",
+    "seg_sum_ptr": "*fp32",
+    "positions_ptr": "*i64",
+    "slot_mapping_ptr": "*i64",
+    "cos_sin_ptr": "*fp32",
+}
+FLOAT_SCALARS = {"eps", "scale_log2"}
+
+ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
+                 IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
+# (module, kernel, constexprs, num_warps, num_stages)
+VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
+          ROTARY=False), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
+          ROTARY=True), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=True,
+          ROTARY=True), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=False,
+          ROTARY=False), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=64, BLOCK_Q=64, TILE=64, NUM_SEGMENTS=1, DECODE=False,
+          ROTARY=False), 4, 2),
+    ("kernels.paged_attention", "_reduce_segments_kernel",
+     dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SEGMENTS=16, USE_PDL=True), 4, 1),
+    ("kernels.gemv", "_gemv_kernel",
+     dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
+          USE_PDL=True, BLOCK_N=4, BLOCK_K=1024), 4, 3),
+    ("kernels.gemv", "_gemv_kernel",
+     dict(HAS_BIAS=False, EVEN_K=True, GATED=True, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
+          USE_PDL=True, BLOCK_N=16, BLOCK_K=512), 8, 3),
+    ("kernels.gemv", "_gemv_kernel",
+     dict(HAS_BIAS=True, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, K_PAD=4096,
+          USE_PDL=True, BLOCK_N=8, BLOCK_K=512), 4, 4),
+    ("kernels.rms_norm", "_rms_norm_kernel",
+     dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
+    ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
+     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
+          HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True), 4, 1),
+]  # fmt: skip
+
+
+def compile_variant(
+    module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
+) -> int:
+    """Lower one variant to a cubin; returns its size in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel)
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {}
+    for p in params:
+        if p in constexprs:
+            signature[p] = "constexpr"
+        elif p.endswith("_ptr"):
+            signature[p] = POINTER_TYPES.get(p, "*bf16")
+        else:
+            signature[p] = "fp32" if p in FLOAT_SCALARS else "i32"
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(params.index(k),): v for k, v in constexprs.items()},
+    )
+    target = GPUTarget("cuda", arch, 32)
+    compiled = triton.compile(
+        src, target=target, options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    return len(compiled.asm["cubin"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    failed = 0
+    for module, kernel, constexprs, warps, stages in VARIANTS:
+        flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
+        t0 = time.perf_counter()
+        try:
+            size = compile_variant(module, kernel, constexprs, warps, stages, args.arch)
+            row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": size}
+        except Exception as exc:  # report every variant, then fail
+            failed += 1
+            row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"compiled": len(VARIANTS) - failed, "failed": failed, "arch": args.arch}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
