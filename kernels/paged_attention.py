@@ -643,6 +643,8 @@ def paged_attention_triton(
         half = rotary.cos_sin_cache.shape[-1] // 2
         if 2 * half != head_dim:
             raise ValueError("rotary inside attention needs the rotary dim to equal head_dim")
+        if rotary.k.stride(-1) != 1 or rotary.v.stride(-1) != 1:
+            raise ValueError("rotary inside attention needs k and v with contiguous heads")
         cs = rotary.cos_sin_cache
         cs = cs if cs.stride(-1) == 1 else cs.contiguous()
         rot_args = (

@@ -101,6 +101,16 @@ def test_rejects_a_step_that_is_not_all_decodes() -> None:
         )
 
 
+def test_rejects_k_with_strided_head_dim() -> None:
+    batch, q, rotary = _case((4, 2), torch.float32)
+    tail = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.scale)
+    strided_k = torch.randn(*rotary.k.shape[:2], 2 * HEAD_DIM)[..., ::2]
+    bad = DecodeRotary(rotary.positions, rotary.cos_sin_cache, strided_k, rotary.v,
+                       rotary.slot_mapping)  # fmt: skip
+    with pytest.raises(ValueError, match="contiguous heads"):
+        paged_decode_attention_with_rotary_triton(q, bad, batch.k_cache, batch.v_cache, *tail)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("segments", [None, 1, 16])
