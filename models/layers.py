@@ -275,11 +275,6 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
