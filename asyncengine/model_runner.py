@@ -27,7 +27,7 @@ from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
-from models.linear_tuning import tune_cpu_linears, tune_decode_gemvs
+from models.linear_tuning import describe_decode_gemvs, tune_cpu_linears, tune_decode_gemvs
 
 logger = logging.getLogger(__name__)
 
@@ -263,12 +263,9 @@ class ModelRunner:
         steps on the GPU."""
         self.graphs = None
         if self.device.type == "cuda":
-            for (n, k), t in tune_decode_gemvs(self.model).items():
-                best = min(t, key=t.__getitem__)
-                logger.info(
-                    "batch-1 GEMV %dx%d: BLAS %.1f us, fastest %s %.1f us",
-                    n, k, 1000 * t["blas"], best, 1000 * t[best],
-                )  # fmt: skip
+            tune_decode_gemvs(self.model)
+            for line in describe_decode_gemvs(self.model):
+                logger.info("batch-1 GEMV %s", line)
         else:
             for (n, k), (blas, packed) in tune_cpu_linears(self.model).items():
                 logger.info(

@@ -10,11 +10,15 @@ The kernel can also form its input from the previous layer's output, saving a ke
 batch 1: SiLU-and-mul of a [gate, up] input (`gated`), or the residual add and RMSNorm
 (`rms_norm_gemv`), each rounded as the separate kernel rounds it. Every program then
 repeats that work on the whole input row, so the tuner also times the unfused form.
+Likewise it can apply SiLU-and-mul to its own output (`glu`): a program owns the same rows
+of the gate and the up halves of a [gate; up] weight, so the MLP's gate/up projection
+hands the down projection its activated input with no kernel in between.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ from kernels.rms_norm import fused_add_rms_norm
 
 __all__ = [
     "GEMV_CONFIGS",
+    "GemvChoice",
     "GemvConfig",
     "gemv_ref",
     "gemv_triton",
@@ -92,17 +97,23 @@ def _load_w(w_rows, kk, K, n_mask, EVEN_K: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    # GLU: W is [gate; up] with N rows each, and this program owns the same N rows of both,
+    # so it can apply SiLU-and-mul to its own outputs.
+    up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn
     # The weights never depend on the previous kernel: the first tile is requested before
     # waiting for it, so under programmatic dependent launch it streams in while that
     # kernel finishes.
     w = _load_w(w_rows, offs_k, K, n_mask, EVEN_K)
+    w_up = w
+    if GLU:
+        w_up = _load_w(up_rows, offs_k, K, n_mask, EVEN_K)
     pdl_wait(USE_PDL)
     rstd = 0.0
     if NORM:
@@ -119,14 +130,29 @@ def _gemv_kernel(
         rstd = tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
     x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
     acc = w.to(tl.float32) * x[None, :]
+    acc_up = acc
+    if GLU:
+        acc_up = w_up.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + offs_k
         w = _load_w(w_rows, kk, K, n_mask, EVEN_K)
+        if GLU:
+            w_up = _load_w(up_rows, kk, K, n_mask, EVEN_K)
         x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
         acc += w.to(tl.float32) * x[None, :]
+        if GLU:
+            acc_up += w_up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GLU:
+        # Rounded as the plain GEMV's [gate, up] output, then as `silu_and_mul` rounds.
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -146,8 +172,13 @@ def _launch(
     gated: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
+    if glu:
+        if n % 2:
+            raise ValueError(f"a GLU output needs [gate; up] weight rows, got {n} rows")
+        n //= 2
     block_n, block_k, num_warps, num_stages = config
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -158,9 +189,9 @@ def _launch(
         residual if residual is not None else y, norm_weight,
         res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, K_PAD=triton.next_power_of_2(k) if norm else 1,
-        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **pdl_kwargs(pdl),
+        HAS_RESIDUAL=residual is not None, GLU=glu,
+        K_PAD=triton.next_power_of_2(k) if norm else 1, USE_PDL=pdl, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl),
     )  # fmt: skip
     return y, res_out
 
@@ -172,14 +203,17 @@ def gemv_triton(
     config: GemvConfig = GEMV_CONFIGS[2],
     *,
     gated: bool = False,
+    glu: bool = False,
 ) -> torch.Tensor:
     """x [1, K] (or [K]); weight [N, K] with contiguous rows; returns [1, N] in x.dtype.
 
     gated: x is [1, 2K] holding [gate, up], and the product is taken with silu(gate) * up
-    (the MLP's down projection, without a separate activation kernel)."""
+    (the MLP's down projection, without a separate activation kernel).
+    glu: weight is [gate; up] (2N rows) and the result is silu(gate) * up, [1, N] (the MLP's
+    gate/up projection with the activation in its epilogue)."""
     k = weight.shape[1]
     _check(x, weight, 2 * k if gated else k, f"2 * {k}" if gated else str(k))
-    return _launch(x, weight, bias, config, gated=gated)[0]
+    return _launch(x, weight, bias, config, gated=gated, glu=glu)[0]
 
 
 def rms_norm_gemv(
@@ -190,10 +224,13 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig = GEMV_CONFIGS[2],
+    *,
+    glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x + residual) @ weight^T (+ bias) at batch 1 in one kernel, rounded as the
-    separate `fused_add_rms_norm` then GEMV would round it. Returns (y [1, N], the new
-    residual x + residual, or x itself without a residual)."""
+    separate `fused_add_rms_norm` then GEMV would round it (with `glu`, then SiLU-and-mul of
+    the [gate, up] product, as in `gemv_triton`). Returns (y [1, N], the new residual
+    x + residual, or x itself without a residual)."""
     k = weight.shape[1]
     _check(x, weight, k, str(k))
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
@@ -201,7 +238,7 @@ def rms_norm_gemv(
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("the residual must match x in shape and dtype")
     y, res_out = _launch(
-        x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual
+        x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual, glu=glu
     )
     return y, res_out if res_out is not None else x
 
@@ -234,13 +271,23 @@ def _graph_time_ms(
     return times[len(times) // 2]
 
 
+class GemvChoice(NamedTuple):
+    """What `tune_gemv` chose for one weight shape."""
+
+    config: GemvConfig | None  # the Triton config, or None for the BLAS library
+    fuses_input: bool  # whether that config takes the input's transform in its prologue
+    ms: float  # GPU time of the chosen form, per call
+    timings: dict[str, float]  # every form timed, in ms per call
+
+
 def tune_gemv(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None] | None = None,
     reps: int = 5,
     gated: bool = False,
     normed: bool = False,
-) -> tuple[GemvConfig | None, bool, dict[str, float]]:
+    glu: bool = False,
+) -> GemvChoice:
     """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
     only; the layers' own weights, so nothing is copied and nothing is served from L2).
 
@@ -249,8 +296,10 @@ def tune_gemv(
     or as its own kernel before a plain GEMV or the library; all three are timed, since the
     fused form repeats the transform in every program.
 
-    Returns the fastest Triton config (None when the library is as fast, within 2 %),
-    whether that config takes the transform fused, and the timings in ms per call.
+    glu: the weight is [gate; up] and the output goes through SiLU-and-mul: the Triton forms
+    apply it in their epilogue, the library form as a kernel of its own after the matmul.
+
+    The fastest Triton config is kept only when it beats the library by 2 %.
     """
     pairs = list(zip(weights, biases or [None] * len(weights), strict=True))
     k = weights[0].shape[1]
@@ -265,8 +314,12 @@ def tune_gemv(
 
     def fused(w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
         if normed:
-            return rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, cfg)[0]
-        return gemv_triton(x, w, b, cfg, gated=gated)
+            return rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, cfg, glu=glu)[0]
+        return gemv_triton(x, w, b, cfg, gated=gated, glu=glu)
+
+    def library(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(transform(x), w, b)
+        return silu_and_mul(y) if glu else y
 
     candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
     for cfg in GEMV_CONFIGS:
@@ -274,10 +327,10 @@ def tune_gemv(
         if transformed:
             candidates.append((
                 f"unfused {list(cfg)}", cfg, False,
-                lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c),
+                lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c, glu=glu),
             ))  # fmt: skip
     with torch.inference_mode():
-        timings = {"blas": _graph_time_ms(lambda w, b: F.linear(transform(x), w, b), pairs, reps)}
+        timings = {"blas": _graph_time_ms(library, pairs, reps)}
         best: tuple[str, GemvConfig, bool] | None = None
         for name, cfg, fuse, call in candidates:
             try:
@@ -290,5 +343,5 @@ def tune_gemv(
             ):
                 best = (name, cfg, fuse)
     if best is None:
-        return None, False, timings
-    return best[1], best[2], timings
+        return GemvChoice(None, False, timings["blas"], timings)
+    return GemvChoice(best[1], best[2], timings[best[0]], timings)

@@ -53,6 +53,9 @@ class LinearBase(nn.Module):
         # Set by the model on layers it calls through `forward_normed`, so that tuning times
         # their batch-1 GEMV with the norm in its prologue.
         self.normed_input = False
+        # Set by the model on a [gate; up] layer whose output feeds SiLU-and-mul, so that
+        # tuning can time its batch-1 GEMV with the activation in the epilogue.
+        self.glu_output = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -65,6 +68,8 @@ class LinearBase(nn.Module):
         self.gemv_config: GemvConfig | None = None
         # Whether that GEMV applies the input's transform (gated or normed input) itself.
         self.gemv_fuses_input = False
+        # Whether that GEMV applies SiLU-and-mul to its [gate, up] output (glu_output layers).
+        self.gemv_applies_glu = False
         self.cpu_packed: torch.Tensor | None = None
 
     def weight_loader(
@@ -75,11 +80,15 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         gemv = self.gemv_config is not None and x.shape[0] == 1
-        fuse_gate = gemv and self.gated_input and self.gemv_fuses_input
-        if self.gated_input and not fuse_gate:
+        # A gated layer also accepts its input already activated, as a GLU-output GEMV
+        # hands it over: the width tells which.
+        gated = self.gated_input and x.shape[-1] == 2 * self.in_features
+        fuse_gate = gemv and gated and self.gemv_fuses_input
+        if gated and not fuse_gate:
             x = silu_and_mul(x)
         if gemv:
-            return gemv_triton(x, self.weight, bias, self.gemv_config, gated=fuse_gate)
+            cfg, glu = self.gemv_config, self.gemv_applies_glu
+            return gemv_triton(x, self.weight, bias, cfg, gated=fuse_gate, glu=glu)
         if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x, self.cpu_packed, bias)
         return F.linear(x, self.weight, bias)
@@ -117,7 +126,8 @@ class ColumnParallelLinear(LinearBase):
         fused = self.gemv_config is not None and self.gemv_fuses_input
         if fused and x.shape[0] == 1 and w.dtype == x.dtype:
             cfg = self.gemv_config
-            return rms_norm_gemv(x, residual, w, norm.eps, self.weight, self.bias, cfg)
+            glu = self.gemv_applies_glu
+            return rms_norm_gemv(x, residual, w, norm.eps, self.weight, self.bias, cfg, glu=glu)
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)

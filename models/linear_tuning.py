@@ -2,7 +2,8 @@
 
 - GPU, batch 1: the Triton GEMV (`kernels.gemv`) against cuBLAS, in a CUDA graph over the
   layers' own weights; for a layer whose input needs SiLU-and-mul or RMSNorm first, also
-  with that transform fused into the GEMV.
+  with that transform fused into the GEMV; for the MLP, also with SiLU-and-mul in the
+  gate/up GEMV's epilogue.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
 
 A layer keeps the library unless the alternative is clearly faster, so a wrong guess costs
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import cpu_packing_available, pack_weight, time_packed_against_blas
-from kernels.gemv import tune_gemv
+from kernels.gemv import GemvChoice, tune_gemv
 from models.layers import LinearBase, ParallelLMHead, RowParallelLinear
 
 # The packed CPU path must win by this much: timings on a busy CPU are noisy.
@@ -25,24 +26,67 @@ CPU_PACKED_MIN_GAIN = 0.9
 CPU_PACKED_MAX_BYTES = 256 * 2**20
 
 
+def _set_choice(layers: list[LinearBase], choice: GemvChoice, applies_glu: bool) -> None:
+    for m in layers:
+        m.gemv_config, m.gemv_fuses_input = choice.config, choice.fuses_input
+        m.gemv_applies_glu = applies_glu and choice.config is not None
+
+
 def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float]]:
     """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
     over the layers holding that shape, and switch them to the faster one. Returns the
-    timings per shape."""
-    groups: dict[tuple[int, int, bool, bool, bool], list[LinearBase]] = {}
+    timings per shape.
+
+    The MLP is then timed as a pair: SiLU-and-mul applied by the down projection to its
+    [gate, up] input (either form above), against the gate/up GEMV applying it in its
+    epilogue and the down projection taking a plain input; the faster pair is kept."""
+    groups: dict[tuple[int, int, bool, bool, bool, bool], list[LinearBase]] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.is_cuda:
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
-            key = (*module.weight.shape, has_bias, module.gated_input, module.normed_input)
+            key = (
+                *module.weight.shape, has_bias, module.gated_input, module.normed_input,
+                module.glu_output,
+            )  # fmt: skip
             groups.setdefault(key, []).append(module)
     timings: dict[tuple[int, int], dict[str, float]] = {}
-    for (n, k, has_bias, gated, normed), layers in groups.items():
+    choices: dict[tuple[int, int, bool, bool, bool, bool], GemvChoice] = {}
+    for key, layers in groups.items():
+        n, k, has_bias, gated, normed, _ = key
         biases = [m.bias for m in layers] if has_bias else None
-        weights = [m.weight for m in layers]
-        best, fuses, timings[(n, k)] = tune_gemv(weights, biases, gated=gated, normed=normed)
-        for m in layers:
-            m.gemv_config, m.gemv_fuses_input = best, fuses
+        choice = tune_gemv([m.weight for m in layers], biases, gated=gated, normed=normed)
+        choices[key], timings[(n, k)] = choice, dict(choice.timings)
+        _set_choice(layers, choice, applies_glu=False)
+    producers = [key for key in groups if key[5]]
+    consumers = [key for key in groups if key[3]]
+    if len(producers) != 1 or len(consumers) != 1:
+        return timings  # one MLP shape per model; anything else keeps the separate forms
+    (prod, cons) = producers[0], consumers[0]
+    prod_layers, cons_layers = groups[prod], groups[cons]
+    biases = [m.bias for m in prod_layers] if prod[2] else None
+    glu = tune_gemv([m.weight for m in prod_layers], biases, normed=prod[4], glu=True)
+    plain = tune_gemv([m.weight for m in cons_layers])
+    timings[prod[:2]].update({f"glu {name}": t for name, t in glu.timings.items()})
+    timings[cons[:2]].update({f"plain input {name}": t for name, t in plain.timings.items()})
+    if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
+        _set_choice(prod_layers, glu, applies_glu=True)
+        _set_choice(cons_layers, plain, applies_glu=False)
     return timings
+
+
+def describe_decode_gemvs(model: nn.Module) -> list[str]:
+    """One line per weight shape: what its batch-1 matmul runs, as tuning left it."""
+    lines: dict[tuple[int, ...], str] = {}
+    for m in model.modules():
+        if not isinstance(m, LinearBase) or tuple(m.weight.shape) in lines:
+            continue
+        what = "BLAS" if m.gemv_config is None else f"Triton {list(m.gemv_config)}"
+        if m.gemv_fuses_input:
+            what += ", input transform in the prologue"
+        if m.gemv_applies_glu:
+            what += ", SiLU-and-mul in the epilogue"
+        lines[tuple(m.weight.shape)] = f"{m.weight.shape[0]}x{m.weight.shape[1]}: {what}"
+    return list(lines.values())
 
 
 def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:

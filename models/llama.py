@@ -78,10 +78,12 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
-        # The down projection applies SiLU-and-mul to its [gate, up] input itself.
+        # SiLU-and-mul runs in no kernel of its own: the down projection applies it to its
+        # [gate, up] input, or at batch 1 the gate/up GEMV may apply it to its output.
         self.down_proj = RowParallelLinear(
             size, cfg.hidden_size, bias=cfg.mlp_bias, gated_input=True
         )
+        self.gate_up_proj.glu_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

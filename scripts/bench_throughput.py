@@ -133,6 +133,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         "x".join(map(str, m.weight.shape)): {
             "config": list(m.gemv_config),
             "fuses_input": m.gemv_fuses_input,
+            "applies_glu": m.gemv_applies_glu,
         }
         for m in engine.runner.model.modules()
         if getattr(m, "gemv_config", None) is not None

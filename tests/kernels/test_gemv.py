@@ -8,7 +8,7 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, rms_norm_gemv, tune_gemv
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
-from models.layers import RowParallelLinear
+from models.layers import MergedColumnParallelLinear, RowParallelLinear
 from models.linear_tuning import tune_decode_gemvs
 from tests.kernels.kernel_cases import requires_cuda
 
@@ -77,6 +77,44 @@ def test_rms_norm_gemv_equals_norm_then_gemv(
     assert y.shape == (1, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+def test_glu_equals_gemv_then_silu_and_mul(
+    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, int, int, int]
+) -> None:
+    """glu=True over a [gate; up] weight (2n rows) gives silu(gate) * up, rounded as the
+    plain GEMV then the activation kernel round it."""
+    x, w, b = _case(2 * n, k, dtype, bias)
+    want = silu_and_mul_triton(gemv_triton(x, w, b, config))
+    got = gemv_triton(x, w, b, config, glu=True)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    ref = silu_and_mul_ref(gemv_ref(x.float(), w.float(), None if b is None else b.float()))
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, ref.to(dtype), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv_with_glu_equals_the_separate_kernels(with_residual: bool) -> None:
+    x, w, _ = _case(2 * 24, 64, torch.float16, False)
+    gen = torch.Generator().manual_seed(1)
+    residual = torch.randn(1, 64, generator=gen).half() if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(64, generator=gen)).half()
+    config = (8, 32, 4, 2)
+    y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config, glu=True)
+    gate_up, want_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
+    torch.testing.assert_close(y, silu_and_mul_triton(gate_up), atol=0, rtol=0)
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+
+
+def test_glu_rejects_an_odd_number_of_rows() -> None:
+    x, w, _ = _case(7, 16, torch.float32, False)
+    with pytest.raises(ValueError, match="GLU output"):
+        gemv_triton(x, w, glu=True)
+
+
 def test_rms_norm_gemv_validates_its_inputs() -> None:
     x, w, _ = _case(8, 16, torch.float32, False)
     with pytest.raises(ValueError, match="norm weight"):
@@ -114,8 +152,9 @@ def test_gpu_llama_shapes_match_blas(n: int, k: int) -> None:
 def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
     layer = RowParallelLinear(11008, 4096).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.01)
-    best, fuses, timings = tune_gemv([layer.weight])
+    best, fuses, ms, timings = tune_gemv([layer.weight])
     assert not fuses  # a plain input has nothing to fuse
+    assert ms == timings["blas" if best is None else str(list(best))]
     assert "blas" in timings and len(timings) > 1
     if best is not None:
         assert timings[str(list(best))] < timings["blas"]
@@ -141,6 +180,26 @@ def test_gated_input_layer_applies_silu_and_mul_first(path: str) -> None:
     torch.testing.assert_close(layer(two_rows), want2, atol=1e-5, rtol=1e-5)
 
 
+def test_gated_layer_takes_an_input_already_activated() -> None:
+    """Behind a GLU-output gate/up GEMV, the down projection gets silu(gate) * up itself
+    (in_features wide) and must not apply the activation again."""
+    gate_up_proj = MergedColumnParallelLinear(16, [48, 48])
+    down = RowParallelLinear(48, 24, gated_input=True)
+    torch.nn.init.normal_(gate_up_proj.weight, std=0.2)
+    torch.nn.init.normal_(down.weight, std=0.1)
+    x = torch.randn(1, 16)
+    want = gemv_ref(silu_and_mul_ref(gemv_ref(x, gate_up_proj.weight)), down.weight)
+    gate_up_proj.gemv_config, gate_up_proj.gemv_applies_glu = (8, 16, 4, 1), True
+    activated = gate_up_proj(x)
+    assert activated.shape == (1, 48)
+    for config in [None, (8, 16, 4, 1)]:
+        down.gemv_config = config
+        torch.testing.assert_close(down(activated), want, atol=1e-5, rtol=1e-5)
+    gate_up_proj.gemv_config = None  # the library path leaves [gate, up] to the down layer
+    assert gate_up_proj(x).shape == (1, 96)
+    torch.testing.assert_close(down(gate_up_proj(x)), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_gated_layer_is_tuned_in_its_gated_form() -> None:
@@ -162,9 +221,41 @@ def test_gpu_rms_norm_gemv_at_llama_sizes(n: int) -> None:
     norm_w = (1 + 0.1 * torch.randn(4096, device="cuda")).bfloat16()
     normed, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
     want = gemv_ref(normed, w)
-    _, _, timings = tune_gemv([w], normed=True)
+    timings = tune_gemv([w], normed=True).timings
     assert "blas" in timings and any(name.startswith("unfused") for name in timings)
     for config in GEMV_CONFIGS:
         y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
         assert torch.equal(new_residual, want_residual)
         torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_glu_gemv_at_llama_sizes_and_the_mlp_pair_choice() -> None:
+    """The GLU epilogue at Llama-2-7B's gate/up size, and the tuner's choice for an MLP:
+    whichever pair it keeps, a batch-1 MLP step still equals the reference."""
+    x, w, _ = _case(22016, 4096, torch.bfloat16, False, device="cuda")
+    want = silu_and_mul_ref(gemv_ref(x, w))
+    for config in GEMV_CONFIGS:
+        torch.testing.assert_close(gemv_triton(x, w, None, config, glu=True), want,
+                                   atol=3e-2, rtol=3e-2)  # fmt: skip
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = MergedColumnParallelLinear(4096, [11008, 11008])
+            self.down_proj = RowParallelLinear(11008, 4096, gated_input=True)
+            self.gate_up_proj.glu_output = True
+
+    mlp = MLP().cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.02)
+    torch.nn.init.normal_(mlp.down_proj.weight, std=0.02)
+    timings = tune_decode_gemvs(mlp)
+    assert any(name.startswith("glu ") for name in timings[(22016, 4096)])
+    assert any(name.startswith("plain input ") for name in timings[(4096, 11008)])
+    if mlp.gate_up_proj.gemv_applies_glu:
+        assert not mlp.down_proj.gemv_fuses_input
+    h = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = gemv_ref(silu_and_mul_ref(gemv_ref(h, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+    got = mlp.down_proj(mlp.gate_up_proj(h))
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)

@@ -22,16 +22,22 @@ def flat_forward(
     prompts: list[list[int]],
     gemv_config: GemvConfig | None = None,
     fuse_inputs: bool = True,
+    glu: bool = False,
 ) -> list[torch.Tensor]:
     """Run all prompts in ONE flattened varlen step through a fresh paged cache; with
     `gemv_config`, every linear layer takes the batch-1 Triton GEMV where the step has one
-    token (its norms and activation fused in, as on a GPU that chose it)."""
+    token (its norms and activation fused in, as on a GPU that chose it); with `glu`, the
+    gate/up GEMV applies SiLU-and-mul in its epilogue and the down projection takes a plain
+    input."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.gemv_config = gemv_config
             module.gemv_fuses_input = gemv_config is not None and fuse_inputs
+            module.gemv_applies_glu = gemv_config is not None and glu and module.glu_output
+            if glu and module.gated_input:
+                module.gemv_fuses_input = False
     blocks_per = [-(-len(p) // BLOCK) for p in prompts]
     num_blocks = sum(blocks_per)
     for attn in model.attention_layers():
@@ -84,15 +90,20 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
         assert_close_rel(logits, hf_logits(model_dir, p))
 
 
+@pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("fuse_inputs", [True, False])
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
-def test_batch1_gemv_path_matches_hf(tmp_path: Path, kind: str, fuse_inputs: bool) -> None:
+def test_batch1_gemv_path_matches_hf(
+    tmp_path: Path, kind: str, fuse_inputs: bool, glu: bool
+) -> None:
     """One token through the batch-1 GEMVs gives HF's logits, with the input transforms
     fused (RMSNorm in the QKV and gate/up prologues, SiLU-and-mul in the down projection) or
-    run as kernels of their own."""
+    run as kernels of their own, and with SiLU-and-mul in the gate/up GEMV's epilogue."""
     model_dir = build_tiny_model_dir(tmp_path, kind)
     prompt = [7]
-    ours = flat_forward(model_dir, [prompt], gemv_config=(8, 16, 4, 1), fuse_inputs=fuse_inputs)[0]
+    ours = flat_forward(
+        model_dir, [prompt], gemv_config=(8, 16, 4, 1), fuse_inputs=fuse_inputs, glu=glu
+    )[0]
     assert_close_rel(ours, hf_logits(model_dir, prompt))
 
 
