@@ -12,14 +12,16 @@ Three implementations share the signature:
   block of `BLOCK_Q` query tokens of one sequence; the `G = Hq // Hkv` query heads of that KV
   head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
-  (flash-decoding: several programs per row block, each over a segment of the keys, merged by
-  a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
+  (flash-decoding: several programs per row block, each over a segment of the keys) for
+  decode batches too small to fill the GPU; the last program of a row block to finish
+  merges the segments, counted by an atomic, so no second kernel runs. Grids depend on T, B and
   constants only, so the decode path can be captured in a CUDA graph.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +251,16 @@ def _rotate_row(x, row_ptr, offs_d, mask, cos, sin, HEAD_DIM: tl.constexpr, HALF
 
 
 @triton.jit
+def _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+            MASKED: tl.constexpr):  # fmt: skip
+    if MASKED:
+        return tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
+    if D_PAD == HEAD_DIM:
+        return tl.load(v_base + v_offs)
+    return tl.load(v_base + v_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_tile(
     Q,
     M,
@@ -277,6 +289,7 @@ def _attend_tile(
     k_new,
     v_new,
     HAS_NEW: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
@@ -291,6 +304,7 @@ def _attend_tile(
     in_block = (offs_t % BLOCK_SIZE).to(tl.int64)
     k_offs = (blk * stride_kb + in_block * stride_ks)[:, None] + offs_d[None, :]
     v_offs = (blk * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]
+    kv_mask = offs_d[None, :] < HEAD_DIM  # replaced below for masked tiles
     if MASKED:
         if D_PAD == HEAD_DIM:
             kv_mask = kv_valid[:, None]
@@ -303,7 +317,11 @@ def _attend_tile(
             K = tl.load(k_base + k_offs)
         else:
             K = tl.load(k_base + k_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-
+    # EARLY_V: V is requested with K rather than after the scores. A split-KV decode
+    # program runs a tile or two and is latency-bound, so the two loads then share one round
+    # trip; large prefill tiles keep V late, where it costs no registers during the scores.
+    if EARLY_V:
+        V = _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM, D_PAD, MASKED)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
     S = _dot(Q, tl.trans(K), DOT_FP32, IEEE) * scale_log2
@@ -317,13 +335,8 @@ def _attend_tile(
     alpha = tl.exp2(M - m_safe)
     L = L * alpha + tl.sum(P, axis=1)
 
-    if MASKED:
-        V = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
-    else:
-        if D_PAD == HEAD_DIM:
-            V = tl.load(v_base + v_offs)
-        else:
-            V = tl.load(v_base + v_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    if not EARLY_V:
+        V = _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM, D_PAD, MASKED)
     if HAS_NEW:
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
     acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32, IEEE)
@@ -369,6 +382,7 @@ def _paged_attention_kernel(
     stride_knh,
     stride_vnt,
     stride_vnh,
+    counter_ptr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -384,6 +398,8 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
+    MERGE: tl.constexpr = False,
+    FENCE: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
@@ -477,14 +493,14 @@ def _paged_attention_kernel(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, False, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY,
+            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1,
         )  # fmt: skip
     for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY,
+            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -500,6 +516,59 @@ def _paged_attention_kernel(
         tl.store(seg_sum_ptr + stat_offs, L, mask=row_valid)
         acc_offs = stat_offs[:, None] * D_PAD + offs_d[None, :]
         tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
+        if MERGE:
+            # The last of the row block's NUM_SEGMENTS programs to finish merges them, so no
+            # second kernel runs. Release: every thread's partials are visible before the
+            # count moves; acquire: the merging program then sees all of them.
+            _fence_acq_rel_gpu(FENCE)
+            tl.debug_barrier()
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SEGMENTS - 1:
+                _fence_acq_rel_gpu(FENCE)
+                tl.store(counter, 0)  # ready for the next launch (and graph replay)
+                num_rows = (tl.minimum(BLOCK_Q, q_len - q_block_start) * GROUP).to(tl.int32)
+                for r in range(0, num_rows):
+                    tok_r = (q_start + q_block_start + r // GROUP).to(tl.int64)
+                    head_r = kv_head * GROUP + r % GROUP
+                    o_ptr = out_ptr + tok_r * stride_ot + head_r * stride_oh
+                    _merge_segments(o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr,
+                                    tok_r * NUM_HEADS + head_r, HEAD_DIM, D_PAD,
+                                    NUM_SEGMENTS)  # fmt: skip
+
+
+@triton.jit
+def _merge_segments(
+    o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):  # fmt: skip
+    """Write one (token, head) row's output from its split-KV partials. The loads bypass L1
+    (.cg): the partials were written by other programs of the same launch."""
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s, cache_modifier=".cg")
+    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s, cache_modifier=".cg")
+    acc = tl.load(
+        seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :],
+        cache_modifier=".cg",
+    )
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
+    denom = tl.sum(w * l_seg, axis=0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _fence_acq_rel_gpu(ENABLED: tl.constexpr):
+    """A GPU-scope acquire-release fence by every thread (not needed, nor available, in the
+    interpreter, which runs programs one after another)."""
+    if ENABLED:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -519,20 +588,10 @@ def _reduce_segments_kernel(
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh
     row = tok * NUM_HEADS + head
-    offs_s = tl.arange(0, NUM_SEGMENTS)
-    offs_d = tl.arange(0, D_PAD)
-    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s)
-    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
-    denom = tl.sum(w * l_seg, axis=0)
-    acc = tl.load(seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :])
-    num = tl.sum(acc * w[:, None], axis=0)
-    out = num / tl.where(denom == 0.0, 1.0, denom)
-    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + offs_d
-    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    _merge_segments(o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, HEAD_DIM, D_PAD,
+                    NUM_SEGMENTS)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -585,6 +644,27 @@ def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) 
         return 1
     target = SPLIT_KV_PROGRAMS_PER_SM * sms // programs
     return max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
+
+
+# Split-KV decode merges its segments in the attention kernel itself (the last program of
+# each row block to finish does it); ASYNCENGINE_SPLIT_KV_MERGE=kernel uses the separate
+# reduce kernel instead.
+MERGE_IN_ATTENTION = os.environ.get("ASYNCENGINE_SPLIT_KV_MERGE", "attention") != "kernel"
+_merge_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def _split_merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per row block, for the in-kernel split-KV merge.
+    Every launch leaves them zero again. One set per device and stream, so launches that may
+    run at the same time never share one; under graph capture the capture stream's set is
+    the one baked into the graphs."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    counters = _merge_counters.get(key)
+    if counters is None or counters.numel() < n:
+        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _merge_counters[key] = counters
+    return counters
 
 
 def paged_attention_triton(
@@ -658,19 +738,21 @@ def paged_attention_triton(
     scale_log2 = float(scale) * _LOG2E
 
     def launch(
-        cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool
+        cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool,
+        merge: bool = False,
     ) -> None:
         rows = num_seqs if decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
         grid = (rows, num_kv_heads, segments)
+        counters = _split_merge_counters(q.device, rows * num_kv_heads) if merge else q
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *seg_bufs,
             scale_log2, num_seqs, lo, hi,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), *rot_args,
+            block_tables.stride(0), *rot_args, counters,
             NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg, **rot_flags,
-            **pdl_kwargs(pdl),
+            MERGE=merge, FENCE=merge and not interpreter_enabled(), **pdl_kwargs(pdl),
         )  # fmt: skip
 
     small = _small_tile_config(group, elem)
@@ -684,6 +766,9 @@ def paged_attention_triton(
             seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
             seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
             seg_bufs = (seg_acc, seg_max, seg_sum)
+            if MERGE_IN_ATTENTION:
+                launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only, merge=True)
+                return out
             launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
             _reduce_segments_kernel[(num_tokens, num_heads)](
                 out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
