@@ -12,9 +12,9 @@ Three implementations share the signature:
   block of `BLOCK_Q` query tokens of one sequence; the `G = Hq // Hkv` query heads of that KV
   head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
-  (flash-decoding: several programs per row block, each over a segment of the keys) for
-  decode batches too small to fill the GPU; the last program of a row block to finish
-  merges the segments, counted by an atomic, so no second kernel runs. Grids depend on T, B and
+  (flash-decoding: several programs per row block, each over a segment of the keys, merged by
+  a reduce kernel, or by the last program of each row block to finish) for decode batches
+  too small to fill the GPU. Grids depend on T, B and
   constants only, so the decode path can be captured in a CUDA graph.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
 """
@@ -39,7 +39,13 @@ from kernels._triton_utils import (
     use_triton,
 )
 
-__all__ = ["DecodeRotary", "paged_attention", "paged_attention_ref", "paged_attention_triton"]
+__all__ = [
+    "DecodeRotary",
+    "decode_uses_split_kv",
+    "paged_attention",
+    "paged_attention_ref",
+    "paged_attention_triton",
+]
 
 
 @dataclass(frozen=True)
@@ -399,7 +405,6 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
     MERGE: tl.constexpr = False,
-    FENCE: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
@@ -518,14 +523,13 @@ def _paged_attention_kernel(
         tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
         if MERGE:
             # The last of the row block's NUM_SEGMENTS programs to finish merges them, so no
-            # second kernel runs. Release: every thread's partials are visible before the
-            # count moves; acquire: the merging program then sees all of them.
-            _fence_acq_rel_gpu(FENCE)
+            # second kernel runs. The barrier orders every thread's partials before the one
+            # thread's release-acquire count (cumulative at GPU scope); the barrier Triton
+            # places after that atomic orders the merging reads after its acquire.
             tl.debug_barrier()
             counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == NUM_SEGMENTS - 1:
-                _fence_acq_rel_gpu(FENCE)
                 tl.store(counter, 0)  # ready for the next launch (and graph replay)
                 num_rows = (tl.minimum(BLOCK_Q, q_len - q_block_start) * GROUP).to(tl.int32)
                 for r in range(0, num_rows):
@@ -559,16 +563,6 @@ def _merge_segments(
     num = tl.sum(acc * w[:, None], axis=0)
     out = num / tl.where(denom == 0.0, 1.0, denom)
     tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-@triton.jit
-def _fence_acq_rel_gpu(ENABLED: tl.constexpr):
-    """A GPU-scope acquire-release fence by every thread (not needed, nor available, in the
-    interpreter, which runs programs one after another)."""
-    if ENABLED:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
 
 
 @triton.jit
@@ -646,10 +640,9 @@ def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) 
     return max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
 
 
-# Split-KV decode merges its segments in the attention kernel itself (the last program of
-# each row block to finish does it); ASYNCENGINE_SPLIT_KV_MERGE=kernel uses the separate
-# reduce kernel instead.
-MERGE_IN_ATTENTION = os.environ.get("ASYNCENGINE_SPLIT_KV_MERGE", "attention") != "kernel"
+# Split-KV decode merges its segments in a reduce kernel; ASYNCENGINE_SPLIT_KV_MERGE=attention
+# has the last program of each row block to finish merge them inside the attention kernel.
+MERGE_IN_ATTENTION = os.environ.get("ASYNCENGINE_SPLIT_KV_MERGE", "kernel") == "attention"
 _merge_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
 
 
@@ -665,6 +658,12 @@ def _split_merge_counters(device: torch.device, n: int) -> torch.Tensor:
         counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _merge_counters[key] = counters
     return counters
+
+
+def decode_uses_split_kv(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a decode step of this many sequences runs split-KV attention (a host-side
+    fact of B, so callers can choose a path per captured graph)."""
+    return _num_split_segments(num_seqs, num_kv_heads, device) > 1
 
 
 def paged_attention_triton(
@@ -752,7 +751,7 @@ def paged_attention_triton(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), *rot_args, counters,
             NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg, **rot_flags,
-            MERGE=merge, FENCE=merge and not interpreter_enabled(), **pdl_kwargs(pdl),
+            MERGE=merge, **pdl_kwargs(pdl),
         )  # fmt: skip
 
     small = _small_tile_config(group, elem)

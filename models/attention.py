@@ -1,10 +1,11 @@
 """Paged attention layer: writes this step's K/V into the cache (rotating q and k on the way
 when given the rotary table), then attends over it.
 
-Decode-only steps fold the rotary and the K/V write into the attention kernel itself
-(`kernels.rotary_paged_attention`): one kernel per layer instead of two, which took L1 from
-3.82 to 3.77 ms per token on an H200. `ASYNCENGINE_FUSED_DECODE_ROTARY=0` runs them as
-separate kernels.
+Decode-only steps small enough for split-KV attention fold the rotary and the K/V write into
+the attention kernel itself (`kernels.rotary_paged_attention`): one kernel per layer instead
+of two, which took L1 from 3.82 to 3.77 ms per token on an H200. Larger decode batches keep
+the separate kernel: at W1's 256 sequences the fused form was slower (5,832 against 6,448
+output tok/s in one call). `ASYNCENGINE_FUSED_DECODE_ROTARY=0` never fuses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernels import (
     rotary_and_write_kv,
     write_kv_cache,
 )
-from kernels.paged_attention import DecodeRotary
+from kernels.paged_attention import DecodeRotary, decode_uses_split_kv
 from models.forward_context import get_attention_metadata
 
 FUSED_DECODE_ROTARY = os.environ.get("ASYNCENGINE_FUSED_DECODE_ROTARY", "1") != "0"
@@ -54,6 +55,7 @@ class Attention(nn.Module):
             and cos_sin_cache is not None
             and positions is not None
             and cos_sin_cache.shape[-1] == self.head_dim
+            and decode_uses_split_kv(q.shape[0], self.num_kv_heads, q.device)
         ):
             rotary = DecodeRotary(positions, cos_sin_cache, k, v, meta.slot_mapping)
             out = paged_decode_attention_with_rotary(

@@ -184,10 +184,13 @@ def test_gpu_decode(num_kv_heads: int, batch_size: int, ctx: int) -> None:
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("num_kv_heads", [32, 8])
-def test_gpu_in_kernel_split_merge_under_repeated_launches(num_kv_heads: int) -> None:
-    """The last-program merge is a cross-program handshake (fences and an atomic count): run
-    it many times, eagerly and from a CUDA graph, against the reference and the separate
-    reduce kernel, so that a missing fence would show as a wrong row."""
+def test_gpu_in_kernel_split_merge_under_repeated_launches(
+    num_kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last-program merge is a cross-program handshake (a barrier and an atomic count):
+    run it many times, eagerly and from a CUDA graph, against the reference, so that a
+    missing ordering would show as a wrong row."""
+    monkeypatch.setattr(pa, "MERGE_IN_ATTENTION", True)
     batch = _gpu_case([1, 1], [3000, 700], num_kv_heads, seed=3)
     ref = paged_attention_ref(*batch.args())
     out = torch.empty_like(batch.q)

@@ -31,8 +31,11 @@ def _decode_step(seq_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
     return meta, torch.tensor([n - 1 for n in seq_lens])
 
 
-def _run(fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _run(
+    fused: bool, monkeypatch: pytest.MonkeyPatch, split_kv: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused)
+    monkeypatch.setattr(models.attention, "decode_uses_split_kv", lambda *_: split_kv)
     calls = 0
     fused_op = models.attention.paged_decode_attention_with_rotary
 
@@ -61,3 +64,23 @@ def test_fused_decode_rotary_equals_the_separate_ops(monkeypatch: pytest.MonkeyP
     assert (calls_sep, calls_fused) == (0, 1)
     torch.testing.assert_close(out_fused, out_sep, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cache_fused, cache_sep, atol=0, rtol=0)
+
+
+def test_decode_batches_without_split_kv_keep_the_separate_rotary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode batch large enough to fill the GPU without split-KV takes the rotary/KV-write
+    kernel and plain attention, where that measured faster."""
+    out_big, cache_big, calls = _run(True, monkeypatch, split_kv=False)
+    out_sep, cache_sep, _ = _run(False, monkeypatch)
+    assert calls == 0
+    torch.testing.assert_close(out_big, out_sep, atol=0, rtol=0)
+    torch.testing.assert_close(cache_big, cache_sep, atol=0, rtol=0)
+
+
+def test_split_kv_choice_follows_the_batch_size() -> None:
+    from kernels.paged_attention import decode_uses_split_kv
+
+    cpu = torch.device("cpu")  # one "multiprocessor": only a single program could split
+    assert decode_uses_split_kv(1, 1, cpu)
+    assert not decode_uses_split_kv(4, 2, cpu)
