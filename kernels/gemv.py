@@ -43,12 +43,17 @@ GemvConfig = tuple[int, int, int, int]
 GEMV_CONFIGS: list[GemvConfig] = [
     (4, 512, 4, 4),
     (4, 1024, 4, 3),
+    (4, 1024, 4, 4),
+    (2, 2048, 4, 3),
+    (4, 2048, 8, 2),
+    (8, 1024, 8, 3),
     (8, 512, 4, 4),
     (8, 256, 4, 4),
     (16, 256, 4, 3),
     (16, 512, 8, 3),
     (32, 128, 4, 4),
 ]
+DEFAULT_GEMV_CONFIG: GemvConfig = (8, 512, 4, 4)
 
 
 def gemv_ref(
@@ -200,7 +205,7 @@ def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemvConfig = GEMV_CONFIGS[2],
+    config: GemvConfig = DEFAULT_GEMV_CONFIG,
     *,
     gated: bool = False,
     glu: bool = False,
@@ -223,7 +228,7 @@ def rms_norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: GemvConfig = GEMV_CONFIGS[2],
+    config: GemvConfig = DEFAULT_GEMV_CONFIG,
     *,
     glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:

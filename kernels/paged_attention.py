@@ -13,15 +13,13 @@ Three implementations share the signature:
   head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
   (flash-decoding: several programs per row block, each over a segment of the keys, merged by
-  a reduce kernel, or by the last program of each row block to finish) for decode batches
-  too small to fill the GPU. Grids depend on T, B and
+  a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
   constants only, so the decode path can be captured in a CUDA graph.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -388,7 +386,6 @@ def _paged_attention_kernel(
     stride_knh,
     stride_vnt,
     stride_vnh,
-    counter_ptr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -404,7 +401,6 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
-    MERGE: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
@@ -521,48 +517,6 @@ def _paged_attention_kernel(
         tl.store(seg_sum_ptr + stat_offs, L, mask=row_valid)
         acc_offs = stat_offs[:, None] * D_PAD + offs_d[None, :]
         tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
-        if MERGE:
-            # The last of the row block's NUM_SEGMENTS programs to finish merges them, so no
-            # second kernel runs. The barrier orders every thread's partials before the one
-            # thread's release-acquire count (cumulative at GPU scope); the barrier Triton
-            # places after that atomic orders the merging reads after its acquire.
-            tl.debug_barrier()
-            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SEGMENTS - 1:
-                tl.store(counter, 0)  # ready for the next launch (and graph replay)
-                num_rows = (tl.minimum(BLOCK_Q, q_len - q_block_start) * GROUP).to(tl.int32)
-                for r in range(0, num_rows):
-                    tok_r = (q_start + q_block_start + r // GROUP).to(tl.int64)
-                    head_r = kv_head * GROUP + r % GROUP
-                    o_ptr = out_ptr + tok_r * stride_ot + head_r * stride_oh
-                    _merge_segments(o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr,
-                                    tok_r * NUM_HEADS + head_r, HEAD_DIM, D_PAD,
-                                    NUM_SEGMENTS)  # fmt: skip
-
-
-@triton.jit
-def _merge_segments(
-    o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
-    """Write one (token, head) row's output from its split-KV partials. The loads bypass L1
-    (.cg): the partials were written by other programs of the same launch."""
-    offs_s = tl.arange(0, NUM_SEGMENTS)
-    offs_d = tl.arange(0, D_PAD)
-    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s, cache_modifier=".cg")
-    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s, cache_modifier=".cg")
-    acc = tl.load(
-        seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :],
-        cache_modifier=".cg",
-    )
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
-    denom = tl.sum(w * l_seg, axis=0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    out = num / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -582,10 +536,20 @@ def _reduce_segments_kernel(
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    o_ptr = out_ptr + tok * stride_ot + head * stride_oh
     row = tok * NUM_HEADS + head
-    _merge_segments(o_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, HEAD_DIM, D_PAD,
-                    NUM_SEGMENTS)  # fmt: skip
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s)
+    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
+    denom = tl.sum(w * l_seg, axis=0)
+    acc = tl.load(seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,26 +602,6 @@ def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) 
         return 1
     target = SPLIT_KV_PROGRAMS_PER_SM * sms // programs
     return max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
-
-
-# Split-KV decode merges its segments in a reduce kernel; ASYNCENGINE_SPLIT_KV_MERGE=attention
-# has the last program of each row block to finish merge them inside the attention kernel.
-MERGE_IN_ATTENTION = os.environ.get("ASYNCENGINE_SPLIT_KV_MERGE", "kernel") == "attention"
-_merge_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
-
-
-def _split_merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per row block, for the in-kernel split-KV merge.
-    Every launch leaves them zero again. One set per device and stream, so launches that may
-    run at the same time never share one; under graph capture the capture stream's set is
-    the one baked into the graphs."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    counters = _merge_counters.get(key)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _merge_counters[key] = counters
-    return counters
 
 
 def decode_uses_split_kv(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
@@ -737,21 +681,19 @@ def paged_attention_triton(
     scale_log2 = float(scale) * _LOG2E
 
     def launch(
-        cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool,
-        merge: bool = False,
+        cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool
     ) -> None:
         rows = num_seqs if decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
         grid = (rows, num_kv_heads, segments)
-        counters = _split_merge_counters(q.device, rows * num_kv_heads) if merge else q
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *seg_bufs,
             scale_log2, num_seqs, lo, hi,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), *rot_args, counters,
+            block_tables.stride(0), *rot_args,
             NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg, **rot_flags,
-            MERGE=merge, **pdl_kwargs(pdl),
+            **pdl_kwargs(pdl),
         )  # fmt: skip
 
     small = _small_tile_config(group, elem)
@@ -765,9 +707,6 @@ def paged_attention_triton(
             seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
             seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
             seg_bufs = (seg_acc, seg_max, seg_sum)
-            if MERGE_IN_ATTENTION:
-                launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only, merge=True)
-                return out
             launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
             _reduce_segments_kernel[(num_tokens, num_heads)](
                 out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),

@@ -37,7 +37,6 @@ POINTER_TYPES = {
     "positions_ptr": "*i64",
     "slot_mapping_ptr": "*i64",
     "cos_sin_ptr": "*fp32",
-    "counter_ptr": "*i32",
 }
 FLOAT_SCALARS = {"eps", "scale_log2"}
 
@@ -51,12 +50,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
-     dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
-          ROTARY=True, MERGE=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
-     dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=8, DECODE=False,
-          ROTARY=False, MERGE=True), 4, 2),
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=True,
           ROTARY=True), 4, 2),

@@ -10,8 +10,8 @@
 #   bash scripts/gpu_check.sh table    # W1 / L1 twice each and their HF peers (no tests)
 #   bash scripts/gpu_check.sh sched    # W1 under scheduling limits; S1 at low load and saturation
 #   bash scripts/gpu_check.sh gemv     # batch-1 GEMV tests and kernels against BLAS, then L1
-#   bash scripts/gpu_check.sh decode   # attention GPU tests, L1 (also with the split-KV merge
-#                                      # inside attention, and without PDL, profiled), then W1
+#   bash scripts/gpu_check.sh decode   # attention GPU tests, L1 (also without PDL, profiled),
+#                                      # then W1
 #   bash scripts/gpu_check.sh async    # GPU tests, then L1 / W1 with and without async scheduling
 #                                      # and a per-kernel profile of decode and mixed steps
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
@@ -84,7 +84,6 @@ elif [ "$phase" = decode ]; then  # batch-1 decode work: attention tests, then L
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
     tests/kernels/test_rotary_paged_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
   bench --workload l1 --system engine --repeat 2
-  ASYNCENGINE_SPLIT_KV_MERGE=attention bench --workload l1 --system engine --repeat 2
   ASYNCENGINE_PDL=0 bench --workload l1 --system engine --profile-steps 30
   bench --workload w1 --system engine --repeat 2
 elif [ "$phase" = stop ]; then  # what a closing note reports, in one call

@@ -88,36 +88,18 @@ def test_triton_max_query_len_hint_skips_large_launch() -> None:
     _triton_vs_ref(batch, atol=2e-5, max_query_len=6)
 
 
-def _counters_all_zero() -> bool:
-    return all(int(c.abs().sum()) == 0 for c in pa._merge_counters.values())
-
-
-@pytest.mark.parametrize("merge_in_attention", [True, False])
 @pytest.mark.parametrize("segments", [2, 8])
-def test_triton_split_kv_decode(
-    segments: int, merge_in_attention: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Split-KV mode, including empty segments (short rows) and the padding row; segments
-    merged by the last program of each row block, or by the separate reduce kernel. The
-    in-kernel merge leaves its arrival counters at zero for the next launch."""
-    monkeypatch.setattr(pa, "MERGE_IN_ATTENTION", merge_in_attention)
+def test_triton_split_kv_decode(segments: int) -> None:
+    """Split-KV mode, including empty segments (short rows) and the padding row."""
     batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=16, seed=4)
-    for _ in range(2):  # the second launch reuses the counters the first one reset
-        _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
-        assert _counters_all_zero()
+    _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
 
 
-@pytest.mark.parametrize("merge_in_attention", [True, False])
-def test_triton_split_kv_with_multi_token_rows(
-    merge_in_attention: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_triton_split_kv_with_multi_token_rows() -> None:
     """Split mode is general: a T == B batch that is not all decodes stays correct (only
-    `decode_only` promises one token per sequence); the in-kernel merge covers every query
-    row of a block."""
-    monkeypatch.setattr(pa, "MERGE_IN_ATTENTION", merge_in_attention)
+    `decode_only` promises one token per sequence)."""
     batch = make_paged_batch([2, 0, 1], [9, 4, 40], 4, 1, head_dim=16, block_size=8, seed=5)
     _triton_vs_ref(batch, atol=2e-5, num_segments=4)
-    assert _counters_all_zero()
 
 
 @pytest.mark.parametrize("segments", [1, 4])
@@ -179,37 +161,6 @@ def test_gpu_decode(num_kv_heads: int, batch_size: int, ctx: int) -> None:
     for segments in (1, 16):
         out = paged_attention_triton(*batch.args(), num_segments=segments, decode_only=True)
         _assert_close(out, ref, atol=2e-2)
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("num_kv_heads", [32, 8])
-def test_gpu_in_kernel_split_merge_under_repeated_launches(
-    num_kv_heads: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The last-program merge is a cross-program handshake (a barrier and an atomic count):
-    run it many times, eagerly and from a CUDA graph, against the reference, so that a
-    missing ordering would show as a wrong row."""
-    monkeypatch.setattr(pa, "MERGE_IN_ATTENTION", True)
-    batch = _gpu_case([1, 1], [3000, 700], num_kv_heads, seed=3)
-    ref = paged_attention_ref(*batch.args())
-    out = torch.empty_like(batch.q)
-    for segments in (4, 16):
-        for _ in range(100):
-            paged_attention_triton(*batch.args(), out=out, num_segments=segments,
-                                   decode_only=True)  # fmt: skip
-            _assert_close(out, ref, atol=2e-2)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(50):
-            paged_attention_triton(*batch.args(), out=out, num_segments=16, decode_only=True)
-    for _ in range(20):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_close(out, ref, atol=2e-2)
-    assert _counters_all_zero()
 
 
 @pytest.mark.gpu
