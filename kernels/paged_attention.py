@@ -255,13 +255,41 @@ def _rotate_row(x, row_ptr, offs_d, mask, cos, sin, HEAD_DIM: tl.constexpr, HALF
 
 
 @triton.jit
-def _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-            MASKED: tl.constexpr):  # fmt: skip
+def _kv_tile(
+    tile, num_keys, bt_row_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+    offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Offsets of one KV tile's keys and values in the paged cache (from k_base / v_base),
+    and the mask for their loads (MASKED: keys past `num_keys` are not loaded)."""
+    offs_t = tile * TILE + tl.arange(0, TILE)
     if MASKED:
-        return tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
-    if D_PAD == HEAD_DIM:
-        return tl.load(v_base + v_offs)
-    return tl.load(v_base + v_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        kv_valid = offs_t < num_keys
+        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=kv_valid, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE)
+    blk = blk.to(tl.int64)
+    in_block = (offs_t % BLOCK_SIZE).to(tl.int64)
+    k_offs = (blk * stride_kb + in_block * stride_ks)[:, None] + offs_d[None, :]
+    v_offs = (blk * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]
+    if MASKED:
+        if D_PAD == HEAD_DIM:
+            kv_mask = kv_valid[:, None]
+        else:
+            kv_mask = kv_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    else:
+        kv_mask = (offs_d < HEAD_DIM)[None, :]
+    return k_offs, v_offs, kv_mask
+
+
+@triton.jit
+def _load_kv(
+    base, offs, kv_mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr
+):
+    # Masked loads: unwritten slots may hold NaN, and 0 * NaN would poison P @ V.
+    if MASKED or D_PAD != HEAD_DIM:
+        return tl.load(base + offs, mask=kv_mask, other=0.0)
+    return tl.load(base + offs)
 
 
 @triton.jit
@@ -294,43 +322,35 @@ def _attend_tile(
     v_new,
     HAS_NEW: tl.constexpr,
     EARLY_V: tl.constexpr,
+    K_pre,
+    V_pre,
+    PRELOADED: tl.constexpr,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
-    takes `k_new`/`v_new` from registers instead of the cache (this step's own token)."""
+    takes `k_new`/`v_new` from registers instead of the cache (this step's own token).
+    PRELOADED: the tile's K and V are `K_pre`/`V_pre`, loaded (masked) by the caller."""
     offs_t = tile * TILE + tl.arange(0, TILE)
-    if MASKED:
-        kv_valid = offs_t < num_keys
-        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=kv_valid, other=0)
+    if PRELOADED:
+        K = K_pre
+        V = V_pre
     else:
-        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE)
-    blk = blk.to(tl.int64)
-    in_block = (offs_t % BLOCK_SIZE).to(tl.int64)
-    k_offs = (blk * stride_kb + in_block * stride_ks)[:, None] + offs_d[None, :]
-    v_offs = (blk * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]
-    kv_mask = offs_d[None, :] < HEAD_DIM  # replaced below for masked tiles
-    if MASKED:
-        if D_PAD == HEAD_DIM:
-            kv_mask = kv_valid[:, None]
-        else:
-            kv_mask = kv_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        # Masked loads: unwritten slots may hold NaN, and 0 * NaN would poison P @ V.
-        K = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)
-    else:
-        if D_PAD == HEAD_DIM:
-            K = tl.load(k_base + k_offs)
-        else:
-            K = tl.load(k_base + k_offs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    # EARLY_V: V is requested with K rather than after the scores. A split-KV decode
-    # program runs a tile or two and is latency-bound, so the two loads then share one round
-    # trip; large prefill tiles keep V late, where it costs no registers during the scores.
-    if EARLY_V:
-        V = _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM, D_PAD, MASKED)
+        k_offs, v_offs, kv_mask = _kv_tile(
+            tile, num_keys, bt_row_ptr, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, MASKED,
+        )  # fmt: skip
+        K = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
+        # EARLY_V: V is requested with K rather than after the scores. A split-KV decode
+        # program runs a tile or two and is latency-bound, so the two loads then share one
+        # round trip; large prefill tiles keep V late, where it costs no registers during
+        # the scores.
+        if EARLY_V:
+            V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
     S = _dot(Q, tl.trans(K), DOT_FP32, IEEE) * scale_log2
     if MASKED:
-        visible = (offs_t[None, :] <= q_abs[:, None]) & kv_valid[None, :]
+        visible = (offs_t[None, :] <= q_abs[:, None]) & (offs_t < num_keys)[None, :]
         S = tl.where(visible, S, float("-inf"))
     m_new = tl.maximum(M, tl.max(S, axis=1))
     # A row with no visible key yet keeps m = -inf; exp2(-inf - -inf) would be NaN.
@@ -339,8 +359,8 @@ def _attend_tile(
     alpha = tl.exp2(M - m_safe)
     L = L * alpha + tl.sum(P, axis=1)
 
-    if not EARLY_V:
-        V = _load_v(v_base, v_offs, kv_mask, offs_d, HEAD_DIM, D_PAD, MASKED)
+    if not PRELOADED and not EARLY_V:
+        V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
     if HAS_NEW:
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
     acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32, IEEE)
@@ -402,7 +422,8 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
 ):
-    pdl_wait(USE_PDL)
+    if not ROTARY:
+        pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     if DECODE:
@@ -439,13 +460,8 @@ def _paged_attention_kernel(
     q_mask = row_valid[:, None]
     if D_PAD != HEAD_DIM:
         q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
-    Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-    if ROTARY:
-        # A decode step with rotary fused in: q (and below this step's k) arrive unrotated.
-        cos, sin = _decode_cos_sin(positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d,
-                                   q_ptr.dtype.element_ty, HEAD_DIM, HALF)  # fmt: skip
-        q_row = tok[:, None] * stride_qt + (head * stride_qh)[:, None]
-        Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM, HALF)
+    if not ROTARY:
+        Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     q_abs = ctx_len + q_pos
 
     # Causal pruning: this block sees keys 0 .. ctx_len + its last query position.
@@ -467,9 +483,28 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
 
     new_pos = seq_len - 1  # this step's token, when ROTARY: taken from registers
-    k_new = tl.zeros([D_PAD], dtype=Q.dtype)
-    v_new = tl.zeros([D_PAD], dtype=Q.dtype)
+    k_new = tl.zeros([D_PAD], dtype=q_ptr.dtype.element_ty)
+    v_new = tl.zeros([D_PAD], dtype=q_ptr.dtype.element_ty)
     if ROTARY:
+        # A decode step with rotary fused in. Nothing read so far, nor the rotary table, the
+        # slot nor this segment's first KV tile, is written by the previous kernel (the QKV
+        # projection): they are the step's inputs and earlier steps' cache. So they are read
+        # before waiting for that kernel, and their latency hides behind its tail. The new
+        # token's own slot may be stale in that tile; it is taken from registers below.
+        cos, sin = _decode_cos_sin(positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d,
+                                   q_ptr.dtype.element_ty, HEAD_DIM, HALF)  # fmt: skip
+        slot = tl.load(slot_mapping_ptr + seq_idx).to(tl.int64)
+        k_offs, v_offs, kv_mask = _kv_tile(
+            tile_lo, num_keys, bt_row_ptr, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True,
+        )  # fmt: skip
+        K_first = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM, D_PAD, True)
+        V_first = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, True)
+        pdl_wait(USE_PDL)
+        # q and this step's k arrive unrotated.
+        Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+        q_row = tok[:, None] * stride_qt + (head * stride_qh)[:, None]
+        Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM, HALF)
         # Only the program whose segment holds the new key reads it, so that program alone
         # rotates it, writes k and v to their cache slot and uses them from registers.
         last_tile = new_pos // TILE
@@ -480,7 +515,6 @@ def _paged_attention_kernel(
             k_new = _rotate_row(k_raw, k_row, offs_d, d_mask, cos, sin, HEAD_DIM, HALF)
             v_row = v_new_ptr + seq_idx.to(tl.int64) * stride_vnt + kv_head * stride_vnh
             v_new = tl.load(v_row + offs_d, mask=d_mask, other=0.0)
-            slot = tl.load(slot_mapping_ptr + seq_idx).to(tl.int64)
             if slot >= 0:
                 blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
                 tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_new, mask=d_mask)
@@ -489,19 +523,30 @@ def _paged_attention_kernel(
     M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     L = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for tile in range(tile_lo, tl.minimum(tile_hi, num_full)):
+    first = tile_lo
+    if ROTARY:
+        # The prefetched tile, masked: an empty segment's tile is all past num_keys and
+        # leaves M, L and acc as they are.
+        M, L, acc = _attend_tile(
+            Q, M, L, acc, tile_lo, num_keys, q_abs, k_base, v_base, bt_row_ptr,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
+            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
+            new_pos, k_new, v_new, True, True, K_first, V_first, True,
+        )  # fmt: skip
+        first = tile_lo + 1
+    for tile in range(first, tl.minimum(tile_hi, num_full)):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, False, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1,
+            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1, Q, Q, False,
         )  # fmt: skip
-    for tile in range(tl.maximum(tile_lo, num_full), tile_hi):
+    for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1,
+            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1, Q, Q, False,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
