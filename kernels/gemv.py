@@ -13,6 +13,10 @@ repeats that work on the whole input row, so the tuner also times the unfused fo
 Likewise it can apply SiLU-and-mul to its own output (`glu`): a program owns the same rows
 of the gate and the up halves of a [gate; up] weight, so the MLP's gate/up projection
 hands the down projection its activated input with no kernel in between.
+
+A second, persistent form (`PERSISTENT_GEMV_CONFIGS`) launches a few programs per
+multiprocessor; each forms the whole input row once and streams whole row blocks of W
+against it, so the input transform is not repeated per row block. The tuner times both.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
+from kernels._triton_utils import num_sms, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import fused_add_rms_norm
 
 __all__ = [
     "GEMV_CONFIGS",
+    "PERSISTENT_GEMV_CONFIGS",
     "GemvChoice",
     "GemvConfig",
     "gemv_ref",
@@ -39,7 +44,9 @@ __all__ = [
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): few rows per program for the small-N shapes
 # (enough programs to keep every multiprocessor streaming), more for the large ones.
-GemvConfig = tuple[int, int, int, int]
+# A fifth entry selects the persistent whole-row kernel: (BLOCK_N, 0, num_warps, num_stages,
+# programs per multiprocessor).
+GemvConfig = tuple[int, ...]
 GEMV_CONFIGS: list[GemvConfig] = [
     (4, 512, 4, 4),
     (4, 1024, 4, 3),
@@ -50,6 +57,14 @@ GEMV_CONFIGS: list[GemvConfig] = [
     (32, 128, 4, 4),
 ]
 DEFAULT_GEMV_CONFIG: GemvConfig = (8, 512, 4, 4)
+# The whole-row kernel holds the input row in registers: only for rows up to this long.
+PERSISTENT_GEMV_MAX_K = 8192
+PERSISTENT_GEMV_CONFIGS: list[GemvConfig] = [
+    (1, 0, 4, 4, 8),
+    (2, 0, 4, 3, 4),
+    (2, 0, 8, 3, 4),
+    (4, 0, 8, 2, 2),
+]
 
 
 def gemv_ref(
@@ -95,6 +110,42 @@ def _load_w(w_rows, kk, K, n_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """RMSNorm's 1 / rms of the row x (+ residual); program 0 also writes x + residual, the
+    new residual. Every program needs the whole row's rstd: each reads the row (from L2) and
+    reduces it, which costs less than a separate norm kernel's launch and round trip."""
+    offs = tl.arange(0, K_PAD)
+    row = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + offs, mask=offs < K, other=0.0)
+        row = (row.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + offs, row, mask=offs < K)
+    rowf = row.to(tl.float32)
+    return tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+
+
+@triton.jit
+def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+                GLU: tl.constexpr):  # fmt: skip
+    """Reduce the [BLOCK_N, BLOCK_K] products to the rows' outputs, add the bias and, for a
+    GLU output, apply SiLU-and-mul; store them."""
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GLU:
+        # Rounded as the plain GEMV's [gate, up] output, then as `silu_and_mul` rounds.
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
@@ -118,17 +169,7 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     rstd = 0.0
     if NORM:
-        # Every program needs the whole row's rstd: each reads the row (from L2) and reduces
-        # it, which costs less than a separate norm kernel's launch and round trip.
-        offs = tl.arange(0, K_PAD)
-        row = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + offs, mask=offs < K, other=0.0)
-            row = (row.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if tl.program_id(0) == 0:
-                tl.store(res_out_ptr + offs, row, mask=offs < K)
-        rowf = row.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
     x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
     acc = w.to(tl.float32) * x[None, :]
     acc_up = acc
@@ -143,18 +184,53 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
         if GLU:
             acc_up += w_up.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)
+
+
+@triton.jit
+def _load_row_block(w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N: tl.constexpr,
+                    GLU: tl.constexpr):  # fmt: skip
+    """Whole rows [rb * BLOCK_N, +BLOCK_N) of W (and, for GLU, the same rows of its up half)."""
+    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask,
+                other=0.0)  # fmt: skip
+    w_up = w
     if GLU:
-        # Rounded as the plain GEMV's [gate, up] output, then as `silu_and_mul` rounds.
-        up = tl.sum(acc_up, axis=1)
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate * tl.sigmoid(gate) * up
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        up_rows = (offs_n.to(tl.int64) + N)[:, None] * stride_wn
+        w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=mask, other=0.0)
+    return w, w_up, offs_n, n_mask
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The persistent whole-row form: a grid of a few programs per multiprocessor, each of
+    which forms the input row once (its norm or activation included) and then streams whole
+    row blocks pid, pid + G, ... of W against it. The input's transform and the row's rstd
+    are paid once per program rather than once per row block and K tile."""
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, K_PAD)
+    # As in `_gemv_kernel`, the first weights are requested before waiting.
+    w, w_up, offs_n, n_mask = _load_row_block(w_ptr, pid, N, K, stride_wn, offs_k, BLOCK_N, GLU)
+    pdl_wait(USE_PDL)
+    rstd = 0.0
+    if NORM:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
+    x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM, HAS_RESIDUAL)
+    _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
+                n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)  # fmt: skip
+    for rb in range(pid + tl.num_programs(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        w, w_up, offs_n, n_mask = _load_row_block(
+            w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N, GLU
+        )
+        _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
+                    n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)  # fmt: skip
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int, what: str) -> None:
@@ -180,19 +256,30 @@ def _launch(
         if n % 2:
             raise ValueError(f"a GLU output needs [gate; up] weight rows, got {n} rows")
         n //= 2
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages, *persistent = config
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = use_pdl(x)
+    args = (
+        x, weight, bias if bias is not None else y, y, residual if residual is not None else y,
+        norm_weight, res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
+    )  # fmt: skip
+    flags = {
+        "HAS_BIAS": bias is not None, "GATED": gated, "NORM": norm is not None,
+        "HAS_RESIDUAL": residual is not None, "GLU": glu, "USE_PDL": pdl, "BLOCK_N": block_n,
+        "num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(pdl),
+    }  # fmt: skip
+    if persistent:
+        if k > PERSISTENT_GEMV_MAX_K:
+            raise ValueError(f"the whole-row GEMV takes rows up to {PERSISTENT_GEMV_MAX_K} long")
+        sms = num_sms(x.device.index or 0) if x.is_cuda else 1
+        grid = min(triton.cdiv(n, block_n), persistent[0] * sms)
+        _gemv_rows_kernel[(grid,)](*args, K_PAD=triton.next_power_of_2(k), **flags)
+        return y, res_out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else y, y,
-        residual if residual is not None else y, norm_weight,
-        res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, GLU=glu,
-        K_PAD=triton.next_power_of_2(k) if norm else 1, USE_PDL=pdl, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl),
+        *args, EVEN_K=k % block_k == 0, K_PAD=triton.next_power_of_2(k) if norm else 1,
+        BLOCK_K=block_k, **flags,
     )  # fmt: skip
     return y, res_out
 
@@ -323,7 +410,8 @@ def tune_gemv(
         return silu_and_mul(y) if glu else y
 
     candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
-    for cfg in GEMV_CONFIGS:
+    configs = GEMV_CONFIGS + (PERSISTENT_GEMV_CONFIGS if k <= PERSISTENT_GEMV_MAX_K else [])
+    for cfg in configs:
         candidates.append((str(list(cfg)), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
         if transformed:
             candidates.append((

@@ -2,8 +2,9 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, the GEMV forms, the norm, rotary and merge kernels) to a cubin for sm_90 with
-Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
+prefill tiles, the tiled and whole-row GEMV forms, the norm, rotary and merge kernels) to a
+cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
+H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
@@ -73,6 +74,15 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, GLU=True,
           K_PAD=4096, USE_PDL=True, BLOCK_N=4, BLOCK_K=1024), 4, 3),
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=4096,
+          USE_PDL=True, BLOCK_N=2), 4, 3),
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, GATED=False, NORM=True, HAS_RESIDUAL=True, GLU=True, K_PAD=4096,
+          USE_PDL=True, BLOCK_N=2), 8, 3),
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, GATED=True, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=8192,
+          USE_PDL=True, BLOCK_N=1), 4, 4),
     ("kernels.rms_norm", "_rms_norm_kernel",
      dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",

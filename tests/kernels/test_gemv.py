@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.gemv import GEMV_CONFIGS, gemv_ref, gemv_triton, rms_norm_gemv, tune_gemv
+from kernels.gemv import (
+    GEMV_CONFIGS,
+    PERSISTENT_GEMV_CONFIGS,
+    gemv_ref,
+    gemv_triton,
+    rms_norm_gemv,
+    tune_gemv,
+)
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from models.layers import MergedColumnParallelLinear, RowParallelLinear
 from models.linear_tuning import tune_decode_gemvs
@@ -21,12 +28,17 @@ def _case(n: int, k: int, dtype: torch.dtype, bias: bool, device: str = "cpu"):
     return x, w, b
 
 
+# Whole-row (persistent) configs: with one "multiprocessor" on the CPU the grid is 2 or 3
+# programs, so each loops over several row blocks.
+WHOLE_ROW = [(2, 0, 4, 1, 2), (1, 0, 4, 1, 3)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", [(24, 64), (40, 96), (7, 48)])  # even and ragged K and N
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("config", [GEMV_CONFIGS[0], (8, 32, 4, 2), (16, 16, 4, 1)])
+@pytest.mark.parametrize("config", [GEMV_CONFIGS[0], (8, 32, 4, 2), (16, 16, 4, 1), *WHOLE_ROW])
 def test_triton_matches_reference(
-    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, int, int, int]
+    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, ...]
 ) -> None:
     x, w, b = _case(n, k, dtype, bias)
     got = gemv_triton(x, w, b, config)
@@ -38,9 +50,9 @@ def test_triton_matches_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
-@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1), *WHOLE_ROW])
 def test_gated_equals_silu_and_mul_then_gemv(
-    dtype: torch.dtype, n: int, k: int, config: tuple[int, int, int, int]
+    dtype: torch.dtype, n: int, k: int, config: tuple[int, ...]
 ) -> None:
     """gated=True takes [gate, up] and multiplies silu(gate) * up, rounded to the input
     dtype as the activation kernel rounds it."""
@@ -57,9 +69,9 @@ def test_gated_equals_silu_and_mul_then_gemv(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1), *WHOLE_ROW])
 def test_rms_norm_gemv_equals_norm_then_gemv(
-    dtype: torch.dtype, n: int, k: int, with_residual: bool, config: tuple[int, int, int, int]
+    dtype: torch.dtype, n: int, k: int, with_residual: bool, config: tuple[int, ...]
 ) -> None:
     x, w, b = _case(n, k, dtype, True)
     gen = torch.Generator().manual_seed(k)
@@ -80,9 +92,9 @@ def test_rms_norm_gemv_equals_norm_then_gemv(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k", [(24, 64), (7, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1)])
+@pytest.mark.parametrize("config", [(8, 32, 4, 2), (16, 16, 4, 1), *WHOLE_ROW])
 def test_glu_equals_gemv_then_silu_and_mul(
-    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, int, int, int]
+    dtype: torch.dtype, n: int, k: int, bias: bool, config: tuple[int, ...]
 ) -> None:
     """glu=True over a [gate; up] weight (2n rows) gives silu(gate) * up, rounded as the
     plain GEMV then the activation kernel round it."""
@@ -107,6 +119,27 @@ def test_rms_norm_gemv_with_glu_equals_the_separate_kernels(with_residual: bool)
     gate_up, want_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
     torch.testing.assert_close(y, silu_and_mul_triton(gate_up), atol=0, rtol=0)
     torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_whole_row_rms_norm_gemv_with_glu_equals_the_tiled_kernel(with_residual: bool) -> None:
+    """The persistent form with everything fused (norm, residual, GLU) gives the tiled
+    kernel's result bit for bit when the tile spans the row: the same products, sums and
+    roundings."""
+    x, w, b = _case(2 * 24, 64, torch.float16, True)
+    gen = torch.Generator().manual_seed(2)
+    residual = torch.randn(1, 64, generator=gen).half() if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(64, generator=gen)).half()
+    tiled = rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, (4, 64, 4, 1), glu=True)
+    whole = rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, (4, 0, 4, 1, 2), glu=True)
+    torch.testing.assert_close(whole[0], tiled[0], atol=0, rtol=0)
+    torch.testing.assert_close(whole[1], tiled[1], atol=0, rtol=0)
+
+
+def test_whole_row_form_refuses_rows_longer_than_it_holds() -> None:
+    x, w, _ = _case(4, 8192 + 16, torch.float32, False)
+    with pytest.raises(ValueError, match="whole-row GEMV"):
+        gemv_triton(x, w, None, (2, 0, 4, 1, 2))
 
 
 def test_glu_rejects_an_odd_number_of_rows() -> None:
@@ -141,7 +174,7 @@ def test_rejects_a_batch_of_two() -> None:
 def test_gpu_llama_shapes_match_blas(n: int, k: int) -> None:
     x, w, _ = _case(n, k, torch.bfloat16, False, device="cuda")
     want = gemv_ref(x, w)
-    for config in GEMV_CONFIGS:
+    for config in GEMV_CONFIGS + (PERSISTENT_GEMV_CONFIGS if k <= 8192 else []):
         got = gemv_triton(x, w, None, config)
         # Both accumulate in fp32 and round once; only the summation order differs.
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
@@ -159,7 +192,7 @@ def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
     if best is not None:
         assert timings[str(list(best))] < timings["blas"]
     tune_decode_gemvs(layer)  # times again: noise may pick another config, or the library
-    assert layer.gemv_config is None or layer.gemv_config in GEMV_CONFIGS
+    assert layer.gemv_config is None or layer.gemv_config in GEMV_CONFIGS  # K = 11008: tiled
     x = torch.randn(1, 11008, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), gemv_ref(x, layer.weight), atol=2e-2, rtol=2e-2)
 
@@ -223,7 +256,7 @@ def test_gpu_rms_norm_gemv_at_llama_sizes(n: int) -> None:
     want = gemv_ref(normed, w)
     timings = tune_gemv([w], normed=True).timings
     assert "blas" in timings and any(name.startswith("unfused") for name in timings)
-    for config in GEMV_CONFIGS:
+    for config in GEMV_CONFIGS + PERSISTENT_GEMV_CONFIGS:
         y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
         assert torch.equal(new_residual, want_residual)
         torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
@@ -236,7 +269,7 @@ def test_gpu_glu_gemv_at_llama_sizes_and_the_mlp_pair_choice() -> None:
     whichever pair it keeps, a batch-1 MLP step still equals the reference."""
     x, w, _ = _case(22016, 4096, torch.bfloat16, False, device="cuda")
     want = silu_and_mul_ref(gemv_ref(x, w))
-    for config in GEMV_CONFIGS:
+    for config in GEMV_CONFIGS + PERSISTENT_GEMV_CONFIGS:
         torch.testing.assert_close(gemv_triton(x, w, None, config, glu=True), want,
                                    atol=3e-2, rtol=3e-2)  # fmt: skip
 

@@ -90,11 +90,12 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
         assert_close_rel(logits, hf_logits(model_dir, p))
 
 
+@pytest.mark.parametrize("config", [(8, 16, 4, 1), (2, 0, 4, 1, 2)])  # tiled, whole-row
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("fuse_inputs", [True, False])
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
 def test_batch1_gemv_path_matches_hf(
-    tmp_path: Path, kind: str, fuse_inputs: bool, glu: bool
+    tmp_path: Path, kind: str, fuse_inputs: bool, glu: bool, config: GemvConfig
 ) -> None:
     """One token through the batch-1 GEMVs gives HF's logits, with the input transforms
     fused (RMSNorm in the QKV and gate/up prologues, SiLU-and-mul in the down projection) or
@@ -102,7 +103,7 @@ def test_batch1_gemv_path_matches_hf(
     model_dir = build_tiny_model_dir(tmp_path, kind)
     prompt = [7]
     ours = flat_forward(
-        model_dir, [prompt], gemv_config=(8, 16, 4, 1), fuse_inputs=fuse_inputs, glu=glu
+        model_dir, [prompt], gemv_config=config, fuse_inputs=fuse_inputs, glu=glu
     )[0]
     assert_close_rel(ours, hf_logits(model_dir, prompt))
 
