@@ -10,8 +10,8 @@
 #   bash scripts/gpu_check.sh table    # W1 / L1 twice each and their HF peers (no tests)
 #   bash scripts/gpu_check.sh sched    # W1 under scheduling limits; S1 at low load and saturation
 #   bash scripts/gpu_check.sh gemv     # batch-1 GEMV tests and kernels against BLAS, then L1
-#   bash scripts/gpu_check.sh decode   # attention and engine GPU tests, then L1 (also with
-#                                      # rotary and the KV write as their own kernel)
+#   bash scripts/gpu_check.sh decode   # GEMV, attention and engine GPU tests, then L1 (also
+#                                      # with the whole-row GEMV candidates) and the GEMVs
 #   bash scripts/gpu_check.sh async    # GPU tests, then L1 / W1 with and without async scheduling
 #                                      # and a per-kernel profile of decode and mixed steps
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
@@ -80,12 +80,14 @@ elif [ "$phase" = gemv ]; then  # batch-1 GEMV: kernels against BLAS, then L1 en
     tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only gemv 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl"
   bench --workload l1 --system engine --repeat 2
-elif [ "$phase" = decode ]; then  # batch-1 decode work: attention and engine tests, then L1
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
-    tests/kernels/test_rotary_paged_attention.py tests/asyncengine/test_gpu_engine.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+elif [ "$phase" = decode ]; then  # batch-1 decode work: GEMV, attention and engine tests, L1
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+    tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \
+    tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
   bench --workload l1 --system engine --repeat 2
-  ASYNCENGINE_FUSED_DECODE_ROTARY=0 bench --workload l1 --system engine
+  ASYNCENGINE_WHOLE_ROW_GEMV=1 bench --workload l1 --system engine --repeat 2
+  ASYNCENGINE_WHOLE_ROW_GEMV=1 python3 scripts/bench_kernels.py --only gemv \
+    2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" | tail -n 4
 elif [ "$phase" = stop ]; then  # what a closing note reports, in one call
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_pdl.py \
     tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \

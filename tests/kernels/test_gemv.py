@@ -292,3 +292,36 @@ def test_gpu_glu_gemv_at_llama_sizes_and_the_mlp_pair_choice() -> None:
     ref = gemv_ref(silu_and_mul_ref(gemv_ref(h, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
     got = mlp.down_proj(mlp.gate_up_proj(h))
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tuner_times_whole_row_configs_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.gemv
+
+    monkeypatch.setattr(kernels.gemv, "WHOLE_ROW_GEMV", True)
+    _, w, _ = _case(12288, 4096, torch.bfloat16, False, device="cuda")
+    timings = tune_gemv([w], normed=True).timings
+    assert any(name.startswith(str(list(PERSISTENT_GEMV_CONFIGS[0]))) for name in timings)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tuner_skips_a_config_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config whose result is wrong is never timed, so never chosen."""
+    import kernels.gemv
+
+    real = kernels.gemv.gemv_triton
+
+    def broken(
+        x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+        config: tuple[int, ...] = GEMV_CONFIGS[0], **kw: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        y = real(x, w, b, config, **kw)
+        return y + 1.0 if config == GEMV_CONFIGS[0] else y
+
+    monkeypatch.setattr(kernels.gemv, "gemv_triton", broken)
+    _, w, _ = _case(4096, 4096, torch.bfloat16, False, device="cuda")
+    timings = tune_gemv([w]).timings
+    assert str(list(GEMV_CONFIGS[0])) not in timings
+    assert str(list(GEMV_CONFIGS[1])) in timings
