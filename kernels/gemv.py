@@ -47,7 +47,7 @@ __all__ = [
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): few rows per program for the small-N shapes
 # (enough programs to keep every multiprocessor streaming), more for the large ones.
 # A fifth entry selects the persistent whole-row kernel: (BLOCK_N, 0, num_warps, num_stages,
-# programs per multiprocessor).
+# programs per multiprocessor, at most: fewer where fewer stay resident).
 GemvConfig = tuple[int, ...]
 GEMV_CONFIGS: list[GemvConfig] = [
     (4, 512, 4, 4),
@@ -278,15 +278,42 @@ def _launch(
     if persistent:
         if k > PERSISTENT_GEMV_MAX_K:
             raise ValueError(f"the whole-row GEMV takes rows up to {PERSISTENT_GEMV_MAX_K} long")
+        flags["K_PAD"] = triton.next_power_of_2(k)
+        per_sm = persistent[0]
+        if x.is_cuda:
+            # No more programs than stay resident at once: a second wave would be a tail.
+            per_sm = min(per_sm, _resident_rows_programs(x.device, args, flags))
         sms = num_sms(x.device.index or 0) if x.is_cuda else 1
-        grid = min(triton.cdiv(n, block_n), persistent[0] * sms)
-        _gemv_rows_kernel[(grid,)](*args, K_PAD=triton.next_power_of_2(k), **flags)
+        grid = min(triton.cdiv(n, block_n), per_sm * sms)
+        _gemv_rows_kernel[(grid,)](*args, **flags)
         return y, res_out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         *args, EVEN_K=k % block_k == 0, K_PAD=triton.next_power_of_2(k) if norm else 1,
         BLOCK_K=block_k, **flags,
     )  # fmt: skip
     return y, res_out
+
+
+_resident: dict[tuple, int] = {}
+
+
+def _resident_rows_programs(device: torch.device, args: tuple, flags: dict) -> int:
+    """How many programs of this whole-row kernel variant fit on one multiprocessor at once,
+    from its compiled register and shared-memory use (compiled here if it is not yet)."""
+    key = (device.index, tuple(sorted(flags.items())), args[0].dtype, args[1].dtype)
+    if key not in _resident:
+        kernel = _gemv_rows_kernel.warmup(*args, grid=(1,), **flags)
+        kernel._init_handles()  # loads the binary, which fills in n_regs
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * flags["num_warps"]
+        regs = getattr(props, "regs_per_multiprocessor", 65536)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        max_threads = getattr(props, "max_threads_per_multi_processor", 2048)
+        fits = [regs // max(kernel.n_regs * threads, 1), max_threads // threads, 32]
+        if kernel.metadata.shared:
+            fits.append(smem // kernel.metadata.shared)
+        _resident[key] = max(1, min(fits))
+    return _resident[key]
 
 
 def gemv_triton(

@@ -325,3 +325,17 @@ def test_gpu_tuner_skips_a_config_that_disagrees(monkeypatch: pytest.MonkeyPatch
     timings = tune_gemv([w]).timings
     assert str(list(GEMV_CONFIGS[0])) not in timings
     assert str(list(GEMV_CONFIGS[1])) in timings
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_whole_row_grid_stays_resident() -> None:
+    """The whole-row kernel's grid is capped at the programs that fit on the GPU at once,
+    read from the compiled kernel's register and shared-memory use."""
+    import kernels.gemv
+
+    x, w, _ = _case(12288, 4096, torch.bfloat16, False, device="cuda")
+    for config in PERSISTENT_GEMV_CONFIGS:
+        torch.testing.assert_close(gemv_triton(x, w, None, config), gemv_ref(x, w),
+                                   atol=2e-2, rtol=2e-2)  # fmt: skip
+    assert kernels.gemv._resident and all(1 <= v <= 32 for v in kernels.gemv._resident.values())
