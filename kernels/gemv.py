@@ -198,13 +198,11 @@ def _load_row_block(w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N: tl.constexpr,
     """Whole rows [rb * BLOCK_N, +BLOCK_N) of W (and, for GLU, the same rows of its up half)."""
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    mask = n_mask[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask,
-                other=0.0)  # fmt: skip
+    w = _load_w(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn, offs_k, K, n_mask, False)
     w_up = w
     if GLU:
-        up_rows = (offs_n.to(tl.int64) + N)[:, None] * stride_wn
-        w_up = tl.load(w_ptr + up_rows + offs_k[None, :], mask=mask, other=0.0)
+        up_rows = w_ptr + (offs_n.to(tl.int64) + N)[:, None] * stride_wn
+        w_up = _load_w(up_rows, offs_k, K, n_mask, False)
     return w, w_up, offs_n, n_mask
 
 
