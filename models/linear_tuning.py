@@ -12,6 +12,8 @@ nothing but the tuning time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -32,6 +34,17 @@ def _set_choice(layers: list[LinearBase], choice: GemvChoice, applies_glu: bool)
         m.gemv_applies_glu = applies_glu and choice.config is not None
 
 
+class _GemvGroup(NamedTuple):
+    """Layers tuned together: one weight shape, one input and output form."""
+
+    n: int
+    k: int
+    has_bias: bool
+    gated_input: bool
+    normed_input: bool
+    glu_output: bool
+
+
 def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float]]:
     """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
     over the layers holding that shape, and switch them to the faster one. Returns the
@@ -40,34 +53,37 @@ def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float
     The MLP is then timed as a pair: SiLU-and-mul applied by the down projection to its
     [gate, up] input (either form above), against the gate/up GEMV applying it in its
     epilogue and the down projection taking a plain input; the faster pair is kept."""
-    groups: dict[tuple[int, int, bool, bool, bool, bool], list[LinearBase]] = {}
+    groups: dict[_GemvGroup, list[LinearBase]] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.is_cuda:
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
-            key = (
+            key = _GemvGroup(
                 *module.weight.shape, has_bias, module.gated_input, module.normed_input,
                 module.glu_output,
             )  # fmt: skip
             groups.setdefault(key, []).append(module)
     timings: dict[tuple[int, int], dict[str, float]] = {}
-    choices: dict[tuple[int, int, bool, bool, bool, bool], GemvChoice] = {}
+    choices: dict[_GemvGroup, GemvChoice] = {}
     for key, layers in groups.items():
-        n, k, has_bias, gated, normed, _ = key
-        biases = [m.bias for m in layers] if has_bias else None
-        choice = tune_gemv([m.weight for m in layers], biases, gated=gated, normed=normed)
-        choices[key], timings[(n, k)] = choice, dict(choice.timings)
+        biases = [m.bias for m in layers] if key.has_bias else None
+        choice = tune_gemv(
+            [m.weight for m in layers], biases, gated=key.gated_input, normed=key.normed_input
+        )
+        choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
         _set_choice(layers, choice, applies_glu=False)
-    producers = [key for key in groups if key[5]]
-    consumers = [key for key in groups if key[3]]
+    producers = [key for key in groups if key.glu_output]
+    consumers = [key for key in groups if key.gated_input]
     if len(producers) != 1 or len(consumers) != 1:
         return timings  # one MLP shape per model; anything else keeps the separate forms
-    (prod, cons) = producers[0], consumers[0]
+    prod, cons = producers[0], consumers[0]
     prod_layers, cons_layers = groups[prod], groups[cons]
-    biases = [m.bias for m in prod_layers] if prod[2] else None
-    glu = tune_gemv([m.weight for m in prod_layers], biases, normed=prod[4], glu=True)
+    biases = [m.bias for m in prod_layers] if prod.has_bias else None
+    glu = tune_gemv([m.weight for m in prod_layers], biases, normed=prod.normed_input, glu=True)
     plain = tune_gemv([m.weight for m in cons_layers])
-    timings[prod[:2]].update({f"glu {name}": t for name, t in glu.timings.items()})
-    timings[cons[:2]].update({f"plain input {name}": t for name, t in plain.timings.items()})
+    timings[(prod.n, prod.k)].update({f"glu {name}": t for name, t in glu.timings.items()})
+    timings[(cons.n, cons.k)].update(
+        {f"plain input {name}": t for name, t in plain.timings.items()}
+    )
     if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
         _set_choice(prod_layers, glu, applies_glu=True)
         _set_choice(cons_layers, plain, applies_glu=False)
