@@ -16,8 +16,9 @@ hands the down projection its activated input with no kernel in between.
 
 A second, persistent form (`PERSISTENT_GEMV_CONFIGS`) launches a few programs per
 multiprocessor; each forms the whole input row once and streams whole row blocks of W
-against it, so the input transform is not repeated per row block. The tuner times it only
-under `ASYNCENGINE_WHOLE_ROW_GEMV=1` until it has been measured on a GPU.
+against it, so the input transform is not repeated per row block. The tuner times it
+beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long;
+`ASYNCENGINE_WHOLE_ROW_GEMV=0` leaves it out.
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ GEMV_CONFIGS: list[GemvConfig] = [
 DEFAULT_GEMV_CONFIG: GemvConfig = (8, 512, 4, 4)
 # The whole-row kernel holds the input row in registers: only for rows up to this long.
 PERSISTENT_GEMV_MAX_K = 8192
-# Whether the tuner times the whole-row configs: ASYNCENGINE_WHOLE_ROW_GEMV=1, off until the
-# form is measured on a GPU.
-WHOLE_ROW_GEMV = os.environ.get("ASYNCENGINE_WHOLE_ROW_GEMV", "0") == "1"
+# Whether the tuner times the whole-row configs (`ASYNCENGINE_WHOLE_ROW_GEMV=0`: it does not).
+WHOLE_ROW_GEMV = os.environ.get("ASYNCENGINE_WHOLE_ROW_GEMV", "1") != "0"
 PERSISTENT_GEMV_CONFIGS: list[GemvConfig] = [
     (1, 0, 4, 4, 8),
     (2, 0, 4, 3, 4),
