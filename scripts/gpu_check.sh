@@ -6,12 +6,13 @@
 #   bash scripts/gpu_check.sh final    # GPU tests, L1, W1, W2 (200 requests), S1
 #   bash scripts/gpu_check.sh tp       # several GPUs: TP tests, TP=1/2/4/8 check and benchmarks
 #   bash scripts/gpu_check.sh peers    # GPU tests, then W1 / L1 twice each and their HF peers
-#   bash scripts/gpu_check.sh stop     # GEMV/PDL/engine GPU tests, the README table, then W2
+#   bash scripts/gpu_check.sh stop     # GEMV/PDL/engine GPU tests, the README table, W2, then
+#                                      # a split-KV sweep of decode attention
 #   bash scripts/gpu_check.sh table    # W1 / L1 twice each and their HF peers (no tests)
 #   bash scripts/gpu_check.sh sched    # W1 under scheduling limits; S1 at low load and saturation
 #   bash scripts/gpu_check.sh gemv     # batch-1 GEMV tests and kernels against BLAS, then L1
 #   bash scripts/gpu_check.sh decode   # GEMV, attention and engine GPU tests, then L1 (also
-#                                      # with the whole-row GEMV candidates) and the GEMVs
+#                                      # without the whole-row GEMV candidates) and the GEMVs
 #   bash scripts/gpu_check.sh async    # GPU tests, then L1 / W1 with and without async scheduling
 #                                      # and a per-kernel profile of decode and mixed steps
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
@@ -85,9 +86,9 @@ elif [ "$phase" = decode ]; then  # batch-1 decode work: GEMV, attention and eng
     tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \
     tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
   bench --workload l1 --system engine --repeat 2
-  ASYNCENGINE_WHOLE_ROW_GEMV=1 bench --workload l1 --system engine --repeat 2
-  ASYNCENGINE_WHOLE_ROW_GEMV=1 python3 scripts/bench_kernels.py --only gemv \
-    2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" | tail -n 4
+  ASYNCENGINE_WHOLE_ROW_GEMV=0 bench --workload l1 --system engine --repeat 2
+  python3 scripts/bench_kernels.py --only gemv 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" \
+    | tail -n 4
 elif [ "$phase" = stop ]; then  # what a closing note reports, in one call
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_pdl.py \
     tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \
@@ -98,6 +99,9 @@ elif [ "$phase" = stop ]; then  # what a closing note reports, in one call
   bench --workload l1 --system hf
   bench --workload w1 --system hf --hf-batch-size 128
   bench --workload w2 --system engine
+  # Split-KV counts at small batches and a short and a long context (kernel alone, eager).
+  python3 scripts/bench_kernels.py --only sweep --sweep-batches 1,4 --sweep-contexts 640,4000 \
+    --no-prefill-sweep 2>>"$OUT/bench.log" > "$OUT/sweep.jsonl"
 elif [ "$phase" = table ]; then  # the README's W1 / L1 rows and their HF peers, no tests
   bench --workload l1 --system engine --repeat 2
   bench --workload w1 --system engine --repeat 2
