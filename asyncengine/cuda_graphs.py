@@ -3,8 +3,10 @@ static input buffers. Prefill and mixed steps run eagerly.
 
 A decode step of B requests is padded up to the nearest captured size; padding rows write
 to slot -1 (skipped) and have a context length of 0 (attention returns zeros for them).
-Grids inside the graph depend only on the padded size, so one capture serves every step of
-that size whatever the context lengths.
+Grids inside the graph depend only on the padded size and, for sizes small enough for
+split-KV attention, on whether the longest context is short (fewer segments pay there):
+such sizes get one graph per split count, and one capture serves every step of that size
+and class whatever the context lengths.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from kernels.paged_attention import SHORT_CONTEXT_KEYS, decode_split_segments
 from models.forward_context import AttentionMetadata, set_forward_context
 
 if TYPE_CHECKING:
@@ -46,10 +49,23 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_kv_heads: int = model.attention_layers()[0].num_kv_heads  # type: ignore[operator]
+        # Keyed by (padded size, split-KV segments of its attention).
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def key(self, b: int, max_seq_len: int | None) -> tuple[int, int]:
+        """The graph for a step of padded size b whose longest context is max_seq_len."""
+        return b, decode_split_segments(b, self.num_kv_heads, self.device, max_seq_len)
+
+    def variants(self, b: int) -> dict[tuple[int, int], int | None]:
+        """The graphs size b needs, each with a context-length hint that selects it."""
+        found: dict[tuple[int, int], int | None] = {}
+        for hint in (None, SHORT_CONTEXT_KEYS):
+            found.setdefault(self.key(b, hint), hint)
+        return found
+
+    def _meta(self, b: int, max_seq_len: int | None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
             query_start_loc=self.query_start_loc[: b + 1],
@@ -57,6 +73,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:b],
             max_query_len=1,
             decode_only=True,
+            max_seq_len=max_seq_len,
         )
 
     @torch.inference_mode()
@@ -64,9 +81,10 @@ class DecodeGraphs:
         t0 = time.monotonic()
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
-        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
-            meta = self._meta(b)
-            with set_forward_context(meta):
+        todo = [(key, hint) for b in sorted(self.sizes, reverse=True)
+                for key, hint in self.variants(b).items()]  # fmt: skip
+        for (b, segments), hint in tqdm(todo, desc="Capturing CUDA graphs", unit="graph"):
+            with set_forward_context(self._meta(b, hint)):
                 # Warm-up compiles every kernel variant before capture.
                 self.model(self.input_ids[:b], self.positions[:b])
                 torch.cuda.synchronize(self.device)
@@ -74,7 +92,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model(self.input_ids[:b], self.positions[:b])
             pool = graph.pool() if pool is None else pool
-            self.graphs[b], self.outputs[b] = graph, out
+            self.graphs[b, segments], self.outputs[b, segments] = graph, out
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
@@ -102,5 +120,6 @@ class DecodeGraphs:
         if padded > b:
             self.slot_mapping[b:padded].fill_(-1)
             self.seq_lens[b:padded].fill_(0)
-        self.graphs[padded].replay()
-        return self.outputs[padded][:b]
+        key = self.key(padded, meta.max_seq_len)
+        self.graphs[key].replay()
+        return self.outputs[key][:b]

@@ -344,6 +344,7 @@ class ModelRunner:
             block_tables=parts[7].view(b, w).to(torch.int32),
             max_query_len=max_q,
             decode_only=max_q == 1,
+            max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
             input_ids=input_ids_dev,

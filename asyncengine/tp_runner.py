@@ -7,7 +7,8 @@ control group. A step then sends one flat int64 tensor on the default group (NCC
 GPU, so it never leaves the device) holding the flattened batch; the rare block moves (swap
 and copy-on-write) follow the header as a small host vector. Nothing is pickled per step.
 
-    header = [STEP, T, B, L, W, max_query_len, decode_only, #swap_out, #swap_in, #copy]
+    header = [STEP, T, B, L, W, max_query_len, decode_only, #swap_out, #swap_in, #copy,
+              max_seq_len]
     flat   = input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
              logits_indices[L] block_tables[B*W]
 
@@ -202,6 +203,7 @@ def send_step(groups: ProcessGroups, inputs: StepInputs, sched: SchedulerOutput)
         max_q,
         int(meta.decode_only),
         *(len(m) for m in moves),
+        -1 if meta.max_seq_len is None else meta.max_seq_len,
     ]
     broadcast_header(groups, header)
     if any(moves):
@@ -222,7 +224,7 @@ def send_step(groups: ProcessGroups, inputs: StepInputs, sched: SchedulerOutput)
 
 
 def receive_step(groups: ProcessGroups, header: list[int]) -> tuple[StepInputs, SchedulerOutput]:
-    t, b, n_logits, w, max_q, decode_only, n_out, n_in, n_copy = header[1:10]
+    t, b, n_logits, w, max_q, decode_only, n_out, n_in, n_copy, max_len = header[1:11]
     moves = SchedulerOutput()
     if n_out or n_in or n_copy:
         ints = broadcast_host_ints(groups, 2 * (n_out + n_in + n_copy))
@@ -241,6 +243,7 @@ def receive_step(groups: ProcessGroups, header: list[int]) -> tuple[StepInputs, 
         block_tables=parts[6].view(b, w).to(torch.int32),
         max_query_len=None if max_q < 0 else max_q,
         decode_only=bool(decode_only),
+        max_seq_len=None if max_len < 0 else max_len,
     )
     inputs = StepInputs(
         input_ids=parts[0],

@@ -76,12 +76,14 @@ def paged_attention_ref(
     *,
     max_query_len: int | None = None,
     decode_only: bool = False,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Paged causal attention in plain torch (fp32 math); returns [T, Hq, D] in q.dtype.
 
-    `max_query_len` and `decode_only` are the Triton path's host hints, accepted and ignored.
+    `max_query_len`, `decode_only` and `max_seq_len` are the Triton path's host hints,
+    accepted and ignored.
     """
-    del max_query_len, decode_only
+    del max_query_len, decode_only, max_seq_len
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -603,11 +605,14 @@ def _reduce_segments_kernel(
 
 # Sequences with at least this many query tokens go to the large-tile (prefill) launch.
 PREFILL_TILE_MIN_QUERY_LEN = 64
-# Split-KV decode aims at this many programs per multiprocessor after the split. Measured end
-# to end on an H200 (L1: MHA, batch 1, 512-768 keys): 2 (8 segments) took 3.542 ms/token of
-# decode against 3.565 for 4 (16 segments); 32 segments were slower still.
-SPLIT_KV_PROGRAMS_PER_SM = 2
+# Split-KV decode aims at this many programs per multiprocessor after the split.
+SPLIT_KV_PROGRAMS_PER_SM = 4
 MAX_SPLIT_SEGMENTS = 16
+# Steps whose longest context is at most this many keys use half as many segments. Measured
+# on an H200 with MHA at batch 1: at 512-768 keys (L1) 8 segments took 3.542 ms/token of
+# decode end to end against 3.565 for 16; at 4000 keys the kernel alone took 0.034 ms with
+# 8 segments against 0.025 with 16. Where between them the crossover lies is not measured.
+SHORT_CONTEXT_KEYS = 1024
 
 
 def _small_tile_config(group: int, elem_size: int) -> dict[str, int]:
@@ -639,23 +644,29 @@ def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[st
     }
 
 
-def _num_split_segments(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Segments per row block for split-KV decode (1 = no split). Depends on B only, so a
-    captured graph stays valid. Measured on an H200: splitting pays while the 2D grid has at
-    most one program per multiprocessor; ~2 programs per SM after the split is the sweet spot
-    end to end (`SPLIT_KV_PROGRAMS_PER_SM`)."""
+def decode_split_segments(
+    num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None
+) -> int:
+    """Segments per row block for split-KV decode (1 = no split), from host facts only: B
+    and, when known, the longest context (None counts as long). A CUDA graph is captured per
+    value this can take. Measured on an H200: splitting pays while the 2D grid has at most one
+    program per multiprocessor; ~4 programs per SM after the split is the sweet spot for long
+    contexts, half as many for short ones (`SHORT_CONTEXT_KEYS`)."""
     programs = num_seqs * num_kv_heads
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
     if programs > sms:
         return 1
     target = SPLIT_KV_PROGRAMS_PER_SM * sms // programs
-    return max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
+    segments = max(2, min(MAX_SPLIT_SEGMENTS, 1 << (target.bit_length() - 1)))
+    if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT_KEYS:
+        segments = max(2, segments // 2)
+    return segments
 
 
 def decode_uses_split_kv(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
     """Whether a decode step of this many sequences runs split-KV attention (a host-side
-    fact of B, so callers can choose a path per captured graph)."""
-    return _num_split_segments(num_seqs, num_kv_heads, device) > 1
+    fact of B, whatever the context length, so callers can choose a path per graph)."""
+    return decode_split_segments(num_seqs, num_kv_heads, device) > 1
 
 
 def paged_attention_triton(
@@ -672,16 +683,18 @@ def paged_attention_triton(
     decode_only: bool = False,
     num_segments: int | None = None,
     rotary: DecodeRotary | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref`.
 
     Host hints (never read from device memory): `max_query_len` lets a batch of short queries
     skip the large-tile launch; T == B selects the decode path, which uses split-KV when B is
     small. `decode_only` promises one query token per sequence (token b belongs to sequence
-    b), so programs skip the search for their sequence. `num_segments` overrides the split
-    count (tests, tuning). `rotary` (with `decode_only`): q, and this step's k and v, arrive
-    unrotated and unwritten; the kernel rotates them and writes k and v to the cache itself
-    (see `paged_decode_attention_with_rotary`).
+    b), so programs skip the search for their sequence. `max_seq_len` (the longest context)
+    picks the split count, which `num_segments` overrides (tests, tuning). `rotary` (with
+    `decode_only`): q, and this step's k and v, arrive unrotated and unwritten; the kernel
+    rotates them and writes k and v to the cache itself (see
+    `paged_decode_attention_with_rotary`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -747,7 +760,9 @@ def paged_attention_triton(
     small = _small_tile_config(group, elem)
     decode = decode_only or num_tokens == num_seqs
     if decode:
-        segments = num_segments or _num_split_segments(num_seqs, num_kv_heads, q.device)
+        segments = num_segments or decode_split_segments(
+            num_seqs, num_kv_heads, q.device, max_seq_len
+        )
         if segments > 1:
             segments = next_power_of_2(segments)
             f32 = {"dtype": torch.float32, "device": q.device}
@@ -785,6 +800,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     decode_only: bool = False,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
 
@@ -796,5 +812,5 @@ def paged_attention(
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-        max_query_len=max_query_len, decode_only=decode_only,
+        max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len,
     )  # fmt: skip

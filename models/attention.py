@@ -60,7 +60,7 @@ class Attention(nn.Module):
             rotary = DecodeRotary(positions, cos_sin_cache, k, v, meta.slot_mapping)
             out = paged_decode_attention_with_rotary(
                 q, rotary, self.k_cache, self.v_cache, meta.block_tables,
-                meta.query_start_loc, meta.seq_lens, self.scale,
+                meta.query_start_loc, meta.seq_lens, self.scale, meta.max_seq_len,
             )  # fmt: skip
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         if cos_sin_cache is not None:
@@ -81,5 +81,6 @@ class Attention(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
             decode_only=meta.decode_only,
+            max_seq_len=meta.max_seq_len,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

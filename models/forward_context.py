@@ -27,6 +27,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int | None = None  # host-side hint for kernel selection
     decode_only: bool = False
+    max_seq_len: int | None = None  # host-side hint: the longest context (split-KV count)
 
 
 class _State(threading.local):

@@ -95,6 +95,21 @@ def test_triton_split_kv_decode(segments: int) -> None:
     _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
 
 
+def test_split_count_halves_for_short_contexts() -> None:
+    cpu = torch.device("cpu")  # one "multiprocessor": only a single program splits
+    assert pa.decode_split_segments(1, 1, cpu) == 4
+    assert pa.decode_split_segments(1, 1, cpu, pa.SHORT_CONTEXT_KEYS + 1) == 4
+    assert pa.decode_split_segments(1, 1, cpu, pa.SHORT_CONTEXT_KEYS) == 2
+    assert pa.decode_split_segments(2, 1, cpu, 10) == 1  # no split stays no split
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 48])
+def test_triton_context_hint_picks_the_split_only(max_seq_len: int | None) -> None:
+    """The longest-context hint changes the split count, not the result."""
+    batch = make_paged_batch([1], [48], 2, 1, head_dim=16, block_size=8, seed=7)
+    _triton_vs_ref(batch, atol=2e-5, decode_only=True, max_seq_len=max_seq_len)
+
+
 def test_triton_split_kv_with_multi_token_rows() -> None:
     """Split mode is general: a T == B batch that is not all decodes stays correct (only
     `decode_only` promises one token per sequence)."""

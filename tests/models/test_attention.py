@@ -84,3 +84,38 @@ def test_split_kv_choice_follows_the_batch_size() -> None:
     cpu = torch.device("cpu")  # one "multiprocessor": only a single program could split
     assert decode_uses_split_kv(1, 1, cpu)
     assert not decode_uses_split_kv(4, 2, cpu)
+
+
+def test_the_layer_passes_the_longest_context_to_both_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The split-KV count follows the step's longest context, a host fact the layer hands on."""
+    seen: list[object] = []
+    fused_op = models.attention.paged_decode_attention_with_rotary
+    plain_op = models.attention.paged_attention
+
+    def fused(*args: object) -> torch.Tensor:
+        seen.append(args[8])
+        return fused_op(*args)
+
+    def plain(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(kwargs["max_seq_len"])
+        return plain_op(*args, **kwargs)
+
+    monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", fused)
+    monkeypatch.setattr(models.attention, "paged_attention", plain)
+    monkeypatch.setattr(models.attention, "decode_uses_split_kv", lambda *_: True)
+    gen = torch.Generator().manual_seed(0)
+    layer = Attention(HQ, HKV, D, D**-0.5)
+    layer.k_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    layer.v_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    meta, positions = _decode_step([5, 9, 12, 1])
+    meta.max_seq_len = 12
+    q = torch.randn(4, HQ, D, generator=gen)
+    k, v = torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D, generator=gen)
+    cos_sin = compute_cos_sin_cache(D, 64, 10000.0, None)
+    for fused_rotary in (True, False):
+        monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused_rotary)
+        with set_forward_context(meta):
+            layer(q, k, v, positions, cos_sin)
+    assert seen == [12, 12]
