@@ -27,8 +27,23 @@ def _decode_step(seq_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
         block_tables=tables,
         max_query_len=1,
         decode_only=True,
+        max_seq_len=max(seq_lens),
     )
     return meta, torch.tensor([n - 1 for n in seq_lens])
+
+
+def _layer_and_step() -> tuple[Attention, AttentionMetadata, tuple[torch.Tensor, ...]]:
+    """A layer over a random cache and a decode step of four sequences (the longest 12):
+    (layer, metadata, the layer's arguments q, k, v, positions, cos_sin)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = Attention(HQ, HKV, D, D**-0.5)
+    layer.k_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    layer.v_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
+    meta, positions = _decode_step([5, 9, 12, 1])
+    q = torch.randn(4, HQ, D, generator=gen)
+    k, v = torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D, generator=gen)
+    cos_sin = compute_cos_sin_cache(D, 64, 10000.0, None)
+    return layer, meta, (q, k, v, positions, cos_sin)
 
 
 def _run(
@@ -45,16 +60,9 @@ def _run(
         return fused_op(*args, **kwargs)
 
     monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", counting)
-    gen = torch.Generator().manual_seed(0)
-    layer = Attention(HQ, HKV, D, D**-0.5)
-    layer.k_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
-    layer.v_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
-    meta, positions = _decode_step([5, 9, 12, 1])
-    q = torch.randn(4, HQ, D, generator=gen)
-    k, v = torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D, generator=gen)
-    cos_sin = compute_cos_sin_cache(D, 64, 10000.0, None)
+    layer, meta, args = _layer_and_step()
     with set_forward_context(meta):
-        out = layer(q, k, v, positions, cos_sin)
+        out = layer(*args)
     return out, layer.k_cache, calls
 
 
@@ -105,17 +113,9 @@ def test_the_layer_passes_the_longest_context_to_both_paths(
     monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", fused)
     monkeypatch.setattr(models.attention, "paged_attention", plain)
     monkeypatch.setattr(models.attention, "decode_uses_split_kv", lambda *_: True)
-    gen = torch.Generator().manual_seed(0)
-    layer = Attention(HQ, HKV, D, D**-0.5)
-    layer.k_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
-    layer.v_cache = torch.randn(12, BLOCK, HKV, D, generator=gen)
-    meta, positions = _decode_step([5, 9, 12, 1])
-    meta.max_seq_len = 12
-    q = torch.randn(4, HQ, D, generator=gen)
-    k, v = torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D, generator=gen)
-    cos_sin = compute_cos_sin_cache(D, 64, 10000.0, None)
+    layer, meta, args = _layer_and_step()
     for fused_rotary in (True, False):
         monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused_rotary)
         with set_forward_context(meta):
-            layer(q, k, v, positions, cos_sin)
+            layer(*args)
     assert seen == [12, 12]
