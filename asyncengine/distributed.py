@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
+from asyncengine import envs
 from models.parallel import set_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def collective_timeout() -> datetime.timedelta:
     """Limit on one collective and on the rendezvous (ASYNCENGINE_TP_TIMEOUT_S, default 600).
 
     Generous because the first steps on a GPU include kernel compilation on every rank."""
-    return datetime.timedelta(seconds=float(os.environ.get("ASYNCENGINE_TP_TIMEOUT_S", "600")))
+    return datetime.timedelta(seconds=envs.tp_timeout_s())
 
 
 def backend_for(device: torch.device) -> str:

@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 import types
 import typing
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from asyncengine import envs
 from asyncengine.config import EngineArgs
 
 logger = logging.getLogger("asyncengine.cli")
@@ -83,7 +83,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncengine",
                                      description="LLM inference engine with a WebSocket server.")
-    parser.add_argument("--log-level", default=os.environ.get("ASYNCENGINE_LOG_LEVEL", "INFO"),
+    parser.add_argument("--log-level", default=envs.log_level(),
                         help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_api_key(parser: Any) -> None:
-    parser.add_argument("--api-key", default=os.environ.get("ASYNCENGINE_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="API key (default: $ASYNCENGINE_API_KEY)")
 
 

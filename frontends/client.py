@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from asyncengine import envs
 from asyncengine.stats import EngineStats
 from frontends import protocol as p
 
@@ -130,7 +130,7 @@ class AsyncClient:
         max_size: int | None = 16 << 20,
     ) -> None:
         self.url = url
-        self.api_key = api_key if api_key is not None else os.environ.get("ASYNCENGINE_API_KEY")
+        self.api_key = api_key if api_key is not None else envs.api_key()
         self._open_timeout = open_timeout
         self._max_size = max_size
         self._ws: ClientConnection | None = None

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from asyncengine import envs
 
 logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    root = os.environ.get("ASYNCENGINE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "asyncengine"
-    )
-    return Path(root)
+    return envs.cache_dir()
 
 
 def _cache_dir_for(path: Path) -> Path:

@@ -26,6 +26,7 @@ import pytest
 import torch
 from websockets.asyncio.client import ClientConnection
 
+from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineArgs
 from asyncengine.llm_engine import LLMEngine
@@ -33,7 +34,7 @@ from asyncengine.sampling_params import SamplingParams
 from frontends.server import EngineServer, ServerConfig, serve_engine
 from tests.frontends.conftest import wait_idle as _wait_idle
 
-UNIT = float(os.environ.get("ASYNCENGINE_TEST_TIMEOUT_FACTOR", "1.0"))  # seconds
+UNIT = envs.test_timeout_factor()  # seconds
 
 ENGINE_ARGS: dict[str, Any] = dict(
     device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
@@ -389,8 +390,8 @@ def figures(request: pytest.FixtureRequest,
     for key, value in data.items():
         record_property(key, value)
     print(f"\n[figures] {request.node.name}: {json.dumps(data, sort_keys=True)}")
-    path = os.environ.get("ASYNCENGINE_RELIABILITY_REPORT")
+    path = envs.reliability_report()
     if path and data:
-        report = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        report = json.loads(path.read_text()) if path.is_file() else {}
         report[request.node.name] = data
-        Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

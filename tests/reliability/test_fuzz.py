@@ -21,7 +21,6 @@ import asyncio
 import collections
 import dataclasses
 import json
-import os
 import random
 from typing import Any
 
@@ -32,6 +31,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
 from frontends import protocol as p
 from frontends.server import EngineServer
@@ -50,7 +50,7 @@ from .conftest import (
     serving,
 )
 
-SEED = int(os.environ.get("ASYNCENGINE_FUZZ_SEED", "20250601"))
+SEED = envs.fuzz_seed()
 MIN_MESSAGES = 10_000
 TARGET_MESSAGES = 10_400
 MAX_SIZE = 256 * 1024  # the fuzzed server's frame limit

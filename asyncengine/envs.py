@@ -1,0 +1,73 @@
+"""Every environment variable asyncengine reads, in one place.
+
+Performance choices are not environment variables: they are `EngineArgs` fields (which reach
+tensor-parallel workers and are logged) or decided in code. What remains here is where things
+live, how long to wait, how loud to be, and the secret that should not sit in a shell history.
+Each accessor reads the environment when called, so a test's `monkeypatch.setenv` takes effect.
+docs/environment.md lists them for users; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PREFIX = "ASYNCENGINE_"
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(PREFIX + name)
+    return value if value not in (None, "") else None
+
+
+def _float(name: str, default: float) -> float:
+    raw = _get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${PREFIX}{name} must be a number, got {raw!r}") from None
+
+
+def cache_dir() -> Path:
+    """Where converted models (the embedded GGUF, GGUF checkpoints) are cached."""
+    root = _get("CACHE")
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        root = os.path.join(base, "asyncengine")
+    return Path(root)
+
+
+def tp_timeout_s() -> float:
+    """Limit on one tensor-parallel collective and on the rendezvous, in seconds."""
+    return _float("TP_TIMEOUT_S", 600.0)
+
+
+def log_level() -> str:
+    """The CLI's default logging level (`--log-level` overrides it)."""
+    return _get("LOG_LEVEL") or "INFO"
+
+
+def api_key() -> str | None:
+    """The key the server requires and the client sends, when no flag or argument gives one."""
+    return _get("API_KEY")
+
+
+# Test knobs: read by the reliability suite only.
+
+
+def test_timeout_factor() -> float:
+    """Seconds per unit of the reliability tests' timeouts (raise it on slow machines)."""
+    return _float("TEST_TIMEOUT_FACTOR", 1.0)
+
+
+def fuzz_seed() -> int:
+    """Seed of the protocol fuzzer, so a failing run can be replayed."""
+    return int(_float("FUZZ_SEED", 20250601))
+
+
+def reliability_report() -> Path | None:
+    """File the reliability suite merges its measured figures into, if set."""
+    path = _get("RELIABILITY_REPORT")
+    return Path(path) if path else None

@@ -1,0 +1,52 @@
+"""The environment accessors: defaults, overrides, and a clear error for a malformed value."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncengine import envs
+
+
+def test_defaults_when_unset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("CACHE", "TP_TIMEOUT_S", "LOG_LEVEL", "API_KEY", "RELIABILITY_REPORT"):
+        monkeypatch.delenv(envs.PREFIX + name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert envs.cache_dir() == tmp_path / "asyncengine"
+    assert envs.tp_timeout_s() == 600.0
+    assert envs.log_level() == "INFO"
+    assert envs.api_key() is None
+    assert envs.reliability_report() is None
+
+
+def test_overrides_are_read_at_call_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("ASYNCENGINE_TP_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("ASYNCENGINE_API_KEY", "secret")
+    monkeypatch.setenv("ASYNCENGINE_FUZZ_SEED", "7")
+    assert envs.cache_dir() == tmp_path / "c"
+    assert envs.tp_timeout_s() == 12.5
+    assert envs.api_key() == "secret"
+    assert envs.fuzz_seed() == 7
+
+
+def test_empty_value_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_API_KEY", "")
+    assert envs.api_key() is None
+
+
+def test_malformed_number_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_TP_TIMEOUT_S", "ten")
+    with pytest.raises(ValueError, match="ASYNCENGINE_TP_TIMEOUT_S"):
+        envs.tp_timeout_s()
+
+
+def test_every_variable_is_documented() -> None:
+    table = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
+    source = Path(envs.__file__).read_text()
+    names = set(re.findall(r'_(?:get|float)\("([A-Z_]+)"', source))
+    assert names, "no variables found in envs.py"
+    for name in names:
+        assert f"`{envs.PREFIX}{name}`" in table, name
