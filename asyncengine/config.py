@@ -32,17 +32,14 @@ class EngineArgs:
     enforce_eager: bool = False
     # Schedule and launch step N+1 before step N's sampled ids reach the host, so the device
     # never waits for host work. None: on for CUDA, off on the CPU (where the step computes
-    # while it launches, so there is nothing to overlap). Off under tensor parallelism; steps
-    # run one at a time while any request needs its exact history (penalties, min_tokens).
+    # while it launches, so there is nothing to overlap). Tensor-parallel workers follow rank
+    # 0's overlap. Steps run one at a time while any request needs its exact history
+    # (penalties, min_tokens).
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None
     skip_tokenizer_init: bool = False
-    # Admission keeps KV room for each running request to grow this many more tokens (up to
-    # its max_tokens), trading concurrency for fewer preemptions. 0 (the default) disables
-    # it: on W1 a full reserve removed every preemption but ran no faster (H200, 2026-11-29).
-    kv_growth_reserve_tokens: int = 0
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
 
@@ -77,8 +74,6 @@ class EngineArgs:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             fail("max_model_len", "must be >= 1")
-        if self.kv_growth_reserve_tokens < 0:
-            fail("kv_growth_reserve_tokens", "must be >= 0")
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "must be >= 1")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

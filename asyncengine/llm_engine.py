@@ -125,7 +125,6 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=args.preemption_mode,
             swap_space=swap,
-            growth_reserve_tokens=args.kv_growth_reserve_tokens,
         )
         self.runner.prepare_for_serving(
             enforce_eager=args.enforce_eager,

@@ -53,17 +53,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: Literal["recompute", "swap"] = "recompute",
         swap_space: SwapSpace | None = None,
-        growth_reserve_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
-        # New requests are admitted only while the pool keeps room for every running request
-        # to grow this many more tokens (bounded by its max_tokens): admitting into the last
-        # free blocks only to preempt and recompute a request a few steps later costs more.
-        self.growth_reserve_tokens = growth_reserve_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -145,19 +140,11 @@ class Scheduler:
                 budget -= num_new
 
         if not out.preempted and not self.swapped:
-            reserve = self._growth_reserve()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = self.pool.find_cached_blocks(req) if req.num_computed_tokens == 0 else []
                 remaining = req.num_tokens_to_compute - len(cached) * self.pool.block_size
                 num_new = min(remaining, budget)
-                grown = req.num_computed_tokens + len(cached) * self.pool.block_size + num_new
-                if self.growth_reserve_tokens:
-                    needed = self.pool.blocks_needed(grown) - len(cached)
-                    # A lone request is always admitted, or nothing could ever run.
-                    if self.running and self.pool.num_free_blocks - needed < reserve:
-                        break
-                    reserve += self._request_reserve(req, grown, self.pool.blocks_needed(grown))
                 copies = self.pool.allocate_slots(req, num_new, cached)
                 if copies is None:
                     break
@@ -171,21 +158,6 @@ class Scheduler:
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
-
-    def _request_reserve(self, req: Request, num_tokens: int, num_blocks: int) -> int:
-        """Blocks beyond `num_blocks` that `req` needs to grow `growth_reserve_tokens` past
-        `num_tokens` (never past its prompt + max_tokens)."""
-        final = req.num_prompt_tokens + req.max_tokens
-        target = min(num_tokens + self.growth_reserve_tokens, final)
-        return max(self.pool.blocks_needed(target) - num_blocks, 0)
-
-    def _growth_reserve(self) -> int:
-        if not self.growth_reserve_tokens:
-            return 0
-        return sum(
-            self._request_reserve(r, r.num_computed_tokens, len(r.block_table))
-            for r in self.running
-        )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

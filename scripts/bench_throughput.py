@@ -120,7 +120,6 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
             async_scheduling=False if args.sync else None,
-            kv_growth_reserve_tokens=args.kv_growth_reserve_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,
             device=args.device,
@@ -380,7 +379,6 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--sync", action="store_true", help="no asynchronous scheduling")
     ap.add_argument("--repeat", type=int, default=1, help="timed passes through one engine")
-    ap.add_argument("--kv-growth-reserve-tokens", type=int, default=0)
     ap.add_argument(
         "--split-kv",
         help="decode attention override PROGRAMS_PER_SM,MAX_SEGMENTS[,TILE] (heuristic tuning)",

@@ -30,12 +30,9 @@ def run(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, 
 CASES = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 19},  # prefill chunks mixed with decodes
-    # No admission reserve, so the tiny pool must preempt.
-    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute",
-                          "kv_growth_reserve_tokens": 0},
-    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap",
-                     "kv_growth_reserve_tokens": 0},
-    "growth_reserve": {"num_kv_blocks": 14, "kv_growth_reserve_tokens": 64},
+    # The tiny pool must preempt.
+    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
     "few_seqs": {"max_num_seqs": 2},
     # Step N+1 launched before step N is resolved (the CUDA default; the CPU's is one at a
     # time), through chunking and both kinds of preemption.

@@ -16,7 +16,6 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 
 from asyncengine.async_engine import AsyncLLMEngine
-from asyncengine.config import EngineArgs
 
 from .conftest import (
     UNIT,
@@ -132,11 +131,9 @@ async def storm_round(engine: AsyncLLMEngine, model_dir: Any, server: Any, seed:
 async def test_disconnect_storm_leaks_nothing_and_survivors_match_greedy(
     make_engine: MakeEngine, model_dir: Any, figures: dict[str, Any]
 ) -> None:
-    # A pool too small for every stream at once, admitting without a growth reserve, so that
-    # the storm also runs through recompute preemptions (aborts of preempted requests too).
-    no_reserve = {"kv_growth_reserve_tokens": 0} \
-        if "kv_growth_reserve_tokens" in EngineArgs.field_names() else {}
-    engine = make_engine(num_kv_blocks=48, max_num_seqs=64, **no_reserve)
+    # A pool too small for every stream at once, so that the storm also runs through
+    # recompute preemptions (aborts of preempted requests too).
+    engine = make_engine(num_kv_blocks=48, max_num_seqs=64)
     totals: dict[str, int] = {}
     async with serving(engine) as server:
         for r in range(ROUNDS):
