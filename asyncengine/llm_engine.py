@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,14 @@ from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
 from asyncengine.errors import InvalidRequestError
-from asyncengine.engine_stats import RateMeter, block_map, device_stats, percentiles
 from asyncengine.model_runner import InflightStep, ModelRunner
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request import Request, RequestStatus
 from asyncengine.request_check import QueueState, RequestLimits, check_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
-from asyncengine.stats import EngineStats, RequestStats
+from asyncengine.stats_collect import RateMeter, block_map, decode_rate, device_stats
+from asyncengine.stats_schema import EngineStats, RequestStats
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -142,8 +141,6 @@ class LLMEngine:
         )
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()
-        self._ttft: deque[float] = deque(maxlen=1000)
-        self._itl: deque[float] = deque(maxlen=5000)
         self.num_finished = 0
         self.num_aborted = 0
         # Wall time per phase, summed over steps (benchmarks report where the time goes).
@@ -432,9 +429,6 @@ class LLMEngine:
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-            self._ttft.append(now - m.arrival_time)
-        elif m.last_token_time is not None:
-            self._itl.append(now - m.last_token_time)
         m.last_token_time = now
         req.append_token(token)
         if req.logprobs is not None and logprobs is not None:
@@ -523,18 +517,16 @@ class LLMEngine:
             )
             for state, queue in queues:
                 for r in list(queue)[:200]:
-                    age = now - r.arrival_time
-                    # Since first scheduled: a rate over the first token's instant is meaningless.
-                    started = r.metrics.first_scheduled_time
-                    gen_time = now - started if started is not None else 0.0
                     reqs.append(
                         RequestStats(
                             request_id=r.request_id,
                             state=state,  # type: ignore[arg-type]
                             prompt_tokens=r.num_prompt_tokens,
                             generated_tokens=r.num_output_tokens,
-                            tokens_per_s=r.num_output_tokens / gen_time if gen_time > 0 else 0.0,
-                            age_s=age,
+                            tokens_per_s=decode_rate(
+                                r.num_output_tokens, r.metrics.first_token_time, now
+                            ),
+                            age_s=now - r.arrival_time,
                         )
                     )
         queries = pool.prefix_queries
@@ -560,8 +552,6 @@ class LLMEngine:
             generation_tokens_per_s=self._gen_meter.rate(now),
             num_requests_finished=self.num_finished,
             num_requests_aborted=self.num_aborted,
-            ttft=percentiles(self._ttft),
-            itl=percentiles(self._itl),
             requests=reqs,
             device=device_stats(self.device.type, self.device.index or 0),
             model=self.model_name,

@@ -58,16 +58,20 @@ def check_request(
 ) -> int:
     """Raise the typed error for the first problem found; return the request's max_tokens
     (its own, or all the room `max_model_len` leaves when it set none)."""
-    if request_id in in_use:
-        raise DuplicateRequestIdError(
-            f"request_id {request_id!r} is already in flight", field="request_id"
-        )
+    check_request_id(request_id, in_use)
     params.validate()
     check_prompt_ids(prompt_token_ids, limits.vocab_size)
     max_tokens = check_length(len(prompt_token_ids), params.max_tokens, limits)
     if queue is not None:
         check_queue(queue, len(prompt_token_ids))
     return max_tokens
+
+
+def check_request_id(request_id: str, in_use: Container[str]) -> None:
+    if request_id in in_use:
+        raise DuplicateRequestIdError(
+            f"request_id {request_id!r} is already in flight", field="request_id"
+        )
 
 
 def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:

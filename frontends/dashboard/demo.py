@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from asyncengine.stats import (
+from asyncengine.stats_schema import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_SHARED,

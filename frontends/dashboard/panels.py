@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Digits, Label, Static
 
-from asyncengine.stats import (
+from asyncengine.stats_schema import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_SHARED,

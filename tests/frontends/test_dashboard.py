@@ -14,7 +14,7 @@ from textual.widgets import Digits, Label, Static
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from asyncengine.stats import DeviceStats, EngineStats, LatencySummary, RequestStats
+from asyncengine.stats_schema import DeviceStats, EngineStats, LatencySummary, RequestStats
 from frontends.dashboard import (
     Connected,
     Connecting,
