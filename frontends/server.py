@@ -10,7 +10,8 @@ bounded and the engine never waits on a socket.
 
 Requests are tokenized here (chat template for `messages`) and pass the engine's request
 check (`AsyncLLMEngine.check_request`) before they are submitted: rejected requests never
-reach the engine, and each refusal's protocol code is the typed error's `code`. Prompt text is not logged unless asked for.
+reach the engine, and each refusal's protocol code is the typed error's `code`. Prompt
+text is not logged unless asked for.
 """
 
 from __future__ import annotations

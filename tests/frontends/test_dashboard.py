@@ -137,6 +137,16 @@ def test_formatting_units() -> None:
     assert fmt_age(3720) == "1h 02m"
 
 
+def test_request_rate_cell_waits_for_a_second_token() -> None:
+    def cell(state: str, rate: float | None) -> str:
+        row = RequestTable.cells(msgspec.structs.replace(_request("r", state), tokens_per_s=rate))
+        return row[4].plain  # type: ignore[union-attr]
+
+    assert cell("running", None) == "—"  # one token: no rate yet
+    assert cell("running", 42.25) == "42.2"
+    assert cell("swapped", 42.25) == "—"  # not decoding now
+
+
 def test_split_cells_is_proportional_and_keeps_small_segments_visible() -> None:
     assert split_cells([50, 25, 25], 8) == [4, 2, 2]
     cells = split_cells([1000, 1, 0, 5], 20)
