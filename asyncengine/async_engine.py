@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncengine.config import EngineArgs
+from asyncengine.errors import RequestError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request_check import QueueLimits, QueueState, check_request_id
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -675,7 +676,7 @@ class AsyncLLMEngine:
                 try:
                     engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
                                        arrival_time=arrival)
-                except ValueError as exc:
+                except (RequestError, ValueError) as exc:  # refused: handed back as raised
                     failures[rid] = (arrival, exc)
                 except Exception as exc:
                     # `LLMEngine.add_request` queues the request last, so a failure before

@@ -163,6 +163,10 @@ def test_rejects_requests_that_can_never_fit(tiny_llama_dir: Path) -> None:
         engine.add_request("e", [5, 6], SamplingParams())
     engine.abort_request("e")
     assert not engine.has_unfinished_requests()
+    # LLM: one refused prompt refuses the batch and leaves none of it queued.
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, 6], [1, 10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
     engine.check_integrity()
 
 
