@@ -29,6 +29,8 @@ from asyncengine.llm_engine import LLMEngine, StepError
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.request_check import QueueLimits
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.stat_loggers import StatLoggerBase
+from asyncengine.stats_collect import percentiles
 
 UNIT = 1.0
 ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64,
@@ -333,6 +335,36 @@ async def test_stats_snapshot_has_device_and_counts(engine: AsyncLLMEngine) -> N
     assert stats.kv_blocks_total == 64 and stats.kv_blocks_used == 0
     assert stats.device.kind == "cpu" and stats.device.memory_total_bytes > 0
     assert stats.ttft.count >= 1 and stats.healthy
+
+
+async def test_latency_is_measured_once_for_stats_and_stat_loggers(
+    engine: AsyncLLMEngine,
+) -> None:
+    class Recorder(StatLoggerBase):
+        def __init__(self) -> None:
+            self.ttft: list[float] = []
+            self.itl: list[float] = []
+
+        def on_first_token(self, ttft: float) -> None:
+            self.ttft.append(ttft)
+
+        def on_new_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
+            if inter_token_latency is not None:
+                self.itl.append(inter_token_latency)
+
+    recorder = Recorder()
+    engine.add_stat_logger(recorder)
+    assert engine.stats().ttft.count == 0  # a fresh engine
+    for i in range(3):
+        async for _ in engine.generate([5, 6, 7], greedy(4, ignore_eos=True), f"lat{i}"):
+            pass
+    engine.remove_stat_logger(recorder)
+    stats = engine.stats()
+    assert len(recorder.ttft) == 3 and len(recorder.itl) == 3 * 3
+    # The same figures, summarised by the one percentile rule.
+    assert stats.ttft == percentiles(recorder.ttft) and stats.ttft.count == 3
+    assert stats.itl == percentiles(recorder.itl) and stats.itl.count == 9
+    await wait_idle_and_free(engine)
 
 
 async def test_shutdown_fails_in_flight_requests_and_frees_blocks(
