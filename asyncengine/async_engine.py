@@ -23,10 +23,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncengine.config import EngineArgs
-from asyncengine.metrics import LatencyWindow, StatLoggerBase
+from asyncengine.errors import RequestError
 from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.request_check import QueueLimits, QueueState, check_request_id
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
-from asyncengine.stats import EngineStats
+from asyncengine.stat_loggers import LatencyStatLogger, StatLoggerBase
+from asyncengine.stats_schema import EngineStats
 
 if TYPE_CHECKING:
     from asyncengine.llm_engine import LLMEngine
@@ -192,9 +194,10 @@ class AsyncLLMEngine:
         self._release_thread: threading.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[str, _RequestState] = {}
-        self._stat_loggers: list[StatLoggerBase] = []
-        self._ttft_window = LatencyWindow()
-        self._itl_window = LatencyWindow()
+        # TTFT and ITL are measured once, in `_account`, and handed to every stat logger;
+        # this one keeps the windows `stats()` summarises.
+        self._latency = LatencyStatLogger()
+        self._stat_loggers: list[StatLoggerBase] = [self._latency]
         # A first real snapshot (pool size, block map) before any step: the step thread only
         # starts with the first request, and a dashboard may attach to an idle server.
         get_stats = getattr(engine, "get_stats", None)
@@ -302,6 +305,25 @@ class AsyncLLMEngine:
             self._stat_loggers.remove(stat_logger)
 
     # ------------------------------------------------------------------ public API
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        queue_limits: QueueLimits | None = None,
+    ) -> None:
+        """The request check (`LLMEngine.check_request`), on the loop: against the ids in
+        flight here and, when `queue_limits` are given, this engine's waiting queue. Raises a
+        `RequestError` (see `asyncengine.errors`); cheap, so frontends call it before
+        `add_request` and a refused request never reaches the step thread."""
+        queue = None
+        if queue_limits is not None:
+            queue = QueueState(self._num_queued_requests, self._num_queued_prompt_tokens,
+                               queue_limits)
+        self.engine.check_request(request_id, prompt_token_ids, params, in_use=self._requests,
+                                  queue=queue)
+
     def add_request(
         self,
         prompt: str | list[int] | None,
@@ -316,17 +338,22 @@ class AsyncLLMEngine:
         Synchronous, so callers can count it against queue limits before they yield; close
         the stream (`stream.close()`) if you stop before its end, which aborts the request.
         `num_prompt_tokens`, when known, counts the prompt in the queue accounting at once.
+        A request with token ids is checked here (a `RequestError` raises at once); a text
+        prompt is checked once the step thread has tokenized it (its stream raises).
         """
         self._ensure_started()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._auto_ids)}"
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        if num_prompt_tokens is None and prompt_token_ids is not None:
-            num_prompt_tokens = len(prompt_token_ids)
-        elif num_prompt_tokens is None and isinstance(prompt, list):
-            num_prompt_tokens = len(prompt)
+        ids = prompt_token_ids if prompt_token_ids is not None else (
+            prompt if isinstance(prompt, list) else None)
+        if ids is not None:
+            self.check_request(request_id, ids, params)
+            if num_prompt_tokens is None:
+                num_prompt_tokens = len(ids)
+        else:
+            check_request_id(request_id, self._requests)
+            params.validate()
         # The arrival time tells this request apart from an earlier one with the same id
         # whose last outputs may still be on their way to the loop: it must be unique.
         arrival = max(time.monotonic(), self._last_arrival + 1e-6)
@@ -352,7 +379,8 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request.
 
-        Raises `ValueError` for an invalid request (duplicate id, empty or too long prompt),
+        Raises a `RequestError` for a refused request (`InvalidRequestError`,
+        `PromptTooLongError`, `DuplicateRequestIdError`: all ValueErrors),
         `RequestFailedError` when the engine fails this request, `EngineDeadError` when the
         engine is dead. Leaving the loop early or cancelling the task aborts the request.
         """
@@ -390,14 +418,13 @@ class AsyncLLMEngine:
             self._record_finish(state, "abort", None)
 
     def stats(self) -> EngineStats:
-        """The latest engine snapshot (taken by the step thread at most every 50 ms and when
-        it goes idle), with the device part; TTFT/ITL fall back to what the loop measured."""
+        """The latest engine snapshot (taken by the step thread at most every
+        `_STATS_INTERVAL_S` and when it goes idle), with the device part and the TTFT/ITL
+        percentiles measured here."""
         self._stats_requested = True
-        snap = msgspec_copy(self._latest_stats)
-        if snap.ttft.count == 0:
-            snap.ttft = self._ttft_window.summary()
-        if snap.itl.count == 0:
-            snap.itl = self._itl_window.summary()
+        snap = shallow_copy(self._latest_stats)
+        snap.ttft = self._latency.ttft.summary()
+        snap.itl = self._latency.itl.summary()
         if not snap.model:
             snap.model = self.model_name
         snap.healthy = self.is_running
@@ -510,7 +537,8 @@ class AsyncLLMEngine:
                 sl.on_stats(stats)
 
     def _account(self, state: _RequestState, out: RequestOutput, now: float) -> None:
-        """Record token arrivals for TTFT/ITL and the token counters."""
+        """Measure TTFT and ITL (the one place they are measured) and count tokens; every
+        stat logger, `stats()`'s windows included, receives the same figures."""
         if out.prompt_token_ids:
             n_prompt = len(out.prompt_token_ids)
             if n_prompt != state.num_prompt_tokens:
@@ -526,7 +554,6 @@ class AsyncLLMEngine:
             state.first_token_time = now
             self._leave_queue(state)
             ttft = now - state.arrival_time
-            self._ttft_window.add(ttft)
             for sl in self._stat_loggers:
                 sl.on_prompt_processed(state.num_prompt_tokens)
                 sl.on_first_token(ttft)
@@ -534,7 +561,6 @@ class AsyncLLMEngine:
         else:
             assert state.last_token_time is not None
             itl = now - state.last_token_time
-            self._itl_window.add(itl)
             for sl in self._stat_loggers:
                 sl.on_new_tokens(new, itl)
         state.last_token_time = now
@@ -650,7 +676,7 @@ class AsyncLLMEngine:
                 try:
                     engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
                                        arrival_time=arrival)
-                except ValueError as exc:
+                except (RequestError, ValueError) as exc:  # refused: handed back as raised
                     failures[rid] = (arrival, exc)
                 except Exception as exc:
                     # `LLMEngine.add_request` queues the request last, so a failure before
@@ -682,7 +708,7 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
         fut.set_result(result)
 
 
-def msgspec_copy(stats: EngineStats) -> EngineStats:
+def shallow_copy(stats: EngineStats) -> EngineStats:
     """A shallow copy whose top-level fields can be replaced without touching the original."""
     import msgspec
 

@@ -38,7 +38,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        A prompt the engine refuses raises its `RequestError` (a ValueError: too long, empty,
+        bad token ids or parameters) before anything runs."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -82,12 +85,17 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
-        for (prompt, ids), params in zip(items, params_list, strict=True):
-            if params.output_kind != RequestOutputKind.FINAL_ONLY:
-                params = _final_only(params)
-            rid = f"offline-{next(self._ids)}"
-            engine.add_request(rid, prompt, params, prompt_token_ids=ids)
-            order[rid] = len(order)
+        try:
+            for (prompt, ids), params in zip(items, params_list, strict=True):
+                if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    params = _final_only(params)
+                rid = f"offline-{next(self._ids)}"
+                engine.add_request(rid, prompt, params, prompt_token_ids=ids)
+                order[rid] = len(order)
+        except BaseException:
+            # A refused prompt (a `RequestError`) must not leave the earlier ones queued.
+            engine.abort_request(list(order))
+            raise
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(
             total=len(order),

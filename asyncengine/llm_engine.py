@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,15 @@ import torch
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
-from asyncengine.engine_stats import RateMeter, block_map, device_stats, percentiles
+from asyncengine.errors import InvalidRequestError
 from asyncengine.model_runner import InflightStep, ModelRunner
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request import Request, RequestStatus
+from asyncengine.request_check import QueueState, RequestLimits, check_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
-from asyncengine.stats import EngineStats, RequestStats
+from asyncengine.stats_collect import RateMeter, block_map, decode_rate, device_stats
+from asyncengine.stats_schema import EngineStats, RequestStats
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -126,6 +127,12 @@ class LLMEngine:
             preemption_mode=args.preemption_mode,
             swap_space=swap,
         )
+        self.request_limits = RequestLimits(
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=args.block_size,
+        )
         self.runner.prepare_for_serving(
             enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs,
@@ -133,8 +140,6 @@ class LLMEngine:
         )
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()
-        self._ttft: deque[float] = deque(maxlen=1000)
-        self._itl: deque[float] = deque(maxlen=5000)
         self.num_finished = 0
         self.num_aborted = 0
         # Wall time per phase, summed over steps (benchmarks report where the time goes).
@@ -198,9 +203,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("chat messages need a tokenizer (skip_tokenizer_init is set)")
+            raise InvalidRequestError(
+                "chat messages need a tokenizer (skip_tokenizer_init is set)", field="messages"
+            )
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template; send a prompt instead")
+            raise InvalidRequestError(
+                "the model's tokenizer has no chat template; send a prompt instead",
+                field="messages",
+            )
         ids = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True
         )
@@ -210,8 +220,30 @@ class LLMEngine:
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            raise InvalidRequestError(
+                "text prompts need a tokenizer (skip_tokenizer_init is set)", field="prompt"
+            )
         return list(self.tokenizer.encode(prompt))
+
+    def check_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        in_use: Container[str] | None = None,
+        queue: QueueState | None = None,
+    ) -> int:
+        """The request check (see `request_check`) against this engine's limits; `in_use`
+        defaults to the ids this engine holds. Returns the request's max_tokens."""
+        return check_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.request_limits,
+            in_use=self.scheduler.requests if in_use is None else in_use,
+            queue=queue,
+        )
 
     def add_request(
         self,
@@ -222,10 +254,9 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request; invalid ones raise ValueError and are never queued."""
+        """Check and queue a request; a refused one raises a `RequestError` (the content
+        errors are ValueErrors) and is never queued."""
         params = params or SamplingParams()
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text: str | None = None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -233,32 +264,13 @@ class LLMEngine:
             elif isinstance(prompt, list):
                 prompt_token_ids = prompt
             else:
-                raise ValueError("prompt must be a string or a list of token ids")
+                raise InvalidRequestError(
+                    "prompt must be a string or a list of token ids", field="prompt"
+                )
         else:
             text = prompt if isinstance(prompt, str) else None
         ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"{self.max_model_len}"
-            )
-        blocks = self.pool.blocks_needed(len(ids) + max_tokens)
-        if blocks > self.pool.num_blocks:
-            raise ValueError(
-                f"request needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
-            )
+        max_tokens = self.check_request(request_id, ids, params)
         req = Request(
             request_id=request_id,
             prompt=text,
@@ -416,9 +428,6 @@ class LLMEngine:
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-            self._ttft.append(now - m.arrival_time)
-        elif m.last_token_time is not None:
-            self._itl.append(now - m.last_token_time)
         m.last_token_time = now
         req.append_token(token)
         if req.logprobs is not None and logprobs is not None:
@@ -507,18 +516,16 @@ class LLMEngine:
             )
             for state, queue in queues:
                 for r in list(queue)[:200]:
-                    age = now - r.arrival_time
-                    # Since first scheduled: a rate over the first token's instant is meaningless.
-                    started = r.metrics.first_scheduled_time
-                    gen_time = now - started if started is not None else 0.0
                     reqs.append(
                         RequestStats(
                             request_id=r.request_id,
                             state=state,  # type: ignore[arg-type]
                             prompt_tokens=r.num_prompt_tokens,
                             generated_tokens=r.num_output_tokens,
-                            tokens_per_s=r.num_output_tokens / gen_time if gen_time > 0 else 0.0,
-                            age_s=age,
+                            tokens_per_s=decode_rate(
+                                r.num_output_tokens, r.metrics.first_token_time, now
+                            ),
+                            age_s=now - r.arrival_time,
                         )
                     )
         queries = pool.prefix_queries
@@ -544,8 +551,6 @@ class LLMEngine:
             generation_tokens_per_s=self._gen_meter.rate(now),
             num_requests_finished=self.num_finished,
             num_requests_aborted=self.num_aborted,
-            ttft=percentiles(self._ttft),
-            itl=percentiles(self._itl),
             requests=reqs,
             device=device_stats(self.device.type, self.device.index or 0),
             model=self.model_name,

@@ -1,10 +1,15 @@
-"""Per-request sampling parameters, spelled as in vLLM, validated on construction."""
+"""Per-request sampling parameters, spelled as in vLLM, validated on construction.
+
+A bad value raises `InvalidRequestError` (a ValueError) whose `field` names the parameter.
+"""
 
 from __future__ import annotations
 
 import enum
 import math
 from dataclasses import dataclass, field
+
+from asyncengine.errors import InvalidRequestError
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -20,7 +25,8 @@ _MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Temperature 0 means greedy; invalid values raise ValueError."""
+    """How to sample one request. Temperature 0 means greedy; invalid values raise
+    `InvalidRequestError` (a ValueError)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -43,7 +49,7 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._validate()
+        self.validate()
         if self.stop is None:
             self._stop_list = []
         elif isinstance(self.stop, str):
@@ -62,9 +68,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Raise `InvalidRequestError` naming the first bad parameter (also run by the
+        request check, so a value changed after construction is caught too)."""
+
         def fail(name: str, msg: str) -> None:
-            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(f"{name} {msg}, got {getattr(self, name)!r}", field=name)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

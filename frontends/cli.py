@@ -2,7 +2,9 @@
 
 Engine flags are generated from `EngineArgs` in vLLM's spelling (`--max-num-seqs`,
 `--enable-prefix-caching/--no-enable-prefix-caching`, ...). The async entry points run on
-uvloop.
+uvloop. Any failure (a bad flag, model path, config or engine argument, an unreachable
+server) ends with one `asyncengine: error: ...` line on stderr and a non-zero exit; the
+traceback is printed only with `--log-level DEBUG`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Coroutine, Sequence
@@ -80,11 +83,26 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Reports a usage error in one line (argparse prints the whole usage block first)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"asyncengine: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _log_level(value: str) -> str:
+    level = value.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {value!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncengine",
-                                     description="LLM inference engine with a WebSocket server.")
+    parser = _ArgumentParser(prog="asyncengine",
+                             description="LLM inference engine with a WebSocket server.")
     parser.add_argument("--log-level", default=envs.log_level(),
-                        help="logging level (default: INFO)")
+                        type=_log_level, help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over WebSocket")
@@ -232,7 +250,7 @@ def generate(ns: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(),
+    logging.basicConfig(level=ns.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:  # one line per connection is noise
         logging.getLogger("websockets").setLevel(logging.WARNING)
@@ -244,17 +262,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif ns.command == "chat":
             from frontends.chat import run_chat
 
-            run_async(run_chat(ns.url, ns.api_key, system=ns.system,
-                               max_tokens=ns.max_tokens, temperature=ns.temperature))
+            try:
+                run_async(run_chat(ns.url, ns.api_key, system=ns.system,
+                                   max_tokens=ns.max_tokens, temperature=ns.temperature))
+            except OSError as exc:
+                raise OSError(f"cannot talk to the server at {ns.url}: {exc}") from exc
         elif ns.command == "monitor":
             run_monitor = _import_run_monitor()
             run_async(run_monitor(ns.url, ns.api_key, interval=ns.interval))
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:  # bad arguments: one clear line, no traceback
-        print(f"asyncengine: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        return _report(exc, debug=ns.log_level == "DEBUG")
     return 0
+
+
+def _report(exc: Exception, *, debug: bool) -> int:
+    """One line on stderr for a failure; exit status 2 for a bad value, 1 otherwise."""
+    if debug:
+        traceback.print_exc()
+    # A ValueError or an OSError (missing path, refused connection) says it all; anything
+    # else is unexpected, so its type is part of the line.
+    if isinstance(exc, ValueError | OSError):
+        line = str(exc)
+    else:
+        line = f"{type(exc).__name__}: {exc}"
+        if not debug:
+            line += " (--log-level DEBUG shows the traceback)"
+    print(f"asyncengine: error: {line}", file=sys.stderr)
+    return 2 if isinstance(exc, ValueError) else 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from asyncengine import envs
-from asyncengine.stats import EngineStats
+from asyncengine.errors import ErrorCode
+from asyncengine.stats_schema import EngineStats
 from frontends import protocol as p
 
 
@@ -42,35 +43,35 @@ class ServerError(Exception):
 
 
 class InvalidRequestError(ServerError):
-    code = p.INVALID_REQUEST
+    code = ErrorCode.INVALID_REQUEST
 
 
 class UnknownTypeError(InvalidRequestError):
-    code = p.UNKNOWN_TYPE
+    code = ErrorCode.UNKNOWN_TYPE
 
 
 class DuplicateRequestIdError(InvalidRequestError):
-    code = p.DUPLICATE_REQUEST_ID
+    code = ErrorCode.DUPLICATE_REQUEST_ID
 
 
 class PromptTooLongError(InvalidRequestError):
-    code = p.PROMPT_TOO_LONG
+    code = ErrorCode.PROMPT_TOO_LONG
 
 
 class NotFoundError(ServerError):
-    code = p.NOT_FOUND
+    code = ErrorCode.NOT_FOUND
 
 
 class OverloadedError(ServerError):
-    code = p.OVERLOADED
+    code = ErrorCode.OVERLOADED
 
 
 class UnauthorizedError(ServerError):
-    code = p.UNAUTHORIZED
+    code = ErrorCode.UNAUTHORIZED
 
 
 class EngineError(ServerError):
-    code = p.ENGINE_ERROR
+    code = ErrorCode.ENGINE_ERROR
 
 
 class ConnectionLostError(ServerError):

@@ -6,32 +6,19 @@ server → client: `delta`, `done`, `error`, `stats`.
 Limits live in the types (`msgspec.Meta`), so a decode validates everything and a failure
 message names the JSON path (e.g. "... - at `$.params.max_tokens`"). `decode_client_message`
 turns every failure into an `Error` event carrying the request id when it can be recovered.
-Encoders and decoders are built once and reused.
+Encoders and decoders are built once and reused. `Error.code` is one of
+`asyncengine.errors.ErrorCode` (re-exported here as `ErrorCode`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final
 
 import msgspec
 
+from asyncengine.errors import ErrorCode
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
-from asyncengine.stats import EngineStats
-
-# Error codes carried by `Error.code`.
-INVALID_REQUEST: Final = "invalid_request"
-UNKNOWN_TYPE: Final = "unknown_type"
-DUPLICATE_REQUEST_ID: Final = "duplicate_request_id"
-PROMPT_TOO_LONG: Final = "prompt_too_long"
-OVERLOADED: Final = "overloaded"
-UNAUTHORIZED: Final = "unauthorized"
-ENGINE_ERROR: Final = "engine_error"
-NOT_FOUND: Final = "not_found"
-INTERNAL_ERROR: Final = "internal_error"  # a server bug; the connection goes on
-ErrorCode = Literal[
-    "invalid_request", "unknown_type", "duplicate_request_id", "prompt_too_long",
-    "overloaded", "unauthorized", "engine_error", "not_found", "internal_error",
-]
+from asyncengine.stats_schema import EngineStats
 
 _MAX_REQUEST_ID = 256
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_REQUEST_ID)]
@@ -145,7 +132,7 @@ class Done(ServerEvent, tag="done"):
 
 
 class Error(ServerEvent, tag="error"):
-    code: str
+    code: str  # an `ErrorCode` value; a plain string so a client accepts codes added later
     message: str
     request_id: str | None = None
 
@@ -190,15 +177,15 @@ def decode_client_message(data: bytes | str) -> Generate | Cancel | StatsSubscri
     except msgspec.ValidationError as exc:
         probe = _probe(data)
         if probe.type is not None and probe.type not in CLIENT_TYPES:
-            return Error(code=UNKNOWN_TYPE, request_id=probe.request_id,
+            return Error(code=ErrorCode.UNKNOWN_TYPE, request_id=probe.request_id,
                          message=f"unknown message type {probe.type[:64]!r}; expected one of "
                                  f"{', '.join(sorted(CLIENT_TYPES))}")
-        return Error(code=INVALID_REQUEST, message=str(exc), request_id=probe.request_id)
+        return Error(code=ErrorCode.INVALID_REQUEST, message=str(exc), request_id=probe.request_id)
     except msgspec.DecodeError as exc:
-        return Error(code=INVALID_REQUEST, message=f"malformed JSON: {exc}")
+        return Error(code=ErrorCode.INVALID_REQUEST, message=f"malformed JSON: {exc}")
     except RecursionError:
         # msgspec recurses while it skips fields (e.g. to find the tag): deep nesting ends here.
-        return Error(code=INVALID_REQUEST, message="malformed JSON: nested too deeply")
+        return Error(code=ErrorCode.INVALID_REQUEST, message="malformed JSON: nested too deeply")
 
 
 def _probe(data: bytes | str) -> _Probe:

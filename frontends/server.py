@@ -8,8 +8,10 @@ Producers wait for send credits (a bounded number of unsent frames), so a client
 reading only stalls its own requests, whose engine mailboxes then merge deltas: memory stays
 bounded and the engine never waits on a socket.
 
-Requests are validated, tokenized (chat template for `messages`) and length-checked here;
-rejected requests never reach the engine. Prompt text is not logged unless asked for.
+Requests are tokenized here (chat template for `messages`) and pass the engine's request
+check (`AsyncLLMEngine.check_request`) before they are submitted: rejected requests never
+reach the engine, and each refusal's protocol code is the typed error's `code`. Prompt
+text is not logged unless asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import hmac
 import ipaddress
 import itertools
 import logging
-import math
 import re
 import signal
 from collections.abc import AsyncIterator
@@ -42,7 +43,15 @@ from asyncengine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from asyncengine.metrics import PrometheusStatLogger
+from asyncengine.errors import (
+    DuplicateRequestIdError,
+    ErrorCode,
+    InvalidRequestError,
+    OverloadedError,
+    RequestError,
+)
+from asyncengine.request_check import QueueLimits
+from asyncengine.stat_loggers import PrometheusStatLogger
 from frontends import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -111,13 +120,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-class _Reject(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,6 +192,8 @@ class EngineServer:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = PrometheusStatLogger(engine.model_name, registry=self.registry)
+        self._queue_limits = QueueLimits(config.max_queued_requests,
+                                         config.max_queued_prompt_tokens)
         self._rejected = Counter("asyncengine_requests_rejected",
                                  "Requests refused before reaching the engine, by error code.",
                                  ["code"], registry=self.registry)
@@ -308,7 +312,7 @@ class EngineServer:
             response.headers["Content-Type"] = CONTENT_TYPE_LATEST
             return response
         if self.config.api_key is not None and not self._authorized(request.headers, url.query):
-            self._rejected.labels(p.UNAUTHORIZED).inc()
+            self._rejected.labels(ErrorCode.UNAUTHORIZED).inc()
             response = connection.respond(HTTPStatus.UNAUTHORIZED, "invalid or missing API key\n")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
@@ -363,8 +367,8 @@ class EngineServer:
                     # A bug must cost one message, not the connection and its other requests.
                     logger.exception("connection %d: unexpected error handling a message",
                                      conn.id)
-                    self._rejected.labels(p.INTERNAL_ERROR).inc()
-                    await conn.send(p.Error(code=p.INTERNAL_ERROR,
+                    self._rejected.labels(ErrorCode.INTERNAL_ERROR).inc()
+                    await conn.send(p.Error(code=ErrorCode.INTERNAL_ERROR,
                                             message="internal server error"))
                 # Buffered frames are handed out without a suspension: yield once per frame,
                 # so that a flooding client shares the loop and the request tasks it started
@@ -373,18 +377,18 @@ class EngineServer:
 
     async def _on_message(self, conn: _Connection, raw: str | bytes) -> None:
         if isinstance(raw, bytes):
-            self._rejected.labels(p.INVALID_REQUEST).inc()
-            await conn.send(p.Error(code=p.INVALID_REQUEST, message="binary frames are not "
+            self._rejected.labels(ErrorCode.INVALID_REQUEST).inc()
+            await conn.send(p.Error(code=ErrorCode.INVALID_REQUEST, message="binary frames are not "
                                     "accepted: send JSON text frames"))
             return
         msg = p.decode_client_message(raw)
         if isinstance(msg, p.Generate):
             try:
                 await self._on_generate(conn, msg)
-            except _Reject as rej:
-                self._rejected.labels(rej.code).inc()
-                await conn.send(p.Error(code=rej.code, message=rej.message,
-                                        request_id=msg.request_id))
+            except RequestError as exc:
+                await self._refuse(conn, msg, exc.code, _wire_message(exc, msg))
+            except EngineDeadError:
+                await self._refuse(conn, msg, ErrorCode.ENGINE_ERROR, "engine is not running")
         elif isinstance(msg, p.Cancel):
             await self._on_cancel(conn, msg.request_id)
         elif isinstance(msg, p.StatsSubscribe):
@@ -399,66 +403,54 @@ class EngineServer:
             self._rejected.labels(msg.code).inc()
             await conn.send(msg)
 
+    async def _refuse(self, conn: _Connection, msg: p.Generate, code: ErrorCode,
+                      message: str) -> None:
+        self._rejected.labels(code).inc()
+        await conn.send(p.Error(code=code, message=message, request_id=msg.request_id))
+
     async def _on_generate(self, conn: _Connection, msg: p.Generate) -> None:
+        """Check the request (`AsyncLLMEngine.check_request`, plus this connection's own
+        limits) and start streaming it; a refusal raises a `RequestError`."""
         engine = self.engine
         rid = msg.request_id
         if self._draining:
-            raise _Reject(p.OVERLOADED, "server is shutting down")
+            raise OverloadedError("server is shutting down")
         if engine.errored or not engine.is_running:
-            raise _Reject(p.ENGINE_ERROR, "engine is not running")
+            raise EngineDeadError("engine is not running")
         if rid in conn.requests:
-            raise _Reject(p.DUPLICATE_REQUEST_ID, f"request_id {rid!r} is already in flight")
+            raise DuplicateRequestIdError(f"request_id {rid!r} is already in flight",
+                                          field="request_id")
         if len(conn.requests) >= self.config.max_requests_per_connection:
-            raise _Reject(p.OVERLOADED, "too many in-flight requests on this connection "
-                          f"(max {self.config.max_requests_per_connection})")
+            raise OverloadedError("too many in-flight requests on this connection "
+                                  f"(max {self.config.max_requests_per_connection})")
+        # Engine ids are per connection so two clients may use the same request_id.
+        engine_rid = f"c{conn.id}:{rid}"
         # Reserve the id while tokenizing (which may yield to other tasks).
         slot = _InFlight(task=None, prompt_tokens=0)
         conn.requests[rid] = slot
         try:
+            params = msg.params.to_sampling_params()
             prompt_ids = await self._tokenize(msg)
-            self._check_length(len(prompt_ids), msg.params.max_tokens)
-            if engine.num_queued_requests >= self.config.max_queued_requests or (
-                engine.num_queued_requests > 0
-                and engine.num_queued_prompt_tokens + len(prompt_ids)
-                > self.config.max_queued_prompt_tokens
-            ):
-                raise _Reject(p.OVERLOADED, "server is overloaded: the waiting queue is full, "
-                              "retry later")
-            try:
-                params = msg.params.to_sampling_params()
-            except ValueError as exc:
-                raise _Reject(p.INVALID_REQUEST, f"{exc} - at `$.params`") from exc
-        except BaseException:
-            del conn.requests[rid]
-            raise
-        slot.prompt_tokens = len(prompt_ids)
-        if self.config.log_prompts:
-            logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
-        # Synchronous from the queue check to here, so the queue limits hold exactly.
-        # Engine ids are per connection so two clients may use the same request_id.
-        try:
-            slot.stream = engine.add_request(None, params, f"c{conn.id}:{rid}",
+            # Synchronous from this check to `add_request`, so the queue limits hold exactly.
+            engine.check_request(engine_rid, prompt_ids, params,
+                                 queue_limits=self._queue_limits)
+            slot.prompt_tokens = len(prompt_ids)
+            if self.config.log_prompts:
+                logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
+            slot.stream = engine.add_request(None, params, engine_rid,
                                              prompt_token_ids=prompt_ids)
-        except EngineDeadError as exc:  # died since the check above
-            del conn.requests[rid]
-            raise _Reject(p.ENGINE_ERROR, "engine is not running") from exc
         except BaseException:
             del conn.requests[rid]
             raise
         slot.task = asyncio.create_task(self._stream(conn, rid, slot, slot.stream))
 
     async def _tokenize(self, msg: p.Generate) -> list[int]:
-        engine = self.engine
-        vocab = int(getattr(engine.model_config, "vocab_size", 0) or 0)
         if msg.prompt_token_ids is not None:
-            bad = [t for t in msg.prompt_token_ids if vocab and t >= vocab]
-            if bad:
-                raise _Reject(p.INVALID_REQUEST, f"token id {bad[0]} is out of the vocabulary "
-                              f"(size {vocab}) - at `$.prompt_token_ids`")
             return list(msg.prompt_token_ids)
+        engine = self.engine
         if engine.tokenizer is None:
-            raise _Reject(p.INVALID_REQUEST, "this server has no tokenizer: send "
-                          "`prompt_token_ids` instead of `prompt` or `messages`")
+            raise InvalidRequestError("this server has no tokenizer: send `prompt_token_ids` "
+                                      "instead of `prompt` or `messages`")
         try:
             if msg.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in msg.messages]
@@ -468,22 +460,11 @@ class EngineServer:
                 assert msg.prompt is not None
                 ids = await _maybe_in_thread(len(msg.prompt), engine.engine.tokenize,
                                              msg.prompt)
-        except ValueError as exc:
-            raise _Reject(p.INVALID_REQUEST, str(exc)) from exc
-        if not ids:
-            raise _Reject(p.INVALID_REQUEST, "the prompt tokenizes to nothing")
+        except RequestError:
+            raise
+        except ValueError as exc:  # the tokenizer's own complaint
+            raise InvalidRequestError(str(exc)) from exc
         return list(ids)
-
-    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        max_len = self.engine.max_model_len
-        if max_len and num_prompt + max_tokens > max_len:
-            raise _Reject(p.PROMPT_TOO_LONG, f"prompt ({num_prompt} tokens) + max_tokens "
-                          f"({max_tokens}) exceeds max_model_len ({max_len})")
-        num_blocks, block_size = _kv_capacity(self.engine)
-        if num_blocks and math.ceil((num_prompt + max_tokens) / block_size) > num_blocks:
-            raise _Reject(p.PROMPT_TOO_LONG, f"prompt ({num_prompt} tokens) + max_tokens "
-                          f"({max_tokens}) needs more KV blocks than exist ({num_blocks} "
-                          f"blocks of {block_size} tokens)")
 
     async def _stream(self, conn: _Connection, rid: str, slot: _InFlight,
                       stream: RequestStream) -> None:
@@ -501,12 +482,16 @@ class EngineServer:
             await conn.send(p.Done(request_id=rid, finish_reason=finish_reason,
                                    usage=p.Usage(prompt_tokens=slot.prompt_tokens,
                                                  completion_tokens=slot.completion_tokens)))
-        except ValueError as exc:
-            code = p.PROMPT_TOO_LONG if _is_length_error(str(exc)) else p.INVALID_REQUEST
-            self._rejected.labels(code).inc()
-            await conn.send(p.Error(code=code, message=str(exc), request_id=rid))
+        except RequestError as exc:  # refused on the step thread (a text prompt's check)
+            self._rejected.labels(exc.code).inc()
+            await conn.send(p.Error(code=exc.code, message=exc.message, request_id=rid))
+        except ValueError as exc:  # the tokenizer's own complaint, from the step thread
+            self._rejected.labels(ErrorCode.INVALID_REQUEST).inc()
+            await conn.send(p.Error(code=ErrorCode.INVALID_REQUEST, message=str(exc),
+                                    request_id=rid))
         except (RequestFailedError, EngineDeadError) as exc:
-            await conn.send(p.Error(code=p.ENGINE_ERROR, message=str(exc), request_id=rid))
+            await conn.send(p.Error(code=ErrorCode.ENGINE_ERROR, message=str(exc),
+                                    request_id=rid))
         finally:
             stream.close()
             if conn.requests.get(rid) is slot:
@@ -515,7 +500,7 @@ class EngineServer:
     async def _on_cancel(self, conn: _Connection, rid: str) -> None:
         slot = conn.requests.get(rid)
         if slot is None or slot.task is None:
-            await conn.send(p.Error(code=p.NOT_FOUND, request_id=rid,
+            await conn.send(p.Error(code=ErrorCode.NOT_FOUND, request_id=rid,
                                     message=f"no request {rid!r} in flight on this connection"))
             return
         slot.stop()
@@ -542,15 +527,21 @@ async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-def _kv_capacity(engine: AsyncLLMEngine) -> tuple[int, int]:
-    """(number of KV blocks, block size) of the engine's pool."""
-    pool = engine.block_pool
-    return int(pool.num_blocks), int(pool.block_size)
-
-
-def _is_length_error(message: str) -> bool:
-    m = message.lower()
-    return "max_model_len" in m or "kv block" in m or "blocks" in m
+def _wire_message(exc: RequestError, msg: p.Generate) -> str:
+    """The error's message with the JSON path of its field in `msg`, when it has one."""
+    field = exc.field
+    if field is None:
+        return exc.message
+    if field in p.GenerateParams.__struct_fields__:
+        path = f"$.params.{field}"
+    elif field in ("prompt", "messages", "prompt_token_ids"):
+        # The prompt as the client sent it: text, chat messages or token ids.
+        sent = next(f for f in ("prompt", "messages", "prompt_token_ids")
+                    if getattr(msg, f) is not None)
+        path = f"$.{field if field == 'prompt_token_ids' else sent}"
+    else:
+        path = f"$.{field}"
+    return f"{exc.message} - at `{path}`"
 
 
 @contextlib.asynccontextmanager

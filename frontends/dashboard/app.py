@@ -22,7 +22,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Footer, Header
 
-from asyncengine.stats import EngineStats
+from asyncengine.stats_schema import EngineStats
 
 from .history import StatsHistory
 from .panels import (

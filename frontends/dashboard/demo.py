@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from asyncengine.stats import (
+from asyncengine.stats_collect import decode_rate, percentiles
+from asyncengine.stats_schema import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_SHARED,
@@ -42,6 +43,7 @@ class _Request:
     state: RequestState = "waiting"
     computed: int = 0
     generated: int = 0
+    first_token: float | None = None  # when its first generated token came
     blocks: list[int] = field(default_factory=list)
     prefix: int = -1  # which shared system prompt it starts with, -1 for none
 
@@ -181,6 +183,8 @@ class DemoEngine:
                     self.ttft.append(0.03 + 0.12 * self.rng.random() + (self.time - req.arrival))
                 continue
             tokens = int(self.rng.uniform(55, 95) * dt)
+            if req.first_token is None:
+                req.first_token = self.time
             req.generated = min(req.max_tokens, req.generated + tokens)
             gen += tokens
             self.itl.append(1 / max(tokens, 1) * self.rng.uniform(0.8, 1.4))
@@ -270,17 +274,15 @@ class DemoEngine:
             generation_tokens_per_s=gen_rate,
             num_requests_finished=self.totals["finished"],
             num_requests_aborted=self.totals["aborted"],
-            ttft=_summary(self.ttft[-500:]),
-            itl=_summary(self.itl[-5000:]),
+            ttft=percentiles(self.ttft[-500:]),
+            itl=percentiles(self.itl[-5000:]),
             requests=[
                 RequestStats(
                     request_id=r.request_id,
                     state=r.state,
                     prompt_tokens=r.prompt_tokens,
                     generated_tokens=r.generated,
-                    tokens_per_s=(r.generated / max(self.time - r.arrival, 1.0))
-                    if r.state == "running"
-                    else 0.0,
+                    tokens_per_s=decode_rate(r.generated, r.first_token, self.time),
                     age_s=self.time - r.arrival,
                 )
                 for r in self.requests
@@ -288,17 +290,6 @@ class DemoEngine:
             device=device,
             model=self.model,
         )
-
-
-def _summary(values: list[float]) -> LatencySummary:
-    if not values:
-        return LatencySummary()
-    ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return LatencySummary(p50=pct(0.5), p90=pct(0.9), p99=pct(0.99), count=len(values))
 
 
 def demo_frames(n: int = 90, *, seed: int = 0, **engine_kwargs: object) -> list[EngineStats]:

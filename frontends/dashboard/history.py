@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from asyncengine.stats import EngineStats
+from asyncengine.stats_schema import EngineStats
 
 SERIES = ("running", "waiting", "swapped", "prompt_tps", "generation_tps", "kv_usage")
 

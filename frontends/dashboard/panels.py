@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Digits, Label, Static
 
-from asyncengine.stats import (
+from asyncengine.stats_schema import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_SHARED,
@@ -40,6 +40,14 @@ from .widgets import (
 )
 
 STATE_STYLES = {"running": "#3fb950", "waiting": "#d29922", "swapped": "#bc8cff"}
+
+
+def fmt_request_rate(request: RequestStats) -> str:
+    """A running request's decode rate ('—' before its second token or when not running)."""
+    rate = request.tokens_per_s
+    if request.state != "running" or rate is None:
+        return "—"
+    return f"{rate:.1f}"
 
 
 class Panel(Vertical):
@@ -318,9 +326,7 @@ class RequestTable(DataTable[Text | str]):
             Text(request.state, style=STATE_STYLES.get(request.state, "")),
             Text(fmt_count(request.prompt_tokens), justify=right),
             Text(fmt_count(request.generated_tokens), justify=right),
-            Text(
-                f"{request.tokens_per_s:.1f}" if request.state == "running" else "—", justify=right
-            ),
+            Text(fmt_request_rate(request), justify=right),
             Text(fmt_age(request.age_s), justify=right),
         )
 

@@ -19,7 +19,7 @@ import msgspec
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from asyncengine.stats import EngineStats
+from asyncengine.stats_schema import EngineStats
 
 __all__ = [
     "Connected",

@@ -17,7 +17,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline
 
-from asyncengine.stats import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
+from asyncengine.stats_schema import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 # Block-state colours, shared by the stacked bar, the block map and their legends.
 BLOCK_COLORS: dict[str, str] = {

@@ -17,10 +17,20 @@ from asyncengine.async_engine import (
     RequestOutputCollector,
 )
 from asyncengine.config import EngineArgs
+from asyncengine.errors import (
+    DuplicateRequestIdError,
+    ErrorCode,
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
+)
 from asyncengine.llm import LLM
 from asyncengine.llm_engine import LLMEngine, StepError
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from asyncengine.request_check import QueueLimits
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.stat_loggers import StatLoggerBase
+from asyncengine.stats_collect import percentiles
 
 UNIT = 1.0
 ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=64,
@@ -273,18 +283,44 @@ async def test_repeated_step_errors_declare_the_engine_dead(
     assert not engine.is_running
 
 
-async def test_invalid_requests_raise_value_error(engine: AsyncLLMEngine) -> None:
-    with pytest.raises(ValueError, match="max_model_len"):
-        async for _ in engine.generate(None, greedy(10), "long", prompt_token_ids=[5] * 250):
+async def test_invalid_requests_raise_typed_value_errors(engine: AsyncLLMEngine) -> None:
+    # Token ids are checked on the loop: the request never reaches the step thread.
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        engine.add_request(None, greedy(10), "long", prompt_token_ids=[5] * 250)
+    assert engine.num_in_flight == 0 and engine.num_queued_requests == 0
+    # A text prompt is tokenized and checked on the step thread: its refusal comes back
+    # through the request's mailbox with its type, code and field.
+    text = "hello " * 300
+    assert len(engine.engine.tokenize(text)) >= engine.max_model_len
+    with pytest.raises(PromptTooLongError) as info:
+        async for _ in engine.generate(text, greedy(10), "long-text"):
             pass
+    assert (info.value.code, info.value.field) == (ErrorCode.PROMPT_TOO_LONG, "prompt")
     gen = engine.generate("x", greedy(50, ignore_eos=True), "dup")
     await anext(gen)
-    with pytest.raises(ValueError, match="already in flight"):
+    with pytest.raises(DuplicateRequestIdError, match="already in flight"):
         async for _ in engine.generate("x", greedy(5), "dup"):
             pass
+    params = greedy(5)
+    params.top_k = -7  # changed after construction validated it
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        engine.check_request("new", [5, 6], params)
     await gen.aclose()
     await wait_idle_and_free(engine)
     assert engine.num_queued_requests == 0
+
+
+async def test_check_request_applies_queue_limits(engine: AsyncLLMEngine) -> None:
+    limits = QueueLimits(max_queued_requests=1, max_queued_prompt_tokens=100)
+    engine.check_request("a", [5] * 8, greedy(5), queue_limits=limits)  # nothing queued
+    stream = engine.add_request(None, greedy(5), "a", prompt_token_ids=[5] * 8)
+    # Queued until its first token, which cannot come before this task yields.
+    assert engine.num_queued_requests == 1
+    with pytest.raises(OverloadedError):
+        engine.check_request("b", [5] * 8, greedy(5), queue_limits=limits)
+    async for _ in stream:
+        pass
+    await wait_idle_and_free(engine)
 
 
 async def test_stats_snapshot_has_device_and_counts(engine: AsyncLLMEngine) -> None:
@@ -299,6 +335,36 @@ async def test_stats_snapshot_has_device_and_counts(engine: AsyncLLMEngine) -> N
     assert stats.kv_blocks_total == 64 and stats.kv_blocks_used == 0
     assert stats.device.kind == "cpu" and stats.device.memory_total_bytes > 0
     assert stats.ttft.count >= 1 and stats.healthy
+
+
+async def test_latency_is_measured_once_for_stats_and_stat_loggers(
+    engine: AsyncLLMEngine,
+) -> None:
+    class Recorder(StatLoggerBase):
+        def __init__(self) -> None:
+            self.ttft: list[float] = []
+            self.itl: list[float] = []
+
+        def on_first_token(self, ttft: float) -> None:
+            self.ttft.append(ttft)
+
+        def on_new_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
+            if inter_token_latency is not None:
+                self.itl.append(inter_token_latency)
+
+    recorder = Recorder()
+    engine.add_stat_logger(recorder)
+    assert engine.stats().ttft.count == 0  # a fresh engine
+    for i in range(3):
+        async for _ in engine.generate([5, 6, 7], greedy(4, ignore_eos=True), f"lat{i}"):
+            pass
+    engine.remove_stat_logger(recorder)
+    stats = engine.stats()
+    assert len(recorder.ttft) == 3 and len(recorder.itl) == 3 * 3
+    # The same figures, summarised by the one percentile rule.
+    assert stats.ttft == percentiles(recorder.ttft) and stats.ttft.count == 3
+    assert stats.itl == percentiles(recorder.itl) and stats.itl.count == 9
+    await wait_idle_and_free(engine)
 
 
 async def test_shutdown_fails_in_flight_requests_and_frees_blocks(

@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.errors import (
+    DuplicateRequestIdError,
+    ErrorCode,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
 
 MAX_TOKENS = 24
@@ -139,20 +145,42 @@ def test_stop_strings_and_tokens(tiny_llama_dir: Path) -> None:
 def test_rejects_requests_that_can_never_fit(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=3)
     engine = llm.llm_engine
-    with pytest.raises(ValueError, match="exceeds max_model_len"):
+    with pytest.raises(PromptTooLongError, match="exceeds max_model_len") as info:
         engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=10))
-    with pytest.raises(ValueError, match="needs 4 KV blocks but the pool has only 3"):
+    assert info.value.field == "max_tokens"
+    with pytest.raises(PromptTooLongError, match="needs 4 KV blocks but the pool has only 3"):
         engine.add_request("b", list(range(3, 40)), SamplingParams(max_tokens=20))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as info:
         engine.add_request("c", [1, 10**6], SamplingParams())
-    with pytest.raises(ValueError, match="empty"):
+    assert (info.value.code, info.value.field) == (ErrorCode.INVALID_REQUEST, "prompt_token_ids")
+    with pytest.raises(ValueError, match="empty"):  # the typed errors are still ValueErrors
         engine.add_request("d", [], SamplingParams())
     engine.add_request("e", [5, 6], SamplingParams())
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(DuplicateRequestIdError, match="already in flight"):
         engine.add_request("e", [5, 6], SamplingParams())
     engine.abort_request("e")
     assert not engine.has_unfinished_requests()
+    # LLM: one refused prompt refuses the batch and leaves none of it queued.
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, 6], [1, 10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
     engine.check_integrity()
+
+
+def test_request_rate_starts_at_the_second_token(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", async_scheduling=False)
+    engine = llm.llm_engine
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # prefill: the first token
+    [first] = engine.get_stats().requests
+    assert first.generated_tokens == 1 and first.tokens_per_s is None
+    engine.step()
+    [second] = engine.get_stats().requests
+    m = engine.scheduler.requests["r"].metrics
+    assert second.generated_tokens == 2 and second.tokens_per_s is not None
+    # One token after the first, over at least the time between the two.
+    assert 0 < second.tokens_per_s <= 1 / (m.last_token_time - m.first_token_time)
+    engine.abort_request("r")
 
 
 def test_output_kinds_and_logprobs(tiny_llama_dir: Path) -> None:

@@ -176,20 +176,3 @@ async def test_demo_load_keeps_requests_going(server: EngineServer,
     with pytest.raises(asyncio.CancelledError):
         await task
     await all_blocks_free(engine)
-
-
-def test_cli_engine_flags_follow_engine_args() -> None:
-    from frontends.cli import build_parser, engine_args_from
-
-    ns = build_parser().parse_args([
-        "serve", "--model", "m", "--device", "cpu", "--max-model-len", "128",
-        "--num-kv-blocks", "7", "--no-enable-prefix-caching", "--enforce-eager",
-        "--preemption-mode", "swap", "--max-num-batched-tokens", "64", "--port", "0",
-    ])
-    args = engine_args_from(ns)
-    assert (args.model, args.device, args.max_model_len, args.num_kv_blocks) == ("m", "cpu", 128, 7)
-    assert not args.enable_prefix_caching and args.enforce_eager
-    assert args.preemption_mode == "swap" and args.max_num_batched_tokens == 64
-    assert ns.host == "127.0.0.1" and ns.port == 0
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--dtype", "float8"])

@@ -14,7 +14,7 @@ from textual.widgets import Digits, Label, Static
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from asyncengine.stats import DeviceStats, EngineStats, LatencySummary, RequestStats
+from asyncengine.stats_schema import DeviceStats, EngineStats, LatencySummary, RequestStats
 from frontends.dashboard import (
     Connected,
     Connecting,
@@ -135,6 +135,16 @@ def test_formatting_units() -> None:
     assert fmt_age(7.25) == "7.2 s"
     assert fmt_age(184) == "3m 04s"
     assert fmt_age(3720) == "1h 02m"
+
+
+def test_request_rate_cell_waits_for_a_second_token() -> None:
+    def cell(state: str, rate: float | None) -> str:
+        row = RequestTable.cells(msgspec.structs.replace(_request("r", state), tokens_per_s=rate))
+        return row[4].plain  # type: ignore[union-attr]
+
+    assert cell("running", None) == "—"  # one token: no rate yet
+    assert cell("running", 42.25) == "42.2"
+    assert cell("swapped", 42.25) == "—"  # not decoding now
 
 
 def test_split_cells_is_proportional_and_keeps_small_segments_visible() -> None:

@@ -7,8 +7,9 @@ import json
 import msgspec
 import pytest
 
+from asyncengine.errors import ErrorCode
 from asyncengine.sampling_params import RequestOutputKind
-from asyncengine.stats import EngineStats, LatencySummary
+from asyncengine.stats_schema import EngineStats, LatencySummary
 from frontends import protocol as p
 
 
@@ -42,28 +43,30 @@ def test_every_client_type_decodes(obj: dict) -> None:
 
 @pytest.mark.parametrize(("obj", "code", "needle", "rid"), [
     ({"type": "generate", "request_id": "a", "prompt": "x", "params": {"max_tokens": "9"}},
-     p.INVALID_REQUEST, "Expected `int`, got `str` - at `$.params.max_tokens`", "a"),
+     ErrorCode.INVALID_REQUEST, "Expected `int`, got `str` - at `$.params.max_tokens`", "a"),
     ({"type": "generate", "request_id": "b", "prompt": "x", "params": {"temperature": -1}},
-     p.INVALID_REQUEST, "at `$.params.temperature`", "b"),
+     ErrorCode.INVALID_REQUEST, "at `$.params.temperature`", "b"),
     ({"type": "generate", "request_id": "c", "prompt": "x", "params": {"top_p": 0}},
-     p.INVALID_REQUEST, "at `$.params.top_p`", "c"),
+     ErrorCode.INVALID_REQUEST, "at `$.params.top_p`", "c"),
     ({"type": "generate", "request_id": "d", "prompt": "x", "params": {"max_tokens": 0}},
-     p.INVALID_REQUEST, ">= 1 - at `$.params.max_tokens`", "d"),
+     ErrorCode.INVALID_REQUEST, ">= 1 - at `$.params.max_tokens`", "d"),
     ({"type": "generate", "request_id": "e", "prompt_token_ids": [1, -2]},
-     p.INVALID_REQUEST, "at `$.prompt_token_ids[1]`", "e"),
-    ({"type": "generate", "request_id": "f"}, p.INVALID_REQUEST, "exactly one of", "f"),
+     ErrorCode.INVALID_REQUEST, "at `$.prompt_token_ids[1]`", "e"),
+    ({"type": "generate", "request_id": "f"}, ErrorCode.INVALID_REQUEST, "exactly one of", "f"),
     ({"type": "generate", "request_id": "g", "prompt": "x", "prompt_token_ids": [1]},
-     p.INVALID_REQUEST, "exactly one of", "g"),
+     ErrorCode.INVALID_REQUEST, "exactly one of", "g"),
     ({"type": "generate", "request_id": "h", "prompt": "x", "bogus": 1},
-     p.INVALID_REQUEST, "unknown field `bogus`", "h"),
+     ErrorCode.INVALID_REQUEST, "unknown field `bogus`", "h"),
     ({"type": "generate", "request_id": "i", "prompt": "x",
-      "params": {"max_tokens": 2, "min_tokens": 3}}, p.INVALID_REQUEST, "min_tokens", "i"),
+      "params": {"max_tokens": 2, "min_tokens": 3}},
+     ErrorCode.INVALID_REQUEST, "min_tokens", "i"),
     ({"type": "generate", "request_id": "", "prompt": "x"},
-     p.INVALID_REQUEST, "at `$.request_id`", ""),
-    ({"type": "fly", "request_id": "j"}, p.UNKNOWN_TYPE, "unknown message type 'fly'", "j"),
-    ({"request_id": "k"}, p.INVALID_REQUEST, "missing required field `type`", "k"),
-    ({"type": "stats.subscribe", "interval": 0}, p.INVALID_REQUEST, "at `$.interval`", None),
-    ([1, 2], p.INVALID_REQUEST, "Expected `object`, got `array`", None),
+     ErrorCode.INVALID_REQUEST, "at `$.request_id`", ""),
+    ({"type": "fly", "request_id": "j"}, ErrorCode.UNKNOWN_TYPE, "unknown message type 'fly'", "j"),
+    ({"request_id": "k"}, ErrorCode.INVALID_REQUEST, "missing required field `type`", "k"),
+    ({"type": "stats.subscribe", "interval": 0},
+     ErrorCode.INVALID_REQUEST, "at `$.interval`", None),
+    ([1, 2], ErrorCode.INVALID_REQUEST, "Expected `object`, got `array`", None),
 ])
 def test_validation_errors_carry_path_and_request_id(
     obj: object, code: str, needle: str, rid: str | None
@@ -78,7 +81,7 @@ def test_validation_errors_carry_path_and_request_id(
 def test_malformed_json_is_an_invalid_request() -> None:
     err = p.decode_client_message(b'{"type": "generate", ')
     assert isinstance(err, p.Error)
-    assert err.code == p.INVALID_REQUEST and err.message.startswith("malformed JSON")
+    assert err.code == ErrorCode.INVALID_REQUEST and err.message.startswith("malformed JSON")
     assert err.request_id is None
 
 
@@ -96,7 +99,7 @@ def test_server_events_round_trip_with_nested_stats() -> None:
         p.Delta(request_id="a", text="hé", token_ids=[1, 2]),
         p.Done(request_id="a", finish_reason="length",
                usage=p.Usage(prompt_tokens=3, completion_tokens=2)),
-        p.Error(code=p.OVERLOADED, message="busy", request_id="a"),
+        p.Error(code=ErrorCode.OVERLOADED, message="busy", request_id="a"),
         p.Stats(stats=stats),
     ]
     for ev in events:

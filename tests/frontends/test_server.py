@@ -149,7 +149,11 @@ async def test_disconnect_mid_stream_frees_blocks(server: EngineServer,
     ('{"type": "generate", "request_id": "o", "prompt": "x", "params": {"top_p": 1.5}}',
      "invalid_request", "at `$.params.top_p`", "o"),
     ('{"type": "generate", "request_id": "v", "prompt_token_ids": [1, 99999999]}',
-     "invalid_request", "vocabulary", "v"),
+     "invalid_request", "outside the vocabulary [0, ", "v"),
+    ('{"type": "generate", "request_id": "v", "prompt_token_ids": [1, 99999999]}',
+     "invalid_request", "- at `$.prompt_token_ids`", "v"),
+    ('{"type": "generate", "request_id": "m", "prompt": "x", "params": {"max_tokens": 300}}',
+     "prompt_too_long", "exceeds max_model_len (256) - at `$.params.max_tokens`", "m"),
 ])
 async def test_bad_messages_get_errors_and_the_connection_goes_on(
     server: EngineServer, frame: str, code: str, needle: str, rid: str | None

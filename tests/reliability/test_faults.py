@@ -21,6 +21,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.detokenizer import IncrementalDetokenizer
+from asyncengine.errors import ErrorCode
 from frontends import protocol as p
 
 from .conftest import (
@@ -73,7 +74,7 @@ async def _expect_split(ws: ClientConnection, failed: list[str], finished: list[
     results = await collect_streams(ws, failed + finished)
     for rid in failed:
         end = results[rid][2]
-        assert end["type"] == "error" and end["code"] == p.ENGINE_ERROR, end
+        assert end["type"] == "error" and end["code"] == ErrorCode.ENGINE_ERROR, end
     for rid in finished:
         ids, text, end = results[rid]
         assert end["type"] == "done", (rid, end)
@@ -165,7 +166,7 @@ async def test_a_failing_detokenizer_fails_only_its_request(
         await _held_batch(engine, ws, msgs)  # one batch: the poison sits among the others
         results = await collect_streams(ws, ["poison", *others])
         ids, _, end = results["poison"]
-        assert end["type"] == "error" and end["code"] == p.ENGINE_ERROR
+        assert end["type"] == "error" and end["code"] == ErrorCode.ENGINE_ERROR
         assert "detokenizer failed" in end["message"] and len(ids) <= 3
         for rid in others:
             assert results[rid][2]["type"] == "done"
@@ -184,7 +185,7 @@ async def test_an_exception_adding_one_request_does_not_kill_the_engine(
         await send(ws, generate_msg("bad", "first", 4))
         await send(ws, generate_msg("good", "second", 4))
         results = await collect_streams(ws, ["bad", "good"])
-        assert results["bad"][2]["code"] == p.ENGINE_ERROR
+        assert results["bad"][2]["code"] == ErrorCode.ENGINE_ERROR
         assert results["good"][2]["type"] == "done" and len(results["good"][0]) == 4
         assert await _healthy(server) and not engine.errored
     await assert_clean(engine)
@@ -214,7 +215,7 @@ async def test_a_server_bug_on_one_message_costs_that_message_only(
             elif ev["type"] == "done":
                 done.add(ev["request_id"])
         assert done == {"ok1", "ok2"}
-        assert errors == [{"type": "error", "code": p.INTERNAL_ERROR,
+        assert errors == [{"type": "error", "code": ErrorCode.INTERNAL_ERROR,
                            "message": "internal server error", "request_id": None}]
         # the failed message reserved nothing: its id is free
         monkeypatch.setattr(server, "_tokenize", original)
@@ -237,11 +238,11 @@ async def test_repeated_step_failures_mark_the_engine_dead_and_health_says_so(
             assert await _healthy(server), f"unhealthy after {i} failed steps"
             await send(ws, generate_msg(f"x{i}", "doomed", 4))
             end = (await collect_streams(ws, [f"x{i}"]))[f"x{i}"][2]
-            assert end["type"] == "error" and end["code"] == p.ENGINE_ERROR
+            assert end["type"] == "error" and end["code"] == ErrorCode.ENGINE_ERROR
         status, body = await http_get(server, "/healthz")
         assert engine.errored and status == 503 and "dead" in body
         assert not engine.stats().healthy
         assert (await http_get(server, "/metrics"))[0] == 200  # still observable
         await send(ws, generate_msg("late", "too late", 4))
         end = (await collect_streams(ws, ["late"]))["late"][2]
-        assert end["type"] == "error" and end["code"] == p.ENGINE_ERROR
+        assert end["type"] == "error" and end["code"] == ErrorCode.ENGINE_ERROR

@@ -33,6 +33,7 @@ from websockets.exceptions import ConnectionClosed
 
 from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
+from asyncengine.errors import ErrorCode
 from frontends import protocol as p
 from frontends.server import EngineServer
 
@@ -291,7 +292,7 @@ def _expectation(frame: Frame) -> Any:
     to send, or the decoded message (whose answer depends on the connection's state)."""
     binary, payload = frame
     if binary:
-        return p.Error(code=p.INVALID_REQUEST, message="binary")
+        return p.Error(code=ErrorCode.INVALID_REQUEST, message="binary")
     return p.decode_client_message(payload)
 
 
@@ -361,7 +362,7 @@ async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
                 continue
             history.append(f"  window {k}: {ev}")
             if ev["type"] == "error" and ev.get("request_id") == marker:
-                assert ev["code"] == p.NOT_FOUND, ev
+                assert ev["code"] == ErrorCode.NOT_FOUND, ev
                 break
             before = {r for r, s in streams.items() if s.end is None}
             if route(ev, rid):
@@ -374,7 +375,8 @@ async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
             errors.append(ev)
         tally.messages += 1
         for e in errors:
-            assert e["code"] != p.INTERNAL_ERROR, f"{tag}: server bug on {frame!r:.300}: {e}"
+            assert e["code"] != ErrorCode.INTERNAL_ERROR, (
+                f"{tag}: server bug on {frame!r:.300}: {e}")
             tally.errors += 1
             tally.codes[e["code"]] = tally.codes.get(e["code"], 0) + 1
         where = f"{tag} message {k} {frame!r:.300}: answers {errors}"
@@ -394,7 +396,7 @@ async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
             cancelled = rid in ended_here and streams[rid].end is not None \
                 and streams[rid].end.get("finish_reason") == "abort"
             assert (not errors and cancelled) or (
-                len(errors) == 1 and errors[0]["code"] == p.NOT_FOUND
+                len(errors) == 1 and errors[0]["code"] == ErrorCode.NOT_FOUND
                 and errors[0]["request_id"] == rid), where
         else:  # stats.subscribe / stats.unsubscribe: no error, nothing else owed
             assert not errors, where
@@ -407,7 +409,9 @@ async def _check_answers(ws: ClientConnection, frames: list[Frame], tag: str,
     async with asyncio.timeout(60 * UNIT):
         while any(s.end is None for s in streams.values()):
             ev = await recv(ws)
-            if ev["type"] == "stats" or (ev["type"] == "error" and ev["code"] == p.NOT_FOUND):
+            if ev["type"] == "stats" or (
+                ev["type"] == "error" and ev["code"] == ErrorCode.NOT_FOUND
+            ):
                 continue  # a cancel that crossed the stream's own end
             assert route(ev, None), ev
     assert all(s.end is not None for s in accepted)

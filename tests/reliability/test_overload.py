@@ -13,7 +13,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 
 from asyncengine.async_engine import AsyncLLMEngine
-from frontends import protocol as p
+from asyncengine.errors import ErrorCode
 from frontends.client import AsyncClient, OverloadedError
 
 from .conftest import (
@@ -62,7 +62,7 @@ async def test_a_stalled_engine_sheds_load_at_once_and_serves_what_it_accepted(
                 except TimeoutError:
                     continue
                 ev = json.loads(ev)
-                assert ev["type"] == "error" and ev["code"] == p.OVERLOADED, ev
+                assert ev["type"] == "error" and ev["code"] == ErrorCode.OVERLOADED, ev
                 latencies.append(time.monotonic() - sent_at[ev["request_id"]])
                 sent_at.pop(ev["request_id"])
         accepted = sorted(sent_at)
@@ -85,7 +85,7 @@ async def test_a_stalled_engine_sheds_load_at_once_and_serves_what_it_accepted(
                 assert ids[r] == expected[int(r[1:])][0]
             await ws.close()
         assert await metric(server, "asyncengine_requests_rejected_total",
-                             code=p.OVERLOADED) == len(prompts) - limit
+                             code=ErrorCode.OVERLOADED) == len(prompts) - limit
     await assert_clean(engine)
     assert max(latencies) < 2.0 * UNIT, max(latencies)
     figures.update(offered=len(prompts), accepted=limit, rejected=len(latencies),
@@ -104,7 +104,7 @@ async def test_the_prompt_token_budget_of_the_queue_is_enforced(
             await send(ws, generate_msg(f"t{i}", [5] * 40, 2))
         errors = [await recv(ws), await recv(ws)]
         assert {e["request_id"] for e in errors} == {"t2", "t3"}
-        assert all(e["code"] == p.OVERLOADED for e in errors)
+        assert all(e["code"] == ErrorCode.OVERLOADED for e in errors)
         gate.set()
         await blocker
         finished = set()

@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 import frontends.server as server_module
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.detokenizer import IncrementalDetokenizer
+from asyncengine.errors import ErrorCode
 from frontends import protocol as p
 from frontends.cli import build_parser
 from frontends.server import ServerConfig
@@ -201,7 +202,7 @@ async def test_requests_in_flight_per_connection_are_capped(engine: AsyncLLMEngi
             if ev["type"] == "error":
                 refused.append(ev)
         assert [e["request_id"] for e in refused] == ["r3", "r4"]
-        assert all(e["code"] == p.OVERLOADED for e in refused)
+        assert all(e["code"] == ErrorCode.OVERLOADED for e in refused)
         for i in range(3):
             await send(ws, {"type": "cancel", "request_id": f"r{i}"})
         ended = set()

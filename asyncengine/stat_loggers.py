@@ -1,21 +1,22 @@
-"""Serving metrics: per-request latency recording, Prometheus export and device readings.
+"""Stat loggers: what receives the serving metrics `AsyncLLMEngine` measures.
 
-`AsyncLLMEngine` calls the `StatLoggerBase` hooks from the event loop as outputs arrive;
+`AsyncLLMEngine` measures TTFT and inter-token latency once, on the event loop as outputs
+arrive, and hands each figure to every `StatLoggerBase`: `LatencyStatLogger` keeps recent
+samples for the percentiles in `EngineStats.ttft`/`.itl` (the dashboard's figures), and
 `PrometheusStatLogger` turns them (and the engine's `EngineStats` snapshots) into Prometheus
 series in a registry of its own, so several servers in one process never collide.
-`LatencyWindow` keeps recent samples for the percentiles in `EngineStats.ttft`/`.itl`.
 Nothing here touches the model.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from asyncengine.stats import EngineStats, LatencySummary
+from asyncengine.stats_collect import LatencyWindow
+from asyncengine.stats_schema import EngineStats
 
 # `_created` series double the output for no benefit to dashboards.
 prometheus_client.disable_created_metrics()
@@ -26,27 +27,6 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                     20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
-
-
-class LatencyWindow:
-    """The most recent `maxlen` latency samples, summarised as percentiles on demand."""
-
-    def __init__(self, maxlen: int = 4096) -> None:
-        self._samples: collections.deque[float] = collections.deque(maxlen=maxlen)
-
-    def add(self, value: float) -> None:
-        self._samples.append(value)
-
-    def summary(self) -> LatencySummary:
-        if not self._samples:
-            return LatencySummary()
-        ordered = sorted(self._samples)
-        last = len(ordered) - 1
-
-        def pct(q: float) -> float:
-            return ordered[min(last, round(q * last))]
-
-        return LatencySummary(p50=pct(0.5), p90=pct(0.9), p99=pct(0.99), count=len(ordered))
 
 
 class StatLoggerBase:
@@ -74,6 +54,21 @@ class StatLoggerBase:
 
     def on_stats(self, stats: EngineStats) -> None:
         """A fresh engine snapshot (gauges and monotonically growing engine counters)."""
+
+
+class LatencyStatLogger(StatLoggerBase):
+    """Recent TTFT and inter-token latencies, summarised for `EngineStats.ttft`/`.itl`."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self.ttft = LatencyWindow(maxlen)
+        self.itl = LatencyWindow(maxlen)
+
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.add(ttft)
+
+    def on_new_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
+        if inter_token_latency is not None:
+            self.itl.add(inter_token_latency)
 
 
 class PrometheusStatLogger(StatLoggerBase):

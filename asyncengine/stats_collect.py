@@ -1,12 +1,16 @@
-"""Counters and rolling windows the engine keeps to fill `EngineStats` snapshots."""
+"""What fills `EngineStats` snapshots: rolling windows, rate meters and device readings.
+
+`percentiles` is the one percentile rule every summary (engine, dashboard demo) uses.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from asyncengine.block_pool import BlockPool
-from asyncengine.stats import (
+from asyncengine.stats_schema import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_SHARED,
@@ -18,15 +22,39 @@ from asyncengine.stats import (
 _MAP_CELLS = 4096
 
 
-def percentiles(values: deque[float] | list[float]) -> LatencySummary:
-    if not values:
-        return LatencySummary()
+def percentiles(values: Iterable[float]) -> LatencySummary:
+    """p50/p90/p99 of `values`: the sample at index floor(q * n) of the sorted n (the last
+    one for q * n >= n)."""
     ordered = sorted(values)
+    if not ordered:
+        return LatencySummary()
+    last = len(ordered) - 1
 
     def pick(q: float) -> float:
-        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+        return ordered[min(int(q * len(ordered)), last)]
 
     return LatencySummary(p50=pick(0.5), p90=pick(0.9), p99=pick(0.99), count=len(ordered))
+
+
+class LatencyWindow:
+    """The most recent `maxlen` latency samples, summarised as percentiles on demand."""
+
+    def __init__(self, maxlen: int = 4096) -> None:
+        self._samples: deque[float] = deque(maxlen=maxlen)
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+
+    def summary(self) -> LatencySummary:
+        return percentiles(self._samples)
+
+
+def decode_rate(generated_tokens: int, first_token_time: float | None, now: float) -> float | None:
+    """A request's tokens per second since its first token: the tokens after the first over
+    the time since it came. None until there are two tokens (one token alone has no rate)."""
+    if generated_tokens < 2 or first_token_time is None or now <= first_token_time:
+        return None
+    return (generated_tokens - 1) / (now - first_token_time)
 
 
 class RateMeter:

@@ -39,12 +39,15 @@ class RequestStats(msgspec.Struct, kw_only=True):
     state: RequestState
     prompt_tokens: int
     generated_tokens: int
-    tokens_per_s: float
+    # Generated tokens after the first over the time since the first came (a decode rate);
+    # None until the request has two tokens.
+    tokens_per_s: float | None = None
     age_s: float
 
 
 class LatencySummary(msgspec.Struct, kw_only=True):
-    """Percentiles (seconds) over a recent window of finished requests or tokens."""
+    """Percentiles (seconds) over a recent window of requests' first tokens or of tokens;
+    `AsyncLLMEngine` fills them (an `LLMEngine` snapshot leaves them empty)."""
 
     p50: float = 0.0
     p90: float = 0.0
