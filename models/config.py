@@ -19,6 +19,12 @@ _DTYPE_NAMES = {
 }
 
 
+# The fields no default can stand in for: without them the model has no shape.
+_REQUIRED_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+)
+
+
 @dataclass
 class ModelConfig:
     """A normalized view of an HF config (transformers 4.x and 5.x spellings both accepted)."""
@@ -52,6 +58,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no 'architectures'; cannot pick a model class")
+        missing = [key for key in _REQUIRED_KEYS if cfg.get(key) is None]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(map(repr, missing))}")
         model_type = cfg.get("model_type", "")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

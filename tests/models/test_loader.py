@@ -32,6 +32,15 @@ def test_directory_without_config(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
+def test_config_without_a_shape_field_names_it(tmp_path: Path) -> None:
+    model_dir = build_tiny_model_dir(tmp_path / "m", "llama3")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["num_attention_heads"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json lacks 'num_attention_heads'"):
+        ModelConfig.from_dir(model_dir)
+
+
 def test_missing_tensor(tmp_path: Path) -> None:
     d = build_tiny_model_dir(tmp_path, "llama2", with_tokenizer=False)
     weights = load_file(str(d / "model.safetensors"))
