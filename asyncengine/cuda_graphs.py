@@ -3,10 +3,10 @@ static input buffers. Prefill and mixed steps run eagerly.
 
 A decode step of B requests is padded up to the nearest captured size; padding rows write
 to slot -1 (skipped) and have a context length of 0 (attention returns zeros for them).
-Grids inside the graph depend only on the padded size and, for sizes small enough for
-split-KV attention, on whether the longest context is short (fewer segments pay there):
-such sizes get one graph per split count, and one capture serves every step of that size
-and class whatever the context lengths.
+Grids inside the graph depend only on the padded size and on the step's `DecodePlan`
+(split-KV segments, rotary fused or not), which the model runner decides for the padded
+size: each size gets one graph per plan it can have (`decode_plans`), and one capture serves
+every step of that size and plan whatever the context lengths.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kernels.paged_attention import SHORT_CONTEXT_KEYS, decode_split_segments
+from kernels.paged_attention import DecodePlan, decode_plans
 from models.forward_context import AttentionMetadata, set_forward_context
 
 if TYPE_CHECKING:
@@ -36,10 +36,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: nn.Module, device: torch.device, max_num_seqs: int, max_blocks: int
+        self,
+        model: nn.Module,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks: int,
+        *,
+        fuse_rotary: bool = True,
     ) -> None:
         self.model = model
         self.device = device
+        self.fuse_rotary = fuse_rotary  # as the runner plans (`decode_plan`'s argument)
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.max_blocks = max_blocks
@@ -50,22 +57,23 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.num_kv_heads: int = model.attention_layers()[0].num_kv_heads  # type: ignore[operator]
-        # Keyed by (padded size, split-KV segments of its attention).
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # Keyed by (padded size, the decode plan its attention was captured with).
+        self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, DecodePlan], torch.Tensor] = {}
 
-    def key(self, b: int, max_seq_len: int | None) -> tuple[int, int]:
-        """The graph for a step of padded size b whose longest context is max_seq_len."""
-        return b, decode_split_segments(b, self.num_kv_heads, self.device, max_seq_len)
+    def graph_size(self, num_seqs: int, table_width: int) -> int | None:
+        """The padded size a decode step of `num_seqs` sequences replays at, or None when no
+        graph fits it (it runs eagerly)."""
+        if num_seqs > self.sizes[-1] or table_width > self.max_blocks:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
-    def variants(self, b: int) -> dict[tuple[int, int], int | None]:
-        """The graphs size b needs, each with a context-length hint that selects it."""
-        found: dict[tuple[int, int], int | None] = {}
-        for hint in (None, SHORT_CONTEXT_KEYS):
-            found.setdefault(self.key(b, hint), hint)
-        return found
+    def variants(self, b: int) -> list[tuple[int, DecodePlan]]:
+        """The graphs size b needs: one per plan a step of that size can have."""
+        plans = decode_plans(b, self.num_kv_heads, self.device, fuse_rotary=self.fuse_rotary)
+        return [(b, plan) for plan in plans]
 
-    def _meta(self, b: int, max_seq_len: int | None) -> AttentionMetadata:
+    def _meta(self, b: int, plan: DecodePlan) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
             query_start_loc=self.query_start_loc[: b + 1],
@@ -73,7 +81,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:b],
             max_query_len=1,
             decode_only=True,
-            max_seq_len=max_seq_len,
+            decode_plan=plan,
         )
 
     @torch.inference_mode()
@@ -81,10 +89,9 @@ class DecodeGraphs:
         t0 = time.monotonic()
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
-        todo = [(key, hint) for b in sorted(self.sizes, reverse=True)
-                for key, hint in self.variants(b).items()]  # fmt: skip
-        for (b, segments), hint in tqdm(todo, desc="Capturing CUDA graphs", unit="graph"):
-            with set_forward_context(self._meta(b, hint)):
+        todo = [key for b in sorted(self.sizes, reverse=True) for key in self.variants(b)]
+        for b, plan in tqdm(todo, desc="Capturing CUDA graphs", unit="graph"):
+            with set_forward_context(self._meta(b, plan)):
                 # Warm-up compiles every kernel variant before capture.
                 self.model(self.input_ids[:b], self.positions[:b])
                 torch.cuda.synchronize(self.device)
@@ -92,7 +99,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model(self.input_ids[:b], self.positions[:b])
             pool = graph.pool() if pool is None else pool
-            self.graphs[b, segments], self.outputs[b, segments] = graph, out
+            self.graphs[b, plan], self.outputs[b, plan] = graph, out
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
@@ -100,26 +107,24 @@ class DecodeGraphs:
 
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
-        b = meta.seq_lens.shape[0]
-        return (
-            meta.decode_only
-            and b <= self.sizes[-1]
-            and meta.block_tables.shape[1] <= self.max_blocks
-        )
+        b, width = meta.block_tables.shape
+        return meta.decode_only and self.graph_size(b, width) is not None
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the graph of the step's padded size and plan (the runner planned the step
+        for that size: `graph_size`)."""
         meta = inputs.meta
-        b = meta.seq_lens.shape[0]
-        padded = self.sizes[bisect.bisect_left(self.sizes, b)]
+        b, width = meta.block_tables.shape
+        padded = self.graph_size(b, width)
+        assert padded is not None and meta.decode_plan is not None
         self.input_ids[:b].copy_(inputs.input_ids)
         self.positions[:b].copy_(inputs.positions)
         self.slot_mapping[:b].copy_(meta.slot_mapping)
         self.seq_lens[:b].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(meta.block_tables)
         if padded > b:
             self.slot_mapping[b:padded].fill_(-1)
             self.seq_lens[b:padded].fill_(0)
-        key = self.key(padded, meta.max_seq_len)
+        key = (padded, meta.decode_plan)
         self.graphs[key].replay()
         return self.outputs[key][:b]

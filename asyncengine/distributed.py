@@ -145,12 +145,6 @@ def broadcast_host_ints(groups: ProcessGroups, values: list[int] | int) -> list[
     return data.tolist()
 
 
-def min_over_ranks(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 # ----------------------------------------------------------------- worker side
 WorkerEntry = Callable[[ProcessGroups, Any, Callable[[], None]], None]
 

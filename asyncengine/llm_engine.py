@@ -149,7 +149,7 @@ class LLMEngine:
         wanted = args.async_scheduling
         if wanted is None:
             wanted = self.device.type == "cuda"
-        self.async_scheduling = wanted and self.runner.supports_async_scheduling
+        self.async_scheduling = wanted
         self._inflight: InflightStep | None = None
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "

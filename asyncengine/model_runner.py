@@ -2,8 +2,10 @@
 model and the sampler. It owns the KV cache tensors (GPU pool and CPU swap pool).
 
 The flattened step is `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (-1 = padding),
-`query_start_loc[B+1]`, `seq_lens[B]` and `block_tables[B, max_blocks]`; logits are computed
-only for requests whose chunk reaches their last known token.
+`query_start_loc[B+1]`, `seq_lens[B]` and `block_tables[B, max_blocks]`, packed into one
+buffer by `asyncengine.step_buffer`; logits are computed only for requests whose chunk
+reaches their last known token. A decode-only step's `DecodePlan` (split-KV count, rotary
+fused or not) is decided here, once, and carried in the attention metadata.
 
 `launch()` enqueues a step and returns at once with an `InflightStep`; its sampled ids reach
 the host when `result()` is called. With asynchronous scheduling the engine launches step
@@ -25,6 +27,8 @@ from torch import nn
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
+from asyncengine.step_buffer import StepHeader, pack, unpack
+from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.linear_tuning import describe_decode_gemvs, tune_cpu_linears, tune_decode_gemvs
@@ -39,6 +43,37 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
+    header: StepHeader
+    buffer: torch.Tensor  # the packed step on the device; the tensors above are views of it
+
+
+def step_inputs(
+    header: StepHeader,
+    buffer: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    sampling_requests: list[Request],
+) -> StepInputs:
+    """The step from its packed device buffer and the buffer's fields (`step_buffer.unpack`)."""
+    b, w = header.num_seqs, header.table_width
+    meta = AttentionMetadata(
+        slot_mapping=parts["slot_mapping"],
+        query_start_loc=parts["query_start_loc"],
+        seq_lens=parts["seq_lens"],
+        block_tables=parts["block_tables"].view(b, w),
+        max_query_len=header.max_query_len,
+        decode_only=header.decode_plan is not None,
+        max_seq_len=header.max_seq_len,
+        decode_plan=header.decode_plan,
+    )
+    return StepInputs(
+        input_ids=parts["input_ids"],
+        positions=parts["positions"],
+        meta=meta,
+        logits_indices=parts["logits_indices"],
+        sampling_requests=sampling_requests,
+        header=header,
+        buffer=buffer,
+    )
 
 
 @dataclass
@@ -159,8 +194,9 @@ def copy_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> Non
 
 
 class ModelRunner:
-    # Whether `launch` may take a previous step whose sampled ids are still on the device.
-    supports_async_scheduling = True
+    # The decode plan fuses rotary into attention wherever decode splits KV; False keeps the
+    # separate rotary kernel everywhere (the GPU tests compare the two paths).
+    fuse_decode_rotary = True
 
     def __init__(
         self,
@@ -275,7 +311,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             from asyncengine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq)
+            self.graphs = DecodeGraphs(
+                self.model, self.device, max_num_seqs, max_blocks_per_seq,
+                fuse_rotary=self.fuse_decode_rotary,
+            )  # fmt: skip
             self.graphs.capture()
 
     # --------------------------------------------------------------- a step
@@ -326,49 +365,49 @@ class ModelRunner:
         owner = np.repeat(np.arange(b), lens)
         positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
         slots = tables[owner, positions // bs] * bs + positions % bs
-        nf = len(fill_dst)
-        parts = self._to_device_parts(
-            [input_ids, positions, slots, qsl, seq_lens, np.asarray(logits_idx, np.int64),
-             np.asarray(fill_dst + fill_src, np.int64), tables.reshape(-1)]
-        )
-        input_ids_dev = parts[0]
-        if nf:
-            assert prev is not None and prev.token_ids is not None
-            fill = parts[6]
-            input_ids_dev[fill[:nf]] = prev.token_ids[fill[nf:]]
-        max_q = int(lens.max())
-        meta = AttentionMetadata(
-            slot_mapping=parts[2],
-            query_start_loc=parts[3].to(torch.int32),
-            seq_lens=parts[4].to(torch.int32),
-            block_tables=parts[7].view(b, w).to(torch.int32),
+        max_q, max_len = int(lens.max()), int(seq_lens.max())
+        plan = self.decode_plan(b, w, max_len) if max_q == 1 else None
+        header = StepHeader(
+            num_tokens=t,
+            num_seqs=b,
+            table_width=w,
+            num_logits=len(logits_idx),
+            num_fills=len(fill_dst),
             max_query_len=max_q,
-            decode_only=max_q == 1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_len,
+            decode_segments=0 if plan is None else plan.segments,
+            fuse_rotary=plan is not None and plan.fuse_rotary,
+            num_swap_out=len(sched.blocks_to_swap_out),
+            num_swap_in=len(sched.blocks_to_swap_in),
+            num_copy=len(sched.blocks_to_copy),
         )
-        return StepInputs(
-            input_ids=input_ids_dev,
-            positions=parts[1],
-            meta=meta,
-            logits_indices=parts[5],
-            sampling_requests=sampling,
-        )
+        arrays = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "query_start_loc": qsl,
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+            "logits_indices": np.asarray(logits_idx, np.int64),
+            "fills": np.asarray(fill_dst + fill_src, np.int64),
+        }
+        buffer = self._to_device(pack(header, arrays))
+        parts = unpack(header, buffer)
+        if fill_dst:
+            assert prev is not None and prev.token_ids is not None
+            fills, nf = parts["fills"], len(fill_dst)
+            parts["input_ids"][fills[:nf]] = prev.token_ids[fills[nf:]]
+        return step_inputs(header, buffer, parts, sampling)
 
-    def _to_device_parts(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """The int64 arrays on the device, through one copy of their concatenation.
-
-        Each part starts on a 16-byte boundary: Triton specializes kernels on pointer
-        alignment, so an odd-length part would give the kernels reading the next one (the
-        positions, say) a second compiled variant, compiled mid-serving.
-        """
-        padded = [len(a) + (len(a) & 1) for a in arrays]
-        flat = np.zeros(sum(padded), dtype=np.int64)
-        at = 0
-        for a, size in zip(arrays, padded, strict=True):
-            flat[at : at + len(a)] = a
-            at += size
-        dev = self._to_device(flat)
-        return [chunk[: len(a)] for a, chunk in zip(arrays, dev.split(padded), strict=True)]
+    def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int) -> DecodePlan:
+        """The plan of a decode-only step, for the batch its kernels will see: a step that
+        replays a CUDA graph runs at the graph's padded size."""
+        if self.graphs is not None:
+            num_seqs = self.graphs.graph_size(num_seqs, table_width) or num_seqs
+        return decode_plan(
+            num_seqs, self.num_kv_heads, self.device, max_seq_len,
+            fuse_rotary=self.fuse_decode_rotary,
+        )  # fmt: skip
 
     def _to_device(self, flat: np.ndarray) -> torch.Tensor:
         """One host-to-device copy through a reused pinned buffer (no pinning per step).
@@ -386,7 +425,7 @@ class ModelRunner:
             done.synchronize()
         buf = self._staging[turn]
         if buf is None or buf.numel() < host.numel():
-            buf = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+            buf = torch.empty(max(host.numel(), 1 << 19), dtype=torch.uint8, pin_memory=True)
             self._staging[turn] = buf
         staged = buf[: host.numel()]
         staged.copy_(host)
@@ -419,6 +458,10 @@ class ModelRunner:
         """Enqueue the step on the device; nothing here waits for the device."""
         self.apply_block_moves(sched)
         inputs = self.prepare_inputs(sched, prev)
+        return self.launch_prepared(inputs, sched)
+
+    def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput) -> InflightStep:
+        """Enqueue the model and the sampler on prepared inputs (block moves applied)."""
         self.last_step_decode_only = inputs.meta.decode_only
         reqs = inputs.sampling_requests
         scheduled = [s.request for s in sched.scheduled]
@@ -443,7 +486,3 @@ class ModelRunner:
         if out.logprob_token_ids is not None and out.logprobs is not None:
             logprobs = (out.logprob_token_ids, out.logprobs)
         return InflightStep(reqs, out.sampled_token_ids, logprobs, scheduled)
-
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Launch and wait: one synchronous step."""
-        return self.launch(sched).result()

@@ -1,21 +1,22 @@
 """Tensor-parallel model runner: rank 0 schedules and broadcasts each step, ranks 1..N-1
 mirror the forward pass on their shard of the weights and of the KV cache.
 
-Rank 0 runs `TensorParallelModelRunner` (a `ModelRunner`): every call that runs the model
-or touches the KV cache is first announced to the workers with one fixed-size header on the
-control group. A step then sends one flat int64 tensor on the default group (NCCL on the
-GPU, so it never leaves the device) holding the flattened batch; the rare block moves (swap
-and copy-on-write) follow the header as a small host vector. Nothing is pickled per step.
+Rank 0 runs `TensorParallelModelRunner` (a `ModelRunner`); every message to the workers
+starts with one fixed-size int64 header on the control group:
 
-    header = [STEP, T, B, L, W, max_query_len, decode_only, #swap_out, #swap_in, #copy,
-              max_seq_len]
-    flat   = input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
-             logits_indices[L] block_tables[B*W]
+- STEP: the header carries the step's `StepHeader` (sizes, host hints, the decode plan, the
+  counts of the rare block moves, which follow as a small host vector); then rank 0
+  broadcasts the step's packed device buffer, the very buffer its own inputs are views of,
+  on the default group (NCCL on the GPU, so it never leaves the device). The workers unpack
+  it with the same field list (`asyncengine.step_buffer`). Nothing is pickled per step.
+- CALL: a set-up call (`profile_num_blocks`, `allocate_kv_cache`, `prepare_for_serving`),
+  pickled as (method name, args, kwargs); every rank runs that `ModelRunner` method and rank
+  0 gathers the results.
 
 Each worker runs the same `ModelRunner.run_model` (so CUDA graphs, captured for the same
-sizes on every rank, replay in lockstep) and the LM head's gather when rows need logits;
-only rank 0 turns logits into tokens. The KV pool has the same number of blocks on every
-rank: the minimum of what fits on each (an all-reduce MIN over the profiled counts).
+sizes and plans on every rank, replay in lockstep) and the LM head's gather when rows need
+logits; only rank 0 turns logits into tokens. The KV pool has the same number of blocks on
+every rank: the minimum of what fits on each.
 """
 
 from __future__ import annotations
@@ -40,19 +41,17 @@ from asyncengine.distributed import (
     WorkerGroup,
     broadcast_header,
     broadcast_host_ints,
-    min_over_ranks,
     receive_header,
 )
-from asyncengine.model_runner import InflightStep, ModelRunner, StepInputs
+from asyncengine.model_runner import InflightStep, ModelRunner, StepInputs, step_inputs
 from asyncengine.scheduler import SchedulerOutput
+from asyncengine.step_buffer import StepHeader, layout, unpack
 from models.config import ModelConfig
-from models.forward_context import AttentionMetadata
 from models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOCATE, CMD_PREPARE = 1, 2, 3, 4
-_MILLI = 1_000_000  # fixed-point scale for the float arguments of PROFILE
+CMD_STEP, CMD_CALL = 1, 2
 
 
 @dataclass(frozen=True)
@@ -134,55 +133,57 @@ class TensorParallelModelRunner(ModelRunner):
                 raise TensorParallelWorkerError(died) from e
             raise
 
-    def _command(self, *values: int) -> None:
-        broadcast_header(self.workers.groups, values)
+    def _call_all(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run `ModelRunner` method `name` on every rank, rank 0 included; the results in
+        rank order."""
+        groups = self.workers.groups
+        broadcast_header(groups, [CMD_CALL])
+        dist.broadcast_object_list([(name, args, kwargs)], src=0, group=groups.control)
+        local = getattr(ModelRunner, name)(self, *args, **kwargs)
+        results: list[Any] = [None] * groups.world_size
+        dist.gather_object(local, results, dst=0, group=groups.control)
+        return results
 
     # ------------------------------------------------------------ KV memory
     def profile_num_blocks(
         self, gpu_memory_utilization: float, max_num_batched_tokens: int, cpu_cache_gib: float
     ) -> int:
         with self._guard("profiling"):
-            self._command(
-                CMD_PROFILE,
+            counts = self._call_all(
+                "profile_num_blocks",
+                gpu_memory_utilization,
                 max_num_batched_tokens,
-                round(gpu_memory_utilization * _MILLI),
-                round(cpu_cache_gib * _MILLI),
+                cpu_cache_gib,
             )
-            local = super().profile_num_blocks(
-                gpu_memory_utilization, max_num_batched_tokens, cpu_cache_gib
-            )
-            return min_over_ranks(local, self.device)
+            return min(counts)
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         with self._guard("KV cache allocation"):
-            self._command(CMD_ALLOCATE, num_blocks, num_cpu_blocks)
-            super().allocate_kv_cache(num_blocks, num_cpu_blocks)
+            self._call_all("allocate_kv_cache", num_blocks, num_cpu_blocks)
 
     def prepare_for_serving(
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:
         with self._guard("CUDA graph capture"):
-            self._command(CMD_PREPARE, int(enforce_eager), max_num_seqs, max_blocks_per_seq)
-            super().prepare_for_serving(
+            self._call_all(
+                "prepare_for_serving",
                 enforce_eager=enforce_eager,
                 max_num_seqs=max_num_seqs,
                 max_blocks_per_seq=max_blocks_per_seq,
             )
 
     # --------------------------------------------------------------- a step
-    def prepare_inputs(
-        self, sched: SchedulerOutput, prev: InflightStep | None = None
-    ) -> StepInputs:
-        """Rank 0's inputs, broadcast. With a step in flight (asynchronous scheduling) its
-        sampled ids are filled into `input_ids` on rank 0's device before the broadcast,
-        which the device orders after that step's sampling: the workers never need them."""
-        inputs = super().prepare_inputs(sched, prev)
-        send_step(self.workers.groups, inputs, sched)
-        return inputs
-
+    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
+        """Rank 0's step: its inputs are prepared, broadcast, then run. With a step in
+        flight (asynchronous scheduling) its sampled ids are filled into `input_ids` on rank
+        0's device before the broadcast, which the device orders after that step's
+        sampling: the workers never need them."""
         with self._guard("step"):
-            step = super().launch(sched, prev)
+            self.apply_block_moves(sched)
+            inputs = self.prepare_inputs(sched, prev)
+            send_step(self.workers.groups, inputs, sched)
+            step = self.launch_prepared(inputs, sched)
         # The wait for the step's ids can fail too (a collective of a dead peer).
         step.guard = functools.partial(self._guard, "step")
         return step
@@ -190,69 +191,30 @@ class TensorParallelModelRunner(ModelRunner):
 
 # ------------------------------------------------------------------ wire format
 def send_step(groups: ProcessGroups, inputs: StepInputs, sched: SchedulerOutput) -> None:
-    meta = inputs.meta
-    b, w = meta.block_tables.shape
-    moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
-    max_q = -1 if meta.max_query_len is None else meta.max_query_len
-    header = [
-        CMD_STEP,
-        inputs.input_ids.numel(),
-        b,
-        inputs.logits_indices.numel(),
-        w,
-        max_q,
-        int(meta.decode_only),
-        *(len(m) for m in moves),
-        -1 if meta.max_seq_len is None else meta.max_seq_len,
-    ]
-    broadcast_header(groups, header)
-    if any(moves):
+    """Rank 0: the step's header, its block moves and its packed device buffer."""
+    header = inputs.header
+    broadcast_header(groups, [CMD_STEP, *header.to_ints()])
+    if header.num_moves:
+        moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         broadcast_host_ints(groups, [x for m in moves for pair in m for x in pair])
-    i64 = torch.int64
-    flat = torch.cat(
-        [
-            inputs.input_ids.to(i64),
-            inputs.positions.to(i64),
-            meta.slot_mapping.to(i64),
-            meta.query_start_loc.to(i64),
-            meta.seq_lens.to(i64),
-            inputs.logits_indices.to(i64),
-            meta.block_tables.reshape(-1).to(i64),
-        ]
-    )
-    dist.broadcast(flat, src=0)
+    dist.broadcast(inputs.buffer, src=0)
 
 
-def receive_step(groups: ProcessGroups, header: list[int]) -> tuple[StepInputs, SchedulerOutput]:
-    t, b, n_logits, w, max_q, decode_only, n_out, n_in, n_copy, max_len = header[1:11]
+def receive_step(groups: ProcessGroups, values: list[int]) -> tuple[StepInputs, SchedulerOutput]:
+    """A worker: the step announced by header `values` (command first), and its moves."""
+    header = StepHeader.from_ints(values[1:])
     moves = SchedulerOutput()
-    if n_out or n_in or n_copy:
-        ints = broadcast_host_ints(groups, 2 * (n_out + n_in + n_copy))
+    if header.num_moves:
+        ints = broadcast_host_ints(groups, 2 * header.num_moves)
         pairs = [(ints[i], ints[i + 1]) for i in range(0, len(ints), 2)]
+        n_out, n_in = header.num_swap_out, header.num_swap_in
         moves.blocks_to_swap_out = pairs[:n_out]
         moves.blocks_to_swap_in = pairs[n_out : n_out + n_in]
         moves.blocks_to_copy = pairs[n_out + n_in :]
-    sizes = [t, t, t, b + 1, b, n_logits, b * w]
-    flat = torch.empty(sum(sizes), dtype=torch.int64, device=groups.device)
-    dist.broadcast(flat, src=0)
-    parts = flat.split(sizes)
-    meta = AttentionMetadata(
-        slot_mapping=parts[2],
-        query_start_loc=parts[3].to(torch.int32),
-        seq_lens=parts[4].to(torch.int32),
-        block_tables=parts[6].view(b, w).to(torch.int32),
-        max_query_len=None if max_q < 0 else max_q,
-        decode_only=bool(decode_only),
-        max_seq_len=None if max_len < 0 else max_len,
-    )
-    inputs = StepInputs(
-        input_ids=parts[0],
-        positions=parts[1],
-        meta=meta,
-        logits_indices=parts[5],
-        sampling_requests=[],
-    )
-    return inputs, moves
+    _, size = layout(header)
+    buffer = torch.empty(size, dtype=torch.uint8, device=groups.device)
+    dist.broadcast(buffer, src=0)
+    return step_inputs(header, buffer, unpack(header, buffer), []), moves
 
 
 # ------------------------------------------------------------------ workers
@@ -289,21 +251,18 @@ class TensorParallelWorker:
                 return
             if cmd == CMD_STEP:
                 self.step(header)
-            elif cmd == CMD_PROFILE:
-                local = self.runner.profile_num_blocks(
-                    header[2] / _MILLI, header[1], header[3] / _MILLI
-                )
-                min_over_ranks(local, self.groups.device)
-            elif cmd == CMD_ALLOCATE:
-                self.runner.allocate_kv_cache(header[1], header[2])
-            elif cmd == CMD_PREPARE:
-                self.runner.prepare_for_serving(
-                    enforce_eager=bool(header[1]),
-                    max_num_seqs=header[2],
-                    max_blocks_per_seq=header[3],
-                )
+            elif cmd == CMD_CALL:
+                self.call()
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {cmd}")
+
+    def call(self) -> None:
+        """Run the `ModelRunner` method rank 0 names; rank 0 gathers the result."""
+        received: list[Any] = [None]
+        dist.broadcast_object_list(received, src=0, group=self.groups.control)
+        name, args, kwargs = received[0]
+        result = getattr(self.runner, name)(*args, **kwargs)
+        dist.gather_object(result, None, dst=0, group=self.groups.control)
 
     def step(self, header: list[int]) -> None:
         inputs, moves = receive_step(self.groups, header)

@@ -86,11 +86,8 @@ def _compute_capability(device_index: int) -> tuple[int, int]:
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with programmatic dependent launch (Hopper and
     newer): a kernel may start while the previous one drains and waits in `pdl_wait` before
-    touching memory that kernel writes, so launch latency and ramp-up overlap its tail.
-    `ASYNCENGINE_PDL=0` turns it off."""
+    touching memory that kernel writes, so launch latency and ramp-up overlap its tail."""
     if not (t.is_cuda and HAS_TRITON) or interpreter_enabled():
-        return False
-    if os.environ.get("ASYNCENGINE_PDL", "1") == "0":
         return False
     return _compute_capability(t.device.index or 0)[0] >= 9
 

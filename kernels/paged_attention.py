@@ -20,6 +20,7 @@ Three implementations share the signature:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +39,26 @@ from kernels._triton_utils import (
 )
 
 __all__ = [
+    "DecodePlan",
     "DecodeRotary",
-    "decode_uses_split_kv",
+    "decode_plan",
+    "decode_plans",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_triton",
 ]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a decode-only step runs attention, decided once per step by the model runner
+    (`decode_plan`) and read by the CUDA-graph key, the attention layer and the kernel.
+
+    segments: split-KV segments per row block (1 = no split); fuse_rotary: rotary and the
+    K/V cache write run inside the attention kernel (`paged_decode_attention_with_rotary`)."""
+
+    segments: int = 1
+    fuse_rotary: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,18 +354,18 @@ def _attend_tile(
     else:
         k_offs, v_offs, kv_mask = _kv_tile(
             tile, num_keys, bt_row_ptr, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, MASKED,
+            HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, MASKED=MASKED,
         )  # fmt: skip
-        K = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
+        K = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
         # EARLY_V: V is requested with K rather than after the scores. A split-KV decode
         # program runs a tile or two and is latency-bound, so the two loads then share one
         # round trip; large prefill tiles keep V late, where it costs no registers during
         # the scores.
         if EARLY_V:
-            V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
+            V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
-    S = _dot(Q, tl.trans(K), DOT_FP32, IEEE) * scale_log2
+    S = _dot(Q, tl.trans(K), DOT_FP32=DOT_FP32, IEEE=IEEE) * scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_abs[:, None]) & (offs_t < num_keys)[None, :]
         S = tl.where(visible, S, float("-inf"))
@@ -362,10 +377,10 @@ def _attend_tile(
     L = L * alpha + tl.sum(P, axis=1)
 
     if not PRELOADED and not EARLY_V:
-        V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, MASKED)
+        V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
     if HAS_NEW:
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
-    acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32, IEEE)
+    acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32=DOT_FP32, IEEE=IEEE)
     return m_new, L, acc
 
 
@@ -441,7 +456,7 @@ def _paged_attention_kernel(
         q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
         # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this
         # block's sequence on device; surplus blocks exit.
-        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q=BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq_idx)
         q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
         if (q_len < q_len_lo) | (q_len > q_len_hi):
@@ -493,20 +508,22 @@ def _paged_attention_kernel(
         # projection): they are the step's inputs and earlier steps' cache. So they are read
         # before waiting for that kernel, and their latency hides behind its tail. The new
         # token's own slot may be stale in that tile; it is taken from registers below.
-        cos, sin = _decode_cos_sin(positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d,
-                                   q_ptr.dtype.element_ty, HEAD_DIM, HALF)  # fmt: skip
+        cos, sin = _decode_cos_sin(
+            positions_ptr, cos_sin_ptr, seq_idx, stride_cs, offs_d, q_ptr.dtype.element_ty,
+            HEAD_DIM=HEAD_DIM, HALF=HALF,
+        )  # fmt: skip
         slot = tl.load(slot_mapping_ptr + seq_idx).to(tl.int64)
         k_offs, v_offs, kv_mask = _kv_tile(
             tile_lo, num_keys, bt_row_ptr, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True,
+            HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, MASKED=True,
         )  # fmt: skip
-        K_first = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM, D_PAD, True)
-        V_first = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM, D_PAD, True)
+        K_first = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=True)
+        V_first = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=True)
         pdl_wait(USE_PDL)
         # q and this step's k arrive unrotated.
         Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
         q_row = tok[:, None] * stride_qt + (head * stride_qh)[:, None]
-        Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM, HALF)
+        Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM=HEAD_DIM, HALF=HALF)
         # Only the program whose segment holds the new key reads it, so that program alone
         # rotates it, writes k and v to their cache slot and uses them from registers.
         last_tile = new_pos // TILE
@@ -514,7 +531,9 @@ def _paged_attention_kernel(
             d_mask = offs_d < HEAD_DIM
             k_row = k_new_ptr + seq_idx.to(tl.int64) * stride_knt + kv_head * stride_knh
             k_raw = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
-            k_new = _rotate_row(k_raw, k_row, offs_d, d_mask, cos, sin, HEAD_DIM, HALF)
+            k_new = _rotate_row(
+                k_raw, k_row, offs_d, d_mask, cos, sin, HEAD_DIM=HEAD_DIM, HALF=HALF
+            )
             v_row = v_new_ptr + seq_idx.to(tl.int64) * stride_vnt + kv_head * stride_vnh
             v_new = tl.load(v_row + offs_d, mask=d_mask, other=0.0)
             if slot >= 0:
@@ -532,23 +551,29 @@ def _paged_attention_kernel(
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile_lo, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, True, True, K_first, V_first, True,
+            new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=K_first, V_pre=V_first,
+            MASKED=True, HAS_NEW=True, EARLY_V=True, PRELOADED=True,
+            HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
+            IEEE=IEEE,
         )  # fmt: skip
         first = tile_lo + 1
     for tile in range(first, tl.minimum(tile_hi, num_full)):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, False, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1, Q, Q, False,
+            new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
+            MASKED=False, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
+            HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
+            IEEE=IEEE,
         )  # fmt: skip
     for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
-            HEAD_DIM, D_PAD, BLOCK_SIZE, TILE, True, DOT_FP32, IEEE,
-            new_pos, k_new, v_new, ROTARY, NUM_SEGMENTS > 1, Q, Q, False,
+            new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
+            MASKED=True, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
+            HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
+            IEEE=IEEE,
         )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -608,10 +633,8 @@ PREFILL_TILE_MIN_QUERY_LEN = 64
 # Split-KV decode aims at this many programs per multiprocessor after the split.
 SPLIT_KV_PROGRAMS_PER_SM = 4
 MAX_SPLIT_SEGMENTS = 16
-# Steps whose longest context is at most this many keys use half as many segments. Measured
-# on an H200 with MHA at batch 1: at 512-768 keys (L1) 8 segments took 3.542 ms/token of
-# decode end to end against 3.565 for 16; at 4000 keys the kernel alone took 0.034 ms with
-# 8 segments against 0.025 with 16. Where between them the crossover lies is not measured.
+# Steps whose longest context is at most this many keys use half as many segments, which
+# measured faster there on an H200 (MHA, batch 1); where the crossover lies is not measured.
 SHORT_CONTEXT_KEYS = 1024
 
 
@@ -644,14 +667,25 @@ def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[st
     }
 
 
-def decode_split_segments(
-    num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None = None
+def _with_overrides(
+    cfg: dict[str, int], overrides: Mapping[str, int] | None, group: int
+) -> dict[str, int]:
+    """A launch configuration with tuning overrides; BLOCK_Q follows an overridden BLOCK_M."""
+    if not overrides:
+        return cfg
+    cfg = {**cfg, **overrides}
+    if "BLOCK_M" in overrides:
+        cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
+    return cfg
+
+
+def _split_segments(
+    num_seqs: int, num_kv_heads: int, device: torch.device, max_seq_len: int | None
 ) -> int:
-    """Segments per row block for split-KV decode (1 = no split), from host facts only: B
-    and, when known, the longest context (None counts as long). A CUDA graph is captured per
-    value this can take. Measured on an H200: splitting pays while the 2D grid has at most one
-    program per multiprocessor; ~4 programs per SM after the split is the sweet spot for long
-    contexts, half as many for short ones (`SHORT_CONTEXT_KEYS`)."""
+    """Segments per row block for split-KV decode (1 = no split). Measured on an H200:
+    splitting pays while the 2D grid has at most one program per multiprocessor; ~4 programs
+    per SM after the split is the sweet spot for long contexts, half as many for short ones
+    (`SHORT_CONTEXT_KEYS`)."""
     programs = num_seqs * num_kv_heads
     sms = num_sms(device.index or 0) if device.type == "cuda" else 1
     if programs > sms:
@@ -663,10 +697,31 @@ def decode_split_segments(
     return segments
 
 
-def decode_uses_split_kv(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    """Whether a decode step of this many sequences runs split-KV attention (a host-side
-    fact of B, whatever the context length, so callers can choose a path per graph)."""
-    return decode_split_segments(num_seqs, num_kv_heads, device) > 1
+def decode_plan(
+    num_seqs: int,
+    num_kv_heads: int,
+    device: torch.device,
+    max_seq_len: int | None = None,
+    *,
+    fuse_rotary: bool = True,
+) -> DecodePlan:
+    """The plan of a decode step of `num_seqs` sequences whose longest context is
+    `max_seq_len` (None counts as long), from host facts only. Rotary is fused where the
+    keys are split (`fuse_rotary=False` never fuses: tests compare the two paths); larger
+    batches keep the separate rotary kernel, where that measured faster."""
+    segments = _split_segments(num_seqs, num_kv_heads, device, max_seq_len)
+    return DecodePlan(segments, fuse_rotary and segments > 1)
+
+
+def decode_plans(
+    num_seqs: int, num_kv_heads: int, device: torch.device, *, fuse_rotary: bool = True
+) -> tuple[DecodePlan, ...]:
+    """Every plan `decode_plan` can give a batch of `num_seqs` (one CUDA graph each)."""
+    found: dict[DecodePlan, None] = {}
+    for hint in (None, SHORT_CONTEXT_KEYS):
+        plan = decode_plan(num_seqs, num_kv_heads, device, hint, fuse_rotary=fuse_rotary)
+        found.setdefault(plan)
+    return tuple(found)
 
 
 def paged_attention_triton(
@@ -681,20 +736,25 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     decode_only: bool = False,
-    num_segments: int | None = None,
+    num_segments: int = 1,
     rotary: DecodeRotary | None = None,
-    max_seq_len: int | None = None,
+    pdl: bool = True,
+    small_tiles: Mapping[str, int] | None = None,
+    large_tiles: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref`.
 
     Host hints (never read from device memory): `max_query_len` lets a batch of short queries
-    skip the large-tile launch; T == B selects the decode path, which uses split-KV when B is
-    small. `decode_only` promises one query token per sequence (token b belongs to sequence
-    b), so programs skip the search for their sequence. `max_seq_len` (the longest context)
-    picks the split count, which `num_segments` overrides (tests, tuning). `rotary` (with
-    `decode_only`): q, and this step's k and v, arrive unrotated and unwritten; the kernel
-    rotates them and writes k and v to the cache itself (see
-    `paged_decode_attention_with_rotary`).
+    skip the large-tile launch; T == B selects the decode path. `decode_only` promises one
+    query token per sequence (token b belongs to sequence b), so programs skip the search for
+    their sequence. `num_segments` is the decode path's split-KV count (the step's
+    `DecodePlan.segments`; 1 = no split). `rotary` (with `decode_only`): q, and this step's
+    k and v, arrive unrotated and unwritten; the kernel rotates them and writes k and v to
+    the cache itself (see `paged_decode_attention_with_rotary`).
+
+    For tests and tuning: `pdl=False` launches without programmatic dependent launch where
+    the device would use it; `small_tiles` / `large_tiles` override entries of the decode /
+    short-query and the prefill launch configurations.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -720,7 +780,7 @@ def paged_attention_triton(
         "DOT_FP32": dot_fp32,
         "IEEE": q.dtype == torch.float32 or dot_fp32,
     }
-    pdl = use_pdl(q)
+    pdl = pdl and use_pdl(q)
     if rotary is not None:
         if not decode_only:
             raise ValueError("rotary inside attention is for decode_only steps")
@@ -757,26 +817,22 @@ def paged_attention_triton(
             **pdl_kwargs(pdl),
         )  # fmt: skip
 
-    small = _small_tile_config(group, elem)
+    small = _with_overrides(_small_tile_config(group, elem), small_tiles, group)
     decode = decode_only or num_tokens == num_seqs
-    if decode:
-        segments = num_segments or decode_split_segments(
-            num_seqs, num_kv_heads, q.device, max_seq_len
-        )
-        if segments > 1:
-            segments = next_power_of_2(segments)
-            f32 = {"dtype": torch.float32, "device": q.device}
-            seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
-            seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
-            seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
-            seg_bufs = (seg_acc, seg_max, seg_sum)
-            launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
-            _reduce_segments_kernel[(num_tokens, num_heads)](
-                out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
-                USE_PDL=pdl, **pdl_kwargs(pdl),
-            )  # fmt: skip
-            return out
+    if decode and num_segments > 1:
+        segments = next_power_of_2(num_segments)
+        f32 = {"dtype": torch.float32, "device": q.device}
+        seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
+        seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
+        seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
+        seg_bufs = (seg_acc, seg_max, seg_sum)
+        launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
+            USE_PDL=pdl, **pdl_kwargs(pdl),
+        )  # fmt: skip
+        return out
 
     no_bufs = (out, out, out)  # unused in 2D mode
     threshold = PREFILL_TILE_MIN_QUERY_LEN
@@ -784,7 +840,8 @@ def paged_attention_triton(
         launch(small, 0, 2**31 - 1, 1, no_bufs, decode_only)
         return out
     launch(small, 0, threshold - 1, 1, no_bufs, False)
-    launch(_large_tile_config(group, d_pad, elem), threshold, 2**31 - 1, 1, no_bufs, False)
+    large = _with_overrides(_large_tile_config(group, d_pad, elem), large_tiles, group)
+    launch(large, threshold, 2**31 - 1, 1, no_bufs, False)
     return out
 
 
@@ -801,6 +858,7 @@ def paged_attention(
     max_query_len: int | None = None,
     decode_only: bool = False,
     max_seq_len: int | None = None,
+    num_segments: int = 1,
 ) -> torch.Tensor:
     """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
 
@@ -808,9 +866,15 @@ def paged_attention(
     [B, max_blocks]; query_start_loc: int32 [B+1]; seq_lens: int32 [B] (context length
     including this step's tokens, whose K/V are already in the cache). Returns [T, Hq, D] in
     q.dtype (written into `out` when given). Sequences with seq_len 0 give zeros.
+    `max_seq_len` (the longest context) is a hint for the reference; `num_segments` is the
+    Triton decode path's split-KV count (the step's `DecodePlan.segments`).
     """
-    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-        max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len,
-    )  # fmt: skip
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    if use_triton(q):
+        return paged_attention_triton(
+            *args, max_query_len=max_query_len, decode_only=decode_only,
+            num_segments=num_segments,
+        )  # fmt: skip
+    return paged_attention_ref(
+        *args, max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len
+    )

@@ -31,9 +31,9 @@ def paged_decode_attention_with_rotary_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_seq_len: int | None = None,
+    num_segments: int = 1,
 ) -> torch.Tensor:
-    del max_seq_len  # the Triton path's host hint
+    del num_segments  # the Triton path's split-KV count
     q_rot = rotary_and_write_kv_ref(
         rotary.positions, q, rotary.k, rotary.v, rotary.cos_sin_cache, k_cache, v_cache,
         rotary.slot_mapping,
@@ -52,14 +52,13 @@ def paged_decode_attention_with_rotary_triton(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_seq_len: int | None = None,
-    num_segments: int | None = None,
+    num_segments: int = 1,
 ) -> torch.Tensor:
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError("a decode step has one query token per sequence")
     return paged_attention_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        decode_only=True, num_segments=num_segments, rotary=rotary, max_seq_len=max_seq_len,
+        decode_only=True, num_segments=num_segments, rotary=rotary,
     )  # fmt: skip
 
 
@@ -72,15 +71,15 @@ def paged_decode_attention_with_rotary(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_seq_len: int | None = None,
+    num_segments: int = 1,
 ) -> torch.Tensor:
     """Rotate q and this step's k (HF rounding), write k and v to the cache, attend; q [B,
-    Hq, D] unrotated, one token per sequence. Returns [B, Hq, D] in q.dtype. `max_seq_len`
-    (the longest context, a host hint) picks the split-KV count."""
+    Hq, D] unrotated, one token per sequence. Returns [B, Hq, D] in q.dtype. `num_segments`
+    is the split-KV count (the step's `DecodePlan.segments`)."""
     if use_triton(q):
         fn = paged_decode_attention_with_rotary_triton
     else:
         fn = paged_decode_attention_with_rotary_ref
     return fn(
-        q, rotary, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len
+        q, rotary, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, num_segments
     )

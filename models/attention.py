@@ -1,16 +1,12 @@
 """Paged attention layer: writes this step's K/V into the cache (rotating q and k on the way
 when given the rotary table), then attends over it.
 
-Decode-only steps small enough for split-KV attention fold the rotary and the K/V write into
-the attention kernel itself (`kernels.rotary_paged_attention`): one kernel per layer instead
-of two, which took L1 from 3.82 to 3.77 ms per token on an H200. Larger decode batches keep
-the separate kernel: at W1's 256 sequences the fused form was slower (5,832 against 6,448
-output tok/s in one call). `ASYNCENGINE_FUSED_DECODE_ROTARY=0` never fuses.
+A decode-only step whose plan (`AttentionMetadata.decode_plan`, decided by the model runner)
+fuses rotary folds the rotary and the K/V write into the attention kernel itself
+(`kernels.rotary_paged_attention`): one kernel per layer instead of two.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -21,10 +17,8 @@ from kernels import (
     rotary_and_write_kv,
     write_kv_cache,
 )
-from kernels.paged_attention import DecodeRotary, decode_uses_split_kv
+from kernels.paged_attention import DecodeRotary
 from models.forward_context import get_attention_metadata
-
-FUSED_DECODE_ROTARY = os.environ.get("ASYNCENGINE_FUSED_DECODE_ROTARY", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -49,18 +43,19 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
         meta = get_attention_metadata()
+        plan = meta.decode_plan if meta.decode_only else None
+        segments = 1 if plan is None else plan.segments
         if (
-            FUSED_DECODE_ROTARY
-            and meta.decode_only
+            plan is not None
+            and plan.fuse_rotary
             and cos_sin_cache is not None
             and positions is not None
             and cos_sin_cache.shape[-1] == self.head_dim
-            and decode_uses_split_kv(q.shape[0], self.num_kv_heads, q.device)
         ):
             rotary = DecodeRotary(positions, cos_sin_cache, k, v, meta.slot_mapping)
             out = paged_decode_attention_with_rotary(
                 q, rotary, self.k_cache, self.v_cache, meta.block_tables,
-                meta.query_start_loc, meta.seq_lens, self.scale, meta.max_seq_len,
+                meta.query_start_loc, meta.seq_lens, self.scale, segments,
             )  # fmt: skip
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         if cos_sin_cache is not None:
@@ -82,5 +77,6 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             decode_only=meta.decode_only,
             max_seq_len=meta.max_seq_len,
+            num_segments=segments,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import DecodePlan
+
 
 @dataclass
 class AttentionMetadata:
@@ -27,7 +29,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int | None = None  # host-side hint for kernel selection
     decode_only: bool = False
-    max_seq_len: int | None = None  # host-side hint: the longest context (split-KV count)
+    max_seq_len: int | None = None  # host-side hint: the longest context
+    # How a decode-only step runs attention, decided once per step by the model runner;
+    # None (or a step with prefill) runs without split-KV and with the separate rotary.
+    decode_plan: DecodePlan | None = None
 
 
 class _State(threading.local):

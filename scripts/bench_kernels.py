@@ -11,7 +11,6 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import math
@@ -135,13 +134,18 @@ def _attention_case(
 
 
 def bench_attention() -> None:
+    from kernels.paged_attention import decode_plan
+
     for wl, heads in WORKLOADS.items():
         for ctx in (640, 2000):
             for bsz in (1, 32, 256):
+                # The split count the engine's runner would plan for this step.
+                segments = decode_plan(bsz, heads[1], torch.device("cuda"), ctx).segments
                 shape = {"workload": wl, "mode": "decode", "batch": bsz, "ctx": ctx}
                 run_case(
                     "paged_attention", shape, _attention_case,
                     q_lens=[1] * bsz, seq_lens=[ctx] * bsz, heads=heads, decode_only=True,
+                    num_segments=segments,
                 )  # fmt: skip
         for num, qlen in ((8, 512), (1, 4096)):
             shape = {"workload": wl, "mode": "prefill", "batch": num, "q_len": qlen}
@@ -160,23 +164,15 @@ def bench_attention() -> None:
 def _sweep_case(
     shape: dict[str, Any], args: tuple, out: torch.Tensor, nbytes: int, cfg: dict[str, int]
 ) -> None:
-    pa = importlib.import_module("kernels.paged_attention")
-    original = pa._small_tile_config
+    from kernels.paged_attention import paged_attention_triton
 
-    def patched(group: int, elem: int) -> dict[str, int]:
-        return {**original(group, elem), **cfg}
-
-    pa._small_tile_config = patched
-    try:
-        ms = bench(
-            lambda: pa.paged_attention_triton(
-                *args, out=out, decode_only=True, num_segments=shape["segments"]
-            ),
-            warmup=2,
-            iters=5,
-        )
-    finally:
-        pa._small_tile_config = original
+    ms = bench(
+        lambda: paged_attention_triton(
+            *args, out=out, decode_only=True, num_segments=shape["segments"], small_tiles=cfg
+        ),
+        warmup=2,
+        iters=5,
+    )
     emit("sweep_decode", shape, ms, nbytes=nbytes)
 
 
@@ -197,14 +193,10 @@ def sweep_decode(batches: list[int], contexts: list[int]) -> None:
 
 
 def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict[str, int]) -> None:
-    pa = importlib.import_module("kernels.paged_attention")
-    original = pa._large_tile_config
-    pa._large_tile_config = lambda group, d_pad, elem: {**cfg, "BLOCK_Q": cfg["BLOCK_M"] // group}
-    try:
-        q_lens = [shape["q_len"]] * shape["batch"]
-        _attention_case(shape, q_lens, q_lens, heads, causal_flops=True, max_query_len=q_lens[0])
-    finally:
-        pa._large_tile_config = original
+    q_lens = [shape["q_len"]] * shape["batch"]
+    _attention_case(
+        shape, q_lens, q_lens, heads, causal_flops=True, max_query_len=q_lens[0], large_tiles=cfg
+    )
 
 
 def sweep_prefill() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from asyncengine.cuda_graphs import DecodeGraphs, capture_sizes
-from kernels.paged_attention import SHORT_CONTEXT_KEYS
+from kernels.paged_attention import DecodePlan
 
 
 class _OneKVHeadModel(nn.Module):
@@ -17,24 +17,28 @@ class _OneKVHeadModel(nn.Module):
         return [SimpleNamespace(num_kv_heads=1)]
 
 
-def _graphs() -> DecodeGraphs:
+def _graphs(fuse_rotary: bool = True) -> DecodeGraphs:
     # On the CPU the split heuristic sees one multiprocessor: only one sequence with one KV
     # head splits (4 segments, 2 for short contexts).
-    return DecodeGraphs(_OneKVHeadModel(), torch.device("cpu"), max_num_seqs=4, max_blocks=8)
+    return DecodeGraphs(
+        _OneKVHeadModel(), torch.device("cpu"), max_num_seqs=4, max_blocks=8,
+        fuse_rotary=fuse_rotary,
+    )  # fmt: skip
 
 
-def test_a_split_kv_size_gets_a_graph_per_split_count() -> None:
+def test_a_split_kv_size_gets_a_graph_per_plan() -> None:
     graphs = _graphs()
-    assert graphs.variants(1) == {(1, 4): None, (1, 2): SHORT_CONTEXT_KEYS}
-    assert graphs.variants(2) == {(2, 1): None}  # no split: one graph whatever the context
+    assert graphs.variants(1) == [(1, DecodePlan(4, True)), (1, DecodePlan(2, True))]
+    assert graphs.variants(2) == [(2, DecodePlan(1, False))]  # no split: one graph
+    unfused = _graphs(fuse_rotary=False)
+    assert unfused.variants(1) == [(1, DecodePlan(4, False)), (1, DecodePlan(2, False))]
 
 
-def test_a_step_replays_the_graph_of_its_longest_context() -> None:
+def test_steps_replay_at_the_padded_size_when_a_graph_fits() -> None:
     graphs = _graphs()
-    assert graphs.key(1, SHORT_CONTEXT_KEYS) == (1, 2)
-    assert graphs.key(1, SHORT_CONTEXT_KEYS + 1) == (1, 4)
-    assert graphs.key(1, None) == (1, 4)  # unknown counts as long
-    assert graphs.key(4, 10) == (4, 1)
+    assert [graphs.graph_size(b, 8) for b in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert graphs.graph_size(5, 8) is None  # more sequences than the largest graph
+    assert graphs.graph_size(2, 9) is None  # a block table wider than the captured one
 
 
 def test_capture_sizes_stop_at_max_num_seqs() -> None:

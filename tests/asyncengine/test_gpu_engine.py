@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import models.attention
 from asyncengine import LLM, SamplingParams
+from asyncengine.model_runner import ModelRunner
 from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
 from tests.asyncengine.test_llm_engine import MAX_TOKENS, make_prompts
 
@@ -29,8 +29,9 @@ def test_gpu_greedy_equals_hf(
     fused_rotary: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # ASYNCENGINE_FUSED_DECODE_ROTARY=1: decode steps rotate and write K/V inside attention.
-    monkeypatch.setattr(models.attention, "FUSED_DECODE_ROTARY", fused_rotary)
+    # The runner's decode plans fuse rotary into split-KV attention by default; without
+    # fusion the decode steps take the separate rotary/KV-write kernel.
+    monkeypatch.setattr(ModelRunner, "fuse_decode_rotary", fused_rotary)
     prefix = make_prompts(452, [40], seed=11)[0]
     prompts = make_prompts(452) + [prefix + s for s in make_prompts(452, [2, 7, 30], seed=12)]
     llm = LLM(

@@ -1,18 +1,22 @@
-"""The model runner's step inputs, its device-side token hand-over and its block moves."""
+"""The model runner's step inputs, its decode plan, its device-side token hand-over and its
+block moves."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.llm_engine import LLMEngine
 from asyncengine.model_runner import InflightStep, KVCache, copy_blocks
 from asyncengine.request import Request
 from asyncengine.scheduler import ScheduledRequest, SchedulerOutput
+from kernels.paged_attention import DecodePlan
 
 
-def _engine(model_dir: Path):
+def _engine(model_dir: Path) -> LLMEngine:
     return LLM(str(model_dir), dtype="float32", device="cpu").llm_engine
 
 
@@ -37,8 +41,40 @@ def test_step_parts_start_on_16_byte_boundaries(tiny_llama_dir: Path) -> None:
     assert inputs.logits_indices.tolist() == [2, 4]
     for t in (inputs.positions, meta.slot_mapping, inputs.logits_indices, inputs.input_ids):
         assert t.data_ptr() % 16 == 0
+    for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables):
+        assert t.dtype == torch.int32 and t.data_ptr() % 16 == 0
+    assert not meta.decode_only and meta.decode_plan is None  # a prefill step has no plan
+    assert inputs.header.num_tokens == 5 and inputs.header.num_seqs == 2
     for r in reqs:
         engine.pool.free(r)
+
+
+def _decode_step(engine: LLMEngine, lens: list[int]) -> SchedulerOutput:
+    sched = SchedulerOutput()
+    for i, n in enumerate(lens):
+        req = _request(str(i), list(range(3, 3 + n)))
+        assert engine.pool.allocate_slots(req, n) is not None
+        req.num_computed_tokens = n - 1
+        sched.scheduled.append(ScheduledRequest(req, 1))
+    return sched
+
+
+def test_a_decode_step_carries_the_plan_for_the_size_its_kernels_see(
+    tiny_llama_dir: Path,
+) -> None:
+    """The plan is decided once, here, for the batch the kernels run: the step's own size
+    eagerly, the padded size when a CUDA graph will replay it."""
+    engine = _engine(tiny_llama_dir)
+    runner = engine.runner
+    # On the CPU the heuristic sees one multiprocessor: one sequence of one KV head splits.
+    runner.num_kv_heads = 1
+    sched = _decode_step(engine, [9])
+    meta = runner.prepare_inputs(sched).meta
+    assert meta.decode_only and meta.max_seq_len == 9
+    assert meta.decode_plan == DecodePlan(2, fuse_rotary=True)  # a short context: 2 segments
+    assert runner.prepare_inputs(sched).header.decode_plan == meta.decode_plan
+    runner.graphs = SimpleNamespace(graph_size=lambda b, width: 2)  # padded to 2 sequences
+    assert runner.prepare_inputs(sched).meta.decode_plan == DecodePlan(1, fuse_rotary=False)
 
 
 def test_pending_token_is_taken_from_the_previous_step(tiny_llama_dir: Path) -> None:

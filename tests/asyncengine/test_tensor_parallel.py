@@ -18,6 +18,7 @@ import models.layers as layers
 from asyncengine import LLM, SamplingParams
 from asyncengine.distributed import TensorParallelWorkerError
 from asyncengine.llm_engine import StepError
+from asyncengine.model_runner import ModelRunner
 from asyncengine.tp_runner import TensorParallelModelRunner, check_tp_compatible
 from models.config import ModelConfig
 from models.loader import iterate_safetensors, load_model
@@ -260,6 +261,24 @@ def test_tp_greedy_equals_tp1(
     for pid in pids:  # every worker has exited and been reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_set_up_calls_run_on_every_rank(tiny_llama_dir: Path) -> None:
+    """A set-up call runs the named runner method on every rank (arguments pickled, floats
+    as they are) and gives rank 0 each rank's result."""
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    try:
+        runner = llm.llm_engine.runner
+        assert isinstance(runner, TensorParallelModelRunner)
+        assert runner._call_all("block_bytes") == [runner.block_bytes()] * 2
+        gib = 0.0123456789  # on the CPU the count follows the swap-pool size exactly
+        own = ModelRunner.profile_num_blocks(runner, 0.5, 64, gib)
+        assert own == int(gib * 2**30) // runner.block_bytes()
+        assert runner.profile_num_blocks(0.5, 64, gib) == own
+        assert generate(llm, make_prompts([9, 4], seed=3))  # the workers still serve steps
+    finally:
+        llm.llm_engine.shutdown()
+    assert get_tp_size() == 1
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

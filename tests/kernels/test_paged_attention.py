@@ -95,19 +95,66 @@ def test_triton_split_kv_decode(segments: int) -> None:
     _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
 
 
-def test_split_count_halves_for_short_contexts() -> None:
+def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> None:
     cpu = torch.device("cpu")  # one "multiprocessor": only a single program splits
-    assert pa.decode_split_segments(1, 1, cpu) == 4
-    assert pa.decode_split_segments(1, 1, cpu, pa.SHORT_CONTEXT_KEYS + 1) == 4
-    assert pa.decode_split_segments(1, 1, cpu, pa.SHORT_CONTEXT_KEYS) == 2
-    assert pa.decode_split_segments(2, 1, cpu, 10) == 1  # no split stays no split
+    assert pa.decode_plan(1, 1, cpu) == pa.DecodePlan(4, fuse_rotary=True)
+    assert pa.decode_plan(1, 1, cpu, pa.SHORT_CONTEXT_KEYS + 1) == pa.DecodePlan(4, True)
+    assert pa.decode_plan(1, 1, cpu, pa.SHORT_CONTEXT_KEYS) == pa.DecodePlan(2, True)
+    # No split stays no split, and keeps the separate rotary kernel.
+    assert pa.decode_plan(2, 1, cpu, 10) == pa.DecodePlan(1, fuse_rotary=False)
+    assert pa.decode_plan(4, 2, cpu) == pa.DecodePlan(1, fuse_rotary=False)
+    assert pa.decode_plan(1, 1, cpu, fuse_rotary=False) == pa.DecodePlan(4, fuse_rotary=False)
 
 
-@pytest.mark.parametrize("max_seq_len", [None, 48])
-def test_triton_context_hint_picks_the_split_only(max_seq_len: int | None) -> None:
-    """The longest-context hint changes the split count, not the result."""
+def test_decode_plans_lists_every_plan_of_a_batch_size() -> None:
+    cpu = torch.device("cpu")
+    assert pa.decode_plans(1, 1, cpu) == (pa.DecodePlan(4, True), pa.DecodePlan(2, True))
+    assert pa.decode_plans(2, 1, cpu) == (pa.DecodePlan(1, False),)
+    for plan in pa.decode_plans(1, 1, cpu):
+        hint = pa.SHORT_CONTEXT_KEYS if plan.segments == 2 else None
+        assert pa.decode_plan(1, 1, cpu, hint) == plan
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_triton_split_count_changes_the_launch_not_the_result(segments: int) -> None:
     batch = make_paged_batch([1], [48], 2, 1, head_dim=16, block_size=8, seed=7)
-    _triton_vs_ref(batch, atol=2e-5, decode_only=True, max_seq_len=max_seq_len)
+    _triton_vs_ref(batch, atol=2e-5, decode_only=True, num_segments=segments)
+
+
+def test_dispatcher_hands_the_split_count_to_triton_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`num_segments` reaches the Triton path; the reference gets the context hint."""
+    seen: dict[str, object] = {}
+    batch = make_paged_batch(*DECODE, 4, 2, head_dim=8, block_size=4)
+
+    def fake_triton(*args: object, **kwargs: object) -> str:
+        seen["triton"] = kwargs
+        return "triton"
+
+    def fake_ref(*args: object, **kwargs: object) -> str:
+        seen["ref"] = kwargs
+        return "ref"
+
+    monkeypatch.setattr(pa, "paged_attention_triton", fake_triton)
+    monkeypatch.setattr(pa, "paged_attention_ref", fake_ref)
+    monkeypatch.setattr(pa, "use_triton", lambda _: True)
+    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
+        "triton"
+    )
+    monkeypatch.setattr(pa, "use_triton", lambda _: False)
+    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
+        "ref"
+    )
+    assert seen["triton"] == {"max_query_len": None, "decode_only": True, "num_segments": 4}
+    assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48}
+
+
+def test_triton_tile_overrides_keep_the_result() -> None:
+    """The tuning overrides (benchmark sweeps) change the launch configuration only."""
+    batch = make_paged_batch([1, 40, 5], [30, 70, 5], 8, 2, head_dim=32, seed=2)
+    _triton_vs_ref(batch, atol=2e-5, small_tiles={"TILE": 64, "num_stages": 1})
+    _triton_vs_ref(batch, atol=2e-5, max_query_len=64, large_tiles={"BLOCK_M": 32, "TILE": 32})
+    dec = make_paged_batch([1, 1], [30, 9], 8, 2, head_dim=32, seed=3)
+    _triton_vs_ref(dec, atol=2e-5, decode_only=True, num_segments=2, small_tiles={"TILE": 16})
 
 
 def test_triton_split_kv_with_multi_token_rows() -> None:
@@ -205,11 +252,12 @@ def test_gpu_fp32_and_cuda_graph_decode() -> None:
     lens = batch.seq_lens.clone()
     args = list(batch.args())
     args[5] = lens
-    paged_attention(*args, out=out, decode_only=True)  # compile before capture
+    segments = pa.decode_plan(8, 8, torch.device("cuda")).segments
+    paged_attention(*args, out=out, decode_only=True, num_segments=segments)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_attention(*args, out=out, decode_only=True)
+        paged_attention(*args, out=out, decode_only=True, num_segments=segments)
     lens.copy_(torch.tensor([50, 0, 3, 400, 1, 200, 64, 0], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()

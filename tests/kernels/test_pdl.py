@@ -1,4 +1,4 @@
-"""Programmatic dependent launch: the switch, and (GPU) equal results with it on and off."""
+"""Programmatic dependent launch: where it applies, and (GPU) equal results with it on and off."""
 
 from __future__ import annotations
 
@@ -6,53 +6,59 @@ import pytest
 import torch
 
 from kernels._triton_utils import pdl_kwargs, use_pdl
-from kernels.activation import silu_and_mul
-from kernels.gemv import gemv_triton
+from kernels.paged_attention import paged_attention_triton
 from kernels.rms_norm import fused_add_rms_norm
-from tests.kernels.kernel_cases import requires_cuda
+from tests.kernels.kernel_cases import PagedBatch, make_paged_batch, requires_cuda
 
 
-def test_off_for_cpu_tensors_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_for_cpu_tensors() -> None:
     assert not use_pdl(torch.zeros(1))
     assert pdl_kwargs(False) == {}
     assert pdl_kwargs(True) == {"launch_pdl": True}
-    if torch.cuda.is_available():
-        monkeypatch.setenv("ASYNCENGINE_PDL", "0")
-        assert not use_pdl(torch.zeros(1, device="cuda"))
-
-
-def _decoder_chain(x: torch.Tensor, res: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
-    """A batch-1 MLP block as a decode step runs it: norm, gate/up GEMV, gated down GEMV."""
-    norm_w, gate_up_w, down_w = ws
-    h, res = fused_add_rms_norm(x, res, norm_w, 1e-5)
-    gate_up = gemv_triton(h, gate_up_w, None, (8, 512, 4, 4))
-    y = gemv_triton(gate_up, down_w, None, (8, 256, 4, 4), gated=True)
-    return y + silu_and_mul(gate_up)[:, : y.shape[1]] + res
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_graph_with_pdl_equals_without(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_on_from_hopper() -> None:
+    x = torch.zeros(1, device="cuda")
+    assert use_pdl(x) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+def _decode_chain(
+    x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor, batch: PagedBatch, pdl: bool
+) -> torch.Tensor:
+    """A decode step's attention block: norm, then split-KV attention (and its reduce) on the
+    normed rows as queries, the attention output feeding the next norm."""
+    h, res = fused_add_rms_norm(x, res, norm_w, 1e-5)
+    q = h.view(batch.q.shape)
+    out = paged_attention_triton(q, *batch.args()[1:], decode_only=True, num_segments=4, pdl=pdl)
+    return out.view(x.shape) + res
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_graph_with_pdl_equals_without() -> None:
+    """Chained kernels, each reading its predecessor's output, captured in one graph: the
+    attention kernels launched with PDL give the same bits as launched without."""
+    batch = make_paged_batch(
+        [1] * 4, [700, 33, 1, 300], 32, 8, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device="cuda", seed=5,
+    )  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter = 4096, 11008
-    x, res = (torch.randn(1, hidden, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    ws = [
-        torch.randn(hidden, device="cuda", generator=gen).bfloat16(),
-        (torch.randn(2 * inter, hidden, device="cuda", generator=gen) / 64).bfloat16(),
-        (torch.randn(hidden, inter, device="cuda", generator=gen) / 100).bfloat16(),
-    ]
+    shape = (batch.q.shape[0], batch.q.shape[1] * batch.q.shape[2])
+    x, res = (torch.randn(shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    norm_w = torch.randn(shape[1], device="cuda", generator=gen).bfloat16()
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("ASYNCENGINE_PDL", flag)
-        assert use_pdl(x) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
-        _decoder_chain(x, res, ws)  # compile outside the capture
+    for pdl in (False, True):
+        _decode_chain(x, res.clone(), norm_w, batch, pdl)  # compile outside the capture
+        res_step = res.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = x
-            for _ in range(8):  # chained, so every kernel reads its predecessor's output
-                out = _decoder_chain(out, res, ws) / 64
+            for _ in range(8):
+                out = _decode_chain(out, res_step, norm_w, batch, pdl) / 64
         graph.replay()
         torch.cuda.synchronize()
-        results[flag] = out.clone()
-    assert torch.isfinite(results["1"]).all()
-    assert torch.equal(results["0"], results["1"])
+        results[pdl] = out.clone()
+    assert torch.isfinite(results[True]).all()
+    assert torch.equal(results[False], results[True])
