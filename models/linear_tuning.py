@@ -26,7 +26,7 @@ from kernels.cpu_linear import (
     time_packed_against_blas,
 )
 from kernels.gemv import GemvChoice, GemvConfig, tune_gemv
-from models.layers import LinearBase, ParallelLMHead, RowParallelLinear
+from models.layers import LinearBase, RowParallelLinear
 from models.matmul_plan import (
     Blas,
     CpuPacked,
@@ -162,7 +162,7 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
     timings: dict[tuple[int, int], tuple[float, float]] = {}
     plans: Plans = {}
     for module in model.modules():
-        if not isinstance(module, (LinearBase, ParallelLMHead)):
+        if not isinstance(module, PlannedMatmul):
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:

@@ -7,7 +7,7 @@ import torch
 
 from kernels._triton_utils import pdl_kwargs, use_pdl
 from kernels.activation import silu_and_mul
-from kernels.gemv import gemv_triton
+from kernels.gemv import GemvConfig, gemv_triton
 from kernels.rms_norm import fused_add_rms_norm
 from tests.kernels.kernel_cases import requires_cuda
 
@@ -25,8 +25,8 @@ def _decoder_chain(x: torch.Tensor, res: torch.Tensor, ws: list[torch.Tensor]) -
     """A batch-1 MLP block as a decode step runs it: norm, gate/up GEMV, gated down GEMV."""
     norm_w, gate_up_w, down_w = ws
     h, res = fused_add_rms_norm(x, res, norm_w, 1e-5)
-    gate_up = gemv_triton(h, gate_up_w, None, (8, 512, 4, 4))
-    y = gemv_triton(gate_up, down_w, None, (8, 256, 4, 4), gated=True)
+    gate_up = gemv_triton(h, gate_up_w, None, GemvConfig.tiled(8, 512, 4, 4))
+    y = gemv_triton(gate_up, down_w, None, GemvConfig.tiled(8, 256, 4, 4), gated=True)
     return y + silu_and_mul(gate_up)[:, : y.shape[1]] + res
 
 
