@@ -84,14 +84,24 @@ def plan_decode_gemvs(
     The MLP is then timed as a pair: SiLU-and-mul applied by the down projection to its
     [gate, up] input (either form above), against the gate/up GEMV applying it in its
     epilogue and the down projection taking a plain input; the faster pair is planned."""
+    return _plan_groups(_gemv_groups(model, "cuda"), configs)
+
+
+def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
     groups: dict[_GemvGroup, list[LinearBase]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.is_cuda:
+        if isinstance(module, LinearBase) and module.weight.device.type == device_type:
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
             key = _GemvGroup(
                 *module.weight.shape, has_bias, module.input_transform, module.glu_output
             )
             groups.setdefault(key, []).append(module)
+    return groups
+
+
+def _plan_groups(
+    groups: dict[_GemvGroup, list[LinearBase]], configs: Sequence[GemvConfig] | None
+) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:
     timings: dict[tuple[int, int], dict[str, float]] = {}
     choices: dict[_GemvGroup, GemvChoice] = {}
     plans: Plans = {}

@@ -8,9 +8,25 @@ import torch.nn.functional as F
 from torch import nn
 
 import models.linear_tuning as tuning
+from kernels.activation import silu_and_mul_ref
 from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
-from models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from models.matmul_plan import Blas, CpuPacked, InputTransform, MatmulPlan
+from kernels.gemv import GemvChoice, GemvConfig
+from kernels.rms_norm import fused_add_rms_norm_ref
+from models.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+)
+from models.matmul_plan import (
+    Blas,
+    CpuPacked,
+    Epilogue,
+    InputTransform,
+    MatmulPlan,
+    TritonGemv,
+)
 
 
 def _model() -> nn.Module:
@@ -90,3 +106,71 @@ def test_plans_are_described_one_line_per_layer_group() -> None:
         "o_proj 8x16: 1+ rows: BLAS",
         "lm_head 40x8: 1+ rows: BLAS",
     ]
+
+
+TILED = GemvConfig.tiled(8, 16, 4, 1)
+
+
+def _decoder_layers() -> nn.ModuleDict:
+    norm, gated = InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL
+    layers = nn.ModuleDict({
+        "qkv_proj": ColumnParallelLinear(16, 24, bias=True, input_transform=norm),
+        "gate_up_proj": MergedColumnParallelLinear(
+            16, [32, 32], input_transform=norm, glu_output=True
+        ),
+        "down_proj": RowParallelLinear(32, 16, input_transform=gated),
+        "norm": RMSNorm(16, 1e-5),
+    })  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    for p in layers.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return layers
+
+
+@pytest.mark.parametrize("outcome", ["glu pair", "separate", "blas"])
+def test_decode_planning_keeps_the_mlp_pair_consistent(
+    monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    """The GPU tuner's planning, with the timings faked and the layers on the CPU: whichever
+    arrangement wins, the MLP's batch-1 entries fit together and every batch size still
+    gives the reference (the Triton GEMV runs in the interpreter)."""
+    calls: list[dict] = []
+
+    def fake_tune_gemv(weights, biases=None, reps=5, gated=False, normed=False, glu=False,
+                       configs=None) -> GemvChoice:  # fmt: skip
+        calls.append({"gated": gated, "normed": normed, "glu": glu, "configs": configs})
+        if outcome == "blas":
+            return GemvChoice(None, False, 1.0, {"blas": 1.0})
+        fast = outcome == "glu pair" and (glu or not (gated or normed))
+        ms = 0.4 if fast else 1.0
+        return GemvChoice(TILED, gated or normed, ms, {"blas": 2.0, str(TILED): ms})
+
+    monkeypatch.setattr(tuning, "tune_gemv", fake_tune_gemv)
+    layers = _decoder_layers()
+    plans, timings = tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), [TILED])
+    assert all(call["configs"] == [TILED] for call in calls)
+    assert sum(call["glu"] for call in calls) == 1  # the pair is timed once
+    assert set(timings) == {(24, 16), (64, 16), (16, 32)}
+    for name in ("qkv_proj", "gate_up_proj", "down_proj"):
+        layers[name].set_plan(plans[layers[name]])
+    gate_up, down = layers["gate_up_proj"].plan, layers["down_proj"].plan
+    glu = gate_up.entry_for(1).epilogue is Epilogue.SILU_AND_MUL
+    assert glu == (outcome == "glu pair")
+    assert (down.entry_for(1).input is InputTransform.NONE) == glu
+    assert down.entry_for(2).input is InputTransform.SILU_AND_MUL
+    gemv = outcome != "blas"
+    assert isinstance(layers["qkv_proj"].plan.entry_for(1).kind, TritonGemv) == gemv
+    assert layers["qkv_proj"].plan.entry_for(1).fuse_input == gemv
+    norm = layers["norm"]
+    for rows in (1, 3):
+        x, residual = torch.randn(rows, 16), torch.randn(rows, 16)
+        h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, 1e-5)
+        mid, new_residual = layers["gate_up_proj"].forward_normed(x, residual, norm)
+        want = F.linear(silu_and_mul_ref(F.linear(h, layers["gate_up_proj"].weight)),
+                        layers["down_proj"].weight)  # fmt: skip
+        torch.testing.assert_close(layers["down_proj"](mid), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new_residual, want_residual)
+        qkv, _ = layers["qkv_proj"].forward_normed(x, residual, norm)
+        qkv_proj = layers["qkv_proj"]
+        torch.testing.assert_close(qkv, F.linear(h, qkv_proj.weight, qkv_proj.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
