@@ -3,8 +3,8 @@
 At batch 1 a decode step is a stream of weight reads; each program reads BLOCK_N whole rows
 of W with wide loads and reduces them against x in fp32, with no split-K partials to write
 back and no second reduction kernel. Whether it beats the BLAS library depends on the shape
-and the GPU, so `tune_gemv` times both on the device and the model uses the winner per
-weight shape (`models/linear_tuning.py`).
+and the GPU, so `tune_gemv` times both on the device, and `models/linear_tuning.py` puts
+the winner for each group of layers into their matmul plans.
 
 The kernel can also form its input from the previous layer's output, saving a kernel at
 batch 1: SiLU-and-mul of a [gate, up] input (`gated`), or the residual add and RMSNorm

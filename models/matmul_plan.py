@@ -30,7 +30,7 @@ declares inputs and outputs, does not change.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -192,6 +192,11 @@ class PlanEntry:
     input: InputTransform = InputTransform.NONE
     fuse_input: bool = False  # the kernel applies `input` in its prologue
     epilogue: Epilogue = Epilogue.NONE
+    # Derived from the fields above: SiLU-and-mul as its own kernel first; in the kernel's
+    # prologue; in its epilogue.
+    activate_first: bool = field(init=False, repr=False, compare=False)
+    gated: bool = field(init=False, repr=False, compare=False)
+    glu: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -201,6 +206,11 @@ class PlanEntry:
             raise ValueError(f"{kind.describe()} cannot apply {self.input.value} itself")
         if self.epilogue is not Epilogue.NONE and self.epilogue not in kind.fusable_epilogues:
             raise ValueError(f"{kind.describe()} has no {self.epilogue.value} epilogue")
+        # Read on every call: worked out once (the layers run on the step's host path).
+        gated = self.input is InputTransform.SILU_AND_MUL
+        object.__setattr__(self, "activate_first", gated and not self.fuse_input)
+        object.__setattr__(self, "gated", gated and self.fuse_input)
+        object.__setattr__(self, "glu", self.epilogue is Epilogue.SILU_AND_MUL)
 
     def describe(self) -> str:
         what = self.kind.describe()
@@ -246,11 +256,9 @@ class MatmulPlan:
         entry = self.entry_for(x.shape[0])
         if entry.input is InputTransform.RMS_NORM:
             raise ValueError("a layer with a normed input runs through apply_normed")
-        gated = entry.input is InputTransform.SILU_AND_MUL
-        if gated and not entry.fuse_input:
-            x, gated = silu_and_mul(x), False
-        glu = entry.epilogue is Epilogue.SILU_AND_MUL
-        return entry.kind.apply(layer, x, bias, gated=gated, glu=glu)
+        if entry.activate_first:
+            x = silu_and_mul(x)
+        return entry.kind.apply(layer, x, bias, gated=entry.gated, glu=entry.glu)
 
     def apply_normed(
         self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -261,14 +269,13 @@ class MatmulPlan:
         entry = self.entry_for(x.shape[0])
         if entry.input is not InputTransform.RMS_NORM:
             raise ValueError(f"this plan expects a {entry.input.value} input, not a normed one")
-        glu = entry.epilogue is Epilogue.SILU_AND_MUL
         if entry.fuse_input:
-            return entry.kind.apply_normed(layer, x, residual, norm, bias, glu=glu)
+            return entry.kind.apply_normed(layer, x, residual, norm, bias, glu=entry.glu)
         if residual is None:
             h, residual = norm(x), x
         else:
             h, residual = norm(x, residual)
-        return entry.kind.apply(layer, h, bias, glu=glu), residual
+        return entry.kind.apply(layer, h, bias, glu=entry.glu), residual
 
     def describe(self) -> str:
         """One line: each entry with the rows it serves."""
