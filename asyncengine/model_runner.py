@@ -31,7 +31,7 @@ from asyncengine.step_buffer import StepHeader, pack, unpack
 from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
-from models.linear_tuning import describe_decode_gemvs, tune_cpu_linears, tune_decode_gemvs
+from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_decode_gemvs
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +300,8 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             tune_decode_gemvs(self.model)
-            for line in describe_decode_gemvs(self.model):
-                logger.info("batch-1 GEMV %s", line)
+            for line in describe_matmul_plans(self.model):
+                logger.info("matmul plan %s", line)
         else:
             for (n, k), (blas, packed) in tune_cpu_linears(self.model).items():
                 logger.info(

@@ -3,8 +3,8 @@
 At decode sizes (tens of rows) the BLAS call packs the weight on every call, which costs as
 much as the product for wide layers such as the LM head; oneDNN packs it once. Large batches
 (prefill) stay with the BLAS library, which is faster there. Whether the packed path wins
-depends on the shape and the CPU, so the model times both at start-up
-(`models/linear_tuning.py`). The reference is `F.linear`.
+depends on the shape and the CPU, so `models/linear_tuning.py` times both at start-up and
+puts the winner into each layer's matmul plan. The reference is `F.linear`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 __all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_linear",
            "time_packed_against_blas"]
 
-# Batches up to this many rows take the packed path (decode); larger ones the BLAS call.
+# A packed plan serves batches up to this many rows (decode); larger ones keep the BLAS call.
 PACKED_MAX_ROWS = 64
 
 

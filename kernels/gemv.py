@@ -3,8 +3,8 @@
 At batch 1 a decode step is a stream of weight reads; each program reads BLOCK_N whole rows
 of W with wide loads and reduces them against x in fp32, with no split-K partials to write
 back and no second reduction kernel. Whether it beats the BLAS library depends on the shape
-and the GPU, so `tune_gemv` times both on the device and the model uses the winner per
-weight shape (`models/linear_tuning.py`).
+and the GPU, so `tune_gemv` times both on the device, and `models/linear_tuning.py` puts
+the winner for each group of layers into their matmul plans.
 
 The kernel can also form its input from the previous layer's output, saving a kernel at
 batch 1: SiLU-and-mul of a [gate, up] input (`gated`), or the residual add and RMSNorm
@@ -14,18 +14,18 @@ Likewise it can apply SiLU-and-mul to its own output (`glu`): a program owns the
 of the gate and the up halves of a [gate; up] weight, so the MLP's gate/up projection
 hands the down projection its activated input with no kernel in between.
 
-A second, persistent form (`PERSISTENT_GEMV_CONFIGS`) launches a few programs per
-multiprocessor; each forms the whole input row once and streams whole row blocks of W
-against it, so the input transform is not repeated per row block. The tuner times it
-beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long;
-`ASYNCENGINE_WHOLE_ROW_GEMV=0` leaves it out.
+A second, persistent form (`GemvConfig.kind == "whole_row"`, `PERSISTENT_GEMV_CONFIGS`)
+launches a few programs per multiprocessor; each forms the whole input row once and streams
+whole row blocks of W against it, so the input transform is not repeated per row block. The
+tuner times it beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long
+(`gemv_candidates`); a caller that wants only some forms passes `configs=` to `tune_gemv`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,37 +39,80 @@ __all__ = [
     "PERSISTENT_GEMV_CONFIGS",
     "GemvChoice",
     "GemvConfig",
+    "gemv_candidates",
     "gemv_ref",
     "gemv_triton",
     "rms_norm_gemv",
     "tune_gemv",
 ]
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): few rows per program for the small-N shapes
-# (enough programs to keep every multiprocessor streaming), more for the large ones.
-# A fifth entry selects the persistent whole-row kernel: (BLOCK_N, 0, num_warps, num_stages,
-# programs per multiprocessor, at most: fewer where fewer stay resident).
-GemvConfig = tuple[int, ...]
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of the batch-1 GEMV.
+
+    kind "tiled": each program owns `block_n` rows and walks K in `block_k` tiles
+    (`_gemv_kernel`). kind "whole_row": a persistent grid of at most `programs_per_sm`
+    programs per multiprocessor (fewer where fewer stay resident), each holding the whole
+    input row and streaming `block_n` whole rows of W at a time (`_gemv_rows_kernel`)."""
+
+    kind: Literal["tiled", "whole_row"]
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_k: int = 0  # tiled only
+    programs_per_sm: int = 0  # whole-row only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tiled", "whole_row"):
+            raise ValueError(f"unknown GEMV kind {self.kind!r} (tiled, whole_row)")
+        if self.kind == "tiled" and self.block_k <= 0:
+            raise ValueError("a tiled GEMV config needs block_k > 0")
+        if self.kind == "whole_row" and self.programs_per_sm <= 0:
+            raise ValueError("a whole-row GEMV config needs programs_per_sm > 0")
+
+    @classmethod
+    def tiled(cls, block_n: int, block_k: int, num_warps: int, num_stages: int) -> GemvConfig:
+        return cls("tiled", block_n, num_warps, num_stages, block_k=block_k)
+
+    @classmethod
+    def whole_row(
+        cls, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int
+    ) -> GemvConfig:
+        return cls("whole_row", block_n, num_warps, num_stages, programs_per_sm=programs_per_sm)
+
+    def __str__(self) -> str:
+        """Short and unique, as timing tables and logs name it: kind[block_n, block_k or
+        programs per multiprocessor, num_warps, num_stages]."""
+        second = self.block_k if self.kind == "tiled" else self.programs_per_sm
+        return f"{self.kind}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
+
+
+# Few rows per program for the small-N shapes (enough programs to keep every multiprocessor
+# streaming), more for the large ones.
 GEMV_CONFIGS: list[GemvConfig] = [
-    (4, 512, 4, 4),
-    (4, 1024, 4, 3),
-    (8, 512, 4, 4),
-    (8, 256, 4, 4),
-    (16, 256, 4, 3),
-    (16, 512, 8, 3),
-    (32, 128, 4, 4),
+    GemvConfig.tiled(4, 512, 4, 4),
+    GemvConfig.tiled(4, 1024, 4, 3),
+    GemvConfig.tiled(8, 512, 4, 4),
+    GemvConfig.tiled(8, 256, 4, 4),
+    GemvConfig.tiled(16, 256, 4, 3),
+    GemvConfig.tiled(16, 512, 8, 3),
+    GemvConfig.tiled(32, 128, 4, 4),
 ]
-DEFAULT_GEMV_CONFIG: GemvConfig = (8, 512, 4, 4)
+DEFAULT_GEMV_CONFIG = GemvConfig.tiled(8, 512, 4, 4)
 # The whole-row kernel holds the input row in registers: only for rows up to this long.
 PERSISTENT_GEMV_MAX_K = 8192
-# Whether the tuner times the whole-row configs (`ASYNCENGINE_WHOLE_ROW_GEMV=0`: it does not).
-WHOLE_ROW_GEMV = os.environ.get("ASYNCENGINE_WHOLE_ROW_GEMV", "1") != "0"
 PERSISTENT_GEMV_CONFIGS: list[GemvConfig] = [
-    (1, 0, 4, 4, 8),
-    (2, 0, 4, 3, 4),
-    (2, 0, 8, 3, 4),
-    (4, 0, 8, 2, 2),
+    GemvConfig.whole_row(1, 4, 4, programs_per_sm=8),
+    GemvConfig.whole_row(2, 4, 3, programs_per_sm=4),
+    GemvConfig.whole_row(2, 8, 3, programs_per_sm=4),
+    GemvConfig.whole_row(4, 8, 2, programs_per_sm=2),
 ]
+
+
+def gemv_candidates(k: int) -> list[GemvConfig]:
+    """Every config the tuner times for rows of length k: the tiled ones, and the whole-row
+    ones where the row fits."""
+    return GEMV_CONFIGS + (PERSISTENT_GEMV_CONFIGS if k <= PERSISTENT_GEMV_MAX_K else [])
 
 
 def gemv_ref(
@@ -259,7 +302,6 @@ def _launch(
         if n % 2:
             raise ValueError(f"a GLU output needs [gate; up] weight rows, got {n} rows")
         n //= 2
-    block_n, block_k, num_warps, num_stages, *persistent = config
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     norm_weight, eps = norm if norm is not None else (y, 0.0)
@@ -270,24 +312,25 @@ def _launch(
     )  # fmt: skip
     flags = {
         "HAS_BIAS": bias is not None, "GATED": gated, "NORM": norm is not None,
-        "HAS_RESIDUAL": residual is not None, "GLU": glu, "USE_PDL": pdl, "BLOCK_N": block_n,
-        "num_warps": num_warps, "num_stages": num_stages, **pdl_kwargs(pdl),
+        "HAS_RESIDUAL": residual is not None, "GLU": glu, "USE_PDL": pdl,
+        "BLOCK_N": config.block_n, "num_warps": config.num_warps,
+        "num_stages": config.num_stages, **pdl_kwargs(pdl),
     }  # fmt: skip
-    if persistent:
+    if config.kind == "whole_row":
         if k > PERSISTENT_GEMV_MAX_K:
             raise ValueError(f"the whole-row GEMV takes rows up to {PERSISTENT_GEMV_MAX_K} long")
         flags["K_PAD"] = triton.next_power_of_2(k)
-        per_sm = persistent[0]
+        per_sm = config.programs_per_sm
         if x.is_cuda:
             # No more programs than stay resident at once: a second wave would be a tail.
             per_sm = min(per_sm, _resident_rows_programs(x.device, args, flags))
         sms = num_sms(x.device.index or 0) if x.is_cuda else 1
-        grid = min(triton.cdiv(n, block_n), per_sm * sms)
+        grid = min(triton.cdiv(n, config.block_n), per_sm * sms)
         _gemv_rows_kernel[(grid,)](*args, **flags)
         return y, res_out
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        *args, EVEN_K=k % block_k == 0, K_PAD=triton.next_power_of_2(k) if norm else 1,
-        BLOCK_K=block_k, **flags,
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        *args, EVEN_K=k % config.block_k == 0, K_PAD=triton.next_power_of_2(k) if norm else 1,
+        BLOCK_K=config.block_k, **flags,
     )  # fmt: skip
     return y, res_out
 
@@ -405,6 +448,7 @@ def tune_gemv(
     gated: bool = False,
     normed: bool = False,
     glu: bool = False,
+    configs: Sequence[GemvConfig] | None = None,
 ) -> GemvChoice:
     """Time the BLAS library and every config at batch 1 over these same-shape weights (CUDA
     only; the layers' own weights, so nothing is copied and nothing is served from L2).
@@ -416,6 +460,9 @@ def tune_gemv(
 
     glu: the weight is [gate; up] and the output goes through SiLU-and-mul: the Triton forms
     apply it in their epilogue, the library form as a kernel of its own after the matmul.
+
+    configs: the Triton configs to try (default `gemv_candidates(K)`); whole-row ones are
+    skipped where the row is too long for them.
 
     A config is timed only if its result agrees with the library's (within 2 % of the
     output's largest magnitude); the fastest is kept only when it beats the library by 2 %.
@@ -441,13 +488,13 @@ def tune_gemv(
         return silu_and_mul(y) if glu else y
 
     candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
-    whole_row = WHOLE_ROW_GEMV and k <= PERSISTENT_GEMV_MAX_K
-    configs = GEMV_CONFIGS + (PERSISTENT_GEMV_CONFIGS if whole_row else [])
-    for cfg in configs:
-        candidates.append((str(list(cfg)), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
+    tried = gemv_candidates(k) if configs is None else configs
+    fits = [c for c in tried if c.kind == "tiled" or k <= PERSISTENT_GEMV_MAX_K]
+    for cfg in fits:
+        candidates.append((str(cfg), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
         if transformed:
             candidates.append((
-                f"unfused {list(cfg)}", cfg, False,
+                f"unfused {cfg}", cfg, False,
                 lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c, glu=glu),
             ))  # fmt: skip
     with torch.inference_mode():

@@ -4,6 +4,10 @@ Linear layers own their shard of the weight and a `weight_loader(param, tensor, 
 that copies a full HF tensor's slice for this rank into place; fused QKV and gate/up
 projections are assembled at load time by calling the loader once per HF tensor. With one
 rank the shards are the whole tensors, so the same model serves TP=1 and TP=N.
+
+Every linear layer and the LM head multiply through the `MatmulPlan` they hold
+(`models.matmul_plan`); the model declares, when it builds a layer, what its input is and
+whether its output is a [gate; up] pair, and `models.linear_tuning` may hand it a faster plan.
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import apply_rotary_emb, fused_add_rms_norm, rms_norm, silu_and_mul
-from kernels.cpu_linear import PACKED_MAX_ROWS, packed_linear
-from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
+from kernels import fused_add_rms_norm, rms_norm
+from models.matmul_plan import InputTransform, PlannedMatmul
 from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
 
 
@@ -38,24 +41,20 @@ def _check_full_shape(name: str, loaded: torch.Tensor, full: tuple[int, ...]) ->
         )
 
 
-class LinearBase(nn.Module):
-    """y = x W^T (+ b) with this rank's shard of W; subclasses define the sharding."""
+class LinearBase(PlannedMatmul, nn.Module):
+    """y = x W^T (+ b) with this rank's shard of W; subclasses define the sharding.
+
+    input_transform: what the layer's input is (see `models.matmul_plan.InputTransform`):
+    plain, RMSNorm's input (the layer runs through `forward_normed`), or a [gate, up] pair
+    (2 * in_features wide) whose SiLU-and-mul the layer applies. glu_output: the output is a
+    [gate; up] pair that the next layer activates, which a plan may do in the epilogue."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, gated_input: bool = False
-    ) -> None:
+        self, in_features: int, out_features: int, bias: bool,
+        input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        # gated_input: the input holds [gate, up] (2 * in_features wide) and the layer
-        # multiplies silu(gate) * up, inside the batch-1 GEMV when that runs (no separate
-        # activation kernel); the GEMV is tuned in that form.
-        self.gated_input = gated_input
-        # Set by the model on layers it calls through `forward_normed`, so that tuning times
-        # their batch-1 GEMV with the norm in its prologue.
-        self.normed_input = False
-        # Set by the model on a [gate; up] layer whose output feeds SiLU-and-mul, so that
-        # tuning can time its batch-1 GEMV with the activation in the epilogue.
-        self.glu_output = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -63,14 +62,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        # Set by `models.linear_tuning` where they beat the BLAS library: the Triton GEMV
-        # for batch-1 steps on a GPU, a oneDNN-packed weight for small batches on the CPU.
-        self.gemv_config: GemvConfig | None = None
-        # Whether that GEMV applies the input's transform (gated or normed input) itself.
-        self.gemv_fuses_input = False
-        # Whether that GEMV applies SiLU-and-mul to its [gate, up] output (glu_output layers).
-        self.gemv_applies_glu = False
-        self.cpu_packed: torch.Tensor | None = None
+        self.init_plan(input_transform, glu_output)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -79,34 +71,22 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        gemv = self.gemv_config is not None and x.shape[0] == 1
-        # A gated layer also accepts its input already activated, as a GLU-output GEMV
-        # hands it over: the width tells which.
-        gated = self.gated_input and x.shape[-1] == 2 * self.in_features
-        fuse_gate = gemv and gated and self.gemv_fuses_input
-        if gated and not fuse_gate:
-            x = silu_and_mul(x)
-        if gemv:
-            cfg, glu = self.gemv_config, self.gemv_applies_glu
-            return gemv_triton(x, self.weight, bias, cfg, gated=fuse_gate, glu=glu)
-        if self.cpu_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_linear(x, self.cpu_packed, bias)
-        return F.linear(x, self.weight, bias)
+        return self.plan.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False,
+        input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+    ) -> None:  # fmt: skip
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(in_features, divide(out_features, self.tp_size), bias)
+        out = divide(out_features, self.tp_size)
+        super().__init__(in_features, out, bias, input_transform, glu_output)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -120,26 +100,20 @@ class ColumnParallelLinear(LinearBase):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer applied to norm(x + residual), or norm(x) without a residual; returns
-        that and the new residual (x + residual, or x). A batch-1 step on the GEMV path runs
-        the norm in the GEMV's prologue instead of a kernel of its own."""
-        w = norm.weight
-        fused = self.gemv_config is not None and self.gemv_fuses_input
-        if fused and x.shape[0] == 1 and w.dtype == x.dtype:
-            cfg = self.gemv_config
-            glu = self.gemv_applies_glu
-            return rms_norm_gemv(x, residual, w, norm.eps, self.weight, self.bias, cfg, glu=glu)
-        if residual is None:
-            return self(norm(x)), x
-        h, residual = norm(x, residual)
-        return self(h), residual
+        that and the new residual (x + residual, or x). The plan says whether the norm runs
+        in the matmul kernel's prologue or as a kernel of its own."""
+        return self.plan.apply_normed(self, x, residual, norm, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one matmul (gate and up projections)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False,
+        input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+    ) -> None:  # fmt: skip
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, input_transform, glu_output)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -159,8 +133,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projection; KV heads are replicated when ranks outnumber them."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
-    ) -> None:
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+        input_transform: InputTransform = InputTransform.NONE,
+    ) -> None:  # fmt: skip
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp)
@@ -172,7 +147,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp, num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias)
+        super().__init__(hidden_size, out, bias, input_transform)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -195,10 +170,11 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums are all-reduced."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, gated_input: bool = False
-    ) -> None:
+        self, in_features: int, out_features: int, bias: bool = False,
+        input_transform: InputTransform = InputTransform.NONE,
+    ) -> None:  # fmt: skip
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(divide(in_features, self.tp_size), out_features, bias, gated_input)
+        super().__init__(divide(in_features, self.tp_size), out_features, bias, input_transform)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -254,16 +230,16 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over this rank's vocab shard, gathered to the full vocabulary."""
+class ParallelLMHead(PlannedMatmul, VocabParallelEmbedding):
+    """Logits over this rank's vocab shard, gathered to the full vocabulary; the product runs
+    through a `MatmulPlan`, as the linear layers' do."""
 
-    cpu_packed: torch.Tensor | None = None  # see LinearBase
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.init_plan(InputTransform.NONE, glu_output=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
-            logits = packed_linear(hidden, self.cpu_packed)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self.plan.apply(self, hidden, None)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]
@@ -317,14 +293,12 @@ def compute_cos_sin_cache(
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin cache; the attention layer applies rotary (fused with the KV-cache
+    write or the decode attention)."""
+
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
         cache = compute_cos_sin_cache(head_dim, max_position, base, scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_emb(positions, q, k, self.cos_sin_cache)

@@ -1,25 +1,42 @@
-"""Per-shape choice of the matmul behind each linear layer, made once at start-up by timing.
+"""Start-up choice of each linear layer's matmul plan (`models.matmul_plan`), made by timing.
 
-- GPU, batch 1: the Triton GEMV (`kernels.gemv`) against cuBLAS, in a CUDA graph over the
-  layers' own weights; for a layer whose input needs SiLU-and-mul or RMSNorm first, also
-  with that transform fused into the GEMV; for the MLP, also with SiLU-and-mul in the
-  gate/up GEMV's epilogue.
+- GPU, batch 1: the Triton GEMV (`kernels.gemv`, tiled and whole-row configs) against
+  cuBLAS, in a CUDA graph over the layers' own weights; for a layer whose input needs
+  SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
+  also with SiLU-and-mul in the gate/up GEMV's epilogue.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
 
-A layer keeps the library unless the alternative is clearly faster, so a wrong guess costs
-nothing but the tuning time.
+`plan_*` return the plans per layer; `tune_*` hand each layer its plan. A layer keeps the
+library unless the alternative is clearly faster, so a wrong guess costs nothing but the
+tuning time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.cpu_linear import cpu_packing_available, pack_weight, time_packed_against_blas
-from kernels.gemv import GemvChoice, tune_gemv
-from models.layers import LinearBase, ParallelLMHead, RowParallelLinear
+from kernels.cpu_linear import (
+    PACKED_MAX_ROWS,
+    cpu_packing_available,
+    pack_weight,
+    time_packed_against_blas,
+)
+from kernels.gemv import GemvChoice, GemvConfig, tune_gemv
+from models.layers import LinearBase, RowParallelLinear
+from models.matmul_plan import (
+    Blas,
+    CpuPacked,
+    Epilogue,
+    InputTransform,
+    MatmulPlan,
+    PlanEntry,
+    PlannedMatmul,
+    TritonGemv,
+)
 
 # The packed CPU path must win by this much: timings on a busy CPU are noisy.
 CPU_PACKED_MIN_GAIN = 0.9
@@ -27,11 +44,7 @@ CPU_PACKED_MIN_GAIN = 0.9
 # doubles the layer's memory).
 CPU_PACKED_MAX_BYTES = 256 * 2**20
 
-
-def _set_choice(layers: list[LinearBase], choice: GemvChoice, applies_glu: bool) -> None:
-    for m in layers:
-        m.gemv_config, m.gemv_fuses_input = choice.config, choice.fuses_input
-        m.gemv_applies_glu = applies_glu and choice.config is not None
+Plans = dict[PlannedMatmul, MatmulPlan]
 
 
 class _GemvGroup(NamedTuple):
@@ -40,80 +53,126 @@ class _GemvGroup(NamedTuple):
     n: int
     k: int
     has_bias: bool
-    gated_input: bool
-    normed_input: bool
+    input_transform: InputTransform
     glu_output: bool
 
 
-def tune_decode_gemvs(model: nn.Module) -> dict[tuple[int, int], dict[str, float]]:
-    """Time the Triton GEMV against the BLAS library once per weight shape (CUDA, batch 1)
-    over the layers holding that shape, and switch them to the faster one. Returns the
-    timings per shape.
+def _decode_plan(
+    declared: InputTransform, choice: GemvChoice, gemv_input: InputTransform | None = None,
+    epilogue: Epilogue = Epilogue.NONE,
+) -> MatmulPlan:  # fmt: skip
+    """A batch-1 entry from `choice` (`gemv_input`: the input it takes, if not the declared
+    one), then the BLAS call for larger batches."""
+    gemv_input = declared if gemv_input is None else gemv_input
+    rest = PlanEntry(Blas(), input=declared)
+    if choice.config is None:
+        if gemv_input is declared:
+            return MatmulPlan((rest,))
+        return MatmulPlan((PlanEntry(Blas(), 1, gemv_input), rest))
+    gemv = TritonGemv(choice.config)
+    return MatmulPlan((PlanEntry(gemv, 1, gemv_input, choice.fuses_input, epilogue), rest))
+
+
+def plan_decode_gemvs(
+    model: nn.Module, configs: Sequence[GemvConfig] | None = None
+) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:
+    """Time the Triton GEMV against the BLAS library once per layer group (CUDA, batch 1)
+    over the layers of that group, and plan the faster one for batch 1. Returns the plans
+    per layer and the timings per weight shape. `configs`: the Triton configs to try
+    (default: all, `kernels.gemv.gemv_candidates`).
 
     The MLP is then timed as a pair: SiLU-and-mul applied by the down projection to its
     [gate, up] input (either form above), against the gate/up GEMV applying it in its
-    epilogue and the down projection taking a plain input; the faster pair is kept."""
+    epilogue and the down projection taking a plain input; the faster pair is planned."""
+    return _plan_groups(_gemv_groups(model, "cuda"), configs)
+
+
+def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
     groups: dict[_GemvGroup, list[LinearBase]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.is_cuda:
+        if isinstance(module, LinearBase) and module.weight.device.type == device_type:
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
             key = _GemvGroup(
-                *module.weight.shape, has_bias, module.gated_input, module.normed_input,
-                module.glu_output,
-            )  # fmt: skip
+                *module.weight.shape, has_bias, module.input_transform, module.glu_output
+            )
             groups.setdefault(key, []).append(module)
+    return groups
+
+
+def _plan_groups(
+    groups: dict[_GemvGroup, list[LinearBase]], configs: Sequence[GemvConfig] | None
+) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:
     timings: dict[tuple[int, int], dict[str, float]] = {}
     choices: dict[_GemvGroup, GemvChoice] = {}
+    plans: Plans = {}
     for key, layers in groups.items():
         biases = [m.bias for m in layers] if key.has_bias else None
         choice = tune_gemv(
-            [m.weight for m in layers], biases, gated=key.gated_input, normed=key.normed_input
-        )
+            [m.weight for m in layers], biases, configs=configs,
+            gated=key.input_transform is InputTransform.SILU_AND_MUL,
+            normed=key.input_transform is InputTransform.RMS_NORM,
+        )  # fmt: skip
         choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
-        _set_choice(layers, choice, applies_glu=False)
+        plans.update(dict.fromkeys(layers, _decode_plan(key.input_transform, choice)))
     producers = [key for key in groups if key.glu_output]
-    consumers = [key for key in groups if key.gated_input]
+    consumers = [key for key in groups if key.input_transform is InputTransform.SILU_AND_MUL]
     if len(producers) != 1 or len(consumers) != 1:
-        return timings  # one MLP shape per model; anything else keeps the separate forms
+        return plans, timings  # one MLP shape per model; anything else keeps separate forms
     prod, cons = producers[0], consumers[0]
     prod_layers, cons_layers = groups[prod], groups[cons]
     biases = [m.bias for m in prod_layers] if prod.has_bias else None
-    glu = tune_gemv([m.weight for m in prod_layers], biases, normed=prod.normed_input, glu=True)
-    plain = tune_gemv([m.weight for m in cons_layers])
+    normed = prod.input_transform is InputTransform.RMS_NORM
+    glu = tune_gemv(
+        [m.weight for m in prod_layers], biases, normed=normed, glu=True, configs=configs
+    )
+    plain = tune_gemv([m.weight for m in cons_layers], configs=configs)
     timings[(prod.n, prod.k)].update({f"glu {name}": t for name, t in glu.timings.items()})
     timings[(cons.n, cons.k)].update(
         {f"plain input {name}": t for name, t in plain.timings.items()}
     )
     if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
-        _set_choice(prod_layers, glu, applies_glu=True)
-        _set_choice(cons_layers, plain, applies_glu=False)
+        prod_plan = _decode_plan(prod.input_transform, glu, epilogue=Epilogue.SILU_AND_MUL)
+        # The down projection's batch-1 input arrives activated by that epilogue.
+        cons_plan = _decode_plan(cons.input_transform, plain, gemv_input=InputTransform.NONE)
+        plans.update(dict.fromkeys(prod_layers, prod_plan))
+        plans.update(dict.fromkeys(cons_layers, cons_plan))
+    return plans, timings
+
+
+def tune_decode_gemvs(
+    model: nn.Module, configs: Sequence[GemvConfig] | None = None
+) -> dict[tuple[int, int], dict[str, float]]:
+    """`plan_decode_gemvs`, and each layer takes its plan; returns the timings."""
+    plans, timings = plan_decode_gemvs(model, configs)
+    for layer, plan in plans.items():
+        layer.set_plan(plan)
     return timings
 
 
-def describe_decode_gemvs(model: nn.Module) -> list[str]:
-    """One line per weight shape: what its batch-1 matmul runs, as tuning left it."""
-    lines: dict[tuple[int, ...], str] = {}
-    for m in model.modules():
-        if not isinstance(m, LinearBase) or tuple(m.weight.shape) in lines:
+def describe_matmul_plans(model: nn.Module) -> list[str]:
+    """One line per layer group (layers of one name, weight shape and plan): what each row
+    count runs, as tuning left it."""
+    lines: dict[tuple[str, tuple[int, ...], MatmulPlan], str] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, PlannedMatmul):
             continue
-        what = "BLAS" if m.gemv_config is None else f"Triton {list(m.gemv_config)}"
-        if m.gemv_fuses_input:
-            what += ", input transform in the prologue"
-        if m.gemv_applies_glu:
-            what += ", SiLU-and-mul in the epilogue"
-        lines[tuple(m.weight.shape)] = f"{m.weight.shape[0]}x{m.weight.shape[1]}: {what}"
+        role, shape = name.rsplit(".", 1)[-1], tuple(m.weight.shape)
+        key = (role, shape, m.plan)
+        if key not in lines:
+            lines[key] = f"{role} {shape[0]}x{shape[1]}: {m.plan.describe()}"
     return list(lines.values())
 
 
-def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:
-    """On the CPU, give small-batch steps a oneDNN-packed weight in every linear layer (and
-    the LM head) whose shape runs clearly faster that way. Returns (BLAS, packed)
-    microseconds per shape at 32 rows."""
+def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tuple[float, float]]]:
+    """On the CPU, plan a oneDNN-packed weight for small-batch steps in every linear layer
+    (and the LM head) whose shape runs clearly faster that way. Returns the plans per layer
+    and (BLAS, packed) microseconds per shape at 32 rows."""
     if not cpu_packing_available():
-        return {}
+        return {}, {}
     timings: dict[tuple[int, int], tuple[float, float]] = {}
+    plans: Plans = {}
     for module in model.modules():
-        if not isinstance(module, (LinearBase, ParallelLMHead)):
+        if not isinstance(module, PlannedMatmul):
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -121,13 +180,21 @@ def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, flo
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
             continue
         shape = (weight.shape[0], weight.shape[1])
-        packed = None
-        if shape not in timings:  # the first layer of a shape is timed with its own copy
-            packed = pack_weight(weight)
-            timings[shape] = time_packed_against_blas(weight, packed)
+        if shape not in timings:  # the first layer of a shape is timed
+            timings[shape] = time_packed_against_blas(weight, pack_weight(weight))
         blas, fast = timings[shape]
+        declared = module.input_transform
         if fast < CPU_PACKED_MIN_GAIN * blas:
-            module.cpu_packed = packed if packed is not None else pack_weight(weight)
+            packed = PlanEntry(CpuPacked(), PACKED_MAX_ROWS, declared)
+            plans[module] = MatmulPlan((packed, PlanEntry(Blas(), input=declared)))
         else:
-            module.cpu_packed = None
+            plans[module] = MatmulPlan.default(declared)
+    return plans, timings
+
+
+def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:
+    """`plan_cpu_linears`, and each layer takes its plan; returns the timings."""
+    plans, timings = plan_cpu_linears(model)
+    for layer, plan in plans.items():
+        layer.set_plan(plan)
     return timings

@@ -24,6 +24,7 @@ from models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from models.matmul_plan import InputTransform
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
@@ -39,12 +40,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        # The input norm feeds this projection alone, which applies it (see forward_normed).
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             bias=cfg.qkv_bias,
+            input_transform=InputTransform.RMS_NORM,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -55,11 +58,12 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention and the output projection, from the fused QKV projection's output."""
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention over norm(hidden + residual); returns its output and the new residual."""
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -68,7 +72,8 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Rotary is applied inside the attention layer, fused with the KV-cache write.
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache))
+        o = self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache)
+        return self.o_proj(o), residual
 
 
 class LlamaMLP(nn.Module):
@@ -77,16 +82,24 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (only silu)")
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
-        # SiLU-and-mul runs in no kernel of its own: the down projection applies it to its
-        # [gate, up] input, or at batch 1 the gate/up GEMV may apply it to its output.
+        # SiLU-and-mul runs in no kernel of its own where the plans fuse it: the down
+        # projection applies it to its [gate, up] input, or the gate/up projection to its
+        # output (see models.matmul_plan).
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], cfg.mlp_bias,
+            input_transform=InputTransform.RMS_NORM, glu_output=True,
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
-            size, cfg.hidden_size, bias=cfg.mlp_bias, gated_input=True
-        )
-        self.gate_up_proj.glu_output = True
+            size, cfg.hidden_size, bias=cfg.mlp_bias,
+            input_transform=InputTransform.SILU_AND_MUL,
+        )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP over norm(hidden + residual); returns its output and the new residual."""
+        gate_up, residual = self.gate_up_proj.forward_normed(hidden, residual, norm)
+        return self.down_proj(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,20 +109,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Each norm feeds one projection, which applies it (see forward_normed).
-        self.self_attn.qkv_proj.normed_input = True
-        self.mlp.gate_up_proj.normed_input = True
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = attn.attend(positions, qkv)
-        gate_up, residual = mlp.gate_up_proj.forward_normed(
-            hidden, residual, self.post_attention_layernorm
-        )
-        return mlp.down_proj(gate_up), residual
+        # Each norm is handed to the sublayer whose first projection applies it.
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

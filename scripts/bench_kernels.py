@@ -296,12 +296,7 @@ GEMV_SHAPES = {
 def _gemv_case(shape: dict[str, Any], n: int, k: int) -> None:
     import torch.nn.functional as F
 
-    from kernels.gemv import (
-        GEMV_CONFIGS,
-        PERSISTENT_GEMV_CONFIGS,
-        PERSISTENT_GEMV_MAX_K,
-        gemv_triton,
-    )
+    from kernels.gemv import gemv_candidates, gemv_triton
 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     # Enough distinct weights (as the layers are) that L2 serves none of the reads.
@@ -315,10 +310,9 @@ def _gemv_case(shape: dict[str, Any], n: int, k: int) -> None:
 
     emit("gemv", {**shape, "impl": "blas"}, bench(cycling(lambda w: F.linear(x, w))),
          nbytes=nbytes)
-    whole_row = PERSISTENT_GEMV_CONFIGS if k <= PERSISTENT_GEMV_MAX_K else []
-    for cfg in GEMV_CONFIGS + whole_row:
+    for cfg in gemv_candidates(k):
         ms = bench(cycling(lambda w, cfg=cfg: gemv_triton(x, w, None, cfg)))
-        emit("gemv", {**shape, "impl": f"triton{list(cfg)}"}, ms, nbytes=nbytes)
+        emit("gemv", {**shape, "impl": f"triton {cfg}"}, ms, nbytes=nbytes)
 
 
 def bench_gemv() -> None:

@@ -108,6 +108,7 @@ def override_split_kv(spec: str) -> dict[str, int]:
 def run_engine(w: dict, args: argparse.Namespace) -> None:
     from asyncengine import EngineArgs
     from asyncengine.llm_engine import LLMEngine
+    from models.linear_tuning import describe_matmul_plans
 
     # Before the engine exists: its CUDA graphs capture the decode attention's launches.
     split_kv = override_split_kv(args.split_kv) if args.split_kv else None
@@ -128,20 +129,12 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     )
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)
-    gemvs = {
-        "x".join(map(str, m.weight.shape)): {
-            "config": list(m.gemv_config),
-            "fuses_input": m.gemv_fuses_input,
-            "applies_glu": m.gemv_applies_glu,
-        }
-        for m in engine.runner.model.modules()
-        if getattr(m, "gemv_config", None) is not None
-    }
+    plans = describe_matmul_plans(engine.runner.model)
     for round_ in range(args.repeat):
         record = timed_run(engine, w, params, args, f"r{round_}-")
         if args.repeat > 1:
             record["round"] = round_ + 1
-        record["batch1_triton_gemv"] = gemvs
+        record["matmul_plans"] = plans
         if split_kv:
             record["split_kv_override"] = split_kv
         emit(record)

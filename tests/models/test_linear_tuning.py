@@ -8,14 +8,32 @@ import torch.nn.functional as F
 from torch import nn
 
 import models.linear_tuning as tuning
+from kernels.activation import silu_and_mul_ref
 from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
-from models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from kernels.gemv import GemvChoice, GemvConfig
+from kernels.rms_norm import fused_add_rms_norm_ref
+from models.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+)
+from models.matmul_plan import (
+    Blas,
+    CpuPacked,
+    Epilogue,
+    InputTransform,
+    MatmulPlan,
+    TritonGemv,
+)
 
 
 def _model() -> nn.Module:
     model = nn.ModuleDict({
         "up": ColumnParallelLinear(48, 96, bias=True),
         "down": RowParallelLinear(96, 48),
+        "gated": RowParallelLinear(48, 48, input_transform=InputTransform.SILU_AND_MUL),
         "head": ParallelLMHead(300, 48),
     })  # fmt: skip
     for p in model.parameters():
@@ -31,10 +49,17 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
     fake = (100.0, 50.0) if packed_wins else (100.0, 95.0)  # 95: inside the noise margin
     monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed: fake)
     model = _model()
-    timings = tuning.tune_cpu_linears(model)
-    assert set(timings) == {(96, 48), (48, 96), (300, 48)}
-    for name in ("up", "down", "head"):
-        assert (model[name].cpu_packed is not None) == packed_wins
+    plans, timings = tuning.plan_cpu_linears(model)
+    assert set(timings) == {(96, 48), (48, 96), (48, 48), (300, 48)}
+    assert set(plans) == set(model.values())
+    assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
+    assert tuning.tune_cpu_linears(model) == timings  # the fake timings: the same plans
+    for name, m in model.items():
+        assert m.plan == plans[m], name
+        small, large = m.plan.entry_for(PACKED_MAX_ROWS), m.plan.entry_for(PACKED_MAX_ROWS + 1)
+        assert small.kind == (CpuPacked() if packed_wins else Blas()) and large.kind == Blas()
+        assert small.input is large.input is m.input_transform
+        assert (getattr(m, "packed_weight", None) is not None) == packed_wins
     for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # packed, packed, BLAS
         x = torch.randn(rows, 48)
         up = model["up"]
@@ -45,7 +70,10 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
         )
         h = torch.randn(rows, 96)
         torch.testing.assert_close(model["down"](h), F.linear(h, model["down"].weight),
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        gated = model["gated"]
+        torch.testing.assert_close(gated(h), F.linear(F.silu(h[:, :48]) * h[:, 48:],
+                                   gated.weight), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,12 +81,96 @@ def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(tuning, "CPU_PACKED_MAX_BYTES", 48 * 96 * 4 - 1)
     model = _model()
     model["head"].to(torch.float16)
+    model["gated"].to(torch.float16)
+    plans, _ = tuning.plan_cpu_linears(model)
+    assert set(plans) == set()
     tuning.tune_cpu_linears(model)
-    assert model["up"].cpu_packed is None and model["down"].cpu_packed is None
-    assert model["head"].cpu_packed is None
+    assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
 
 
 def test_gpu_tuning_ignores_cpu_layers() -> None:
     model = _model()
+    assert tuning.plan_decode_gemvs(model) == ({}, {})
     assert tuning.tune_decode_gemvs(model) == {}
-    assert all(m.gemv_config is None for m in (model["up"], model["down"]))
+    assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
+
+
+def test_plans_are_described_one_line_per_layer_group() -> None:
+    """Layers of one name, shape and plan share a line."""
+    model = nn.ModuleDict({
+        "a": nn.ModuleDict({"o_proj": RowParallelLinear(16, 8)}),
+        "b": nn.ModuleDict({"o_proj": RowParallelLinear(16, 8)}),
+        "lm_head": ParallelLMHead(40, 8),
+    })  # fmt: skip
+    assert tuning.describe_matmul_plans(model) == [
+        "o_proj 8x16: 1+ rows: BLAS",
+        "lm_head 40x8: 1+ rows: BLAS",
+    ]
+
+
+TILED = GemvConfig.tiled(8, 16, 4, 1)
+
+
+def _decoder_layers() -> nn.ModuleDict:
+    norm, gated = InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL
+    layers = nn.ModuleDict({
+        "qkv_proj": ColumnParallelLinear(16, 24, bias=True, input_transform=norm),
+        "gate_up_proj": MergedColumnParallelLinear(
+            16, [32, 32], input_transform=norm, glu_output=True
+        ),
+        "down_proj": RowParallelLinear(32, 16, input_transform=gated),
+        "norm": RMSNorm(16, 1e-5),
+    })  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    for p in layers.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return layers
+
+
+@pytest.mark.parametrize("outcome", ["glu pair", "separate", "blas"])
+def test_decode_planning_keeps_the_mlp_pair_consistent(
+    monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    """The GPU tuner's planning, with the timings faked and the layers on the CPU: whichever
+    arrangement wins, the MLP's batch-1 entries fit together and every batch size still
+    gives the reference (the Triton GEMV runs in the interpreter)."""
+    calls: list[dict] = []
+
+    def fake_tune_gemv(weights, biases=None, reps=5, gated=False, normed=False, glu=False,
+                       configs=None) -> GemvChoice:  # fmt: skip
+        calls.append({"gated": gated, "normed": normed, "glu": glu, "configs": configs})
+        if outcome == "blas":
+            return GemvChoice(None, False, 1.0, {"blas": 1.0})
+        fast = outcome == "glu pair" and (glu or not (gated or normed))
+        ms = 0.4 if fast else 1.0
+        return GemvChoice(TILED, gated or normed, ms, {"blas": 2.0, str(TILED): ms})
+
+    monkeypatch.setattr(tuning, "tune_gemv", fake_tune_gemv)
+    layers = _decoder_layers()
+    plans, timings = tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), [TILED])
+    assert all(call["configs"] == [TILED] for call in calls)
+    assert sum(call["glu"] for call in calls) == 1  # the pair is timed once
+    assert set(timings) == {(24, 16), (64, 16), (16, 32)}
+    for name in ("qkv_proj", "gate_up_proj", "down_proj"):
+        layers[name].set_plan(plans[layers[name]])
+    gate_up, down = layers["gate_up_proj"].plan, layers["down_proj"].plan
+    glu = gate_up.entry_for(1).epilogue is Epilogue.SILU_AND_MUL
+    assert glu == (outcome == "glu pair")
+    assert (down.entry_for(1).input is InputTransform.NONE) == glu
+    assert down.entry_for(2).input is InputTransform.SILU_AND_MUL
+    gemv = outcome != "blas"
+    assert isinstance(layers["qkv_proj"].plan.entry_for(1).kind, TritonGemv) == gemv
+    assert layers["qkv_proj"].plan.entry_for(1).fuse_input == gemv
+    norm = layers["norm"]
+    for rows in (1, 3):
+        x, residual = torch.randn(rows, 16), torch.randn(rows, 16)
+        h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, 1e-5)
+        mid, new_residual = layers["gate_up_proj"].forward_normed(x, residual, norm)
+        want = F.linear(silu_and_mul_ref(F.linear(h, layers["gate_up_proj"].weight)),
+                        layers["down_proj"].weight)  # fmt: skip
+        torch.testing.assert_close(layers["down_proj"](mid), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new_residual, want_residual)
+        qkv, _ = layers["qkv_proj"].forward_normed(x, residual, norm)
+        qkv_proj = layers["qkv_proj"]
+        torch.testing.assert_close(qkv, F.linear(h, qkv_proj.weight, qkv_proj.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip

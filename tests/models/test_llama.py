@@ -2,42 +2,75 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
 from kernels.gemv import GemvConfig
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
-from models.layers import LinearBase
 from models.loader import load_model
+from models.matmul_plan import (
+    Blas,
+    CpuPacked,
+    Epilogue,
+    InputTransform,
+    MatmulKind,
+    MatmulPlan,
+    PlanEntry,
+    PlannedMatmul,
+    TritonGemv,
+)
 from tests.tiny_models import build_tiny_model_dir
 
 BLOCK = 16
 
+PlanFor = Callable[[PlannedMatmul], MatmulPlan]
+
+
+def batch1_gemv_plans(config: GemvConfig, fuse_inputs: bool, glu: bool) -> PlanFor:
+    """Plans as if the tuner chose the Triton GEMV everywhere: the batch-1 GEMV
+    (the norms and activation fused in or not), the BLAS call above; with `glu`, the gate/up
+    GEMV applies SiLU-and-mul in its epilogue and the down projection takes a plain input."""
+
+    def plan(layer: PlannedMatmul) -> MatmulPlan:
+        declared = layer.input_transform
+        gated = declared is InputTransform.SILU_AND_MUL
+        gemv_input = InputTransform.NONE if glu and gated else declared
+        fuse = fuse_inputs and gemv_input is not InputTransform.NONE
+        epilogue = Epilogue.SILU_AND_MUL if glu and layer.glu_output else Epilogue.NONE
+        gemv = PlanEntry(TritonGemv(config), 1, gemv_input, fuse, epilogue)
+        return MatmulPlan((gemv, PlanEntry(Blas(), input=declared)))
+
+    return plan
+
+
+def small_batch_plans(kind: MatmulKind, max_rows: int) -> PlanFor:
+    """`kind` for steps of up to `max_rows` rows, the BLAS call above."""
+
+    def plan(layer: PlannedMatmul) -> MatmulPlan:
+        declared = layer.input_transform
+        return MatmulPlan((
+            PlanEntry(kind, max_rows, declared), PlanEntry(Blas(), input=declared)
+        ))  # fmt: skip
+
+    return plan
+
 
 def flat_forward(
-    model_dir: Path,
-    prompts: list[list[int]],
-    gemv_config: GemvConfig | None = None,
-    fuse_inputs: bool = True,
-    glu: bool = False,
+    model_dir: Path, prompts: list[list[int]], plan_for: PlanFor | None = None
 ) -> list[torch.Tensor]:
     """Run all prompts in ONE flattened varlen step through a fresh paged cache; with
-    `gemv_config`, every linear layer takes the batch-1 Triton GEMV where the step has one
-    token (its norms and activation fused in, as on a GPU that chose it); with `glu`, the
-    gate/up GEMV applies SiLU-and-mul in its epilogue and the down projection takes a plain
-    input."""
+    `plan_for`, every linear layer and the LM head take the plan it gives."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.gemv_config = gemv_config
-            module.gemv_fuses_input = gemv_config is not None and fuse_inputs
-            module.gemv_applies_glu = gemv_config is not None and glu and module.glu_output
-            if glu and module.gated_input:
-                module.gemv_fuses_input = False
+    if plan_for is not None:
+        for module in model.modules():
+            if isinstance(module, PlannedMatmul):
+                module.set_plan(plan_for(module))
     blocks_per = [-(-len(p) // BLOCK) for p in prompts]
     num_blocks = sum(blocks_per)
     for attn in model.attention_layers():
@@ -90,7 +123,9 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
         assert_close_rel(logits, hf_logits(model_dir, p))
 
 
-@pytest.mark.parametrize("config", [(8, 16, 4, 1), (2, 0, 4, 1, 2)])  # tiled, whole-row
+@pytest.mark.parametrize(
+    "config", [GemvConfig.tiled(8, 16, 4, 1), GemvConfig.whole_row(2, 4, 1, 2)], ids=str
+)
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("fuse_inputs", [True, False])
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
@@ -102,10 +137,23 @@ def test_batch1_gemv_path_matches_hf(
     run as kernels of their own, and with SiLU-and-mul in the gate/up GEMV's epilogue."""
     model_dir = build_tiny_model_dir(tmp_path, kind)
     prompt = [7]
-    ours = flat_forward(
-        model_dir, [prompt], gemv_config=config, fuse_inputs=fuse_inputs, glu=glu
-    )[0]
+    ours = flat_forward(model_dir, [prompt], batch1_gemv_plans(config, fuse_inputs, glu))[0]
     assert_close_rel(ours, hf_logits(model_dir, prompt))
+
+
+@pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("kind", ["llama2", "qwen2"])
+def test_cpu_packed_plans_match_hf(tmp_path: Path, kind: str) -> None:
+    """Every linear layer on the oneDNN-packed weight: a step within its rows (prompts of
+    17 and 1 tokens) and one above them (the BLAS entry) both give HF's logits."""
+    model_dir = build_tiny_model_dir(tmp_path, kind)
+    gen = torch.Generator().manual_seed(1)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    plans = small_batch_plans(CpuPacked(), PACKED_MAX_ROWS)
+    for lengths in [(17, 1), (PACKED_MAX_ROWS, 5)]:
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+        for p, logits in zip(prompts, flat_forward(model_dir, prompts, plans), strict=True):
+            assert_close_rel(logits, hf_logits(model_dir, p))
 
 
 def test_config_reads_architecture_facts(tmp_path: Path) -> None:

@@ -1,0 +1,204 @@
+"""Matmul plans: every kind, input transform and epilogue against F.linear on the CPU (the
+Triton GEMV in the interpreter), and the checks a plan must pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul_ref
+from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
+from kernels.gemv import GemvConfig
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from models.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+)
+from models.matmul_plan import (
+    Blas,
+    CpuPacked,
+    Epilogue,
+    InputTransform,
+    MatmulKind,
+    MatmulPlan,
+    PlanEntry,
+    TritonGemv,
+)
+
+NONE, NORM, GATED = InputTransform.NONE, InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL
+GLU = Epilogue.SILU_AND_MUL
+TILED, WHOLE_ROW = GemvConfig.tiled(8, 16, 4, 1), GemvConfig.whole_row(4, 4, 1, 2)
+needs_onednn = pytest.mark.skipif(not cpu_packing_available(), reason="no oneDNN")
+
+
+def _kinds() -> list[tuple[MatmulKind, int | None]]:
+    """Every kind with the most rows its entry serves in these tests."""
+    kinds: list[tuple[MatmulKind, int | None]] = [
+        (Blas(), None), (TritonGemv(TILED), 1), (TritonGemv(WHOLE_ROW), 1)
+    ]  # fmt: skip
+    if cpu_packing_available():
+        kinds.append((CpuPacked(), PACKED_MAX_ROWS))
+    return kinds
+
+
+KINDS = _kinds()
+KIND_IDS = [kind.describe() for kind, _ in KINDS]
+
+
+def _plan(kind: MatmulKind, rows: int | None, input: InputTransform, fuse: bool = False,
+          epilogue: Epilogue = Epilogue.NONE, declared: InputTransform | None = None
+          ) -> MatmulPlan:  # fmt: skip
+    """`kind` for up to `rows` rows, then BLAS with the declared input."""
+    entry = PlanEntry(kind, rows, input, fuse, epilogue)
+    if rows is None:
+        return MatmulPlan((entry,))
+    return MatmulPlan((entry, PlanEntry(Blas(), input=input if declared is None else declared)))
+
+
+def _init(*layers: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers:
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def _fusable(kind: MatmulKind, transform: InputTransform) -> list[bool]:
+    return [False, True] if transform in kind.fusable_inputs else [False]
+
+
+@pytest.mark.parametrize("kind,max_rows", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_input_equals_f_linear(kind: MatmulKind, max_rows: int | None, bias: bool) -> None:
+    layer = ColumnParallelLinear(32, 24, bias=bias)
+    _init(layer)
+    layer.set_plan(_plan(kind, max_rows, NONE))
+    for rows in (1, 3):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,max_rows", KINDS, ids=KIND_IDS)
+def test_gated_input_equals_silu_and_mul_then_f_linear(
+    kind: MatmulKind, max_rows: int | None
+) -> None:
+    """A [gate, up] input, with the activation as its own kernel or in the prologue."""
+    layer = RowParallelLinear(32, 24, input_transform=GATED)
+    _init(layer)
+    for fuse in _fusable(kind, GATED):
+        layer.set_plan(_plan(kind, max_rows, GATED, fuse))
+        for rows in (1, 3):
+            gate_up = torch.randn(rows, 64)
+            want = F.linear(silu_and_mul_ref(gate_up), layer.weight)
+            torch.testing.assert_close(layer(gate_up), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,max_rows", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_normed_input_equals_norm_then_f_linear(
+    kind: MatmulKind, max_rows: int | None, with_residual: bool
+) -> None:
+    layer = ColumnParallelLinear(32, 24, bias=True, input_transform=NORM)
+    norm = RMSNorm(32, 1e-5)
+    _init(layer, norm)
+    for fuse in _fusable(kind, NORM):
+        layer.set_plan(_plan(kind, max_rows, NORM, fuse))
+        for rows in (1, 3):
+            x = torch.randn(rows, 32)
+            residual = torch.randn(rows, 32) if with_residual else None
+            if residual is None:
+                h, want_residual = rms_norm_ref(x, norm.weight, 1e-5), x
+            else:
+                h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, 1e-5)
+            y, new_residual = layer.forward_normed(x, residual, norm)
+            torch.testing.assert_close(new_residual, want_residual, atol=1e-6, rtol=1e-6)
+            want = F.linear(h, layer.weight, layer.bias)
+            torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [TILED, WHOLE_ROW], ids=str)
+@pytest.mark.parametrize("normed", [False, True])
+def test_glu_epilogue_feeds_a_plain_input_down_projection(
+    config: GemvConfig, normed: bool
+) -> None:
+    """The MLP pair as the tuner plans it: the gate/up GEMV applies SiLU-and-mul in its
+    epilogue and the down projection's batch-1 entry takes that activated input; larger
+    batches keep [gate, up] and the down projection activates it."""
+    declared = NORM if normed else NONE
+    gate_up = MergedColumnParallelLinear(16, [32, 32], input_transform=declared, glu_output=True)
+    down = RowParallelLinear(32, 24, input_transform=GATED)
+    norm = RMSNorm(16, 1e-5)
+    _init(gate_up, down, norm)
+    gemv = TritonGemv(config)
+    gate_up.set_plan(_plan(gemv, 1, declared, fuse=normed, epilogue=GLU))
+    down.set_plan(_plan(gemv, 1, NONE, declared=GATED))
+    for rows in (1, 3):
+        x = torch.randn(rows, 16)
+        h = rms_norm_ref(x, norm.weight, 1e-5) if normed else x
+        want = F.linear(silu_and_mul_ref(F.linear(h, gate_up.weight)), down.weight)
+        mid = gate_up.forward_normed(x, None, norm)[0] if normed else gate_up(x)
+        assert mid.shape == (rows, 32 if rows == 1 else 64)
+        torch.testing.assert_close(down(mid), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_lm_head_takes_a_packed_plan_and_drops_the_copy_after() -> None:
+    head = ParallelLMHead(300, 48)
+    _init(head)
+    head.set_plan(_plan(CpuPacked(), PACKED_MAX_ROWS, NONE))
+    assert head.packed_weight is not None
+    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # packed, packed, BLAS
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(head.compute_logits(x), F.linear(x, head.weight)[:, :300],
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    head.set_plan(MatmulPlan.default())
+    assert head.packed_weight is None
+
+
+def test_the_row_count_picks_the_entry() -> None:
+    plan = MatmulPlan((
+        PlanEntry(TritonGemv(TILED), 1), PlanEntry(CpuPacked(), 64), PlanEntry(Blas()),
+    ))  # fmt: skip
+    assert [type(plan.entry_for(r).kind) for r in (1, 2, 64, 65)] == [
+        TritonGemv, CpuPacked, CpuPacked, Blas
+    ]  # fmt: skip
+    assert plan.describe() == (
+        "1 row: Triton GEMV tiled[8, 16, 4, 1]; 2-64 rows: oneDNN-packed; 65+ rows: BLAS"
+    )
+    assert MatmulPlan.default(GATED).describe() == "1+ rows: BLAS, silu_and_mul before it"
+
+
+def test_entries_check_what_their_kind_can_do() -> None:
+    with pytest.raises(ValueError, match="at most 1 rows"):
+        PlanEntry(TritonGemv(TILED), 2)
+    with pytest.raises(ValueError, match="at most 1 rows"):
+        PlanEntry(TritonGemv(TILED))
+    with pytest.raises(ValueError, match="cannot apply rms_norm"):
+        PlanEntry(Blas(), input=NORM, fuse_input=True)
+    with pytest.raises(ValueError, match="no silu_and_mul epilogue"):
+        PlanEntry(CpuPacked(), 64, epilogue=GLU)
+    with pytest.raises(ValueError, match="any number of rows"):
+        MatmulPlan((PlanEntry(CpuPacked(), 64),))
+    with pytest.raises(ValueError, match="increasing max_rows"):
+        MatmulPlan((
+            PlanEntry(CpuPacked(), 64), PlanEntry(TritonGemv(TILED), 1), PlanEntry(Blas()),
+        ))  # fmt: skip
+
+
+def test_a_layer_refuses_a_plan_for_another_input_or_output() -> None:
+    plain = ColumnParallelLinear(16, 8)
+    with pytest.raises(ValueError, match="rms_norm input"):
+        plain.set_plan(MatmulPlan.default(NORM))
+    with pytest.raises(ValueError, match=r"\[gate; up\] output"):
+        plain.set_plan(_plan(TritonGemv(TILED), 1, NONE, epilogue=GLU))
+    normed = ColumnParallelLinear(16, 8, input_transform=NORM)
+    with pytest.raises(ValueError, match="normed input runs through apply_normed"):
+        normed(torch.randn(1, 16))
+    gated = RowParallelLinear(16, 8, input_transform=GATED)
+    gated.set_plan(_plan(Blas(), 1, NONE, declared=GATED))  # activated by its producer
+    with pytest.raises(ValueError, match="layer's input is silu_and_mul"):
+        gated.set_plan(MatmulPlan.default(NORM))
