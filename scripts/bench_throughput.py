@@ -13,6 +13,7 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
@@ -112,21 +113,20 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
 
     # Before the engine exists: its CUDA graphs capture the decode attention's launches.
     split_kv = override_split_kv(args.split_kv) if args.split_kv else None
-    engine = LLMEngine(
-        EngineArgs(
-            model=str(dummy_model_dir(w["shape"])),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager,
-            async_scheduling=False if args.sync else None,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=False,
-            device=args.device,
-            dtype="bfloat16" if args.device != "cpu" else "float32",
-        )
+    engine_args = EngineArgs(
+        model=str(dummy_model_dir(w["shape"])),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.sync else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        device=args.device,
+        dtype="bfloat16" if args.device != "cpu" else "float32",
     )
+    engine = LLMEngine(engine_args)
     params = greedy_params(w["output_len"])
     warm_up(engine, w, params)
     plans = describe_matmul_plans(engine.runner.model)
@@ -134,6 +134,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         record = timed_run(engine, w, params, args, f"r{round_}-")
         if args.repeat > 1:
             record["round"] = round_ + 1
+        record["engine_args"] = dataclasses.asdict(engine_args)
         record["matmul_plans"] = plans
         if split_kv:
             record["split_kv_override"] = split_kv
