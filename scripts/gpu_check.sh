@@ -2,8 +2,8 @@
 # One call on a GPU machine: install what is missing, check correctness, then time.
 #   bash scripts/gpu_check.sh check        # GPU tests (kernels at size, engine vs HF), kernel bench
 #   bash scripts/gpu_check.sh bench        # L1 and W1 twice each with their HF peers, then W2
-#   bash scripts/gpu_check.sh compare DIR  # L1 and W1 from another tree DIR (e.g. the last
-#                                          # release) and from this one, alternating, one machine
+#   bash scripts/gpu_check.sh compare DIR  # L1 and W1 (two passes each) from another tree DIR
+#                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -39,10 +39,10 @@ elif [ "$phase" = bench ]; then
   bench --workload w2 --system engine
 elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternating
   other="${2:?usage: gpu_check.sh compare DIR}"
-  for tree in "$other" "$PWD" "$other" "$PWD"; do
-    for w in l1 w1; do
+  for w in l1 w1; do
+    for tree in "$other" "$PWD"; do
       (cd "$tree" && PYTHONPATH="${PYTHONPATH/$PWD/$tree}" python3 scripts/bench_throughput.py \
-        --workload "$w" --system engine 2>>"$OUT/bench.log") \
+        --workload "$w" --system engine --repeat 2 2>>"$OUT/bench.log") \
         | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
     done
   done
