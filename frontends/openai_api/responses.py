@@ -232,9 +232,14 @@ class CompletionMapper(_Mapper):
             token = self.token_text(tid)
             delta.tokens.append(token)
             delta.token_logprobs.append(entry.get(tid, next(iter(entry.values()), 0.0)))
-            top = dict.fromkeys([tid])  # the sampled token first, as vLLM lists it
-            top.update(dict.fromkeys(t for t, _ in self._top(entry)))
-            delta.top_logprobs.append({self.token_text(t): entry[t] for t in top if t in entry})
+            sampled = delta.token_logprobs[-1]
+            # Keyed by text, as OpenAI's format is: tokens that decode alike share a key, and
+            # the sampled token's value is the one kept. It is listed first, as vLLM does.
+            top = {token: sampled}
+            for t, lp in self._top(entry):
+                top[self.token_text(t)] = lp
+            top[token] = sampled
+            delta.top_logprobs.append(top)
             delta.text_offset.append(choice.text_offset)
             choice.text_offset += len(token)
         whole = choice.completion_logprobs
