@@ -273,7 +273,8 @@ class OpenAIApp:
             raise ApiError.from_request_error(
                 exc, req.param_name(exc.field) if req is not None else exc.field) from None
         if req.stream:
-            return EventStreamResponse(self._events(mapper, submitted, req.include_usage))
+            return EventStreamResponse(self._events(mapper, submitted, req.include_usage,
+                                                    req.continuous_usage))
         await self._until_disconnect(request, self._collect(mapper, submitted))
         return json_response(mapper.final())
 
@@ -294,7 +295,8 @@ class OpenAIApp:
             raise ApiError.from_request_error(
                 exc, req.param_name(exc.field) if req is not None else exc.field) from None
         if req.stream:
-            return EventStreamResponse(self._events(mapper, submitted, req.include_usage))
+            return EventStreamResponse(self._events(mapper, submitted, req.include_usage,
+                                                    req.continuous_usage))
         await self._until_disconnect(request, self._collect(mapper, submitted))
         return json_response(mapper.final())
 
@@ -416,7 +418,8 @@ class OpenAIApp:
             self._release(submitted)
 
     async def _events(self, mapper: CompletionMapper | ChatMapper, submitted: _Submitted,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, continuous_usage: bool = False
+                      ) -> AsyncIterator[bytes]:
         """The response as server-sent events; ends with `data: [DONE]`."""
         try:
             if isinstance(mapper, ChatMapper):
@@ -425,7 +428,10 @@ class OpenAIApp:
             async for i, out in self._outputs(submitted):
                 for comp in out.outputs:
                     if comp.text or comp.token_ids or comp.finish_reason is not None:
-                        yield sse_event(mapper.chunk(i * submitted.n + comp.index, comp))
+                        chunk = mapper.chunk(i * submitted.n + comp.index, comp)
+                        if continuous_usage:
+                            chunk.usage = mapper.usage()
+                        yield sse_event(chunk)
             if include_usage:
                 yield sse_event(mapper.usage_chunk())
         except Exception as exc:

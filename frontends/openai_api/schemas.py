@@ -23,6 +23,8 @@ Prompt = str | list[int]
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
+    # vLLM's: every chunk carries the usage so far, so a client counts the tokens of each.
+    continuous_usage_stats: bool | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -56,6 +58,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

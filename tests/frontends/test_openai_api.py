@@ -106,6 +106,16 @@ async def test_streamed_usage_equals_the_tokens_streamed(api: OpenAIServer,
     assert len(tokens) == usage.completion_tokens == len(exp.token_ids)
 
 
+async def test_continuous_usage_counts_every_chunk(api: OpenAIServer, model_dir: Path) -> None:
+    [exp] = offline_greedy(model_dir, ["per chunk"], max_tokens=10)
+    counts = []
+    async for chunk in await async_client(api).completions.create(
+            model=MODEL, prompt="per chunk", max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        counts.append(chunk.usage.completion_tokens)
+    assert counts == sorted(counts) and counts[-1] == len(exp.token_ids)
+
+
 async def test_a_batch_of_prompts_gives_one_choice_each(api: OpenAIServer,
                                                         model_dir: Path) -> None:
     expected = offline_greedy(model_dir, PROMPTS, max_tokens=6)
