@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,7 @@ class OpenAIApp:
         self._key_digest = (hashlib.sha256(config.api_key.encode()).digest()
                             if config.api_key is not None else None)
         self._in_flight: set[RequestStream] = set()
+        self._created = int(time.time())
         self.draining = False
         self.app = Starlette(
             routes=[
@@ -242,7 +244,8 @@ class OpenAIApp:
 
     def _card(self) -> ModelCard:
         root = getattr(self.engine.engine, "model_dir", None)
-        return ModelCard(id=self.model_name, created=0, root=str(root) if root else None,
+        return ModelCard(id=self.model_name, created=self._created,
+                         root=str(root) if root else None,
                          max_model_len=self.engine.max_model_len)
 
     async def models(self, request: Request) -> Response:
