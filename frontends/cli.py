@@ -297,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:  # one line per connection is noise
         logging.getLogger("websockets").setLevel(logging.WARNING)
+        logging.getLogger("uvicorn").setLevel(logging.WARNING)
     try:
         if ns.command == "serve":
             run_async(serve(ns))
