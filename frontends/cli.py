@@ -100,17 +100,23 @@ def _log_level(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(prog="asyncengine",
-                             description="LLM inference engine with a WebSocket server.")
+                             description="LLM inference engine with a WebSocket server and an "
+                                         "OpenAI-compatible HTTP API.")
     parser.add_argument("--log-level", default=envs.log_level(),
                         type=_log_level, help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model over WebSocket")
+    serve = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI's HTTP API")
     add_engine_args(serve)
     net = serve.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1",
                      help="interface to bind (non-loopback needs an API key)")
-    net.add_argument("--port", type=int, default=8765)
+    net.add_argument("--port", type=int, default=8765, help="WebSocket port")
+    net.add_argument("--openai-port", type=int, default=8000,
+                     help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                          "/v1/chat/completions, /v1/models); 0 turns it off (default: 8000)")
+    net.add_argument("--served-model-name", default=None,
+                     help="model id of the OpenAI API (default: the model directory's name)")
     _add_api_key(net)
     net.add_argument("--allowed-origins", nargs="*", default=None,
                      help="accepted Origin headers of browser clients; default: loopback "
@@ -174,6 +180,7 @@ def _import_run_monitor() -> Any:
 
 async def serve(ns: argparse.Namespace) -> None:
     from asyncengine.async_engine import AsyncLLMEngine
+    from frontends.openai_api import OpenAIConfig, OpenAIServer
     from frontends.server import ServerConfig, run_server
 
     config = ServerConfig(
@@ -183,7 +190,18 @@ async def serve(ns: argparse.Namespace) -> None:
         max_requests_per_connection=ns.max_requests_per_connection,
         drain_timeout=ns.drain_timeout, log_prompts=ns.log_prompts,
     )
+    http_config = None
+    if ns.openai_port:
+        http_config = OpenAIConfig(
+            host=ns.host, port=ns.openai_port, api_key=ns.api_key,
+            served_model_name=ns.served_model_name,
+            max_queued_requests=ns.max_queued_requests,
+            max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
+            drain_timeout=ns.drain_timeout, log_prompts=ns.log_prompts,
+        )
     config.validate()  # refuse a bad bind before spending time on the model
+    if http_config is not None:
+        http_config.validate()
     run_monitor = _import_run_monitor() if ns.dashboard else None
     args = engine_args_from(ns)
     logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
@@ -194,9 +212,24 @@ async def serve(ns: argparse.Namespace) -> None:
                 engine.model_name, getattr(llm, "device", "?"), getattr(llm, "dtype", "?"),
                 pool.num_blocks, pool.block_size, engine.max_model_len)
 
+    # The HTTP API starts once the WebSocket server listens (it shares its metrics) and
+    # drains beside it when a signal sets `stop`.
+    stop = asyncio.Event()
+    http_servers: list[OpenAIServer] = []
+    http_failure: list[BaseException] = []
+
     async def after_start(server: Any) -> None:
         logger.info("listening on %s%s", server.url,
                     " (API key required)" if config.api_key else "")
+        if http_config is not None:
+            http = OpenAIServer(engine, http_config, metrics=server.metrics)
+            try:
+                await http.start()
+            except BaseException as exc:
+                http_failure.append(exc)
+                raise
+            http_servers.append(http)
+            logger.info("OpenAI-compatible API on %s/v1 (model %r)", http.url, http.model_name)
         demo = None
         if ns.demo_load:
             from frontends.demo_load import run_demo_load
@@ -213,10 +246,20 @@ async def serve(ns: argparse.Namespace) -> None:
                 demo.cancel()
                 await asyncio.gather(demo, return_exceptions=True)
 
+    async def drain_http() -> None:
+        await stop.wait()
+        for http in http_servers:
+            await http.drain()
+
+    http_drain = asyncio.create_task(drain_http())
     try:
-        await run_server(engine, config, on_started=after_start)
+        await run_server(engine, config, stop=stop, on_started=after_start)
     finally:
+        stop.set()
+        await http_drain
         await engine.shutdown()
+    if http_failure:
+        raise http_failure[0]
 
 
 @contextlib.contextmanager
@@ -254,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:  # one line per connection is noise
         logging.getLogger("websockets").setLevel(logging.WARNING)
+        logging.getLogger("uvicorn").setLevel(logging.WARNING)
     try:
         if ns.command == "serve":
             run_async(serve(ns))

@@ -1,14 +1,18 @@
-"""S1 of BENCHMARKS.md: serving through the WebSocket server at several request rates.
+"""S1 and H1 of BENCHMARKS.md: serving through the WebSocket server (`--api websocket`) or
+the OpenAI-compatible HTTP API (`--api openai`: streamed `/v1/completions`) at several rates.
 
 Starts the server in this process (or uses `--url`), drives it from a separate client
-process over real WebSocket connections on loopback with Poisson arrivals at each rate in
-`--rates` (`inf` sends everything at once: saturation), then runs the same requests through
-the offline engine for the saturation comparison. Prompts are random token ids and EOS is
+process over real connections on loopback with Poisson arrivals at each rate in `--rates`
+(`inf` sends everything at once: saturation), then runs the same requests through the
+offline engine for the saturation comparison. Prompts are random token ids and EOS is
 ignored, so lengths are exactly those drawn from `--seed`. One JSON line per rate/system.
+Over HTTP each request is one streamed POST; the tokens of each chunk are counted from
+vLLM's `stream_options.continuous_usage_stats`.
 
   python scripts/bench_serving.py --shape llama2-7b --rates 1,4,16,inf --num-requests 512 \\
-      --input-len 512 --output-len 256 --device cuda
+      --input-len 512 --output-len 256 --device cuda [--api openai]
   python scripts/bench_serving.py --model /path/to/model --rates 2,inf --device cpu
+  python scripts/bench_serving.py --api openai --url http://127.0.0.1:8000 --shape llama2-7b
 """
 
 from __future__ import annotations
@@ -125,20 +129,92 @@ async def _drive(url: str, api_key: str | None, requests: list[BenchRequest],
     return list(results), duration
 
 
-def _client_process(conn: Any, url: str, api_key: str | None, requests: list[BenchRequest],
-                    arrivals: list[float], num_connections: int) -> None:
-    conn.send(run_async(_drive(url, api_key, requests, arrivals, num_connections)))
+def _http_client_module() -> Any:
+    """httpx's successor where it is installed (the `openai` client's), else httpx."""
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    return httpx
+
+
+async def _drive_openai(url: str, api_key: str | None, requests: list[BenchRequest],
+                        arrivals: list[float]) -> tuple[list[RequestResult], float]:
+    """The requests as streamed `/v1/completions` POSTs, one connection each."""
+    import msgspec
+
+    httpx = _http_client_module()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=len(requests) + 1,
+                          max_keepalive_connections=len(requests) + 1)
+    client = httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None)
+    model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    clock = time.perf_counter
+
+    async def one(i: int, start_at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start_at - clock()))
+        req = requests[i]
+        body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        sent = last = clock()
+        res = RequestResult(ok=False)
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: "
+                                       f"{(await response.aread())[:200]!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = msgspec.json.decode(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"].get("message"))
+                    if not chunk["choices"]:
+                        continue  # the closing usage chunk
+                    now = clock()
+                    n = chunk["usage"]["completion_tokens"] - res.output_tokens
+                    if n <= 0:
+                        continue
+                    if res.output_tokens == 0:
+                        res.ttft = now - sent
+                        res.itls.extend([0.0] * (n - 1))
+                    else:
+                        # A merged chunk carries several tokens: spread its gap over them.
+                        res.itls.extend([(now - last) / n] * n)
+                    res.output_tokens += n
+                    last = now
+            res.e2e = clock() - sent
+            res.ok = True
+        except Exception as exc:  # reported per request in the summary
+            res.error = f"{type(exc).__name__}: {exc}"
+        return res
+
+    t0 = clock() + 0.05
+    results = await asyncio.gather(*(one(i, t0 + a) for i, a in enumerate(arrivals)))
+    duration = clock() - t0
+    await client.aclose()
+    return list(results), duration
+
+
+def _client_process(conn: Any, api: str, url: str, api_key: str | None,
+                    requests: list[BenchRequest], arrivals: list[float],
+                    num_connections: int) -> None:
+    if api == "openai":
+        conn.send(run_async(_drive_openai(url, api_key, requests, arrivals)))
+    else:
+        conn.send(run_async(_drive(url, api_key, requests, arrivals, num_connections)))
     conn.close()
 
 
-async def run_clients(url: str, api_key: str | None, requests: list[BenchRequest],
+async def run_clients(api: str, url: str, api_key: str | None, requests: list[BenchRequest],
                       arrivals: list[float],
                       num_connections: int) -> tuple[list[RequestResult], float]:
     """Run the clients in their own process so they do not share the server's GIL."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_client_process,
-                       args=(child, url, api_key, requests, arrivals, num_connections))
+                       args=(child, api, url, api_key, requests, arrivals, num_connections))
     proc.start()
     child.close()
     result = await asyncio.to_thread(parent.recv)
@@ -207,13 +283,16 @@ def _sync() -> None:
 # ----------------------------------------------------------------------- main
 async def bench(ns: argparse.Namespace) -> None:
     from asyncengine.async_engine import AsyncLLMEngine
+    from frontends.openai_api import OpenAIConfig, serve_openai
     from frontends.server import ServerConfig, serve_engine
 
+    http = ns.api == "openai"
     rates = [float(r) for r in ns.rates.split(",")]
     common: dict[str, Any] = {
-        "benchmark": "S1", "num_requests": ns.num_requests, "input_len": ns.input_len,
+        "benchmark": "H1" if http else "S1", "api": ns.api,
+        "num_requests": ns.num_requests, "input_len": ns.input_len,
         "output_len": ns.output_len, "len_jitter": ns.len_jitter, "seed": ns.seed,
-        "connections": ns.num_connections, "host": platform.node(),
+        "connections": ns.num_requests if http else ns.num_connections, "host": platform.node(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
@@ -238,23 +317,30 @@ async def bench(ns: argparse.Namespace) -> None:
     async def serve_rates(url: str, api_key: str | None) -> dict[float, dict[str, Any]]:
         records = {}
         if warmup:
-            await run_clients(url, api_key, warmup, [0.0] * len(warmup), 1)
+            await run_clients(ns.api, url, api_key, warmup, [0.0] * len(warmup), 1)
         for run, rate in enumerate(rates):
             arrivals = arrival_times(ns.num_requests, rate, ns.seed)
-            results, duration = await run_clients(url, api_key, requests_for(run), arrivals,
-                                                  ns.num_connections)
-            records[rate] = summarize("asyncengine-serve", rate, results, duration, common)
+            results, duration = await run_clients(ns.api, url, api_key, requests_for(run),
+                                                  arrivals, ns.num_connections)
+            system = "asyncengine-openai" if http else "asyncengine-serve"
+            records[rate] = summarize(system, rate, results, duration, common)
             emit(records[rate])
         return records
 
     if engine is None:
         await serve_rates(ns.url, ns.api_key)
         return
-    config = ServerConfig(port=0, max_queued_requests=max(1024, ns.num_requests),
-                          max_queued_prompt_tokens=1 << 30,
-                          max_requests_per_connection=max(256, ns.num_requests))
-    async with serve_engine(engine, config) as server:
-        records = await serve_rates(server.url, None)
+    if http:
+        http_config = OpenAIConfig(port=0, max_queued_requests=max(1024, ns.num_requests),
+                                   max_queued_prompt_tokens=1 << 30)
+        async with serve_openai(engine, http_config) as api_server:
+            records = await serve_rates(api_server.url, None)
+    else:
+        config = ServerConfig(port=0, max_queued_requests=max(1024, ns.num_requests),
+                              max_queued_prompt_tokens=1 << 30,
+                              max_requests_per_connection=max(256, ns.num_requests))
+        async with serve_engine(engine, config) as server:
+            records = await serve_rates(server.url, None)
     if not ns.skip_offline:
         # The offline loop runs on the step thread too, the thread that built the engine and
         # served: the comparison then measures the frontend alone.
@@ -282,7 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(parser)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="a BENCHMARKS.md model shape with dummy weights (sets --model)")
-    parser.add_argument("--url", default=None, help="benchmark a running server instead")
+    parser.add_argument("--api", choices=["websocket", "openai"], default="websocket",
+                        help="websocket: S1 over the WebSocket protocol; openai: H1, streamed "
+                             "/v1/completions over HTTP")
+    parser.add_argument("--url", default=None,
+                        help="benchmark a running server instead (ws://… for websocket, "
+                             "http://… for openai)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary size for prompts when using --url")

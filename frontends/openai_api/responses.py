@@ -1,0 +1,306 @@
+"""Engine outputs as OpenAI objects: completions, chat completions and their stream chunks.
+
+A mapper holds one response's id, model and per-choice state (text, token count, finish
+reason, logprobs). `chunk` turns one engine delta of one choice into a stream chunk,
+`final` builds the whole response, `usage_chunk` the last chunk of
+`stream_options.include_usage`. Choices are keyed by their `index`, so a response made of
+several engine requests (a batch of prompts, or `n` samples once the engine has them) is the
+same code with more choices. The sampled token's logprob is always the first entry of an
+engine logprobs dict (see `CompletionOutput.logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+
+from asyncengine.outputs import CompletionOutput
+
+TokenText = Callable[[int], str]
+
+
+# ----------------------------------------------------------------------- shared
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "asyncengine"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# ----------------------------------------------------------------------- completions
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A completion, or (`stream`) one chunk of it: OpenAI uses one object type for both."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ----------------------------------------------------------------------- chat
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ----------------------------------------------------------------------- mapping
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    text: list[str] = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text_offset: int = 0
+    completion_logprobs: CompletionLogprobs | None = None
+    chat_logprobs: list[TokenLogprob] | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Mapper:
+    """What both response kinds track per choice."""
+
+    def __init__(self, response_id: str, model: str, prompt_tokens: list[int],
+                 token_text: TokenText, logprobs: int | None, n: int = 1) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens  # per prompt: its `n` choices share the prompt
+        self.choices = [_Choice(i) for i in range(len(prompt_tokens) * n)]
+        self.token_text = token_text
+        self.logprobs = logprobs  # top alternatives per token, or None: no logprobs
+
+    def _advance(self, index: int, comp: CompletionOutput) -> _Choice:
+        choice = self.choices[index]
+        choice.text.append(comp.text)
+        choice.completion_tokens += len(comp.token_ids)
+        if comp.finish_reason is not None:
+            choice.finish_reason = comp.finish_reason
+        return choice
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+    def completion_tokens(self, index: int) -> int:
+        return self.choices[index].completion_tokens
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        """The `self.logprobs` most likely tokens of one position, best first."""
+        n = self.logprobs or 0
+        return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+class CompletionMapper(_Mapper):
+    """`/v1/completions`: `echo` texts (one per choice, or None) lead each choice's text."""
+
+    def __init__(self, response_id: str, model: str, prompt_tokens: list[int],
+                 token_text: TokenText, logprobs: int | None, n: int = 1,
+                 echo: list[str] | None = None) -> None:
+        super().__init__(response_id, model, prompt_tokens, token_text, logprobs, n)
+        self._n = n
+        self._echo = echo  # per prompt
+
+    def _echo_of(self, index: int) -> str:
+        assert self._echo is not None
+        return self._echo[index // self._n]
+
+    def chunk(self, index: int, comp: CompletionOutput) -> Completion:
+        choice = self._advance(index, comp)
+        text = comp.text
+        if self._echo is not None and len(choice.text) == 1:
+            text = self._echo_of(index) + text
+            choice.text_offset = len(self._echo_of(index))
+        logprobs = self._logprobs(choice, comp)
+        return Completion(id=self.id, created=self.created, model=self.model,
+                          choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=comp.finish_reason)])
+
+    def usage_chunk(self) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                          usage=self.usage())
+
+    def final(self) -> Completion:
+        choices = []
+        for c in self.choices:
+            text = "".join(c.text)
+            if self._echo is not None:
+                text = self._echo_of(c.index) + text
+            choices.append(CompletionChoice(index=c.index, text=text,
+                                            logprobs=c.completion_logprobs,
+                                            finish_reason=c.finish_reason))
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                          usage=self.usage())
+
+    def _logprobs(self, choice: _Choice, comp: CompletionOutput) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        delta = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                                   text_offset=[])
+        for tid, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
+            token = self.token_text(tid)
+            delta.tokens.append(token)
+            delta.token_logprobs.append(entry.get(tid, next(iter(entry.values()), 0.0)))
+            sampled = delta.token_logprobs[-1]
+            # Keyed by text, as OpenAI's format is: tokens that decode alike share a key, and
+            # the sampled token's value is the one kept. It is listed first, as vLLM does.
+            top = {token: sampled}
+            for t, lp in self._top(entry):
+                top[self.token_text(t)] = lp
+            top[token] = sampled
+            delta.top_logprobs.append(top)
+            delta.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+        whole = choice.completion_logprobs
+        if whole is None:
+            choice.completion_logprobs = CompletionLogprobs(
+                tokens=list(delta.tokens), token_logprobs=list(delta.token_logprobs),
+                top_logprobs=list(delta.top_logprobs), text_offset=list(delta.text_offset))
+        else:
+            whole.tokens += delta.tokens
+            whole.token_logprobs += delta.token_logprobs
+            whole.top_logprobs += delta.top_logprobs
+            whole.text_offset += delta.text_offset
+        return delta
+
+
+class ChatMapper(_Mapper):
+    """`/v1/chat/completions`: a role chunk opens each choice's stream."""
+
+    def role_chunk(self, index: int) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model,
+            choices=[ChatChunkChoice(index=index, delta=ChatDelta(role="assistant",
+                                                                  content=""))])
+
+    def chunk(self, index: int, comp: CompletionOutput) -> ChatCompletionChunk:
+        choice = self._advance(index, comp)
+        logprobs = self._logprobs(choice, comp)
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model,
+            choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=comp.text),
+                                     logprobs=logprobs, finish_reason=comp.finish_reason)])
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   choices=[], usage=self.usage())
+
+    def final(self) -> ChatCompletion:
+        choices = [
+            ChatChoice(index=c.index,
+                       message=ChatMessageOut(role="assistant", content="".join(c.text)),
+                       logprobs=(ChatLogprobs(content=c.chat_logprobs)
+                                 if c.chat_logprobs is not None else None),
+                       finish_reason=c.finish_reason)
+            for c in self.choices
+        ]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model,
+                              choices=choices, usage=self.usage())
+
+    def _logprobs(self, choice: _Choice, comp: CompletionOutput) -> ChatLogprobs | None:
+        if self.logprobs is None:
+            return None
+        content = []
+        for tid, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
+            token = self.token_text(tid)
+            content.append(TokenLogprob(
+                token=token, logprob=entry.get(tid, next(iter(entry.values()), 0.0)),
+                bytes=list(token.encode()),
+                top_logprobs=[TopLogprob(token=(t := self.token_text(k)), logprob=v,
+                                         bytes=list(t.encode()))
+                              for k, v in self._top(entry)]))
+        if choice.chat_logprobs is None:
+            choice.chat_logprobs = []
+        choice.chat_logprobs += content
+        return ChatLogprobs(content=content)
