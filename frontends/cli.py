@@ -229,7 +229,6 @@ async def serve(ns: argparse.Namespace) -> None:
                 http_failure.append(exc)
                 raise
             http_servers.append(http)
-            logger.info("OpenAI-compatible API on %s/v1 (model %r)", http.url, http.model_name)
         demo = None
         if ns.demo_load:
             from frontends.demo_load import run_demo_load
