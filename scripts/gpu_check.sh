@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh bench        # L1 and W1 twice each with their HF peers, then W2
 #   bash scripts/gpu_check.sh compare DIR  # L1 and W1 (two passes each) from another tree DIR
 #                                          # (e.g. the last release) and from this one, one machine
+#   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -22,6 +23,11 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 phase="${1:-check}"
 bench() { python3 scripts/bench_throughput.py "$@" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"; }
+serving() {  # W1's model and lengths behind `asyncengine serve`
+  python3 scripts/bench_serving.py --shape llama2-7b --device cuda --input-len 512 \
+    --output-len 256 --skip-tokenizer-init --load-format dummy "$@" 2>>"$OUT/bench.log" \
+    | tee -a "$OUT/serving.jsonl"
+}
 gpu_tests() {
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/models \
     tests/asyncengine/test_gpu_engine.py tests/asyncengine/test_sampler.py \
@@ -46,13 +52,17 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
         | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
     done
   done
+elif [ "$phase" = serving ]; then  # H1 (OpenAI HTTP) and S1 (WebSocket) at saturation
+  serving --api openai --rates inf --num-requests 256
+  serving --api websocket --rates inf --num-requests 256 --skip-offline
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
+echo "== serving"; cut -c1-300 "$OUT/serving.jsonl" 2>/dev/null
 echo "== compare"; cat "$OUT/compare.jsonl" 2>/dev/null | cut -c1-300
