@@ -94,7 +94,7 @@ def paged_attention_ref(
     if num_tokens == lens.numel() and bool((q_lens == 1).all()):  # a decode-only step
         max_len = int(lens.max()) if num_tokens else 0
         if max_len > 0:
-            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale, group)
+            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale)
         else:
             o = torch.zeros(num_tokens, num_heads, head_dim, device=device)
         if out is None:
@@ -110,7 +110,7 @@ def paged_attention_ref(
         max_len = int(d_lens.max())
         if max_len > 0:
             result[tok] = _decode_rows_ref(
-                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale, group
+                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale
             )
 
     # Sequences with several query tokens (prefill chunks): one SDPA call each.
@@ -143,14 +143,24 @@ def paged_attention_ref(
 
 
 def _masked_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
-    group: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [n, Hq, 1, D] over gathered k, v [n, L, Hkv, D] where `valid` [n, L] is True."""
-    return F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-        scale=scale, enable_gqa=group > 1,
+    """One query token per row, q [n, Hq, D], over gathered k, v [n, L, Hkv, D] where
+    `valid` [n, L] is True; returns [n, Hq, D].
+
+    Query heads h * G .. h * G + G - 1 share KV head h (G = Hq // Hkv), and a lone query
+    token attends to every valid key: so the G heads of a KV head go in as G query rows of
+    one non-causal attention over that head's keys. The CPU kernel then reads each K/V row
+    once for G queries instead of once per query head, and no repeated K/V is formed.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale,
     )
+    return o.reshape(n, num_heads, head_dim)
 
 
 def _decode_rows_ref(
@@ -161,10 +171,9 @@ def _decode_rows_ref(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
-    group: int,
 ) -> torch.Tensor:
-    """All single-token rows at once: gather their blocks, masked batched matmuls."""
-    n, num_heads, head_dim = q.shape
+    """All single-token rows at once: gather their blocks, one masked attention call."""
+    n, head_dim = q.shape[0], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_len // block_size)
     padded = num_blocks * block_size
@@ -180,8 +189,8 @@ def _decode_rows_ref(
     k = k_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
     v = v_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
     k, v = k.float(), v.float()
-    qh = q.float().view(n, num_heads, 1, head_dim)
-    o = _masked_sdpa(qh, k, v, valid, scale, group)
+    qf = q.float()
+    o = _masked_sdpa(qf, k, v, valid, scale)
     # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
     # zero-filled cache never does, so zero them only for rows that came out non-finite.
     live = lens > 0
@@ -191,10 +200,9 @@ def _decode_rows_ref(
         invalid = ~valid[rows][:, :, None, None]
         k_rows = k[rows].masked_fill_(invalid, 0.0)
         v_rows = v[rows].masked_fill_(invalid, 0.0)
-        o[rows] = _masked_sdpa(qh[rows], k_rows, v_rows, valid[rows], scale, group)
+        o[rows] = _masked_sdpa(qf[rows], k_rows, v_rows, valid[rows], scale)
     # Rows of length 0 (padding) are fully masked: SDPA gives NaN there, we give zeros.
-    o = torch.where(live[:, None, None, None], o, torch.zeros((), device=device))
-    return o.reshape(n, num_heads, head_dim)
+    return torch.where(live[:, None, None], o, torch.zeros((), device=device))
 
 
 # --------------------------------------------------------------------------------------------
