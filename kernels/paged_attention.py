@@ -80,19 +80,23 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Paged causal attention in plain torch (fp32 math); returns [T, Hq, D] in q.dtype.
 
-    `max_query_len`, `decode_only` and `max_seq_len` are the Triton path's host hints,
-    accepted and ignored.
+    `decode_only` and `max_seq_len` are host hints, as on the Triton path: a caller passing
+    `decode_only=True` vouches that every sequence has one query token, and `max_seq_len`
+    that no context is longer; they spare this path reading the metadata back in every
+    layer. Without them it finds both itself. `max_query_len` is accepted and ignored.
     """
-    del max_query_len, decode_only, max_seq_len
+    del max_query_len
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
     lens = seq_lens.to(torch.int64)
-    qsl = query_start_loc.to(torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    if num_tokens == lens.numel() and bool((q_lens == 1).all()):  # a decode-only step
-        max_len = int(lens.max()) if num_tokens else 0
+    num_seqs = lens.numel()
+    if num_tokens == num_seqs and (decode_only or bool((query_start_loc.diff() == 1).all())):
+        if max_seq_len is not None:
+            max_len = max_seq_len
+        else:
+            max_len = int(lens.max()) if num_tokens else 0
         if max_len > 0:
             o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale)
         else:
@@ -102,6 +106,8 @@ def paged_attention_ref(
         out.copy_(o)
         return out
     result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
 
     decode_idx = torch.nonzero(q_lens == 1).flatten()
     if decode_idx.numel() > 0:
@@ -113,15 +119,18 @@ def paged_attention_ref(
                 q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale
             )
 
-    # Sequences with several query tokens (prefill chunks): one SDPA call each.
-    for b in torch.nonzero(q_lens > 1).flatten().tolist():
-        start, q_len, seq_len = int(qsl[b]), int(q_lens[b]), int(lens[b])
-        if seq_len <= 0:
+    # Sequences with several query tokens (prefill chunks): one SDPA call each. The
+    # metadata is read back once, not element by element.
+    starts, seq_lens_host = qsl.tolist(), lens.tolist()
+    for b in range(num_seqs):
+        start, q_len, seq_len = starts[b], starts[b + 1] - starts[b], seq_lens_host[b]
+        if q_len <= 1 or seq_len <= 0:
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :num_blocks].to(torch.int64)
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        v = v_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        k, v = k[:seq_len].float(), v[:seq_len].float()
         qs = q[start : start + q_len].float()
         key_pos = torch.arange(seq_len, device=device)
         query_pos = seq_len - q_len + torch.arange(q_len, device=device)
@@ -175,7 +184,8 @@ def _decode_rows_ref(
     """All single-token rows at once: gather their blocks, one masked attention call."""
     n, head_dim = q.shape[0], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-max_len // block_size)
+    # A `max_seq_len` hint may round past the table; the contexts themselves fit in it.
+    num_blocks = min(-(-max_len // block_size), block_tables.shape[1])
     padded = num_blocks * block_size
     device = q.device
     # Table entries past a sequence's last block may hold anything: point them at block 0.
@@ -193,6 +203,9 @@ def _decode_rows_ref(
     o = _masked_sdpa(qf, k, v, valid, scale)
     # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
     # zero-filled cache never does, so zero them only for rows that came out non-finite.
+    # One check for the whole batch first: rows that need either fix below are rare.
+    if bool(torch.isfinite(o).all()):
+        return o
     live = lens > 0
     bad = live & ~torch.isfinite(o).flatten(1).all(dim=1)
     if bad.any():
