@@ -25,10 +25,11 @@ class SamplingMetadata:
     """Per-row sampling inputs for one step, one row per request that samples a token.
 
     Tensors live on the logits' device; the boolean flags are host values that let the sampler
-    skip whole stages (penalties, the min_tokens ban, random sampling) without a sync, and tell
-    callers which filters the batch uses. Disabled filters hold neutral values (top_k 0, top_p 1,
-    min_p 0); greedy rows carry temperature 1 (so dividing is safe) and are marked in
-    `is_greedy`.
+    skip whole stages (penalties, the min_tokens ban, random sampling) without a sync. There
+    are no flags for the top-k / top-p / min-p filters: the random path always runs the same
+    filtering op, so that a seeded row samples alike whatever its batch asks for. Disabled
+    filters hold neutral values (top_k 0, top_p 1, min_p 0); greedy rows carry temperature 1
+    (so dividing is safe) and are marked in `is_greedy`.
     """
 
     temperature: torch.Tensor  # float32 [B]
@@ -49,13 +50,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> the seeded request's own generator
     all_greedy: bool
     all_random: bool
-    any_random: bool
     no_penalties: bool
     no_repetition_penalty: bool
     no_frequency_presence_penalties: bool
-    no_top_k: bool
-    no_top_p: bool
-    no_min_p: bool
     has_min_tokens_ban: bool
     max_num_logprobs: int | None  # N: top-N columns besides the sampled token; None = none asked
 
@@ -140,13 +137,9 @@ class SamplingMetadata:
             generators={i: g for i, g in enumerate(generators) if g is not None},
             all_greedy=all_greedy,
             all_random=not any(greedy),
-            any_random=not all_greedy,
             no_penalties=no_penalties,
             no_repetition_penalty=no_rep,
             no_frequency_presence_penalties=no_freq_pres,
-            no_top_k=all(k == 0 for k in top_k),
-            no_top_p=all(p >= 1.0 for p in top_p),
-            no_min_p=all(p <= 0.0 for p in min_p),
             has_min_tokens_ban=bool(ban),
             max_num_logprobs=max_num_logprobs,
         )

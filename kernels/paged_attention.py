@@ -95,21 +95,25 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Paged causal attention in plain torch (fp32 math); returns [T, Hq, D] in q.dtype.
 
-    `max_query_len`, `decode_only` and `max_seq_len` are the Triton path's host hints,
-    accepted and ignored.
+    `decode_only` and `max_seq_len` are host hints, as on the Triton path: a caller passing
+    `decode_only=True` vouches that every sequence has one query token, and `max_seq_len`
+    that no context is longer; they spare this path reading the metadata back in every
+    layer. Without them it finds both itself. `max_query_len` is accepted and ignored.
     """
-    del max_query_len, decode_only, max_seq_len
+    del max_query_len
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
     lens = seq_lens.to(torch.int64)
-    qsl = query_start_loc.to(torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    if num_tokens == lens.numel() and bool((q_lens == 1).all()):  # a decode-only step
-        max_len = int(lens.max()) if num_tokens else 0
+    num_seqs = lens.numel()
+    if num_tokens == num_seqs and (decode_only or bool((query_start_loc.diff() == 1).all())):
+        if max_seq_len is not None:
+            max_len = max_seq_len
+        else:
+            max_len = int(lens.max()) if num_tokens else 0
         if max_len > 0:
-            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale, group)
+            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale)
         else:
             o = torch.zeros(num_tokens, num_heads, head_dim, device=device)
         if out is None:
@@ -117,6 +121,8 @@ def paged_attention_ref(
         out.copy_(o)
         return out
     result = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
 
     decode_idx = torch.nonzero(q_lens == 1).flatten()
     if decode_idx.numel() > 0:
@@ -125,18 +131,21 @@ def paged_attention_ref(
         max_len = int(d_lens.max())
         if max_len > 0:
             result[tok] = _decode_rows_ref(
-                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale, group
+                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale
             )
 
-    # Sequences with several query tokens (prefill chunks): one SDPA call each.
-    for b in torch.nonzero(q_lens > 1).flatten().tolist():
-        start, q_len, seq_len = int(qsl[b]), int(q_lens[b]), int(lens[b])
-        if seq_len <= 0:
+    # Sequences with several query tokens (prefill chunks): one SDPA call each. The
+    # metadata is read back once, not element by element.
+    starts, seq_lens_host = qsl.tolist(), lens.tolist()
+    for b in range(num_seqs):
+        start, q_len, seq_len = starts[b], starts[b + 1] - starts[b], seq_lens_host[b]
+        if q_len <= 1 or seq_len <= 0:
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :num_blocks].to(torch.int64)
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        v = v_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        k, v = k[:seq_len].float(), v[:seq_len].float()
         qs = q[start : start + q_len].float()
         key_pos = torch.arange(seq_len, device=device)
         query_pos = seq_len - q_len + torch.arange(q_len, device=device)
@@ -158,14 +167,24 @@ def paged_attention_ref(
 
 
 def _masked_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
-    group: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [n, Hq, 1, D] over gathered k, v [n, L, Hkv, D] where `valid` [n, L] is True."""
-    return F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-        scale=scale, enable_gqa=group > 1,
+    """One query token per row, q [n, Hq, D], over gathered k, v [n, L, Hkv, D] where
+    `valid` [n, L] is True; returns [n, Hq, D].
+
+    Query heads h * G .. h * G + G - 1 share KV head h (G = Hq // Hkv), and a lone query
+    token attends to every valid key: so the G heads of a KV head go in as G query rows of
+    one non-causal attention over that head's keys. The CPU kernel then reads each K/V row
+    once for G queries instead of once per query head, and no repeated K/V is formed.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale,
     )
+    return o.reshape(n, num_heads, head_dim)
 
 
 def _decode_rows_ref(
@@ -176,12 +195,12 @@ def _decode_rows_ref(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
-    group: int,
 ) -> torch.Tensor:
-    """All single-token rows at once: gather their blocks, masked batched matmuls."""
-    n, num_heads, head_dim = q.shape
+    """All single-token rows at once: gather their blocks, one masked attention call."""
+    n, head_dim = q.shape[0], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-max_len // block_size)
+    # A `max_seq_len` hint may round past the table; the contexts themselves fit in it.
+    num_blocks = min(-(-max_len // block_size), block_tables.shape[1])
     padded = num_blocks * block_size
     device = q.device
     # Table entries past a sequence's last block may hold anything: point them at block 0.
@@ -195,10 +214,13 @@ def _decode_rows_ref(
     k = k_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
     v = v_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
     k, v = k.float(), v.float()
-    qh = q.float().view(n, num_heads, 1, head_dim)
-    o = _masked_sdpa(qh, k, v, valid, scale, group)
+    qf = q.float()
+    o = _masked_sdpa(qf, k, v, valid, scale)
     # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
     # zero-filled cache never does, so zero them only for rows that came out non-finite.
+    # One check for the whole batch first: rows that need either fix below are rare.
+    if bool(torch.isfinite(o).all()):
+        return o
     live = lens > 0
     bad = live & ~torch.isfinite(o).flatten(1).all(dim=1)
     if bad.any():
@@ -206,10 +228,9 @@ def _decode_rows_ref(
         invalid = ~valid[rows][:, :, None, None]
         k_rows = k[rows].masked_fill_(invalid, 0.0)
         v_rows = v[rows].masked_fill_(invalid, 0.0)
-        o[rows] = _masked_sdpa(qh[rows], k_rows, v_rows, valid[rows], scale, group)
+        o[rows] = _masked_sdpa(qf[rows], k_rows, v_rows, valid[rows], scale)
     # Rows of length 0 (padding) are fully masked: SDPA gives NaN there, we give zeros.
-    o = torch.where(live[:, None, None, None], o, torch.zeros((), device=device))
-    return o.reshape(n, num_heads, head_dim)
+    return torch.where(live[:, None, None], o, torch.zeros((), device=device))
 
 
 # --------------------------------------------------------------------------------------------

@@ -86,11 +86,12 @@ def test_metadata_flags_and_neutral_values() -> None:
     ]
     meta = build(params, vocab_size=32)
     assert meta.num_rows == 3
-    assert meta.any_random and not meta.all_greedy and not meta.all_random
-    assert meta.no_top_k and meta.no_top_p and meta.no_min_p and meta.no_penalties
+    assert not meta.all_greedy and not meta.all_random and meta.no_penalties
     assert meta.is_greedy.tolist() == [True, False, False]
     assert meta.temperature.tolist() == pytest.approx([1.0, 0.7, 1.0])
     assert meta.top_k.dtype == torch.int32 and meta.top_k.tolist() == [0, 0, 0]
+    # The greedy row's top_p is neutral too: its filters do not count.
+    assert meta.top_p.tolist() == [1.0, 1.0, 1.0] and meta.min_p.tolist() == [0.0, 0.0, 0.0]
     assert meta.prompt_token_ids.shape == (3, 0) and meta.output_token_ids.shape == (3, 0)
     assert meta.max_num_logprobs is None and not meta.has_min_tokens_ban
 

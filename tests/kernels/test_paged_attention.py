@@ -52,6 +52,20 @@ def test_reference_writes_into_out_and_zeros_padding() -> None:
     torch.testing.assert_close(out.double(), naive_paged_attention(batch), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("max_seq_len", [None, 48, 50])
+def test_reference_decode_hints_change_nothing(max_seq_len: int | None) -> None:
+    # The hints the runner passes (50 rounds past the table's last block) against the
+    # naive oracle. Row 0 (7 tokens in blocks of 4) holds NaN in the slot past its end: a
+    # slot it gathers but must not read.
+    batch = make_paged_batch(*DECODE, 6, 2, head_dim=8, block_size=4)
+    last = int(batch.block_tables[0, 1])
+    batch.k_cache[last, 3] = float("nan")
+    batch.v_cache[last, 3] = float("nan")
+    out = paged_attention_ref(*batch.args(), decode_only=True, max_seq_len=max_seq_len)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the seq_len 0 row
+    torch.testing.assert_close(out.double(), naive_paged_attention(batch), atol=2e-6, rtol=0)
+
+
 def test_dispatcher_uses_reference_on_cpu() -> None:
     batch = make_paged_batch(*MIXED, 4, 2, head_dim=8, block_size=4)
     torch.testing.assert_close(paged_attention(*batch.args()), paged_attention_ref(*batch.args()))
