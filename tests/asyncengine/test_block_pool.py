@@ -656,8 +656,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.kv.check_gpu(req)
         for req in self.swapped:
             assert req.block_table == []
-            self.kv.check_cpu(req, self.swap.tables[req.request_id])
-        assert set(self.swap.tables) == {r.request_id for r in self.swapped}
+            self.kv.check_cpu(req, self.swap.tables[req])
+        assert set(self.swap.tables) == set(self.swapped)
 
     def teardown(self) -> None:
         for req in self.on_gpu:

@@ -197,7 +197,7 @@ def test_preemption_swap_takes_the_newest() -> None:
     assert c.block_table == [] and c.num_computed_tokens == 8  # progress is kept
     assert [g for g, _ in out.blocks_to_swap_out] == c_blocks
     assert sched.swap_space is not None
-    assert sched.swap_space.tables[c.request_id] == [cpu for _, cpu in out.blocks_to_swap_out]
+    assert sched.swap_space.tables[c] == [cpu for _, cpu in out.blocks_to_swap_out]
     assert sched.num_swaps_out == 1
     finish_step(sched, out)
 
@@ -254,7 +254,7 @@ def test_swapped_requests_return_before_waiting_ones_are_admitted() -> None:
         # Swapped-in requests run in the same step, their blocks copied back from CPU.
         assert set(ids(back)) <= set(ids(s.request for s in out.scheduled))
         assert sorted(cpu for cpu, _ in out.blocks_to_swap_in) == sorted(
-            cpu for r in back for cpu in cpu_tables[r.request_id]
+            cpu for r in back for cpu in cpu_tables[r]
         )
         if late.status == RequestStatus.RUNNING:
             assert not sched.swapped, "admitted while a swapped request waits"
@@ -445,7 +445,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.kv.check_gpu(req)
         for req in sched.swapped:
             assert sched.swap_space is not None
-            self.kv.check_cpu(req, sched.swap_space.tables[req.request_id])
+            self.kv.check_cpu(req, sched.swap_space.tables[req])
         for req in sched.waiting:
             assert req.num_computed_tokens == 0 and req.status == RequestStatus.WAITING
 
