@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine.async_engine import AsyncLLMEngine
+from asyncengine.sampling_params import SamplingParams
 from frontends.client import (
     AsyncClient,
     DuplicateRequestIdError,
@@ -47,6 +48,30 @@ async def test_concurrent_generations_over_one_connection(server: EngineServer,
             *(client.complete(p, max_tokens=6, temperature=0.0) for p in prompts)), 30 * UNIT)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [r.text for r in results] == [e.text for e in expected]
+
+
+async def test_parallel_samples_stream_with_their_index(server: EngineServer,
+                                                        model_dir: Path) -> None:
+    from .conftest import _offline_llm
+
+    params = dict(n=3, temperature=1.0, seed=9, max_tokens=8, ignore_eos=True)
+    [expected] = _offline_llm(str(model_dir)).generate(
+        ["Once upon a time"], SamplingParams(**params), use_tqdm=False)
+    async with AsyncClient(server.url) as client:
+        chunks = [c async for c in client.generate("Once upon a time", **params)]
+        res = await client.complete("Once upon a time", **params)
+    *deltas, last = chunks
+    assert {c.index for c in deltas} == {0, 1, 2}
+    assert last.finish_reasons == ["length"] * 3 and last.finish_reason == "length"
+    assert last.usage is not None and last.usage.completion_tokens == 24
+    assert res.samples is not None
+    assert [s.index for s in res.samples] == [0, 1, 2]
+    assert [s.token_ids for s in res.samples] == [c.token_ids for c in expected.outputs]
+    assert [s.text for s in res.samples] == [c.text for c in expected.outputs]
+    assert res.token_ids == expected.outputs[0].token_ids
+    for i in range(3):
+        assert [t for c in deltas if c.index == i for t in c.token_ids] == \
+            expected.outputs[i].token_ids
 
 
 async def test_chat_messages(server: EngineServer, engine: AsyncLLMEngine) -> None:
