@@ -171,23 +171,37 @@ class BlockPool:
             request.num_computed_tokens += len(cached_blocks) * self.block_size
             request.num_hashed_blocks = len(cached_blocks)
         copies: list[tuple[int, int]] = []
+        write = request.num_computed_tokens // self.block_size
         if cow:
-            last = len(table) - 1
-            src, dst = table[last], self._take_free_block()
+            src, dst = table[write], self._take_free_block()
             self._unref(src)
-            table[last] = dst
+            table[write] = dst
             copies.append((src, dst))
+        elif self._writes_into_hashed_block(request):
+            # A sequence forked inside a full cached block, now its only holder: its own
+            # tokens overwrite the block, which no longer holds what its hash says.
+            self._drop_hash(table[write])
         for _ in range(max(need, 0)):
             table.append(self._take_free_block())
         return copies
 
-    def _needs_copy_on_write(self, request: Request) -> bool:
-        """True if the next token lands in a partial block that others also reference."""
+    def _write_block(self, request: Request) -> int | None:
+        """The block the next token lands in, when it is already partly computed."""
         table = request.block_table
         offset = request.num_computed_tokens % self.block_size
-        if not table or offset == 0 or request.num_computed_tokens // self.block_size >= len(table):
-            return False
-        return self.ref_counts[table[request.num_computed_tokens // self.block_size]] > 1
+        index = request.num_computed_tokens // self.block_size
+        if not table or offset == 0 or index >= len(table):
+            return None
+        return table[index]
+
+    def _needs_copy_on_write(self, request: Request) -> bool:
+        """True if the next token lands in a partial block that others also reference."""
+        block = self._write_block(request)
+        return block is not None and self.ref_counts[block] > 1
+
+    def _writes_into_hashed_block(self, request: Request) -> bool:
+        block = self._write_block(request)
+        return block is not None and self.block_hash[block] is not None
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
         """Share parent's blocks with child (parallel sampling); writes copy on write.
@@ -232,13 +246,10 @@ class BlockPool:
                 if seen[0] is req:
                     continue
                 # Sharing is always of a prefix (fork, prefix-cache hits), so a shared block
-                # sits at one index after the same blocks in every table; a block reserved
-                # past a holder's computed tokens is written next and must be its own.
+                # sits at one index in every table; a block reserved past a holder's
+                # computed tokens is written next and must be its own.
                 other, j = seen
                 assert j == k, f"block {block} shared at table indexes {j} and {k}"
-                assert k == 0 or other.block_table[k - 1] == table[k - 1], (
-                    f"block {block} shared by {req.request_id} after a different block"
-                )
                 for holder, idx in ((req, k), (other, j)):
                     assert idx < self.blocks_needed(holder.num_computed_tokens), (
                         f"block {block} is shared but {holder.request_id} writes into it next"

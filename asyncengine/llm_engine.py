@@ -275,9 +275,7 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, text, ids, params, max_tokens, arrival, i)
                 for i in range(params.n)]
         if len(seqs) > 1:
-            group = ParentRequest(request_id, seqs)
-            for seq in seqs:
-                seq.parent = group
+            ParentRequest.link(seqs)
         for seq in seqs:
             self.scheduler.add_request(seq)
 

@@ -133,6 +133,16 @@ class ParentRequest:
     request_id: str
     seqs: list[Request]
 
+    @classmethod
+    def link(cls, seqs: list[Request]) -> ParentRequest:
+        """Tie the sequences of one request (indexes 0..n-1, in order) into a group."""
+        if [s.index for s in seqs] != list(range(len(seqs))):
+            raise ValueError("a request's sequences must have indexes 0..n-1 in order")
+        group = cls(seqs[0].request_id, seqs)
+        for seq in seqs:
+            seq.parent = group
+        return group
+
     @property
     def num_prompt_tokens(self) -> int:
         return self.seqs[0].num_prompt_tokens

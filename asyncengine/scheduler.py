@@ -141,20 +141,24 @@ class Scheduler:
     def _fork_parked(self, out: SchedulerOutput, budget: int) -> int:
         """Fork parked sequences from a running donor of their group that has computed the
         prompt; returns the budget left."""
+        # Blocks this step fills by copy-on-write: copies run as one batch, so a donor
+        # whose shared blocks include one (e.g. a sequence forked in this very step) would
+        # hand out a block whose contents are not there yet.
+        copied = {dst for _, dst in out.blocks_to_copy}
+
+        def can_donate(s: Request, fork_point: int) -> bool:
+            return (
+                s.status == RequestStatus.RUNNING
+                and s.num_computed_tokens >= fork_point
+                and copied.isdisjoint(s.block_table[: self.pool.blocks_needed(fork_point)])
+            )
+
         for seq in list(self.parked):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             group = seq.parent
             assert group is not None
-            donor = next(
-                (
-                    s
-                    for s in group.seqs
-                    if s.status == RequestStatus.RUNNING
-                    and s.num_computed_tokens >= group.fork_point
-                ),
-                None,
-            )
+            donor = next((s for s in group.seqs if can_donate(s, group.fork_point)), None)
             if donor is None:
                 continue
             self.pool.fork(donor, seq, group.fork_point)
@@ -171,6 +175,7 @@ class Scheduler:
             last = max(k for k, r in enumerate(self.running) if r.parent is group)
             self.running.insert(last + 1, seq)
             out.blocks_to_copy += copies
+            copied.update(dst for _, dst in copies)
             out.scheduled.append(ScheduledRequest(seq, num_new))
             budget -= num_new
         return budget
@@ -196,21 +201,24 @@ class Scheduler:
                 self._preempt(victims, out)
                 if req in victims:
                     break
-            if copies is None:  # the request preempted itself
-                break
+            if copies is None:
+                # It was preempted itself (with its group): the next one moved to index i.
+                continue
             out.blocks_to_copy += copies
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
             i += 1
 
+        # No admissions in a step that preempted. A parallel request whose samples no
+        # longer share blocks may preempt itself whole and leave this step empty: it comes
+        # back in the next one, its samples sharing the prompt again.
         if not out.preempted and self.parked:
             budget = self._fork_parked(out, budget)
 
         if not out.preempted:
             while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
                 unit = self._swap_in_unit()
-                assert self.swap_space is not None
-                if not self.swap_space.can_swap_in(self.pool, unit):
+                if not unit:
                     break
                 for req in unit:
                     self.swapped.remove(req)
@@ -263,13 +271,19 @@ class Scheduler:
         return [r for r in reversed(self.running[i:]) if r.parent is last.parent]
 
     def _swap_in_unit(self) -> list[Request]:
-        """The first swapped sequence, with its group's other swapped sequences (they may
-        share CPU blocks), as many as max_num_seqs leaves room for."""
+        """The first swapped sequence, with as many of its group's other swapped sequences
+        (they may share CPU blocks) as max_num_seqs and the free blocks leave room for;
+        empty when not even the first fits."""
+        assert self.swap_space is not None
         head = self.swapped[0]
-        if head.parent is None:
-            return [head]
-        unit = [r for r in self.swapped if r.parent is head.parent]
-        return unit[: max(self.max_num_seqs - len(self.running), 1)]
+        unit = [head]
+        if head.parent is not None:
+            unit = [r for r in self.swapped if r.parent is head.parent]
+            unit = unit[: max(self.max_num_seqs - len(self.running), 1)]
+        # Sequences swapped out apart share nothing on CPU: all of them may not fit at once.
+        while unit and not self.swap_space.can_swap_in(self.pool, unit):
+            unit.pop()
+        return unit
 
     def _preempt(self, victims: list[Request], out: SchedulerOutput) -> None:
         for req in victims:

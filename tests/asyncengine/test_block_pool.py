@@ -296,6 +296,22 @@ def test_fork_of_a_prefix_shares_only_its_blocks_and_copies_the_partial_one() ->
         pool.fork(parent, child, 4)
 
 
+def test_a_fork_writing_into_a_cached_block_it_alone_holds_uncaches_it() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request([1, 2, 3, 4, 5])
+    compute(pool, parent)
+    cached = parent.block_table[0]
+    assert pool.block_hash[cached] is not None
+    child = make_request([1, 2, 3, 9])  # a sample diverging inside the full, cached block
+    pool.fork(parent, child, 3)
+    pool.free(parent)
+    assert pool.allocate_slots(child, 1) == []  # its only holder now: written in place
+    child.num_computed_tokens += 1
+    assert child.block_table == [cached] and pool.block_hash[cached] is None
+    assert pool.find_cached_blocks(make_request([1, 2, 3, 4, 5])) == []
+    pool.check_integrity([child])
+
+
 def test_check_integrity_refuses_a_shared_block_written_next() -> None:
     pool = BlockPool(8, BS)
     parent = make_request(list(range(4)))
@@ -309,8 +325,6 @@ def test_check_integrity_refuses_a_shared_block_written_next() -> None:
         pool._ref(b)
     with pytest.raises(AssertionError, match="writes into it next"):
         pool.check_integrity([parent, child])
-    stray = make_request([5, 6, 7, 8, 9])
-    stray.block_table, stray.num_computed_tokens = [parent.block_table[0]], 4
     pool._unref(child.block_table[1])
     child.block_table = [child.block_table[1]]
     child.num_computed_tokens = 5

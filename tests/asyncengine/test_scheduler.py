@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asyncengine.block_pool import BlockPool, SwapSpace
-from asyncengine.request import Request, RequestStatus
+from asyncengine.request import ParentRequest, Request, RequestStatus
+from asyncengine.request_check import parallel_blocks
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
 from tests.asyncengine.test_block_pool import KVShadow
@@ -351,9 +352,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def add(self, data: st.DataObject) -> None:
-        # As LLMEngine.add_request: prompt + max_tokens must fit the pool.
+        # As LLMEngine.add_request: prompt + max_tokens must fit the pool (all n samples).
         total = data.draw(st.integers(2, min(self.capacity, 40)), label="total")
         num_prompt = data.draw(st.integers(1, total - 1), label="num_prompt")
+        n = data.draw(st.integers(1, 3), label="n")
+        while n > 1 and parallel_blocks(n, num_prompt, total - num_prompt, BS) > \
+                self.sched.pool.num_blocks:
+            n -= 1
         if self.history and data.draw(st.booleans(), label="share"):
             base = data.draw(st.sampled_from(self.history), label="base")
             keep = data.draw(st.integers(0, len(base)), label="keep")
@@ -363,17 +368,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens += [self.rng.randrange(ALPHABET) for _ in range(num_prompt - len(tokens))]
         tokens = tokens[:num_prompt]
         self.history.append(tokens)
-        self.added.append(make_request(0, total - num_prompt, tokens))
-        self.sched.add_request(self.added[-1])
+        first = make_request(0, total - num_prompt, tokens)
+        seqs = [first] + [
+            Request(first.request_id, None, tokens, first.params, first.max_tokens, index=i)
+            for i in range(1, n)
+        ]
+        if n > 1:
+            ParentRequest.link(seqs)
+            event("add: parallel request")
+        for seq in seqs:
+            self.added.append(seq)
+            self.sched.add_request(seq)
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        reqs = [r for r in self.added if r.request_id in self.sched.requests]  # arrival order
-        req = data.draw(st.sampled_from(reqs), label="abort")
-        event(f"abort {req.status.value}")
-        self.sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        assert req.block_table == [] and req.request_id not in self.sched.requests
+        # Arrival order, a request once whatever its n (as LLMEngine.abort_request).
+        rids = list(dict.fromkeys(r.request_id for r in self.added
+                                  if r.request_id in self.sched.requests))
+        rid = data.draw(st.sampled_from(rids), label="abort")
+        seqs = self.sched.get_sequences(rid)
+        event(f"abort {seqs[0].status.value}")
+        for seq in seqs:
+            self.sched.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        assert all(s.block_table == [] for s in seqs) and rid not in self.sched.requests
 
     @rule()
     def step(self) -> None:
@@ -404,15 +422,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         if out.blocks_to_swap_in:
             event("swapped in")
-        if any(r.metrics.num_cached_prompt_tokens for r in sched.running):
+        if any(r.metrics.num_cached_prompt_tokens and r.parent is None for r in sched.running):
             event("prefix hit")
+        if out.blocks_to_copy:
+            event("copy on write")
+        if any(s.request.parent is not None and s.request.index > 0 for s in out.scheduled):
+            event("forked sample ran")
         return out
 
     def _check_output(self, out: SchedulerOutput, running_before: list[Request],
                       waiting_before: list[Request], swapped_before: list[Request]) -> None:
         sched = self.sched
         reqs = [s.request for s in out.scheduled]
-        assert len({r.request_id for r in reqs}) == len(reqs), "a request is scheduled twice"
+        assert len({id(r) for r in reqs}) == len(reqs), "a request is scheduled twice"
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(reqs) <= sched.max_num_seqs
@@ -428,14 +450,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         # nothing was preempted and no swapped request is left behind.
         admitted = [r for r in waiting_before if r.status == RequestStatus.RUNNING]
         assert admitted == waiting_before[: len(admitted)]
+        # Swapped sequences come back a request (its swapped sequences) at a time, in order.
         swapped_in = [r for r in swapped_before if r.status == RequestStatus.RUNNING]
-        assert swapped_in == swapped_before[: len(swapped_in)]
+        swapped_units = units(swapped_before)
+        assert units(swapped_in) == swapped_units[: len(units(swapped_in))]
         if admitted:
             assert not out.preempted and not sched.swapped
         if swapped_in:
             assert not out.preempted
-        # Victims are taken newest first.
-        assert out.preempted == running_before[::-1][: len(out.preempted)]
+        # Victims are taken newest first, a request's unscheduled sequences together.
+        preempted_units = units(out.preempted)
+        assert preempted_units == units(running_before[::-1])[: len(preempted_units)]
+        for r in out.preempted:
+            if r.parent is not None:
+                assert all(s in out.preempted for s in r.parent.seqs
+                           if s in running_before and s not in reqs)
 
     @invariant()
     def consistent(self) -> None:
@@ -446,7 +475,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in sched.swapped:
             assert sched.swap_space is not None
             self.kv.check_cpu(req, sched.swap_space.tables[req])
-        for req in sched.waiting:
+        for req in [*sched.waiting, *sched.parked]:
             assert req.num_computed_tokens == 0 and req.status == RequestStatus.WAITING
 
     def teardown(self) -> None:
@@ -456,19 +485,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Liveness: with no new arrivals everything finishes. The oldest request is never a
         # victim of a newer one, so each step advances it by a token; it may have to redo
         # its tokens once after an earlier preemption, hence twice the work.
-        work = sum(r.num_prompt_tokens + r.max_tokens for r in sched.requests.values())
-        bound = 2 * (work + len(sched.requests)) + 1
+        # A parallel request's samples may wait for room to be forked (or for the prompt to
+        # be prefilled again), so each sequence counts its whole work.
+        live = [r for r in self.added if not r.is_finished]
+        work = sum(r.num_prompt_tokens + r.max_tokens for r in live)
+        bound = 2 * (work + len(live)) + 1
         steps = 0
         while sched.has_unfinished_requests():
             assert steps < bound, f"no progress after {steps} steps"
             out = self._step()
             self.consistent()
             steps += 1
-            assert out.scheduled or not sched.has_unfinished_requests(), "an empty step"
+            # Only a parallel request that preempted itself whole may leave a step empty.
+            assert out.scheduled or not sched.has_unfinished_requests() or (
+                out.preempted and all(r.parent is out.preempted[0].parent is not None
+                                      for r in out.preempted)), "an empty step"
         assert sched.pool.num_free_blocks == sched.pool.num_blocks
         assert not sched.running and not sched.waiting and not sched.swapped
+        assert not sched.parked
         if sched.swap_space is not None:
             assert sched.swap_space.num_free_blocks == sched.swap_space.num_blocks
+
+
+def units(seqs: list[Request]) -> list[object]:
+    """The requests of some sequences, each once, in order of first appearance."""
+    return list(dict.fromkeys(r.parent if r.parent is not None else r for r in seqs))
 
 
 class SwapSchedulerMachine(SchedulerMachine):
