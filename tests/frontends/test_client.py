@@ -109,6 +109,20 @@ async def test_explicit_cancel_ends_with_abort(server: EngineServer,
     await all_blocks_free(engine)
 
 
+async def test_cancel_ends_every_parallel_sample(server: EngineServer,
+                                                 engine: AsyncLLMEngine) -> None:
+    async with AsyncClient(server.url) as client:
+        chunks = []
+        async for chunk in client.generate("go", request_id="c2", n=3, max_tokens=200,
+                                           ignore_eos=True):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                await client.cancel("c2")
+        assert chunks[-1].finish_reasons == ["abort"] * 3
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 600
+    await all_blocks_free(engine)
+
+
 async def test_typed_errors(server: EngineServer, engine: AsyncLLMEngine) -> None:
     async with AsyncClient(server.url) as client:
         with pytest.raises(InvalidRequestError, match=r"\$\.params\.top_p") as info:
