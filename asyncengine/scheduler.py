@@ -271,16 +271,18 @@ class Scheduler:
         return [r for r in reversed(self.running[i:]) if r.parent is last.parent]
 
     def _swap_in_unit(self) -> list[Request]:
-        """The first swapped sequence, with as many of its group's other swapped sequences
-        (they may share CPU blocks) as max_num_seqs and the free blocks leave room for;
-        empty when not even the first fits."""
+        """The first swapped sequence with its group's other swapped sequences (they may
+        share CPU blocks, and share again on the GPU), as many as max_num_seqs leaves room
+        for; empty while they do not fit."""
         assert self.swap_space is not None
         head = self.swapped[0]
         unit = [head]
         if head.parent is not None:
             unit = [r for r in self.swapped if r.parent is head.parent]
             unit = unit[: max(self.max_num_seqs - len(self.running), 1)]
-        # Sequences swapped out apart share nothing on CPU: all of them may not fit at once.
+        if self.running:  # blocks will come free: wait for room for the whole group
+            return unit if self.swap_space.can_swap_in(self.pool, unit) else []
+        # Nothing runs: sequences swapped out apart share nothing and may never fit at once.
         while unit and not self.swap_space.can_swap_in(self.pool, unit):
             unit.pop()
         return unit

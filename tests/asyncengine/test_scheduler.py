@@ -161,6 +161,109 @@ def test_prefix_hit_on_admission() -> None:
     assert sched.pool.prefix_hits == 12
 
 
+# ------------------------------------------------------------ parallel sampling
+def make_parallel(num_prompt: int, n: int, max_tokens: int = 8) -> list[Request]:
+    """The n sequences of one request, as LLMEngine.add_request makes them."""
+    first = make_request(num_prompt, max_tokens)
+    seqs = [first] + [
+        Request(first.request_id, None, first.prompt_token_ids, first.params, max_tokens,
+                index=i)
+        for i in range(1, n)
+    ]
+    ParentRequest.link(seqs)
+    return seqs
+
+
+def test_parallel_request_prefills_the_prompt_once_then_forks() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a, b, c = make_parallel(10, 3)
+    for seq in (a, b, c):
+        sched.add_request(seq)
+    assert ids(sched.waiting) == [a.request_id] and sched.parked == [b, c]
+    out = step(sched)
+    assert scheduled(out) == [(a.request_id, 10)]  # the prompt, once
+    prompt_blocks = list(a.block_table)
+    out = sched.schedule()
+    # a decodes; b and c share its blocks and recompute only the prompt's last token,
+    # each copying the partial last block on that first write.
+    assert [(s.request.index, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 1),
+                                                                           (2, 1)]
+    assert out.blocks_to_copy == [(prompt_blocks[2], b.block_table[2]),
+                                  (prompt_blocks[2], c.block_table[2])]
+    assert b.block_table[:2] == c.block_table[:2] == prompt_blocks[:2]
+    assert [sched.pool.ref_counts[blk] for blk in prompt_blocks] == [3, 3, 1]
+    assert sched.running == [a, b, c] and sched.parked == []
+    assert sched.pool.num_used_blocks == 5
+    finish_step(sched, out)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [s.num_output_tokens for s in (a, b, c)] == [8, 8, 8]
+    assert sched.pool.num_free_blocks == 16
+
+
+def test_recompute_preemption_parks_a_group_and_forks_it_again() -> None:
+    sched = make_scheduler(num_blocks=7)
+    old = make_request(8, max_tokens=12)
+    sched.add_request(old)
+    step(sched)
+    seqs = make_parallel(6, 2, max_tokens=10)
+    for seq in seqs:
+        sched.add_request(seq)
+    preempted: list[Request] = []
+    refork = False
+    for _ in range(80):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        preempted += out.preempted
+        if seqs[0] in out.preempted:
+            # Nothing of the group holds the prompt: one sequence prefills it again.
+            assert seqs[0] in sched.waiting and seqs[1] in sched.parked
+        if any(s.request is seqs[1] and s.request.num_computed_tokens == 5 for s in
+               out.scheduled) and seqs[1].num_output_tokens:
+            refork = True  # forked again, its own tokens recomputed after the shared prompt
+        finish_step(sched, out)
+    assert not sched.has_unfinished_requests()
+    assert set(preempted) >= set(seqs) and refork
+    assert [s.num_output_tokens for s in (old, *seqs)] == [12, 10, 10]
+    assert sched.pool.num_free_blocks == 7
+
+
+def test_swap_preemption_moves_a_group_and_its_shared_blocks_once() -> None:
+    sched = make_scheduler(num_blocks=9, preemption_mode="swap", max_num_batched_tokens=64)
+    old = make_request(8, max_tokens=12)
+    sched.add_request(old)
+    step(sched)
+    seqs = make_parallel(9, 3, max_tokens=12)
+    for seq in seqs:
+        sched.add_request(seq)
+    step(sched)  # the prompt
+    step(sched)  # the forks: 2 shared full blocks, 3 tails
+    shared = seqs[0].block_table[:2]
+    assert all(s.block_table[:2] == shared for s in seqs)
+    assert sched.pool.num_free_blocks == 9 - 3 - 5
+    while True:
+        out = sched.schedule()
+        if out.preempted:
+            break
+        finish_step(sched, out)
+    assert set(out.preempted) == set(seqs) and scheduled(out) == [(old.request_id, 1)]
+    assert sched.swap_space is not None
+    # The shared blocks went to CPU once and stay shared there.
+    assert len(out.blocks_to_swap_out) == 2 + 3
+    assert all(sched.swap_space.tables[s][:2] == sched.swap_space.tables[seqs[0]][:2]
+               for s in seqs)
+    finish_step(sched, out)
+    while not (out := step(sched)).blocks_to_swap_in:
+        pass
+    assert len(out.blocks_to_swap_in) == 5  # back in one piece, sharing again
+    assert all(s.block_table[:2] == seqs[0].block_table[:2] for s in seqs)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [s.num_output_tokens for s in seqs] == [12, 12, 12]
+    assert sched.pool.num_free_blocks == 9
+
+
 # ---------------------------------------------------------------- preemption
 def _fill_pool(mode: str) -> tuple[Scheduler, list[Request]]:
     """Three decoding requests that fill a 6-block pool exactly, so the next token needs room."""
