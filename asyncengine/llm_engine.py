@@ -493,7 +493,8 @@ class LLMEngine:
                 logger.exception("detokenizer flush failed for %s", req.request_id)
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish_request(req, status)
-        self.num_finished += 1
+        if req.parent is None or req.parent.is_finished:  # a request, not each sample
+            self.num_finished += 1
 
     def _make_output(self, touched: list[Request]) -> RequestOutput | None:
         """The output of the request whose sequences in `touched` got a token this step:
