@@ -74,7 +74,7 @@ class Request:
     sent_token_len: int = 0
     # Parallel sampling: which of the request's n samples this is, and the group it is in.
     index: int = 0
-    parent: ParentRequest | None = None
+    parent: ParentRequest | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -222,6 +222,7 @@ class Scheduler:
                     break
                 for req in unit:
                     self.swapped.remove(req)
+                assert self.swap_space is not None
                 out.blocks_to_swap_in += self.swap_space.swap_in(self.pool, unit)
                 self.num_swaps_in += len(unit)
                 for j, req in enumerate(unit):
@@ -233,7 +234,7 @@ class Scheduler:
                     # out mid-prefill continues with the chunk that fits in its blocks plus
                     # what is free, less the others' spare blocks and a copy-on-write block.
                     spare = self.pool.num_free_blocks - (len(unit) - j - 1)
-                    spare -= self.pool._needs_copy_on_write(req)
+                    spare -= int(self.pool._needs_copy_on_write(req))
                     room = (len(req.block_table) + spare) * self.pool.block_size
                     num_new = min(req.num_tokens_to_compute, budget, room - req.num_computed_tokens)
                     copies = self.pool.allocate_slots(req, num_new)
