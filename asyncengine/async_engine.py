@@ -104,17 +104,22 @@ class RequestOutputCollector:
 
 
 def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold `new` into a not-yet-consumed `old` of the same request."""
+    """Fold `new` into a not-yet-consumed `old` of the same request, sample by sample (the
+    deltas of a request with n > 1 carry only the samples that moved, each with its index)."""
     if not old.outputs or not new.outputs:
         return new
-    merged: list[CompletionOutput] = []
-    for a, b in zip(old.outputs, new.outputs, strict=False):
+    merged = {c.index: c for c in old.outputs}
+    for b in new.outputs:
+        a = merged.get(b.index)
+        if a is None:
+            merged[b.index] = b
+            continue
         logprobs = None
         if a.logprobs is not None or b.logprobs is not None:
             logprobs = (a.logprobs or []) + (b.logprobs or [])
-        merged.append(dataclasses.replace(
-            b, text=a.text + b.text, token_ids=[*a.token_ids, *b.token_ids], logprobs=logprobs))
-    return dataclasses.replace(new, outputs=merged)
+        merged[b.index] = dataclasses.replace(
+            b, text=a.text + b.text, token_ids=[*a.token_ids, *b.token_ids], logprobs=logprobs)
+    return dataclasses.replace(new, outputs=[merged[i] for i in sorted(merged)])
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +131,8 @@ class _RequestState:
     output_kind: RequestOutputKind
     mailbox: RequestOutputCollector
     num_prompt_tokens: int = 0
+    n: int = 1  # samples of the request, each an output with its index
+    finished_samples: set[int] = dataclasses.field(default_factory=set)
     num_generated: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -360,7 +367,7 @@ class AsyncLLMEngine:
         self._last_arrival = arrival
         mailbox = RequestOutputCollector(params.output_kind == RequestOutputKind.DELTA)
         state = _RequestState(request_id, arrival, params.output_kind, mailbox,
-                              num_prompt_tokens=num_prompt_tokens or 0)
+                              num_prompt_tokens=num_prompt_tokens or 0, n=params.n)
         self._requests[request_id] = state
         self._num_queued_requests += 1
         self._num_queued_prompt_tokens += state.num_prompt_tokens
@@ -378,6 +385,10 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request.
+
+        With `n` > 1 one stream carries all samples: each output's `outputs` hold a
+        `CompletionOutput` per sample (DELTA: only the samples with news), told apart by
+        `index`; the stream ends when every sample has finished.
 
         Raises a `RequestError` for a refused request (`InvalidRequestError`,
         `PromptTooLongError`, `DuplicateRequestIdError`: all ValueErrors),
@@ -413,7 +424,8 @@ class AsyncLLMEngine:
             state.finished = True
             state.mailbox.put(RequestOutput(
                 request_id=rid, prompt=None, prompt_token_ids=[],
-                outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                outputs=[CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+                         for i in range(state.n) if i not in state.finished_samples],
                 finished=True))
             self._record_finish(state, "abort", None)
 
@@ -519,6 +531,9 @@ class AsyncLLMEngine:
                 self._fail(state, RequestFailedError(out.request_id, out.error))
                 continue
             self._account(state, out, now)
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    state.finished_samples.add(c.index)
             if out.finished:
                 state.finished = True
                 reason = out.outputs[0].finish_reason if out.outputs else None

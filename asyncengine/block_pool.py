@@ -171,31 +171,59 @@ class BlockPool:
             request.num_computed_tokens += len(cached_blocks) * self.block_size
             request.num_hashed_blocks = len(cached_blocks)
         copies: list[tuple[int, int]] = []
+        write = request.num_computed_tokens // self.block_size
         if cow:
-            last = len(table) - 1
-            src, dst = table[last], self._take_free_block()
+            src, dst = table[write], self._take_free_block()
             self._unref(src)
-            table[last] = dst
+            table[write] = dst
             copies.append((src, dst))
+        elif self._writes_into_hashed_block(request):
+            # A sequence forked inside a full cached block, now its only holder: its own
+            # tokens overwrite the block, which no longer holds what its hash says.
+            self._drop_hash(table[write])
         for _ in range(max(need, 0)):
             table.append(self._take_free_block())
         return copies
 
-    def _needs_copy_on_write(self, request: Request) -> bool:
-        """True if the next token lands in a partial block that others also reference."""
+    def _write_block(self, request: Request) -> int | None:
+        """The block the next token lands in, when it is already partly computed."""
         table = request.block_table
         offset = request.num_computed_tokens % self.block_size
-        if not table or offset == 0 or request.num_computed_tokens // self.block_size >= len(table):
-            return False
-        return self.ref_counts[table[request.num_computed_tokens // self.block_size]] > 1
+        index = request.num_computed_tokens // self.block_size
+        if not table or offset == 0 or index >= len(table):
+            return None
+        return table[index]
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Share all of parent's blocks with child (parallel sampling); writes copy on write."""
-        for block in parent.block_table:
+    def _needs_copy_on_write(self, request: Request) -> bool:
+        """True if the next token lands in a partial block that others also reference."""
+        block = self._write_block(request)
+        return block is not None and self.ref_counts[block] > 1
+
+    def _writes_into_hashed_block(self, request: Request) -> bool:
+        block = self._write_block(request)
+        return block is not None and self.block_hash[block] is not None
+
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
+        """Share parent's blocks with child (parallel sampling); writes copy on write.
+
+        With `num_tokens`, only the blocks holding parent's first `num_tokens` computed
+        tokens are shared and the child has computed exactly those; by default all of them.
+        """
+        if child.block_table:
+            raise ValueError(f"{child.request_id} already holds blocks")
+        if num_tokens is None:
+            num_tokens = parent.num_computed_tokens
+        elif not 0 <= num_tokens <= parent.num_computed_tokens:
+            raise ValueError(
+                f"cannot fork {num_tokens} tokens: {parent.request_id} has computed "
+                f"{parent.num_computed_tokens}"
+            )
+        shared = parent.block_table[: self.blocks_needed(num_tokens)]
+        for block in shared:
             self._ref(block)
-        child.block_table = list(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_hashed_blocks = parent.num_hashed_blocks
+        child.block_table = list(shared)
+        child.num_computed_tokens = num_tokens
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_tokens // self.block_size)
 
     def free(self, request: Request) -> None:
         # Tail blocks go to the LRU first, so a prefix's head outlives its tail.
@@ -208,12 +236,24 @@ class BlockPool:
     def check_integrity(self, holders: Iterable[Request]) -> None:
         """Every invariant of the pool; `holders` are all requests that may hold blocks."""
         refs = [0] * self.num_blocks
+        first_holder: dict[int, tuple[Request, int]] = {}
         for req in holders:
-            assert len(set(req.block_table)) == len(req.block_table), (
-                f"{req.request_id} lists a block twice"
-            )
-            for block in req.block_table:
+            table = req.block_table
+            assert len(set(table)) == len(table), f"{req.request_id} lists a block twice"
+            for k, block in enumerate(table):
                 refs[block] += 1
+                seen = first_holder.setdefault(block, (req, k))
+                if seen[0] is req:
+                    continue
+                # Sharing is always of a prefix (fork, prefix-cache hits), so a shared block
+                # sits at one index in every table; a block reserved past a holder's
+                # computed tokens is written next and must be its own.
+                other, j = seen
+                assert j == k, f"block {block} shared at table indexes {j} and {k}"
+                for holder, idx in ((req, k), (other, j)):
+                    assert idx < self.blocks_needed(holder.num_computed_tokens), (
+                        f"block {block} is shared but {holder.request_id} writes into it next"
+                    )
         assert refs == self.ref_counts, "ref counts differ from block-table references"
         free_plain, free_cached = set(self._free_plain), set(self._free_cached)
         assert len(free_plain) == len(self._free_plain), "a block is free twice"
@@ -234,46 +274,90 @@ class BlockPool:
 
 
 class SwapSpace:
-    """CPU blocks holding swapped-out requests' KV (a plain free list; no sharing)."""
+    """CPU blocks holding swapped-out requests' KV.
+
+    Sequences of one parallel request swapped out together keep sharing: a GPU block they
+    share is copied to one CPU block, ref-counted here, and comes back as one GPU block.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self.tables: dict[str, list[int]] = {}
+        self.ref_counts = [0] * num_blocks
+        self.tables: dict[Request, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def swap_out(self, pool: BlockPool, request: Request) -> list[tuple[int, int]] | None:
-        """Move the request's blocks to CPU; returns (gpu, cpu) copies, or None if full."""
-        n = len(request.block_table)
-        if n > len(self._free):
+    def swap_out(
+        self, pool: BlockPool, request: Request | Sequence[Request]
+    ) -> list[tuple[int, int]] | None:
+        """Move the requests' blocks to CPU, each distinct block once; returns (gpu, cpu)
+        copies, or None (nothing changed) if the swap space is short."""
+        requests = [request] if isinstance(request, Request) else list(request)
+        gpu_to_cpu: dict[int, int] = {}
+        for req in requests:
+            for block in req.block_table:
+                gpu_to_cpu.setdefault(block, -1)
+        if len(gpu_to_cpu) > len(self._free):
             return None
-        cpu_blocks = [self._free.pop() for _ in range(n)]
-        pairs = list(zip(request.block_table, cpu_blocks, strict=True))
-        self.tables[request.request_id] = cpu_blocks
-        pool.free(request)
-        return pairs
+        for block in gpu_to_cpu:
+            gpu_to_cpu[block] = self._free.pop()
+        for req in requests:
+            cpu_blocks = [gpu_to_cpu[b] for b in req.block_table]
+            for c in cpu_blocks:
+                self.ref_counts[c] += 1
+            self.tables[req] = cpu_blocks
+            pool.free(req)
+        return list(gpu_to_cpu.items())
 
-    def can_swap_in(self, pool: BlockPool, request: Request) -> bool:
-        # One extra block of headroom for the token that the next step appends.
-        return len(self.tables[request.request_id]) + 1 <= pool.num_free_blocks
+    def num_blocks_to_swap_in(self, requests: Iterable[Request]) -> int:
+        return len({c for req in requests for c in self.tables[req]})
 
-    def swap_in(self, pool: BlockPool, request: Request) -> list[tuple[int, int]]:
-        """Bring the request's blocks back; returns (cpu, gpu) copies."""
-        cpu_blocks = self.tables.pop(request.request_id)
-        gpu_blocks = [pool._take_free_block() for _ in cpu_blocks]
-        request.block_table = gpu_blocks
-        request.num_hashed_blocks = 0
-        self._free.extend(reversed(cpu_blocks))
-        return list(zip(cpu_blocks, gpu_blocks, strict=True))
+    def can_swap_in(self, pool: BlockPool, request: Request | Sequence[Request]) -> bool:
+        requests = [request] if isinstance(request, Request) else list(request)
+        # One extra block of headroom per sequence for the token its next step appends.
+        return self.num_blocks_to_swap_in(requests) + len(requests) <= pool.num_free_blocks
+
+    def swap_in(
+        self, pool: BlockPool, request: Request | Sequence[Request]
+    ) -> list[tuple[int, int]]:
+        """Bring the requests' blocks back, a shared CPU block as one shared GPU block;
+        returns (cpu, gpu) copies."""
+        requests = [request] if isinstance(request, Request) else list(request)
+        cpu_to_gpu: dict[int, int] = {}
+        for req in requests:
+            table = []
+            for c in self.tables.pop(req):
+                gpu = cpu_to_gpu.get(c)
+                if gpu is None:
+                    gpu = cpu_to_gpu[c] = pool._take_free_block()
+                else:
+                    pool._ref(gpu)
+                table.append(gpu)
+                self._unref(c)
+            req.block_table = table
+            req.num_hashed_blocks = 0
+        return list(cpu_to_gpu.items())
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)
 
     def discard(self, request: Request) -> None:
-        self._free.extend(reversed(self.tables.pop(request.request_id, [])))
+        for c in reversed(self.tables.pop(request, [])):
+            self._unref(c)
 
     def check_integrity(self) -> None:
-        held = [b for t in self.tables.values() for b in t]
-        assert len(set(held)) == len(held), "a CPU block is held twice"
-        assert not set(held) & set(self._free), "a CPU block is both free and held"
-        assert len(held) + len(self._free) == self.num_blocks, "CPU blocks leaked"
+        refs = [0] * self.num_blocks
+        for table in self.tables.values():
+            assert len(set(table)) == len(table), "a swapped request lists a CPU block twice"
+            for c in table:
+                refs[c] += 1
+        assert refs == self.ref_counts, "CPU ref counts differ from the swapped tables"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a CPU block is free twice"
+        assert not {c for c, r in enumerate(refs) if r} & free, "a CPU block is free and held"
+        assert len(free) + sum(1 for r in refs if r) == self.num_blocks, "CPU blocks leaked"

@@ -113,7 +113,7 @@ class LLM:
                         continue
                     results[order[out.request_id]] = out
                     in_tokens += len(out.prompt_token_ids)
-                    out_tokens += len(out.outputs[0].token_ids)
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = max(time.monotonic() - start, 1e-9)
                     rates = (in_tokens / elapsed, out_tokens / elapsed)
                     bar.set_postfix_str("in: {:.0f} tok/s, out: {:.0f} tok/s".format(*rates))

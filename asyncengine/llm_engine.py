@@ -21,7 +21,7 @@ from asyncengine.detokenizer import IncrementalDetokenizer
 from asyncengine.errors import InvalidRequestError
 from asyncengine.model_runner import InflightStep, ModelRunner
 from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.request import Request, RequestStatus
+from asyncengine.request import ParentRequest, Request, RequestStatus
 from asyncengine.request_check import QueueState, RequestLimits, check_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
@@ -271,16 +271,37 @@ class LLMEngine:
             text = prompt if isinstance(prompt, str) else None
         ids = [int(t) for t in prompt_token_ids]
         max_tokens = self.check_request(request_id, ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [self._new_sequence(request_id, text, ids, params, max_tokens, arrival, i)
+                for i in range(params.n)]
+        if len(seqs) > 1:
+            ParentRequest.link(seqs)
+        for seq in seqs:
+            self.scheduler.add_request(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival: float,
+        index: int,
+    ) -> Request:
+        """Sample `index` of a request: its own generator (seed + index, as in vLLM),
+        detokenizer and logprobs."""
         req = Request(
             request_id=request_id,
             prompt=text,
             prompt_token_ids=ids,
             params=params,
             max_tokens=max_tokens,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time=arrival,
+            index=index,
         )
         if params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+            req.generator = torch.Generator(self.device).manual_seed(params.seed + index)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -291,14 +312,15 @@ class LLMEngine:
             )
         if params.logprobs is not None:
             req.logprobs = []
-        self.scheduler.add_request(req)
+        return req
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            seqs = self.scheduler.get_sequences(rid)
+            for seq in seqs:
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+            if seqs:
                 self.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -381,7 +403,7 @@ class LLMEngine:
         for req in step.scheduled:
             if req.status == RequestStatus.RUNNING:
                 self.pool.cache_full_blocks(req)
-        outputs: list[RequestOutput] = []
+        touched: dict[int, list[Request]] = {}  # request -> its sequences with a new token
         generated = 0
         for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
             req.num_pending_tokens -= 1
@@ -396,7 +418,11 @@ class LLMEngine:
                 logger.exception("postprocessing failed for request %s", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
-            out = self._make_output(req)
+            key = id(req.parent) if req.parent is not None else id(req)
+            touched.setdefault(key, []).append(req)
+        outputs: list[RequestOutput] = []
+        for seqs in touched.values():
+            out = self._make_output(seqs)
             if out is not None:
                 outputs.append(out)
         self._gen_meter.add(generated, now)
@@ -411,13 +437,18 @@ class LLMEngine:
         arrivals: list[float] = []
         seen: set[int] = set()
         for r in requests:
-            if id(r) in seen:
+            # A parallel request fails whole: its other sequences are aborted too.
+            key = id(r.parent) if r.parent is not None else id(r)
+            if key in seen:
                 continue
-            seen.add(id(r))
+            seen.add(key)
             ids.append(r.request_id)
             arrivals.append(r.arrival_time)
-            if not r.is_finished:
-                self.scheduler.finish_request(r, RequestStatus.FINISHED_ABORTED)
+            seqs = r.parent.seqs if r.parent is not None else [r]
+            live = [s for s in seqs if not s.is_finished]
+            for s in live:
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
+            if live:
                 self.num_aborted += 1
         logger.error("engine step failed (%r); aborted %d request(s)", cause, len(ids))
         return StepError(ids, cause, arrivals)
@@ -462,13 +493,32 @@ class LLMEngine:
                 logger.exception("detokenizer flush failed for %s", req.request_id)
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish_request(req, status)
-        self.num_finished += 1
+        if req.parent is None or req.parent.is_finished:  # a request, not each sample
+            self.num_finished += 1
 
-    def _make_output(self, req: Request) -> RequestOutput | None:
-        kind = req.params.output_kind
-        finished = req.is_finished
+    def _make_output(self, touched: list[Request]) -> RequestOutput | None:
+        """The output of the request whose sequences in `touched` got a token this step:
+        DELTA carries those sequences' news, CUMULATIVE and FINAL_ONLY all n sequences."""
+        first = touched[0]
+        group = first.parent
+        seqs = group.seqs if group is not None else touched
+        kind = first.params.output_kind
+        finished = group.is_finished if group is not None else first.is_finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        shown = touched if kind == RequestOutputKind.DELTA else seqs
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(seq, kind) for seq in sorted(shown, key=_by_index)],
+            finished=finished,
+            metrics=seqs[0].metrics,
+            error=next((s.error for s in seqs if s.error is not None), None),
+        )
+
+    @staticmethod
+    def _completion(req: Request, kind: RequestOutputKind) -> CompletionOutput:
         text = req.detokenizer.output_text if req.detokenizer is not None else ""
         token_ids = req.output_token_ids
         logprobs = req.logprobs
@@ -481,23 +531,14 @@ class LLMEngine:
         else:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=req.index,
             text=text,
             token_ids=token_ids,
-            finish_reason=req.status.value if finished else None,
+            finish_reason=req.status.value if req.is_finished else None,
             stop_reason=req.stop_reason,
             logprobs=logprobs,
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=req.metrics,
-            error=req.error,
         )
 
     # ------------------------------------------------------------------ state
@@ -555,3 +596,7 @@ class LLMEngine:
             device=device_stats(self.device.type, self.device.index or 0),
             model=self.model_name,
         )
+
+
+def _by_index(req: Request) -> int:
+    return req.index

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request.
+    """One generated sequence of a request: `index` tells the request's n samples apart
+    (0..n-1), each with its own finish reason.
 
     `logprobs`, when requested, holds per generated token a dict of token id to log
     probability: the sampled token plus the top-N alternatives.
@@ -40,7 +41,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (cumulative, delta or final, per its params)."""
+    """The state of one request after a step (cumulative, delta or final, per its params).
+
+    `outputs` holds a `CompletionOutput` per sample (DELTA: only the samples with news);
+    `finished` once every sample has finished.
+    """
 
     request_id: str
     prompt: str | None

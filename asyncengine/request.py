@@ -1,4 +1,9 @@
-"""One request's state as it moves through the engine: tokens, progress, blocks, status."""
+"""One request's state as it moves through the engine: tokens, progress, blocks, status.
+
+A request with `SamplingParams.n > 1` is n `Request` sequences (one per sample, `index`
+0..n-1) tied by a `ParentRequest`: the first prefills the prompt, the others are forked from
+it and share its KV blocks.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +72,9 @@ class Request:
     # What was already handed out, for DELTA outputs.
     sent_text_len: int = 0
     sent_token_len: int = 0
+    # Parallel sampling: which of the request's n samples this is, and the group it is in.
+    index: int = 0
+    parent: ParentRequest | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -112,3 +120,39 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    """The n sequences of one request with `n > 1`, in index order.
+
+    Each has its own tokens, generator, detokenizer and finish status; the prompt's KV blocks
+    are computed once and shared by reference (see `BlockPool.fork`).
+    """
+
+    request_id: str
+    seqs: list[Request]
+
+    @classmethod
+    def link(cls, seqs: list[Request]) -> ParentRequest:
+        """Tie the sequences of one request (indexes 0..n-1, in order) into a group."""
+        if [s.index for s in seqs] != list(range(len(seqs))):
+            raise ValueError("a request's sequences must have indexes 0..n-1 in order")
+        group = cls(seqs[0].request_id, seqs)
+        for seq in seqs:
+            seq.parent = group
+        return group
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seqs[0].num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def fork_point(self) -> int:
+        """Tokens a forked sequence takes from its donor: the prompt less its last token,
+        whose logits each sequence computes itself to sample its own first token."""
+        return self.num_prompt_tokens - 1

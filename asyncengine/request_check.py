@@ -62,6 +62,7 @@ def check_request(
     params.validate()
     check_prompt_ids(prompt_token_ids, limits.vocab_size)
     max_tokens = check_length(len(prompt_token_ids), params.max_tokens, limits)
+    check_parallel(params.n, len(prompt_token_ids), max_tokens, limits)
     if queue is not None:
         check_queue(queue, len(prompt_token_ids))
     return max_tokens
@@ -112,6 +113,29 @@ def check_length(num_prompt: int, max_tokens: int | None, limits: RequestLimits)
             field="max_tokens",
         )
     return max_tokens
+
+
+def parallel_blocks(n: int, num_prompt: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks n samples of one prompt hold at most: one sequence's, plus for each other
+    sample all but the full blocks of the prompt it shares (the shared partial block is
+    copied on its first write)."""
+    per_seq = -(-(num_prompt + max_tokens) // block_size)
+    shared = (num_prompt - 1) // block_size
+    return per_seq + (n - 1) * (per_seq - shared)
+
+
+def check_parallel(n: int, num_prompt: int, max_tokens: int, limits: RequestLimits) -> None:
+    """All n samples of the prompt must fit the KV pool at once."""
+    if n == 1:
+        return
+    blocks = parallel_blocks(n, num_prompt, max_tokens, limits.block_size)
+    if blocks > limits.num_kv_blocks:
+        raise InvalidRequestError(
+            f"n = {n} samples of a {num_prompt}-token prompt with max_tokens {max_tokens} "
+            f"need up to {blocks} KV blocks but the pool has only {limits.num_kv_blocks} (of "
+            f"{limits.block_size} tokens)",
+            field="n",
+        )
 
 
 def check_queue(queue: QueueState, num_prompt: int) -> None:

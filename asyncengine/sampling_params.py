@@ -26,7 +26,11 @@ _MAX_LOGPROBS = 20
 @dataclass
 class SamplingParams:
     """How to sample one request. Temperature 0 means greedy; invalid values raise
-    `InvalidRequestError` (a ValueError)."""
+    `InvalidRequestError` (a ValueError).
+
+    `n` > 1 samples n sequences from one prompt (its KV computed once and shared); with a
+    `seed`, sample i uses `seed + i`, as in vLLM.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -81,8 +85,8 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
-        if not is_int(self.n) or self.n != 1:
-            fail("n", "must be 1 (parallel sampling is not supported)")
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be an integer >= 1")
         if not is_num(self.temperature) or self.temperature < 0:
             fail("temperature", "must be a finite number >= 0")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:

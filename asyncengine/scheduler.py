@@ -5,6 +5,15 @@ ones come back, then waiting ones are admitted first come first served. Prompts 
 to fit the budget, so prefills and decodes share a step. When the KV pool runs dry the newest
 running request is preempted: recompute (drop its blocks, requeue it at the front) or swap
 (copy its blocks to CPU). A request only tracks `num_computed_tokens`; there are no phases.
+
+Parallel sampling (n > 1): a request is n sequences (`ParentRequest`). The first is admitted
+and prefills the prompt; the others wait, parked, until a running sequence of theirs (the
+donor) has computed the prompt, then are forked from it: they share its prompt blocks, so the
+prompt is admitted and computed once, and each computes only the prompt's last token (to
+sample its own first token) and what it generates. Preemption takes a group's unscheduled
+sequences together: recompute frees them and parks them to be forked again (or, when none of
+the group still holds the prompt, requeues one to prefill it); swap moves them to CPU in one
+piece, each shared block once.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncengine.block_pool import BlockPool, SwapSpace
-from asyncengine.request import Request, RequestStatus
+from asyncengine.request import ParentRequest, Request, RequestStatus
 
 
 @dataclass
@@ -62,38 +71,119 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # Request id -> its (first) sequence, while any sequence of the request is unfinished.
         self.requests: dict[str, Request] = {}
+        # Sequences of parallel requests waiting to be forked from a donor of their group.
+        self.parked: list[Request] = []
         self.num_preemptions = 0
         self.num_swaps_out = 0
         self.num_swaps_in = 0
 
     # -------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        """Queue a sequence; a parallel request's later sequences wait to be forked."""
+        if request.parent is not None and request.index > 0:
+            self.parked.append(request)
+            return
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def get_sequences(self, request_id: str) -> list[Request]:
+        """The unfinished sequences of a request (one unless it samples n > 1)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        seqs = req.parent.seqs if req.parent is not None else [req]
+        return [s for s in seqs if not s.is_finished]
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from every queue and free its blocks at once."""
+        """Remove a sequence from every queue and free its blocks at once."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
+            if request in self.parked:
+                self.parked.remove(request)
+            else:
+                self.waiting.remove(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
             if self.swap_space is not None:
                 self.swap_space.discard(request)
         self.pool.free(request)
         request.status = status
-        self.requests.pop(request.request_id, None)
+        group = request.parent
+        if group is None or group.is_finished:
+            self.requests.pop(request.request_id, None)
+        else:
+            self._requeue_orphans(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # ---------------------------------------------------------- parallel requests
+    def _holds_or_will_hold_prompt(self, group: ParentRequest) -> bool:
+        return any(
+            s.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+            or (s.status == RequestStatus.WAITING and s not in self.parked)
+            for s in group.seqs
+        )
+
+    def _requeue_orphans(self, group: ParentRequest) -> None:
+        """Parked sequences whose group no longer holds the prompt (nor will: nothing of it
+        runs, waits or is swapped) send one of them to prefill it again, at the front."""
+        if self._holds_or_will_hold_prompt(group):
+            return
+        lead = next((s for s in group.seqs if s in self.parked), None)
+        if lead is not None:
+            self.parked.remove(lead)
+            self.waiting.appendleft(lead)
+
+    def _fork_parked(self, out: SchedulerOutput, budget: int) -> int:
+        """Fork parked sequences from a running donor of their group that has computed the
+        prompt; returns the budget left."""
+        # Blocks this step fills by copy-on-write: copies run as one batch, so a donor
+        # whose shared blocks include one (e.g. a sequence forked in this very step) would
+        # hand out a block whose contents are not there yet.
+        copied = {dst for _, dst in out.blocks_to_copy}
+
+        def can_donate(s: Request, fork_point: int) -> bool:
+            return (
+                s.status == RequestStatus.RUNNING
+                and s.num_computed_tokens >= fork_point
+                and copied.isdisjoint(s.block_table[: self.pool.blocks_needed(fork_point)])
+            )
+
+        for seq in list(self.parked):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            group = seq.parent
+            assert group is not None
+            donor = next((s for s in group.seqs if can_donate(s, group.fork_point)), None)
+            if donor is None:
+                continue
+            self.pool.fork(donor, seq, group.fork_point)
+            num_new = min(seq.num_tokens_to_compute, budget)
+            copies = self.pool.allocate_slots(seq, num_new)
+            if copies is None:
+                self.pool.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.parked.remove(seq)
+            seq.status = RequestStatus.RUNNING
+            seq.metrics.num_cached_prompt_tokens = group.fork_point
+            # Next to its group, so a group's sequences stay together at the preemption end.
+            last = max(k for k, r in enumerate(self.running) if r.parent is group)
+            self.running.insert(last + 1, seq)
+            out.blocks_to_copy += copies
+            copied.update(dst for _, dst in copies)
+            out.scheduled.append(ScheduledRequest(seq, num_new))
+            budget -= num_new
+        return budget
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -107,37 +197,51 @@ class Scheduler:
                 copies = self.pool.allocate_slots(req, num_new)
                 if copies is not None:
                     break
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
+                victims = self._victims(i)
+                self._preempt(victims, out)
+                if req in victims:
                     break
-            if copies is None:  # the request preempted itself
-                break
+            if copies is None:
+                # It was preempted itself (with its group): the next one moved to index i.
+                continue
             out.blocks_to_copy += copies
             out.scheduled.append(ScheduledRequest(req, num_new))
-            scheduled_ids.add(req.request_id)
             budget -= num_new
             i += 1
 
+        # No admissions in a step that preempted. A parallel request whose samples no
+        # longer share blocks may preempt itself whole and leave this step empty: it comes
+        # back in the next one, its samples sharing the prompt again.
+        if not out.preempted and self.parked:
+            budget = self._fork_parked(out, budget)
+
         if not out.preempted:
             while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.swapped[0]
-                assert self.swap_space is not None
-                if not self.swap_space.can_swap_in(self.pool, req):
+                unit = self._swap_in_unit()
+                if not unit:
                     break
-                self.swapped.popleft()
-                out.blocks_to_swap_in += self.swap_space.swap_in(self.pool, req)
-                self.num_swaps_in += 1
-                # can_swap_in promised one spare block only: a request swapped out mid-prefill
-                # continues with the chunk that fits in its blocks plus what is free.
-                room = (len(req.block_table) + self.pool.num_free_blocks) * self.pool.block_size
-                num_new = min(req.num_tokens_to_compute, budget, room - req.num_computed_tokens)
-                copies = self.pool.allocate_slots(req, num_new)
-                assert copies is not None
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, num_new))
-                budget -= num_new
+                for req in unit:
+                    self.swapped.remove(req)
+                assert self.swap_space is not None
+                out.blocks_to_swap_in += self.swap_space.swap_in(self.pool, unit)
+                self.num_swaps_in += len(unit)
+                for j, req in enumerate(unit):
+                    req.status = RequestStatus.RUNNING
+                    self.running.append(req)
+                    if budget <= 0:
+                        continue
+                    # can_swap_in promised one spare block per sequence: a sequence swapped
+                    # out mid-prefill continues with the chunk that fits in its blocks plus
+                    # what is free, less the others' spare blocks and a copy-on-write block.
+                    spare = self.pool.num_free_blocks - (len(unit) - j - 1)
+                    spare -= int(self.pool._needs_copy_on_write(req))
+                    room = (len(req.block_table) + spare) * self.pool.block_size
+                    num_new = min(req.num_tokens_to_compute, budget, room - req.num_computed_tokens)
+                    copies = self.pool.allocate_slots(req, num_new)
+                    assert copies is not None
+                    out.blocks_to_copy += copies
+                    out.scheduled.append(ScheduledRequest(req, num_new))
+                    budget -= num_new
 
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -159,36 +263,80 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        self.num_preemptions += 1
-        req.metrics.num_preemptions += 1
-        out.preempted.append(req)
+    def _victims(self, i: int) -> list[Request]:
+        """The newest running sequence, with the rest of its group not yet scheduled in
+        this step (`running[i:]`), newest first."""
+        last = self.running[-1]
+        if last.parent is None:
+            return [last]
+        return [r for r in reversed(self.running[i:]) if r.parent is last.parent]
+
+    def _swap_in_unit(self) -> list[Request]:
+        """The first swapped sequence with its group's other swapped sequences (they may
+        share CPU blocks, and share again on the GPU), as many as max_num_seqs leaves room
+        for; empty while they do not fit."""
+        assert self.swap_space is not None
+        head = self.swapped[0]
+        unit = [head]
+        if head.parent is not None:
+            unit = [r for r in self.swapped if r.parent is head.parent]
+            unit = unit[: max(self.max_num_seqs - len(self.running), 1)]
+        if self.running:  # blocks will come free: wait for room for the whole group
+            return unit if self.swap_space.can_swap_in(self.pool, unit) else []
+        # Nothing runs: sequences swapped out apart share nothing and may never fit at once.
+        while unit and not self.swap_space.can_swap_in(self.pool, unit):
+            unit.pop()
+        return unit
+
+    def _preempt(self, victims: list[Request], out: SchedulerOutput) -> None:
+        for req in victims:
+            self.running.remove(req)
+            self.num_preemptions += 1
+            req.metrics.num_preemptions += 1
+            out.preempted.append(req)
         if self.preemption_mode == "swap" and self.swap_space is not None:
-            pairs = self.swap_space.swap_out(self.pool, req)
+            pairs = self.swap_space.swap_out(self.pool, victims)
             if pairs is not None:
                 out.blocks_to_swap_out += pairs
-                req.status = RequestStatus.SWAPPED
-                self.swapped.append(req)
-                self.num_swaps_out += 1
+                for req in victims:
+                    req.status = RequestStatus.SWAPPED
+                    self.swapped.append(req)
+                self.num_swaps_out += len(victims)
                 return
         # Recompute: the tokens stay, their K/V is dropped (prefix-cached blocks may survive).
-        self.pool.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        for req in victims:
+            self.pool.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+        group = victims[0].parent
+        if group is None:
+            self.waiting.appendleft(victims[0])
+            return
+        # A group's sequences come back by forking from one that holds the prompt again.
+        self.parked.extend(sorted(victims, key=lambda r: r.index))
+        self._requeue_orphans(group)
 
     # ---------------------------------------------------------------- checks
     def check_integrity(self) -> None:
         holders = [*self.running, *self.waiting, *self.swapped]
         self.pool.check_integrity(holders)
-        for req in self.waiting:
+        for req in [*self.waiting, *self.parked]:
             assert not req.block_table, f"waiting request {req.request_id} holds blocks"
+            assert req.status == RequestStatus.WAITING
         for req in self.swapped:
             assert not req.block_table, f"swapped request {req.request_id} holds GPU blocks"
+        for req in self.parked:
+            assert req.parent is not None, f"{req.request_id} is parked but has no group"
+            assert self._holds_or_will_hold_prompt(req.parent), (
+                f"{req.request_id} is parked but nothing of its group holds the prompt"
+            )
         if self.swap_space is not None:
             self.swap_space.check_integrity()
-            assert set(self.swap_space.tables) == {r.request_id for r in self.swapped}
+            assert set(self.swap_space.tables) == set(self.swapped)
         assert len(self.running) <= self.max_num_seqs
-        ids = [r.request_id for r in holders]
-        assert len(ids) == len(set(ids)) == len(self.requests), "a request is queued twice"
+        seqs = [*holders, *self.parked]
+        assert len({id(r) for r in seqs}) == len(seqs), "a sequence is queued twice"
+        assert {r.request_id for r in seqs} == set(self.requests), "a request is lost"
+        for req in seqs:
+            first = req.parent.seqs[0] if req.parent is not None else req
+            assert self.requests[req.request_id] is first, f"{req.request_id} is mapped wrongly"

@@ -5,6 +5,9 @@
             print(chunk.text, end="")
         # the last chunk carries finish_reason and usage
 
+With `n=k` (k > 1) one generation streams k samples: each chunk has the `index` of its
+sample, the last one every sample's finish reason, and `complete` returns them in `samples`.
+
 Many generations can run at once over one connection: a reader task dispatches incoming
 events by `request_id` to per-request queues. Leaving a `generate` loop early sends
 `cancel`. Server errors raise typed exceptions (`ServerError` and its subclasses).
@@ -99,6 +102,8 @@ class GenerationChunk:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: p.Usage | None = None
+    index: int = 0  # which sample, for a request with n > 1
+    finish_reasons: list[str] | None = None  # on the last chunk of a request with n > 1
 
     @property
     def finished(self) -> bool:
@@ -114,6 +119,18 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     usage: p.Usage
+    # With n > 1: every sample, by index (sample 0 is also text/token_ids/finish_reason).
+    samples: list[Sample] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Sample:
+    """One of the n samples of a `Completion`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
 
 
 _STATS_KEY = object()  # queue key of the stats stream
@@ -245,10 +262,12 @@ class AsyncClient:
             while True:
                 event = await q.get()
                 if isinstance(event, p.Delta):
-                    yield GenerationChunk(rid, event.text, event.token_ids)
+                    yield GenerationChunk(rid, event.text, event.token_ids,
+                                          index=event.index or 0)
                 elif isinstance(event, p.Done):
                     finished = True
-                    yield GenerationChunk(rid, "", [], event.finish_reason, event.usage)
+                    yield GenerationChunk(rid, "", [], event.finish_reason, event.usage,
+                                          finish_reasons=event.finish_reasons)
                     return
                 elif isinstance(event, p.Error):
                     finished = True
@@ -263,16 +282,21 @@ class AsyncClient:
                     await self._send(p.Cancel(request_id=rid))
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        """Run one generation to its end and return it whole."""
-        text: list[str] = []
-        ids: list[int] = []
+        """Run one generation to its end and return it whole (with `n` > 1, every sample
+        in `samples`)."""
+        text: dict[int, list[str]] = {0: []}
+        ids: dict[int, list[int]] = {0: []}
         async for chunk in self.generate(prompt, **kwargs):
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
+            text.setdefault(chunk.index, []).append(chunk.text)
+            ids.setdefault(chunk.index, []).extend(chunk.token_ids)
             if chunk.finished:
                 assert chunk.usage is not None and chunk.finish_reason is not None
-                return Completion(chunk.request_id, "".join(text), ids, chunk.finish_reason,
-                                  chunk.usage)
+                samples = None
+                if chunk.finish_reasons is not None:
+                    samples = [Sample(i, "".join(text.get(i, [])), ids.get(i, []), reason)
+                               for i, reason in enumerate(chunk.finish_reasons)]
+                return Completion(chunk.request_id, "".join(text[0]), ids[0],
+                                  chunk.finish_reason, chunk.usage, samples)
         raise ConnectionLostError("the generation ended without a `done` event")
 
     async def cancel(self, request_id: str) -> None:

@@ -3,6 +3,10 @@
 client → server: `generate`, `cancel`, `stats.subscribe`, `stats.unsubscribe`.
 server → client: `delta`, `done`, `error`, `stats`.
 
+With `params.n` > 1 one request streams n samples: each `delta` carries the `index` of its
+sample, and the one `done` lists every sample's finish reason (`finish_reasons`, by index)
+with usage summed over the samples. For n = 1 neither field is sent.
+
 Limits live in the types (`msgspec.Meta`), so a decode validates everything and a failure
 message names the JSON path (e.g. "... - at `$.params.max_tokens`"). `decode_client_message`
 turns every failure into an `Error` event carrying the request id when it can be recovered.
@@ -25,11 +29,13 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_REQUEST_ID
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _MAX_TOKENS_LIMIT = 1 << 20
+_MAX_N = 256  # the engine refuses an n the KV pool cannot hold; this bounds the message
 
 
 class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """Sampling parameters of a `generate` request (vLLM names and defaults)."""
 
+    n: Annotated[int, msgspec.Meta(ge=1, le=_MAX_N)] = 1
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_MAX_TOKENS_LIMIT)] = 16
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_MAX_TOKENS_LIMIT)] = 0
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
@@ -55,7 +61,7 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
         self, output_kind: RequestOutputKind = RequestOutputKind.DELTA
     ) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+            n=self.n, max_tokens=self.max_tokens, min_tokens=self.min_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed,
@@ -114,10 +120,11 @@ class ServerEvent(msgspec.Struct, kw_only=True, tag_field="type"):
     """Base of every message the server sends."""
 
 
-class Delta(ServerEvent, tag="delta"):
+class Delta(ServerEvent, tag="delta", omit_defaults=True):
     request_id: str
     text: str
     token_ids: list[int]
+    index: int | None = None  # the sample's index, for a request with n > 1
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -125,10 +132,11 @@ class Usage(msgspec.Struct, kw_only=True):
     completion_tokens: int
 
 
-class Done(ServerEvent, tag="done"):
+class Done(ServerEvent, tag="done", omit_defaults=True):
     request_id: str
-    finish_reason: str
+    finish_reason: str  # with n > 1, sample 0's
     usage: Usage
+    finish_reasons: list[str] | None = None  # every sample's, by index, for n > 1
 
 
 class Error(ServerEvent, tag="error"):

@@ -128,6 +128,17 @@ class _InFlight:
     prompt_tokens: int
     completion_tokens: int = 0
     stream: RequestStream | None = None
+    n: int = 1
+    # Finish reason per sample index, as the samples end.
+    finish_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def done(self, rid: str, default_reason: str) -> p.Done:
+        """The request's `done` event; samples not finished yet get `default_reason`."""
+        reasons = [self.finish_reasons.get(i, default_reason) for i in range(self.n)]
+        return p.Done(request_id=rid, finish_reason=reasons[0],
+                      usage=p.Usage(prompt_tokens=self.prompt_tokens,
+                                    completion_tokens=self.completion_tokens),
+                      finish_reasons=reasons if self.n > 1 else None)
 
     def stop(self) -> None:
         """Cancel the streaming task and abort the engine request (idempotent)."""
@@ -435,6 +446,7 @@ class EngineServer:
             engine.check_request(engine_rid, prompt_ids, params,
                                  queue_limits=self._queue_limits)
             slot.prompt_tokens = len(prompt_ids)
+            slot.n = params.n
             if self.config.log_prompts:
                 logger.info("request %s/%s: %r", conn.id, rid, msg.prompt or msg.messages)
             slot.stream = engine.add_request(None, params, engine_rid,
@@ -469,19 +481,20 @@ class EngineServer:
     async def _stream(self, conn: _Connection, rid: str, slot: _InFlight,
                       stream: RequestStream) -> None:
         """Run one request: deltas, then done (or an error)."""
-        finish_reason = "abort"
+        default_reason = "abort"
         try:
             async for out in stream:
-                comp = out.outputs[0]
-                if comp.token_ids or comp.text:
-                    slot.completion_tokens += len(comp.token_ids)
-                    await conn.send(p.Delta(request_id=rid, text=comp.text,
-                                            token_ids=comp.token_ids))
+                for comp in out.outputs:
+                    if comp.token_ids or comp.text:
+                        slot.completion_tokens += len(comp.token_ids)
+                        await conn.send(p.Delta(
+                            request_id=rid, text=comp.text, token_ids=comp.token_ids,
+                            index=comp.index if slot.n > 1 else None))
+                    if comp.finish_reason is not None:
+                        slot.finish_reasons[comp.index] = comp.finish_reason
                 if out.finished:
-                    finish_reason = comp.finish_reason or "stop"
-            await conn.send(p.Done(request_id=rid, finish_reason=finish_reason,
-                                   usage=p.Usage(prompt_tokens=slot.prompt_tokens,
-                                                 completion_tokens=slot.completion_tokens)))
+                    default_reason = "stop"
+            await conn.send(slot.done(rid, default_reason))
         except RequestError as exc:  # refused on the step thread (a text prompt's check)
             self._rejected.labels(exc.code).inc()
             await conn.send(p.Error(code=exc.code, message=exc.message, request_id=rid))
@@ -508,9 +521,9 @@ class EngineServer:
         # A task cancelled before it first ran never reached its `finally`.
         if conn.requests.get(rid) is slot:
             del conn.requests[rid]
-        await conn.send(p.Done(request_id=rid, finish_reason="abort",
-                               usage=p.Usage(prompt_tokens=slot.prompt_tokens,
-                                             completion_tokens=slot.completion_tokens)))
+        if slot.n == 1:
+            slot.finish_reasons.clear()  # a cancelled request reports "abort"
+        await conn.send(slot.done(rid, "abort"))
 
     async def _stream_stats(self, conn: _Connection, interval: float) -> None:
         loop = asyncio.get_running_loop()

@@ -8,6 +8,11 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
   python scripts/bench_throughput.py --workload w1 --system engine
   python scripts/bench_throughput.py --workload w1 --system hf --hf-batch-size 128
   python scripts/bench_throughput.py --workload l1 --system engine
+
+Parallel sampling: `--n 8` samples each prompt 8 times in one request (the prompt's KV
+computed once and shared); `--n 8 --n-as-requests` sends the same work as 8 separate
+requests per prompt (sample j with seed + j: the same tokens), the baseline to compare
+tokens/s and `m1.peak_used_blocks` against.
 """
 
 from __future__ import annotations
@@ -55,10 +60,13 @@ def kv_bytes_per_token(shape: str) -> int:
 
 
 def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
-    """Lower bound on the run time from the hardware limits (see BENCHMARKS.md)."""
-    n, p, o = w["num_requests"], w["prompt_len"], w["output_len"]
+    """Lower bound on the run time from the hardware limits (see BENCHMARKS.md); with n
+    samples per prompt, n sequences decode per request and shared prompts prefill once."""
+    samples = w.get("n", 1)
+    n, p, o = w["num_requests"] * samples, w["prompt_len"], w["output_len"]
     params = param_count(w["shape"])
-    prefill = n * p * 2 * params / PEAK_FLOPS
+    prefills = w["num_requests"] if w.get("shared_prompts", True) else n
+    prefill = prefills * p * 2 * params / PEAK_FLOPS
     avg_ctx = p + o / 2
     kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"]) / PEAK_BW
     steps = o * max(1, -(-n // max(concurrency, 1)))
@@ -78,6 +86,28 @@ def greedy_params(output_len: int) -> Any:
 
     return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def sampling_params(output_len: int, n: int, seed: int) -> Any:
+    """Exactly `output_len` tokens per sample, `n` seeded samples per request (temperature
+    1: parallel samples only differ when sampled), reported once when finished."""
+    if n == 1:
+        return greedy_params(output_len)
+    from asyncengine import SamplingParams
+    from asyncengine.sampling_params import RequestOutputKind
+
+    return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=output_len,
+                          ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def request_plan(prompts: list[list[int]], params: Any, as_requests: bool
+                 ) -> list[tuple[list[int], Any]]:
+    """(prompt, params) per request: each prompt once with its n samples, or (the baseline)
+    its n samples as n requests, sample j seeded seed + j as the parallel request's are."""
+    if not as_requests or params.n == 1:
+        return [(p, params) for p in prompts]
+    one = [dataclasses.replace(params, n=1, seed=params.seed + j) for j in range(params.n)]
+    return [(p, q) for p in prompts for q in one]
 
 
 def warm_up(engine: Any, w: dict, params: Any) -> None:
@@ -127,7 +157,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         dtype="bfloat16" if args.device != "cpu" else "float32",
     )
     engine = LLMEngine(engine_args)
-    params = greedy_params(w["output_len"])
+    params = sampling_params(w["output_len"], args.n, args.seed)
     warm_up(engine, w, params)
     plans = describe_matmul_plans(engine.runner.model)
     for round_ in range(args.repeat):
@@ -145,14 +175,14 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
 
 def run_steps(
     engine: Any, prompts: list[list[int]], params: Any, prefix: str,
-    on_step: Callable[[float], None] | None = None,
+    on_step: Callable[[float], None] | None = None, as_requests: bool = False,
 ) -> tuple[int, float, list[float]]:
     """Add every prompt, step until all finish (synchronized at the end); returns the output
     tokens, the elapsed seconds and each step's seconds. `on_step` sees each step's time."""
     step_times: list[float] = []
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, params)
+    for i, (p, q) in enumerate(request_plan(prompts, params, as_requests)):
+        engine.add_request(f"{prefix}{i}", p, q)
     out_tokens = 0
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -161,7 +191,7 @@ def run_steps(
         if on_step is not None:
             on_step(step_times[-1])
         for o in outs:
-            out_tokens += len(o.outputs[0].token_ids)
+            out_tokens += sum(len(c.token_ids) for c in o.outputs)
     _sync()
     return out_tokens, time.perf_counter() - start, step_times
 
@@ -174,11 +204,13 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
     prompts = make_prompts(w, vocab, args.seed)
     pool, bs = engine.pool, engine.pool.block_size
     peak = {"running": 0, "used_blocks": 0, "live_tokens": 0}
+    peak_used_blocks = 0
     by_kind = {"decode_s": 0.0, "prefill_or_mixed_s": 0.0}
     by_kind_steps = {"decode_s": 0, "prefill_or_mixed_s": 0}
 
     def on_step(seconds: float) -> None:
-        nonlocal peak
+        nonlocal peak, peak_used_blocks
+        peak_used_blocks = max(peak_used_blocks, pool.num_used_blocks)
         kind = "decode_s" if engine.runner.last_step_decode_only else "prefill_or_mixed_s"
         by_kind[kind] += seconds
         by_kind_steps[kind] += 1
@@ -192,18 +224,24 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
             }
 
     before = warmth()
-    out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step)
+    out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step,
+                                                as_requests=args.n_as_requests)
+    w = dict(w, n=params.n, shared_prompts=not args.n_as_requests)
     floor = floor_seconds(w, peak["running"])
-    limit_tok_s = w["num_requests"] * w["output_len"] / floor["total_s"]
+    limit_tok_s = w["num_requests"] * w["n"] * w["output_len"] / floor["total_s"]
     timing = engine.step_timing
     record = {
         "workload": args.workload,
         "system": "asyncengine",
+        "n": params.n,
+        "n_as_requests": args.n_as_requests,
         "graphs": not args.enforce_eager,
         "output_tokens": out_tokens,
         "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(out_tokens / elapsed, 1),
-        "total_tok_s": round((out_tokens + w["num_requests"] * w["prompt_len"]) / elapsed, 1),
+        # Prompt tokens as requested (n separate requests each send the prompt).
+        "total_tok_s": round((out_tokens + w["num_requests"] * w["prompt_len"]
+                              * (w["n"] if args.n_as_requests else 1)) / elapsed, 1),
         "limit_output_tok_s": round(limit_tok_s, 1),
         "fraction_of_limit": round(out_tokens / elapsed / limit_tok_s, 3),
         "floor": {k: round(v, 2) for k, v in floor.items()},
@@ -225,6 +263,8 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
             else None,
             "peak_running": peak["running"],
             "used_blocks_at_peak": peak["used_blocks"],
+            "peak_used_blocks": peak_used_blocks,
+            # Parallel samples count their shared prompt once each: sharing makes it < 0.
             "waste_at_peak": round(1 - peak["live_tokens"] / max(peak["used_blocks"] * bs, 1), 4),
         },
     }
@@ -378,6 +418,9 @@ def main() -> None:
         help="decode attention override PROGRAMS_PER_SM,MAX_SEGMENTS[,TILE] (heuristic tuning)",
     )
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
+    ap.add_argument("--n-as-requests", action="store_true",
+                    help="send the --n samples as separate requests (the baseline)")
     args = ap.parse_args()
     w = dict(WORKLOADS[args.workload])
     if args.num_requests:

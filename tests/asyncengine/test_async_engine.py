@@ -97,6 +97,68 @@ async def test_collector_merges_deltas_and_replaces_cumulative() -> None:
         box.get_nowait()
 
 
+def _sample(index: int, text: str, ids: list[int], reason: str | None = None
+            ) -> CompletionOutput:
+    return CompletionOutput(index, text, ids, reason, logprobs=[{t: -1.0} for t in ids])
+
+
+async def test_collector_merges_deltas_of_parallel_samples_by_index() -> None:
+    box = RequestOutputCollector(merge_deltas=True)
+    box.put(RequestOutput("p", None, [1], [_sample(0, "a", [1]), _sample(2, "x", [7])], False))
+    box.put(RequestOutput("p", None, [1], [_sample(1, "m", [4])], False))
+    box.put(RequestOutput("p", None, [1], [_sample(2, "y", [8], "stop"), _sample(0, "b", [2])],
+                          False))
+    merged = box.get_nowait()
+    assert merged is not None and not merged.finished
+    got = [(c.index, c.text, c.token_ids, c.finish_reason, len(c.logprobs or []))
+           for c in merged.outputs]
+    assert got == [(0, "ab", [1, 2], None, 2), (1, "m", [4], None, 1),
+                   (2, "xy", [7, 8], "stop", 2)]
+
+
+async def test_parallel_samples_stream_with_their_index(engine: AsyncLLMEngine,
+                                                        offline: LLM) -> None:
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True,
+                              output_kind=kind)
+
+    expected = offline.generate(["Tell me a story"], params(RequestOutputKind.FINAL_ONLY),
+                                use_tqdm=False)[0]
+    texts, ids = ["", "", ""], [[], [], []]
+    finished_at: list[int] = []
+    async for out in engine.generate("Tell me a story", params(RequestOutputKind.DELTA), "p"):
+        for c in out.outputs:
+            texts[c.index] += c.text
+            ids[c.index] += c.token_ids
+            if c.finish_reason is not None:
+                finished_at.append(c.index)
+    assert sorted(finished_at) == [0, 1, 2]
+    assert texts == [c.text for c in expected.outputs]
+    assert ids == [c.token_ids for c in expected.outputs]
+    finals = [out async for out in engine.generate(
+        "Tell me a story", params(RequestOutputKind.FINAL_ONLY), "q")]
+    assert len(finals) == 1 and finals[0].finished
+    assert [c.index for c in finals[0].outputs] == [0, 1, 2]
+    assert [c.token_ids for c in finals[0].outputs] == ids
+    await wait_idle_and_free(engine)
+
+
+async def test_abort_ends_every_parallel_sample(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    stream = engine.add_request("A long story", params, "a")
+    first = await stream.__anext__()
+    assert not first.finished
+    await engine.abort("a")
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    assert [c.index for c in last.outputs] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "abort" for c in last.outputs)
+    await wait_idle_and_free(engine)
+
+
 async def test_delta_stream_equals_offline_greedy(engine: AsyncLLMEngine, offline: LLM) -> None:
     prompts = ["The quick brown fox", "Hello world!", "def add(a, b):"]
     expected = offline.generate(prompts, greedy(16), use_tqdm=False)

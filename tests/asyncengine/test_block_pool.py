@@ -273,6 +273,103 @@ def test_fork_at_block_boundary_needs_no_copy() -> None:
     assert len(child.block_table) == 3
 
 
+def test_fork_of_a_prefix_shares_only_its_blocks_and_copies_the_partial_one() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(11)))
+    compute(pool, parent)
+    # A parallel sample forked at the prompt less its last token (the engine's fork point).
+    child = make_request(parent.all_token_ids[:7])
+    pool.fork(parent, child, 6)
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 6
+    assert child.num_hashed_blocks == 1
+    assert [pool.ref_counts[b] for b in parent.block_table] == [2, 2, 1]
+    pool.check_integrity([parent, child])
+    copies = pool.allocate_slots(child, 1)  # writes token 6 into the shared partial block
+    assert copies is not None and [src for src, _ in copies] == [parent.block_table[1]]
+    assert child.block_table[0] == parent.block_table[0]
+    assert child.block_table[1] != parent.block_table[1]
+    child.num_computed_tokens += 1
+    pool.check_integrity([parent, child])
+    with pytest.raises(ValueError, match="cannot fork"):
+        pool.fork(parent, make_request([0]), 12)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        pool.fork(parent, child, 4)
+
+
+def test_a_fork_writing_into_a_cached_block_it_alone_holds_uncaches_it() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request([1, 2, 3, 4, 5])
+    compute(pool, parent)
+    cached = parent.block_table[0]
+    assert pool.block_hash[cached] is not None
+    child = make_request([1, 2, 3, 9])  # a sample diverging inside the full, cached block
+    pool.fork(parent, child, 3)
+    pool.free(parent)
+    assert pool.allocate_slots(child, 1) == []  # its only holder now: written in place
+    child.num_computed_tokens += 1
+    assert child.block_table == [cached] and pool.block_hash[cached] is None
+    assert pool.find_cached_blocks(make_request([1, 2, 3, 4, 5])) == []
+    pool.check_integrity([child])
+
+
+def test_check_integrity_refuses_a_shared_block_written_next() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(4)))
+    compute(pool, parent)
+    parent.append_token(9)
+    assert pool.allocate_slots(parent, 1) == []  # a block reserved for token 4, not written
+    child = make_request(parent.all_token_ids)
+    child.block_table = list(parent.block_table)  # shares the reserved block: a bug
+    child.num_computed_tokens = 4
+    for b in child.block_table:
+        pool._ref(b)
+    with pytest.raises(AssertionError, match="writes into it next"):
+        pool.check_integrity([parent, child])
+    pool._unref(child.block_table[1])
+    child.block_table = [child.block_table[1]]
+    child.num_computed_tokens = 5
+    with pytest.raises(AssertionError, match="table indexes"):
+        pool.check_integrity([parent, child])
+
+
+def test_sequences_swapped_together_keep_sharing() -> None:
+    pool = BlockPool(10, BS)
+    swap = SwapSpace(10)
+    parent = make_request(list(range(10)))
+    compute(pool, parent)
+    child = make_request(parent.all_token_ids[:10])
+    pool.fork(parent, child, 9)
+    compute(pool, child)  # copies the partial third block, then writes token 9
+    other = make_request(parent.all_token_ids)
+    pool.fork(parent, other, 9)  # holds the parent's partial block too: nothing written yet
+    seqs = [parent, child, other]
+    pool.check_integrity(seqs)
+    shared = parent.block_table[:2]
+    tails = {parent.block_table[2], child.block_table[2]}
+    pairs = swap.swap_out(pool, seqs)
+    assert pairs is not None
+    # Each distinct block once: the two shared ones, the parent's tail, the child's copy.
+    assert len(pairs) == 4 and [g for g, _ in pairs][:2] == shared
+    assert {g for g, _ in pairs[2:]} == tails
+    assert pool.num_free_blocks == 10 and swap.num_free_blocks == 6
+    assert swap.tables[parent][:2] == swap.tables[child][:2] == swap.tables[other][:2]
+    swap.check_integrity()
+    assert swap.can_swap_in(pool, seqs)  # 4 blocks + one spare per sequence
+    back = swap.swap_in(pool, seqs)
+    assert len(back) == 4 and swap.num_free_blocks == 10 and swap.tables == {}
+    assert parent.block_table[:2] == child.block_table[:2] == other.block_table[:2]
+    assert other.block_table[2] == parent.block_table[2] != child.block_table[2]
+    assert [pool.ref_counts[b] for b in parent.block_table] == [3, 3, 2]
+    pool.check_integrity(seqs)
+    swap.check_integrity()
+    # Swapped alone, a sequence's shared blocks are copied for it; discarding frees its own.
+    assert swap.swap_out(pool, [child]) is not None
+    assert [pool.ref_counts[b] for b in parent.block_table] == [2, 2, 2]
+    swap.discard(child)
+    assert swap.num_free_blocks == 10
+    swap.check_integrity()
+
+
 def test_copy_on_write_fails_cleanly_when_the_pool_is_full() -> None:
     pool = BlockPool(2, BS)
     parent = make_request(list(range(6)))
@@ -593,18 +690,21 @@ class BlockPoolMachine(RuleBasedStateMachine):
             req.append_token(token)
 
     @precondition(lambda self: self._to_fork())
-    @rule(sel=SEL, decode_both=st.booleans(), token=st.integers(0, 1))
-    def fork(self, sel: int, decode_both: bool, token: int) -> None:
+    @rule(sel=SEL, decode_both=st.booleans(), token=st.integers(0, 1), back=st.integers(0, 6))
+    def fork(self, sel: int, decode_both: bool, token: int, back: int) -> None:
         parent = pick(self._to_fork(), sel)
-        # A parallel sample: same computed prefix, then a token other than the parent's, so a
-        # write into a still-shared block would show up in the parent's KV.
-        done = parent.num_computed_tokens
+        # A parallel sample: a computed prefix of the parent (all of it, or less as the
+        # engine forks at the prompt less its last token), then a token other than the
+        # parent's, so a write into a still-shared block would show up in the parent's KV.
+        done = max(parent.num_computed_tokens - back, 0)
         tokens = parent.all_token_ids[:done]
         if done < MAX_LEN:
             nxt = parent.all_token_ids[done] if done < parent.num_tokens else 0
             tokens.append(1 - nxt)
         child = make_request(tokens)
-        self.pool.fork(parent, child)
+        self.pool.fork(parent, child, done)
+        if back:
+            event("fork: of a prefix")
         self.on_gpu.append(child)
         if decode_both:  # both samples take their next step together, as in one engine step
             for req in (child, parent):
@@ -621,32 +721,47 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert req.block_table == []
 
     @precondition(lambda self: self._to_swap_out())
-    @rule(sel=SEL)
-    def swap_out(self, sel: int) -> None:
+    @rule(sel=SEL, with_sharers=st.booleans())
+    def swap_out(self, sel: int, with_sharers: bool) -> None:
         req = pick(self._to_swap_out(), sel)
-        table = list(req.block_table)
-        pairs = self.swap.swap_out(self.pool, req)
+        unit = [req]
+        if with_sharers:  # as a parallel request's sequences go: together, sharing kept
+            unit += [r for r in self._to_swap_out()
+                     if r is not req and set(r.block_table) & set(req.block_table)]
+        tables = [list(r.block_table) for r in unit]
+        pairs = self.swap.swap_out(self.pool, unit)
         if pairs is None:
-            assert req.block_table == table
+            assert [r.block_table for r in unit] == tables
             event("swap out: swap space full")
             return
-        assert [g for g, _ in pairs] == table
+        distinct = list(dict.fromkeys(b for t in tables for b in t))
+        assert [g for g, _ in pairs] == distinct
+        if len(distinct) < sum(map(len, tables)):
+            event("swap out: shared blocks once")
         self.kv.swap_out(pairs)
-        self.on_gpu.remove(req)
-        self.swapped.append(req)
+        for r in unit:
+            self.on_gpu.remove(r)
+            self.swapped.append(r)
 
     @precondition(lambda self: self.swapped)
-    @rule(sel=SEL)
-    def swap_in(self, sel: int) -> None:
+    @rule(sel=SEL, with_sharers=st.booleans())
+    def swap_in(self, sel: int, with_sharers: bool) -> None:
         req = pick(self.swapped, sel)
-        if not self.swap.can_swap_in(self.pool, req):
+        unit = [req]
+        if with_sharers:
+            mine = set(self.swap.tables[req])
+            unit += [r for r in self.swapped if r is not req and mine & set(self.swap.tables[r])]
+        if not self.swap.can_swap_in(self.pool, unit):
             event("swap in: no room")
             return
         event("swap in")
-        pairs = self.swap.swap_in(self.pool, req)
+        cpu_tables = [list(self.swap.tables[r]) for r in unit]
+        pairs = self.swap.swap_in(self.pool, unit)
+        assert [c for c, _ in pairs] == list(dict.fromkeys(c for t in cpu_tables for c in t))
         self.kv.swap_in(pairs)
-        self.swapped.remove(req)
-        self.on_gpu.append(req)
+        for r in unit:
+            self.swapped.remove(r)
+            self.on_gpu.append(r)
 
     @invariant()
     def integrity(self) -> None:
@@ -656,8 +771,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.kv.check_gpu(req)
         for req in self.swapped:
             assert req.block_table == []
-            self.kv.check_cpu(req, self.swap.tables[req.request_id])
-        assert set(self.swap.tables) == {r.request_id for r in self.swapped}
+            self.kv.check_cpu(req, self.swap.tables[req])
+        assert set(self.swap.tables) == set(self.swapped)
 
     def teardown(self) -> None:
         for req in self.on_gpu:

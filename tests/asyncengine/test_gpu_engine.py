@@ -1,5 +1,6 @@
 """On a GPU: greedy engine output equals HF transformers token for token, with chunked prefill,
-prefix-cache hits and preemption in one batch, both eagerly and with CUDA graphs."""
+prefix-cache hits and preemption in one batch, both eagerly and with CUDA graphs; parallel
+samples (n > 1) share their prompt's blocks."""
 
 from __future__ import annotations
 
@@ -67,3 +68,37 @@ def test_gpu_bf16_matches_hf_mostly(tiny_llama_dir: Path) -> None:
     agree = sum(o.outputs[0].token_ids[0] == r[0] for o, r in zip(outs, ref, strict=True))
     assert agree == len(prompts)
     assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_gpu_parallel_samples_share_the_prompt(
+    tiny_llama_dir: Path, enforce_eager: bool, preemption_mode: str
+) -> None:
+    """n > 1 on the device: forks copy the shared last prompt block on the GPU (and through
+    swap space), each greedy sample equals HF, seeded samples repeat run to run."""
+    prompts = make_prompts(452, [5, 37, 16, 70], seed=13)
+
+    def make_llm() -> LLM:
+        return LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=16,
+                   max_num_batched_tokens=64, preemption_mode=preemption_mode,
+                   enforce_eager=enforce_eager, max_num_seqs=8)
+
+    llm = make_llm()
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    ref = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r] * 3 for r in ref]
+    assert [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2]] * len(prompts)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_clean(llm)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS,
+                            ignore_eos=True)
+    runs = []
+    for _ in range(2):  # fresh engines: the same schedule, no prefix-cache hits
+        llm = make_llm()
+        runs.append([[c.token_ids for c in o.outputs]
+                     for o in llm.generate(prompts, seeded, use_tqdm=False)])
+        assert_pool_clean(llm)
+    assert runs[0] == runs[1]
+    assert all(len({tuple(s) for s in samples}) > 1 for samples in runs[0])

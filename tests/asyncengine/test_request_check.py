@@ -17,6 +17,7 @@ from asyncengine.request_check import (
     QueueState,
     RequestLimits,
     check_request,
+    parallel_blocks,
 )
 from asyncengine.sampling_params import SamplingParams
 
@@ -59,6 +60,23 @@ def test_prompt_refusals(prompt: list[int], max_tokens: int | None, cls: type, c
     assert type(err) is cls and isinstance(err, ValueError)
     assert (err.code, err.field) == (code, field)
     assert words in err.message and str(err) == err.message
+
+
+def test_parallel_samples_must_fit_the_pool_together() -> None:
+    # 33 + 8 tokens: 3 blocks for one sample; the others share the prompt's 2 full blocks.
+    assert parallel_blocks(1, 33, 8, 16) == 3
+    assert parallel_blocks(4, 33, 8, 16) == 3 + 3 * 1
+    assert parallel_blocks(2, 1, 8, 16) == 2  # a 1-token prompt: nothing to share
+    limits = RequestLimits(vocab_size=100, max_model_len=64, num_kv_blocks=6, block_size=16)
+    assert check_request("r", [1] * 33, SamplingParams(n=4, max_tokens=8), limits) == 8
+    with pytest.raises(InvalidRequestError) as info:
+        check_request("r", [1] * 33, SamplingParams(n=5, max_tokens=8), limits)
+    err = info.value
+    assert (err.code, err.field) == (ErrorCode.INVALID_REQUEST, "n")
+    assert "n = 5 samples" in err.message and "need up to 7 KV blocks" in err.message
+    params = SamplingParams()
+    params.n = 0  # changed after construction, which validated it
+    assert refusal([1, 2], params).field == "n"
 
 
 def test_duplicate_request_id() -> None:

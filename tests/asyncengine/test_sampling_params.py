@@ -79,8 +79,10 @@ def test_good_values_pass(kwargs: dict) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
         ("n", 0),
+        ("n", -1),
+        ("n", 1.0),
+        ("n", True),
         ("temperature", -0.1),
         ("temperature", math.inf),
         ("temperature", math.nan),

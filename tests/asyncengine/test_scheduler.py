@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asyncengine.block_pool import BlockPool, SwapSpace
-from asyncengine.request import Request, RequestStatus
+from asyncengine.request import ParentRequest, Request, RequestStatus
+from asyncengine.request_check import parallel_blocks
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
 from tests.asyncengine.test_block_pool import KVShadow
@@ -160,6 +161,109 @@ def test_prefix_hit_on_admission() -> None:
     assert sched.pool.prefix_hits == 12
 
 
+# ------------------------------------------------------------ parallel sampling
+def make_parallel(num_prompt: int, n: int, max_tokens: int = 8) -> list[Request]:
+    """The n sequences of one request, as LLMEngine.add_request makes them."""
+    first = make_request(num_prompt, max_tokens)
+    seqs = [first] + [
+        Request(first.request_id, None, first.prompt_token_ids, first.params, max_tokens,
+                index=i)
+        for i in range(1, n)
+    ]
+    ParentRequest.link(seqs)
+    return seqs
+
+
+def test_parallel_request_prefills_the_prompt_once_then_forks() -> None:
+    sched = make_scheduler(num_blocks=16)
+    a, b, c = make_parallel(10, 3)
+    for seq in (a, b, c):
+        sched.add_request(seq)
+    assert ids(sched.waiting) == [a.request_id] and sched.parked == [b, c]
+    out = step(sched)
+    assert scheduled(out) == [(a.request_id, 10)]  # the prompt, once
+    prompt_blocks = list(a.block_table)
+    out = sched.schedule()
+    # a decodes; b and c share its blocks and recompute only the prompt's last token,
+    # each copying the partial last block on that first write.
+    assert [(s.request.index, s.num_new_tokens) for s in out.scheduled] == [(0, 1), (1, 1),
+                                                                           (2, 1)]
+    assert out.blocks_to_copy == [(prompt_blocks[2], b.block_table[2]),
+                                  (prompt_blocks[2], c.block_table[2])]
+    assert b.block_table[:2] == c.block_table[:2] == prompt_blocks[:2]
+    assert [sched.pool.ref_counts[blk] for blk in prompt_blocks] == [3, 3, 1]
+    assert sched.running == [a, b, c] and sched.parked == []
+    assert sched.pool.num_used_blocks == 5
+    finish_step(sched, out)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [s.num_output_tokens for s in (a, b, c)] == [8, 8, 8]
+    assert sched.pool.num_free_blocks == 16
+
+
+def test_recompute_preemption_parks_a_group_and_forks_it_again() -> None:
+    sched = make_scheduler(num_blocks=7)
+    old = make_request(8, max_tokens=12)
+    sched.add_request(old)
+    step(sched)
+    seqs = make_parallel(6, 2, max_tokens=10)
+    for seq in seqs:
+        sched.add_request(seq)
+    preempted: list[Request] = []
+    refork = False
+    for _ in range(80):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        preempted += out.preempted
+        if seqs[0] in out.preempted:
+            # Nothing of the group holds the prompt: one sequence prefills it again.
+            assert seqs[0] in sched.waiting and seqs[1] in sched.parked
+        if any(s.request is seqs[1] and s.request.num_computed_tokens == 5 for s in
+               out.scheduled) and seqs[1].num_output_tokens:
+            refork = True  # forked again, its own tokens recomputed after the shared prompt
+        finish_step(sched, out)
+    assert not sched.has_unfinished_requests()
+    assert set(preempted) >= set(seqs) and refork
+    assert [s.num_output_tokens for s in (old, *seqs)] == [12, 10, 10]
+    assert sched.pool.num_free_blocks == 7
+
+
+def test_swap_preemption_moves_a_group_and_its_shared_blocks_once() -> None:
+    sched = make_scheduler(num_blocks=9, preemption_mode="swap", max_num_batched_tokens=64)
+    old = make_request(8, max_tokens=12)
+    sched.add_request(old)
+    step(sched)
+    seqs = make_parallel(9, 3, max_tokens=12)
+    for seq in seqs:
+        sched.add_request(seq)
+    step(sched)  # the prompt
+    step(sched)  # the forks: 2 shared full blocks, 3 tails
+    shared = seqs[0].block_table[:2]
+    assert all(s.block_table[:2] == shared for s in seqs)
+    assert sched.pool.num_free_blocks == 9 - 3 - 5
+    while True:
+        out = sched.schedule()
+        if out.preempted:
+            break
+        finish_step(sched, out)
+    assert set(out.preempted) == set(seqs) and scheduled(out) == [(old.request_id, 1)]
+    assert sched.swap_space is not None
+    # The shared blocks went to CPU once and stay shared there.
+    assert len(out.blocks_to_swap_out) == 2 + 3
+    assert all(sched.swap_space.tables[s][:2] == sched.swap_space.tables[seqs[0]][:2]
+               for s in seqs)
+    finish_step(sched, out)
+    while not (out := step(sched)).blocks_to_swap_in:
+        pass
+    assert len(out.blocks_to_swap_in) == 5  # back in one piece, sharing again
+    assert all(s.block_table[:2] == seqs[0].block_table[:2] for s in seqs)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [s.num_output_tokens for s in seqs] == [12, 12, 12]
+    assert sched.pool.num_free_blocks == 9
+
+
 # ---------------------------------------------------------------- preemption
 def _fill_pool(mode: str) -> tuple[Scheduler, list[Request]]:
     """Three decoding requests that fill a 6-block pool exactly, so the next token needs room."""
@@ -197,7 +301,7 @@ def test_preemption_swap_takes_the_newest() -> None:
     assert c.block_table == [] and c.num_computed_tokens == 8  # progress is kept
     assert [g for g, _ in out.blocks_to_swap_out] == c_blocks
     assert sched.swap_space is not None
-    assert sched.swap_space.tables[c.request_id] == [cpu for _, cpu in out.blocks_to_swap_out]
+    assert sched.swap_space.tables[c] == [cpu for _, cpu in out.blocks_to_swap_out]
     assert sched.num_swaps_out == 1
     finish_step(sched, out)
 
@@ -254,7 +358,7 @@ def test_swapped_requests_return_before_waiting_ones_are_admitted() -> None:
         # Swapped-in requests run in the same step, their blocks copied back from CPU.
         assert set(ids(back)) <= set(ids(s.request for s in out.scheduled))
         assert sorted(cpu for cpu, _ in out.blocks_to_swap_in) == sorted(
-            cpu for r in back for cpu in cpu_tables[r.request_id]
+            cpu for r in back for cpu in cpu_tables[r]
         )
         if late.status == RequestStatus.RUNNING:
             assert not sched.swapped, "admitted while a swapped request waits"
@@ -351,9 +455,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def add(self, data: st.DataObject) -> None:
-        # As LLMEngine.add_request: prompt + max_tokens must fit the pool.
+        # As LLMEngine.add_request: prompt + max_tokens must fit the pool (all n samples).
         total = data.draw(st.integers(2, min(self.capacity, 40)), label="total")
         num_prompt = data.draw(st.integers(1, total - 1), label="num_prompt")
+        n = data.draw(st.integers(1, 3), label="n")
+        while n > 1 and parallel_blocks(n, num_prompt, total - num_prompt, BS) > \
+                self.sched.pool.num_blocks:
+            n -= 1
         if self.history and data.draw(st.booleans(), label="share"):
             base = data.draw(st.sampled_from(self.history), label="base")
             keep = data.draw(st.integers(0, len(base)), label="keep")
@@ -363,17 +471,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens += [self.rng.randrange(ALPHABET) for _ in range(num_prompt - len(tokens))]
         tokens = tokens[:num_prompt]
         self.history.append(tokens)
-        self.added.append(make_request(0, total - num_prompt, tokens))
-        self.sched.add_request(self.added[-1])
+        first = make_request(0, total - num_prompt, tokens)
+        seqs = [first] + [
+            Request(first.request_id, None, tokens, first.params, first.max_tokens, index=i)
+            for i in range(1, n)
+        ]
+        if n > 1:
+            ParentRequest.link(seqs)
+            event("add: parallel request")
+        for seq in seqs:
+            self.added.append(seq)
+            self.sched.add_request(seq)
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        reqs = [r for r in self.added if r.request_id in self.sched.requests]  # arrival order
-        req = data.draw(st.sampled_from(reqs), label="abort")
-        event(f"abort {req.status.value}")
-        self.sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        assert req.block_table == [] and req.request_id not in self.sched.requests
+        # Arrival order, a request once whatever its n (as LLMEngine.abort_request).
+        rids = list(dict.fromkeys(r.request_id for r in self.added
+                                  if r.request_id in self.sched.requests))
+        rid = data.draw(st.sampled_from(rids), label="abort")
+        seqs = self.sched.get_sequences(rid)
+        event(f"abort {seqs[0].status.value}")
+        for seq in seqs:
+            self.sched.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        assert all(s.block_table == [] for s in seqs) and rid not in self.sched.requests
 
     @rule()
     def step(self) -> None:
@@ -404,15 +525,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         if out.blocks_to_swap_in:
             event("swapped in")
-        if any(r.metrics.num_cached_prompt_tokens for r in sched.running):
+        if any(r.metrics.num_cached_prompt_tokens and r.parent is None for r in sched.running):
             event("prefix hit")
+        if out.blocks_to_copy:
+            event("copy on write")
+        if any(s.request.parent is not None and s.request.index > 0 for s in out.scheduled):
+            event("forked sample ran")
         return out
 
     def _check_output(self, out: SchedulerOutput, running_before: list[Request],
                       waiting_before: list[Request], swapped_before: list[Request]) -> None:
         sched = self.sched
         reqs = [s.request for s in out.scheduled]
-        assert len({r.request_id for r in reqs}) == len(reqs), "a request is scheduled twice"
+        assert len({id(r) for r in reqs}) == len(reqs), "a request is scheduled twice"
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(reqs) <= sched.max_num_seqs
@@ -428,14 +553,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         # nothing was preempted and no swapped request is left behind.
         admitted = [r for r in waiting_before if r.status == RequestStatus.RUNNING]
         assert admitted == waiting_before[: len(admitted)]
+        # Swapped sequences come back a request (its swapped sequences) at a time, in order.
         swapped_in = [r for r in swapped_before if r.status == RequestStatus.RUNNING]
-        assert swapped_in == swapped_before[: len(swapped_in)]
+        swapped_units = units(swapped_before)
+        assert units(swapped_in) == swapped_units[: len(units(swapped_in))]
         if admitted:
             assert not out.preempted and not sched.swapped
         if swapped_in:
             assert not out.preempted
-        # Victims are taken newest first.
-        assert out.preempted == running_before[::-1][: len(out.preempted)]
+        # Victims are taken newest first, a request's unscheduled sequences together.
+        preempted_units = units(out.preempted)
+        assert preempted_units == units(running_before[::-1])[: len(preempted_units)]
+        for r in out.preempted:
+            if r.parent is not None:
+                assert all(s in out.preempted for s in r.parent.seqs
+                           if s in running_before and s not in reqs)
 
     @invariant()
     def consistent(self) -> None:
@@ -445,8 +577,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.kv.check_gpu(req)
         for req in sched.swapped:
             assert sched.swap_space is not None
-            self.kv.check_cpu(req, sched.swap_space.tables[req.request_id])
-        for req in sched.waiting:
+            self.kv.check_cpu(req, sched.swap_space.tables[req])
+        for req in [*sched.waiting, *sched.parked]:
             assert req.num_computed_tokens == 0 and req.status == RequestStatus.WAITING
 
     def teardown(self) -> None:
@@ -456,19 +588,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Liveness: with no new arrivals everything finishes. The oldest request is never a
         # victim of a newer one, so each step advances it by a token; it may have to redo
         # its tokens once after an earlier preemption, hence twice the work.
-        work = sum(r.num_prompt_tokens + r.max_tokens for r in sched.requests.values())
-        bound = 2 * (work + len(sched.requests)) + 1
+        # A parallel request's samples may wait for room to be forked (or for the prompt to
+        # be prefilled again), so each sequence counts its whole work.
+        live = [r for r in self.added if not r.is_finished]
+        work = sum(r.num_prompt_tokens + r.max_tokens for r in live)
+        bound = 2 * (work + len(live)) + 1
         steps = 0
         while sched.has_unfinished_requests():
             assert steps < bound, f"no progress after {steps} steps"
             out = self._step()
             self.consistent()
             steps += 1
-            assert out.scheduled or not sched.has_unfinished_requests(), "an empty step"
+            # Only a parallel request that preempted itself whole may leave a step empty.
+            assert out.scheduled or not sched.has_unfinished_requests() or (
+                out.preempted and all(r.parent is out.preempted[0].parent is not None
+                                      for r in out.preempted)), "an empty step"
         assert sched.pool.num_free_blocks == sched.pool.num_blocks
         assert not sched.running and not sched.waiting and not sched.swapped
+        assert not sched.parked
         if sched.swap_space is not None:
             assert sched.swap_space.num_free_blocks == sched.swap_space.num_blocks
+
+
+def units(seqs: list[Request]) -> list[object]:
+    """The requests of some sequences, each once, in order of first appearance."""
+    return list(dict.fromkeys(r.parent if r.parent is not None else r for r in seqs))
 
 
 class SwapSchedulerMachine(SchedulerMachine):

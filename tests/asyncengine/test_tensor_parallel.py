@@ -329,3 +329,23 @@ def test_gpu_tp2_over_nccl_equals_hf(tiny_llama_dir: Path, enforce_eager: bool) 
         assert_pool_clean(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tp_parallel_samples_copy_their_blocks_on_every_rank(
+    tiny_llama_dir: Path, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """n > 1: copy-on-write of the shared prompt blocks (and swaps of whole groups) travel
+    with the step to every rank; each greedy sample equals TP=1."""
+    prompts, expected = reference
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, num_kv_blocks=20,
+                   preemption_mode="swap")
+    try:
+        params = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[e] * 3
+                                                                         for e in expected]
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert_pool_clean(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert get_tp_size() == 1

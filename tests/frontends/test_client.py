@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncengine.async_engine import AsyncLLMEngine
+from asyncengine.sampling_params import SamplingParams
 from frontends.client import (
     AsyncClient,
     DuplicateRequestIdError,
@@ -49,6 +50,30 @@ async def test_concurrent_generations_over_one_connection(server: EngineServer,
     assert [r.text for r in results] == [e.text for e in expected]
 
 
+async def test_parallel_samples_stream_with_their_index(server: EngineServer,
+                                                        model_dir: Path) -> None:
+    from .conftest import _offline_llm
+
+    params = dict(n=3, temperature=1.0, seed=9, max_tokens=8, ignore_eos=True)
+    [expected] = _offline_llm(str(model_dir)).generate(
+        ["Once upon a time"], SamplingParams(**params), use_tqdm=False)
+    async with AsyncClient(server.url) as client:
+        chunks = [c async for c in client.generate("Once upon a time", **params)]
+        res = await client.complete("Once upon a time", **params)
+    *deltas, last = chunks
+    assert {c.index for c in deltas} == {0, 1, 2}
+    assert last.finish_reasons == ["length"] * 3 and last.finish_reason == "length"
+    assert last.usage is not None and last.usage.completion_tokens == 24
+    assert res.samples is not None
+    assert [s.index for s in res.samples] == [0, 1, 2]
+    assert [s.token_ids for s in res.samples] == [c.token_ids for c in expected.outputs]
+    assert [s.text for s in res.samples] == [c.text for c in expected.outputs]
+    assert res.token_ids == expected.outputs[0].token_ids
+    for i in range(3):
+        assert [t for c in deltas if c.index == i for t in c.token_ids] == \
+            expected.outputs[i].token_ids
+
+
 async def test_chat_messages(server: EngineServer, engine: AsyncLLMEngine) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     async with AsyncClient(server.url) as client:
@@ -81,6 +106,20 @@ async def test_explicit_cancel_ends_with_abort(server: EngineServer,
                 await client.cancel("c1")
         assert chunks[-1].finish_reason == "abort"
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 200
+    await all_blocks_free(engine)
+
+
+async def test_cancel_ends_every_parallel_sample(server: EngineServer,
+                                                 engine: AsyncLLMEngine) -> None:
+    async with AsyncClient(server.url) as client:
+        chunks = []
+        async for chunk in client.generate("go", request_id="c2", n=3, max_tokens=200,
+                                           ignore_eos=True):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                await client.cancel("c2")
+        assert chunks[-1].finish_reasons == ["abort"] * 3
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 600
     await all_blocks_free(engine)
 
 

@@ -109,6 +109,25 @@ def test_server_events_round_trip_with_nested_stats() -> None:
     assert wire["stats"]["ttft"]["p50"] == 0.1
 
 
+def test_parallel_sampling_fields_are_sent_only_for_n_above_one() -> None:
+    assert p.GenerateParams(n=3, seed=1).to_sampling_params().n == 3
+    bad = p.decode_client_message(
+        b'{"type": "generate", "request_id": "x", "prompt": "hi", "params": {"n": 0}}')
+    assert isinstance(bad, p.Error) and "$.params.n" in bad.message and bad.request_id == "x"
+    usage = p.Usage(prompt_tokens=3, completion_tokens=2)
+    # n = 1: the wire is what it was before parallel sampling existed.
+    assert json.loads(p.encode(p.Delta(request_id="a", text="x", token_ids=[1]))) == {
+        "type": "delta", "request_id": "a", "text": "x", "token_ids": [1]}
+    assert "finish_reasons" not in json.loads(
+        p.encode(p.Done(request_id="a", finish_reason="stop", usage=usage)))
+    delta = p.Delta(request_id="a", text="x", token_ids=[1], index=2)
+    done = p.Done(request_id="a", finish_reason="stop", usage=usage,
+                  finish_reasons=["stop", "length"])
+    assert json.loads(p.encode(delta))["index"] == 2
+    for ev in (delta, done):
+        assert p.decode_server_message(p.encode(ev)) == ev
+
+
 def test_server_decoder_rejects_unknown_types() -> None:
     with pytest.raises(msgspec.ValidationError):
         p.decode_server_message(b'{"type": "nope"}')
