@@ -133,6 +133,39 @@ async def test_a_batch_of_prompts_gives_one_choice_each(api: OpenAIServer,
     assert texts == [e.text for e in expected]
 
 
+async def test_n_choices_per_prompt_with_their_indices(api: OpenAIServer,
+                                                       model_dir: Path) -> None:
+    """n samples of each prompt: choice index = prompt index * n + sample index, as in vLLM;
+    greedy samples all equal the offline answer, seeded ones equal a lone request at seed + i."""
+    expected = offline_greedy(model_dir, PROMPTS[:2], max_tokens=6)
+    client = async_client(api)
+    r = await client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6,
+                                        temperature=0, n=3)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [e.text for e in expected for _ in range(3)]
+    assert r.usage.completion_tokens == sum(len(e.token_ids) for e in expected) * 3
+    texts: dict[int, str] = {}
+    async for chunk in await client.completions.create(
+            model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(6)] == [c.text for c in r.choices]
+
+    sampled = await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                              temperature=1.0, seed=11, n=2)
+    lone = [
+        (await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                         temperature=1.0, seed=11 + i)).choices[0].text
+        for i in range(2)
+    ]
+    assert [c.text for c in sampled.choices] == lone
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=5,
+        temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
 async def test_token_id_prompts_echo_stop_and_seed(api: OpenAIServer, engine: AsyncLLMEngine,
                                                    model_dir: Path) -> None:
     [exp] = offline_greedy(model_dir, ["hello world"], max_tokens=8)
@@ -244,7 +277,7 @@ async def test_models_lists_the_served_name(api: OpenAIServer, engine: AsyncLLME
 
 
 @pytest.mark.parametrize(("kwargs", "param", "code"), [
-    ({"n": 2}, "n", "invalid_request"),
+    ({"n": 0}, "n", "invalid_request"),
     ({"temperature": -1}, "temperature", "invalid_request"),
     ({"top_p": 0}, "top_p", "invalid_request"),
     ({"max_tokens": 0}, "max_tokens", "invalid_request"),
