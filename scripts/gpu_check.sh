@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh compare DIR  # L1 and W1 (two passes each) from another tree DIR
 #                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
+#   bash scripts/gpu_check.sh nsample      # engine GPU tests; W1 prompts with n = 8 against 8x requests
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -55,12 +56,17 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
 elif [ "$phase" = serving ]; then  # H1 (OpenAI HTTP) and S1 (WebSocket) at saturation
   serving --api openai --rates inf --num-requests 256
   serving --api websocket --rates inf --num-requests 256 --skip-offline
+elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  bench --workload w1 --system engine --num-requests 64 --n 8
+  bench --workload w1 --system engine --num-requests 64 --n 8 --n-as-requests
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
