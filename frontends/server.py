@@ -53,6 +53,7 @@ from asyncengine.errors import (
 from asyncengine.request_check import QueueLimits
 from asyncengine.stat_loggers import PrometheusStatLogger
 from frontends import protocol as p
+from frontends.listening import ListeningAddress
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +195,10 @@ class _Connection:
                     self._room.set()
 
 
-class EngineServer:
+class EngineServer(ListeningAddress):
     """A running server around an `AsyncLLMEngine`. Build it with `serve_engine`."""
+
+    scheme = "ws"
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
         config.validate()
@@ -239,23 +242,8 @@ class EngineServer:
                     self.engine.model_name or "model", self.url, self.http_url, self.http_url)
 
     @property
-    def port(self) -> int:
-        assert self._address is not None, "server not started"
-        return int(self._address[1])
-
-    @property
-    def host(self) -> str:
-        assert self._address is not None, "server not started"
-        return str(self._address[0])
-
-    @property
-    def url(self) -> str:
-        host = self.host
-        return f"ws://{f'[{host}]' if ':' in host else host}:{self.port}"
-
-    @property
     def http_url(self) -> str:
-        return "http" + self.url[2:]
+        return self.url_for("http")
 
     @property
     def draining(self) -> bool:

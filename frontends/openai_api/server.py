@@ -22,6 +22,7 @@ from prometheus_client import Counter
 
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.stat_loggers import PrometheusStatLogger
+from frontends.listening import ListeningAddress
 from frontends.openai_api.app import OpenAIApp
 from frontends.server import is_loopback
 
@@ -74,9 +75,11 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-class OpenAIServer:
+class OpenAIServer(ListeningAddress):
     """The HTTP API around an engine. `metrics`, when given, is the stat logger (and
     registry) another frontend already feeds, so `/metrics` on both ports says the same."""
+
+    scheme = "http"
 
     def __init__(self, engine: AsyncLLMEngine, config: OpenAIConfig, *,
                  metrics: PrometheusStatLogger | None = None) -> None:
@@ -114,21 +117,6 @@ class OpenAIServer:
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
         logger.info("OpenAI-compatible API for %r on %s/v1", self.model_name, self.url)
-
-    @property
-    def port(self) -> int:
-        assert self._address is not None, "server not started"
-        return int(self._address[1])
-
-    @property
-    def host(self) -> str:
-        assert self._address is not None, "server not started"
-        return str(self._address[0])
-
-    @property
-    def url(self) -> str:
-        host = self.host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     async def drain(self, timeout: float | None = None) -> None:
         """Stop accepting; let responses in flight finish (aborted after `timeout`)."""

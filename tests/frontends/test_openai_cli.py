@@ -77,7 +77,7 @@ def test_serve_answers_openai_clients_and_drains_on_sigterm(model_dir: Path) -> 
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
-        assert "OpenAI-compatible API on" in out and "Traceback" not in out
+        assert "OpenAI-compatible API for" in out and "Traceback" not in out
     finally:
         if proc.poll() is None:
             proc.kill()
