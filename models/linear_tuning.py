@@ -90,7 +90,10 @@ def plan_decode_gemvs(
 def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
     groups: dict[_GemvGroup, list[LinearBase]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.device.type == device_type:
+        if (
+            isinstance(module, LinearBase) and module.quant_config is None
+            and module.weight.device.type == device_type
+        ):  # fmt: skip
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
             key = _GemvGroup(
                 *module.weight.shape, has_bias, module.input_transform, module.glu_output
@@ -156,7 +159,9 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         if not isinstance(m, PlannedMatmul):
             continue
-        role, shape = name.rsplit(".", 1)[-1], tuple(m.weight.shape)
+        role = name.rsplit(".", 1)[-1]
+        quantized = getattr(m, "quant_config", None) is not None
+        shape = (m.out_features, m.in_features) if quantized else tuple(m.weight.shape)
         key = (role, shape, m.plan)
         if key not in lines:
             lines[key] = f"{role} {shape[0]}x{shape[1]}: {m.plan.describe()}"
@@ -172,7 +177,7 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
     timings: dict[tuple[int, int], tuple[float, float]] = {}
     plans: Plans = {}
     for module in model.modules():
-        if not isinstance(module, PlannedMatmul):
+        if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
