@@ -29,6 +29,10 @@ class Scheme:
     group_size: int = 32
     sym: bool = False
     desc_act: bool = False
+    # A convention deliberately got wrong, for tests that prove such a checkpoint is caught:
+    # "gptq_zero" (zero written without the -1), "awq_order" (columns packed in order),
+    # "ct_offset" (signed values packed without the 2^(bits-1) offset).
+    mistake: str | None = None
 
     @property
     def name(self) -> str:
@@ -135,17 +139,20 @@ def write_quantized(src: Path, dst: Path, s: Scheme, seed: int = 0) -> Path:
             g_idx = torch.empty(k, dtype=torch.int32)
             g_idx[cols] = (torch.arange(k) // gs).to(torch.int32)
             packed[prefix + ".qweight"] = _pack_along_rows(q.t(), s.bits)
-            packed[prefix + ".qzeros"] = _pack_along_cols((zero - 1).t(), s.bits)
+            stored = zero if s.mistake == "gptq_zero" else zero - 1
+            packed[prefix + ".qzeros"] = _pack_along_cols(stored.t(), s.bits)
             packed[prefix + ".scales"] = scale.t().half().contiguous()
             packed[prefix + ".g_idx"] = g_idx
         elif s.method == "awq":
-            packed[prefix + ".qweight"] = _pack_along_cols(q.t(), 4, AWQ_ORDER)
-            packed[prefix + ".qzeros"] = _pack_along_cols(zero.t(), 4, AWQ_ORDER)
+            order = None if s.mistake == "awq_order" else AWQ_ORDER
+            packed[prefix + ".qweight"] = _pack_along_cols(q.t(), 4, order)
+            packed[prefix + ".qzeros"] = _pack_along_cols(zero.t(), 4, order)
             packed[prefix + ".scales"] = scale.t().half().contiguous()
         else:
-            offset = 1 << (s.bits - 1)
+            offset = 0 if s.mistake == "ct_offset" else 1 << (s.bits - 1)
             signed = q - zero.repeat_interleave(gs, dim=1)
-            packed[prefix + ".weight_packed"] = _pack_along_cols(signed + offset, s.bits)
+            mask = (1 << s.bits) - 1  # two's complement bits when the offset is left out
+            packed[prefix + ".weight_packed"] = _pack_along_cols((signed + offset) & mask, s.bits)
             packed[prefix + ".weight_scale"] = scale.to(w.dtype).contiguous()
             packed[prefix + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
     save_file(packed, str(dst / "model.safetensors"))

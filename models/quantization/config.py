@@ -81,7 +81,8 @@ def _parse_awq(q: dict[str, Any]) -> QuantConfig:
         raise _refuse("version", q.get("version"), "only the AWQ GEMM layout is")
     if not q.get("zero_point", True):
         raise _refuse("zero_point", q.get("zero_point"), "AWQ with zero points is")
-    return QuantConfig("awq", 4, _group_size("group_size", q.get("group_size", q.get("q_group_size", 128))), sym=False)  # noqa: E501
+    group = _group_size("group_size", q.get("group_size", q.get("q_group_size", 128)))
+    return QuantConfig("awq", 4, group, sym=False)
 
 
 def _parse_compressed_tensors(q: dict[str, Any]) -> QuantConfig:
@@ -141,7 +142,8 @@ def parse_quant_config(raw: dict[str, Any], requested: str | None = None) -> Qua
     if requested in ("none", ""):
         requested = None
     if requested is not None and requested not in QUANT_METHODS:
-        raise ValueError(f"quantization={requested!r} is not supported ({', '.join(QUANT_METHODS)} are)")  # noqa: E501
+        served = ", ".join(QUANT_METHODS)
+        raise ValueError(f"quantization={requested!r} is not supported ({served} are)")
     if not q:
         if requested is not None:
             raise ValueError(
