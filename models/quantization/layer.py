@@ -6,8 +6,8 @@ While loading, a quantized layer holds its shard of the canonical form that
 like a 16-bit weight (column-parallel along N; row-parallel along K and, groups aligned, G).
 `process_quantized_linear` then packs them into the kernels' layout
 (`kernels.quant_linear`), drops the canonical tensors, and gives the layer a plan that reads
-it: the dequantize-then-matmul reference on the CPU, the Triton GEMM on the GPU (the start-up
-tuner refines it).
+it: the dequantize-then-matmul reference on the CPU; on the GPU the Triton GEMM for small
+batches and the reference for large ones, until the start-up tuner refines it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
 from models.quantization.kinds import DequantMatmul, QuantTritonGemm
 
+# Rows up to which the GPU's plan before tuning runs the Triton GEMM.
+DEFAULT_GEMM_MAX_ROWS = 64
 # Activation dtypes the Triton kernels serve; the CPU reference serves any float dtype.
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -89,8 +91,17 @@ def process_quantized_linear(layer: nn.Module) -> None:
         del layer.weight_perm
     layer.weight = None
     del layer.weight_scale, layer.weight_zero
-    kind = QuantTritonGemm(QuantGemmConfig()) if layer.qweight.is_cuda else DequantMatmul()
-    layer.set_plan(MatmulPlan((PlanEntry(kind, input=layer.input_transform),)))
+    declared = layer.input_transform
+    if layer.qweight.is_cuda:
+        # Large batches dequantize into a temporary weight; planning it from the start makes
+        # the memory profile (run before tuning) count that temporary.
+        plan = MatmulPlan((
+            PlanEntry(QuantTritonGemm(QuantGemmConfig()), DEFAULT_GEMM_MAX_ROWS, declared),
+            PlanEntry(DequantMatmul(), None, declared),
+        ))  # fmt: skip
+    else:
+        plan = MatmulPlan((PlanEntry(DequantMatmul(), input=declared),))
+    layer.set_plan(plan)
 
 
 def quantized_linears(model: nn.Module) -> list[nn.Module]:
