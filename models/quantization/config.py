@@ -64,8 +64,12 @@ def _parse_gptq(q: dict[str, Any]) -> QuantConfig:
     fmt = q.get("checkpoint_format", q.get("format", "gptq"))
     if fmt != "gptq":
         raise _refuse("checkpoint_format", fmt, "only the v1 'gptq' checkpoint format is")
-    if q.get("is_marlin_format") or q.get("use_exllama_layout"):
+    if q.get("is_marlin_format"):
         raise _refuse("is_marlin_format", True, "only the v1 'gptq' checkpoint format is")
+    if q.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise _refuse("pack_dtype", q.get("pack_dtype"), "int32 words are")
+    if q.get("lm_head"):
+        raise _refuse("lm_head", q.get("lm_head"), "the LM head stays 16-bit")
     return QuantConfig(
         "gptq", int(bits), _group_size("group_size", q.get("group_size", 128)),
         sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),

@@ -62,6 +62,8 @@ W = "config_groups__group_0__weights__"
         (_cfg(GPTQ, group_size=16), "group_size=16"),
         (_cfg(GPTQ, checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
         (_cfg(GPTQ, is_marlin_format=True), "is_marlin_format=True"),
+        (_cfg(GPTQ, pack_dtype="int16"), "pack_dtype='int16'"),
+        (_cfg(GPTQ, lm_head=True), "lm_head=True"),
         (_cfg(AWQ, bits=8), "bits=8"),
         (_cfg(AWQ, version="gemv"), "version='gemv'"),
         (_cfg(AWQ, version="exllama"), "version='exllama'"),
