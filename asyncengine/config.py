@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from models.quantization.config import QUANT_METHODS
+
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -78,8 +80,8 @@ class EngineArgs:
             fail("tensor_parallel_size", "must be >= 1")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             fail("load_format", "must be one of auto, safetensors, gguf, dummy")
-        if self.quantization not in (None, "none"):
-            fail("quantization", "is not supported yet (only None)")
+        if self.quantization not in (None, "none", *QUANT_METHODS):
+            fail("quantization", f"must be one of none, {', '.join(QUANT_METHODS)}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -69,7 +69,7 @@ class LLMEngine:
         self.device = args.resolve_device()
         model_dir = resolve_model_path(args.model, args.load_format)
         self.model_dir = model_dir
-        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.model_config = cfg = ModelConfig.from_dir(model_dir, args.quantization)
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"

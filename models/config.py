@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from models.quantization.config import QuantConfig, parse_quant_config
+
 _DTYPE_NAMES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -51,10 +53,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype | None = None
+    # The weight format of a quantized checkpoint (None: 16/32-bit weights).
+    quantization: QuantConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, cfg: dict[str, Any], quantization: str | None = None) -> ModelConfig:
+        """quantization: the engine's `quantization=`; it must agree with the checkpoint's
+        `quantization_config`."""
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no 'architectures'; cannot pick a model class")
@@ -97,11 +103,12 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
+            quantization=parse_quant_config(cfg, quantization),
             raw=cfg,
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
@@ -109,7 +116,7 @@ class ModelConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(data, quantization)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token across all layers."""

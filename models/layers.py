@@ -22,6 +22,7 @@ from torch import nn
 from kernels import fused_add_rms_norm, rms_norm
 from models.matmul_plan import InputTransform, PlannedMatmul
 from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
+from models.quantization.config import QuantConfig, current_quant_config
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -47,7 +48,13 @@ class LinearBase(PlannedMatmul, nn.Module):
     input_transform: what the layer's input is (see `models.matmul_plan.InputTransform`):
     plain, RMSNorm's input (the layer runs through `forward_normed`), or a [gate, up] pair
     (2 * in_features wide) whose SiLU-and-mul the layer applies. glu_output: the output is a
-    [gate; up] pair that the next layer activates, which a plan may do in the epilogue."""
+    [gate; up] pair that the next layer activates, which a plan may do in the epilogue.
+
+    Built while a weight format is current (`models.quantization.config`), the layer holds
+    that format's parameters instead of a dense `weight` (`models.quantization.layer`)."""
+
+    # Whether tensor parallelism splits the input dimension (row-parallel layers).
+    input_is_sharded: bool = False
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool,
@@ -55,8 +62,15 @@ class LinearBase(PlannedMatmul, nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_config: QuantConfig | None = current_quant_config()
+        if self.quant_config is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            from models.quantization.layer import create_quantized_weights
+
+            full_in = in_features * (get_tp_size() if self.input_is_sharded else 1)
+            create_quantized_weights(self, self.quant_config, full_in)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -69,6 +83,13 @@ class LinearBase(PlannedMatmul, nn.Module):
     ) -> None:
         _check_shape("weight", param, loaded)
         param.data.copy_(loaded)
+
+    def load_input_perm(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        from models.quantization.layer import load_input_perm
+
+        load_input_perm(self, param, loaded, self.input_is_sharded and get_tp_size() > 1)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.plan.apply(self, x, bias)
@@ -92,7 +113,7 @@ class ColumnParallelLinear(LinearBase):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
     ) -> None:
         size = param.shape[0]
-        _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, self.in_features))
+        _check_full_shape("column-parallel weight", loaded, (size * self.tp_size, *param.shape[1:]))
         shard = loaded.narrow(0, self.tp_rank * size, size)
         param.data.copy_(shard)
 
@@ -121,7 +142,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _check_full_shape(
-            f"merged shard {shard_id}", loaded, (self.output_sizes[shard_id], self.in_features)
+            f"merged shard {shard_id}", loaded, (self.output_sizes[shard_id], *param.shape[1:])
         )
         shard = loaded.narrow(0, self.tp_rank * size, size)
         target = param.data.narrow(0, offset, size)
@@ -159,7 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
-        _check_full_shape(f"{shard_id}_proj", loaded, (heads * self.head_dim, self.in_features))
+        _check_full_shape(f"{shard_id}_proj", loaded, (heads * self.head_dim, *param.shape[1:]))
         shard = loaded.narrow(0, rank * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"{shard_id}_proj", target, shard)
@@ -168,6 +189,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums are all-reduced."""
+
+    input_is_sharded = True
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
@@ -179,8 +202,9 @@ class RowParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
     ) -> None:
-        if param.dim() == 1:  # bias: added once, after the reduction
-            _check_shape("row-parallel bias", param, loaded)
+        # The bias is added once, after the reduction; a per-channel scale spans every rank.
+        if param.dim() == 1 or getattr(param, "row_replicated", False):
+            _check_shape("row-parallel bias" if param.dim() == 1 else "scale", param, loaded)
             param.data.copy_(loaded)
             return
         size = param.shape[1]

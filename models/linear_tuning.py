@@ -5,6 +5,9 @@
   SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
+- GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
+  Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; each row range
+  takes the fastest that agrees with the reference.
 
 `plan_*` return the plans per layer; `tune_*` hand each layer its plan. A layer keeps the
 library unless the alternative is clearly faster, so a wrong guess costs nothing but the
@@ -13,6 +16,7 @@ tuning time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -25,18 +29,28 @@ from kernels.cpu_linear import (
     pack_weight,
     time_packed_against_blas,
 )
-from kernels.gemv import GemvChoice, GemvConfig, tune_gemv
+from kernels.gemv import GemvChoice, GemvConfig, _graph_time_ms, tune_gemv
+from kernels.quant_linear import quant_gemm_candidates, quant_gemv_candidates
 from models.layers import LinearBase, RowParallelLinear
 from models.matmul_plan import (
     Blas,
     CpuPacked,
     Epilogue,
     InputTransform,
+    MatmulKind,
     MatmulPlan,
     PlanEntry,
     PlannedMatmul,
     TritonGemv,
 )
+from models.quantization.kinds import (
+    QUANT_GEMV_MAX_ROWS,
+    DequantMatmul,
+    QuantTritonGemm,
+    QuantTritonGemv,
+)
+
+logger = logging.getLogger(__name__)
 
 # The packed CPU path must win by this much: timings on a busy CPU are noisy.
 CPU_PACKED_MIN_GAIN = 0.9
@@ -90,7 +104,10 @@ def plan_decode_gemvs(
 def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
     groups: dict[_GemvGroup, list[LinearBase]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.device.type == device_type:
+        if (
+            isinstance(module, LinearBase) and module.quant_config is None
+            and module.weight.device.type == device_type
+        ):  # fmt: skip
             has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
             key = _GemvGroup(
                 *module.weight.shape, has_bias, module.input_transform, module.glu_output
@@ -139,11 +156,92 @@ def _plan_groups(
     return plans, timings
 
 
+# Row counts at which quantized layers are timed; each serves the rows above the previous.
+QUANT_ROW_LADDER = (1, 2, 4, 8, 16, 64, 256, 1024)  # ends above QUANT_GEMV_MAX_ROWS
+
+
+def plan_quantized_linears(
+    model: nn.Module, ladder: Sequence[int] = QUANT_ROW_LADDER, reps: int = 5,
+    device_type: str = "cuda",
+) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:  # fmt: skip
+    """Time every kind that reads the quantized layout at each row count of `ladder`, over
+    the same-shape CUDA layers of the model (in a CUDA graph, as decode runs them), and plan
+    the fastest per row range. Returns the plans and, per weight shape, per row count, the
+    milliseconds of each kind."""
+    if ladder[-1] <= QUANT_GEMV_MAX_ROWS:
+        raise ValueError("the ladder must reach past the GEMV's rows: its top serves any batch")
+    groups: dict[tuple, list[LinearBase]] = {}
+    for m in model.modules():
+        quantized = isinstance(m, LinearBase) and m.quant_config is not None
+        if quantized and m.qweight.device.type == device_type:
+            has_bias = m.bias is not None and not isinstance(m, RowParallelLinear)
+            key = (m.out_features, m.in_features, m.quant_config, m.group_size, has_bias,
+                   m.input_transform, m.input_perm is not None)  # fmt: skip
+            groups.setdefault(key, []).append(m)
+    plans: Plans = {}
+    timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    for (n, k, _, group, has_bias, declared, _), layers in groups.items():
+        first = layers[0]
+        pairs = [(m, m.bias if has_bias else None) for m in layers]
+        gemms = [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
+        gemvs = [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
+        best: list[MatmulKind] = []
+        for rows in ladder:
+            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.scales.dtype)
+            kinds = [DequantMatmul(), *gemms, *(gemvs if rows <= QUANT_GEMV_MAX_ROWS else [])]
+            row_times = _time_kinds(kinds, x, pairs, reps)
+            fastest = min(row_times, key=row_times.__getitem__)
+            best.append(next(kind for kind in kinds if kind.describe() == fastest))
+            timings.setdefault((n, k), {})[rows] = row_times
+        entries: list[PlanEntry] = []
+        for i, (rows, kind) in enumerate(zip(ladder, best, strict=True)):
+            if i + 1 < len(best) and best[i + 1] == kind:
+                continue  # the next row range runs the same kernel: one entry serves both
+            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared))
+        plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
+    return plans, timings
+
+
+def _time_kinds(
+    kinds: Sequence[MatmulKind], x: torch.Tensor,
+    pairs: list[tuple[LinearBase, torch.Tensor | None]], reps: int,
+) -> dict[str, float]:  # fmt: skip
+    """Milliseconds per layer of each kind over `pairs` (layer, bias) at input x; a kind
+    counts only if it agrees with the dequantize-then-matmul reference (kinds[0])."""
+    times: dict[str, float] = {}
+    layer, bias = pairs[0]
+    with torch.inference_mode():
+        want = DequantMatmul().apply(layer, x, bias).float()
+        tol = 0.02 * float(want.abs().max()) + 1e-3
+        for kind in kinds:
+            try:
+                if float((kind.apply(layer, x, bias).float() - want).abs().max()) > tol:
+                    continue
+
+                def call(m: LinearBase, b: torch.Tensor | None, kind: MatmulKind = kind
+                         ) -> torch.Tensor:  # fmt: skip
+                    return kind.apply(m, x, b)
+
+                times[kind.describe()] = _graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
+            except Exception:  # a config this GPU cannot run (resources): skip it
+                continue
+    return times
+
+
 def tune_decode_gemvs(
     model: nn.Module, configs: Sequence[GemvConfig] | None = None
 ) -> dict[tuple[int, int], dict[str, float]]:
-    """`plan_decode_gemvs`, and each layer takes its plan; returns the timings."""
+    """`plan_decode_gemvs` and, for quantized layers, `plan_quantized_linears`; each layer
+    takes its plan. Returns the 16-bit layers' timings."""
     plans, timings = plan_decode_gemvs(model, configs)
+    quant_plans, quant_timings = plan_quantized_linears(model)
+    for (n, k), per_rows in quant_timings.items():
+        for rows, row_times in per_rows.items():
+            if row_times:
+                fastest = min(row_times, key=row_times.__getitem__)
+                logger.info("quantized %dx%d at %d rows: %s %.4f ms (of %d kinds timed)", n, k,
+                            rows, fastest, row_times[fastest], len(row_times))  # fmt: skip
+    plans.update(quant_plans)
     for layer, plan in plans.items():
         layer.set_plan(plan)
     return timings
@@ -156,7 +254,9 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         if not isinstance(m, PlannedMatmul):
             continue
-        role, shape = name.rsplit(".", 1)[-1], tuple(m.weight.shape)
+        role = name.rsplit(".", 1)[-1]
+        quantized = getattr(m, "quant_config", None) is not None
+        shape = (m.out_features, m.in_features) if quantized else tuple(m.weight.shape)
         key = (role, shape, m.plan)
         if key not in lines:
             lines[key] = f"{role} {shape[0]}x{shape[1]}: {m.plan.describe()}"
@@ -172,7 +272,7 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
     timings: dict[tuple[int, int], tuple[float, float]] = {}
     plans: Plans = {}
     for module in model.modules():
-        if not isinstance(module, PlannedMatmul):
+        if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
             continue
         weight = module.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:

@@ -1,5 +1,9 @@
 """Builds a model and fills its weights from an HF safetensors directory, a GGUF file or
-random values (`dummy`), with one clear error for each way a checkpoint can be wrong."""
+random values (`dummy`), with one clear error for each way a checkpoint can be wrong.
+
+A quantized checkpoint (`ModelConfig.quantization`) builds its linear layers in that format,
+reads its packed tensors through `models.quantization.formats`, and repacks every layer for
+the kernels once all weights are in."""
 
 from __future__ import annotations
 
@@ -14,6 +18,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
+from models.quantization.config import QuantConfig, set_current_quant_config
+from models.quantization.formats import read_quantized_weights
+from models.quantization.layer import (
+    check_quantized_dtype,
+    process_quantized_linear,
+    quantized_linears,
+)
 from models.registry import build_model, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -72,7 +83,9 @@ def iterate_safetensors(
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Small random values: realistic shapes and speed, meaningless text."""
+    """Small random values: realistic shapes and speed, meaningless text. Quantized layers
+    get random integers, zero points mid-range and scales that give weights of the same
+    magnitude as the 16-bit ones."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -82,7 +95,22 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if gen is None:
             gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
         # Drawn on the parameter's own device: filling a 7B model through the host is slow.
-        param.data.uniform_(-0.02, 0.02, generator=gen)
+        if name.endswith(".weight_perm"):
+            param.data.copy_(torch.arange(param.numel(), device=param.device))
+        elif name.endswith(".weight_zero"):
+            param.data.fill_(1 << (_owner(model, name).quant_config.bits - 1))
+        elif name.endswith(".weight_scale"):
+            levels = 1 << _owner(model, name).quant_config.bits
+            param.data.fill_(0.04 / levels)
+        elif not param.dtype.is_floating_point:  # quantized values
+            levels = 1 << _owner(model, name).quant_config.bits
+            param.data.random_(0, levels, generator=gen)
+        else:
+            param.data.uniform_(-0.02, 0.02, generator=gen)
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])
 
 
 def load_model(
@@ -95,17 +123,26 @@ def load_model(
     seed: int = 0,
 ) -> nn.Module:
     get_model_class(cfg.architecture)  # unsupported architectures fail before any allocation
+    qc: QuantConfig | None = cfg.quantization
+    if qc is not None:
+        check_quantized_dtype(qc, dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), set_current_quant_config(qc):
             model = build_model(cfg)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     else:
-        model.load_weights(iterate_safetensors(model_dir))  # type: ignore[operator]
+        weights = iterate_safetensors(model_dir)
+        if qc is not None:
+            weights = read_quantized_weights(weights, qc)
+        model.load_weights(weights)  # type: ignore[operator]
+    for layer in quantized_linears(model):
+        process_quantized_linear(layer)
     model.eval()
-    logger.info("loaded %s (%s) on %s as %s", cfg.architecture, model_dir, device, dtype)
+    fmt = "" if qc is None else f", weights {qc.describe()}"
+    logger.info("loaded %s (%s) on %s as %s%s", cfg.architecture, model_dir, device, dtype, fmt)
     return model

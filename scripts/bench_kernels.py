@@ -6,6 +6,9 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
 
     python scripts/bench_kernels.py            # all kernels
     python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
+    python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
+
+Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes.
 """
 
 from __future__ import annotations
@@ -322,10 +325,64 @@ def bench_gemv() -> None:
             run_case("gemv", shape, _gemv_case, n=n, k=k)
 
 
+QUANT_ROWS = (1, 4, 16, 64, 512)
+
+
+def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) -> None:
+    from kernels.quant_linear import (
+        dequantize_weight,
+        pack_int_weight,
+        quant_gemm,
+        quant_gemm_candidates,
+        quant_gemv,
+        quant_gemv_candidates,
+    )
+
+    g = k // group
+    wbytes = n * k * bits // 8 + 2 * 2 * g * n
+    # Enough distinct weights (as the layers are) that L2 serves none of the reads.
+    copies = max(4, math.ceil(512 * 2**20 / wbytes))
+    weights = []
+    for _ in range(copies):
+        q = torch.randint(0, 1 << bits, (n, k), device="cuda", dtype=torch.uint8)
+        scales = torch.rand(g, n, device="cuda", dtype=torch.bfloat16) * 0.002
+        zeros = torch.full((g, n), float(1 << (bits - 1)), device="cuda", dtype=torch.bfloat16)
+        weights.append((pack_int_weight(q, bits), scales, zeros))
+    dense = dequantize_weight(*weights[0], bits, group).t().contiguous()
+
+    def cycling(call: Callable[..., Any]) -> Callable[[], Any]:
+        turn = itertools.count()
+        return lambda: call(*weights[next(turn) % copies])
+
+    for rows in QUANT_ROWS:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = wbytes + 2 * rows * (n + k)
+        case = {**shape, "rows": rows}
+        ms = bench(lambda x=x: torch.nn.functional.linear(x, dense))
+        emit("quant", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k + 2 * rows * (n + k),
+             flops=2 * rows * n * k)  # fmt: skip
+        for cfg in quant_gemm_candidates(group, k):
+            ms = bench(cycling(lambda w, s, z, x=x, c=cfg: quant_gemm(x, w, s, z, bits, group,
+                                                                      None, c)))  # fmt: skip
+            emit("quant", {**case, "impl": str(cfg)}, ms, nbytes=nbytes, flops=2 * rows * n * k)
+        if rows <= 16:
+            for gcfg in quant_gemv_candidates(group, k):
+                ms = bench(cycling(lambda w, s, z, x=x, c=gcfg: quant_gemv(x, w, s, z, bits,
+                                                                           group, None, c)))
+                emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
+
+
+def bench_quant() -> None:
+    for bits in (4, 8):
+        for n, k in GEMV_SHAPES["W1"]:
+            shape = {"workload": "W1", "n": n, "k": k, "bits": bits, "group": 128}
+            run_case("quant", shape, _quant_case, n=n, k=k, bits=bits, group=128)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--only", choices=["attention", "sweep", "elementwise", "sampling", "gemv"]
+        "--only", choices=["attention", "sweep", "elementwise", "sampling", "gemv", "quant"]
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
     parser.add_argument("--sweep-batches", default="1,4,8,16,32,64", help="decode sweep batches")
@@ -351,6 +408,8 @@ def main() -> None:
         bench_sampling()
     if args.only in (None, "gemv"):
         bench_gemv()
+    if args.only in (None, "quant"):
+        bench_quant()
 
 
 if __name__ == "__main__":

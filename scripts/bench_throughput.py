@@ -8,6 +8,10 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
   python scripts/bench_throughput.py --workload w1 --system engine
   python scripts/bench_throughput.py --workload w1 --system hf --hf-batch-size 128
   python scripts/bench_throughput.py --workload l1 --system engine
+  python scripts/bench_throughput.py --workload l1 --quantization gptq-int4
+
+`--quantization` serves the dummy shape in a weight-only format (random codes, scales that
+give weights of the 16-bit dummy's magnitude); the floors then count the quantized bytes.
 
 Parallel sampling: `--n 8` samples each prompt 8 times in one request (the prompt's KV
 computed once and shared); `--n 8 --n-as-requests` sends the same work as 8 separate
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +49,24 @@ WORKLOADS = {
     "l1": dict(shape="llama2-7b", num_requests=1, prompt_len=512, output_len=256),
     "smoke": dict(shape="tiny", num_requests=64, prompt_len=128, output_len=64),
 }
+# --quantization: the quantization_config written into the dummy model's config.json.
+_CT_WEIGHTS = {"type": "int", "symmetric": True, "dynamic": False, "actorder": None}
+QUANT_SCHEMES: dict[str, dict[str, Any]] = {
+    "gptq-int4": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                  "desc_act": False},
+    "gptq-int8": {"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True,
+                  "desc_act": False},
+    "awq-int4": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                 "version": "gemm"},
+    "ct-w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "ignore": ["lm_head"], "config_groups": {"group_0": {
+                     "targets": ["Linear"], "weights": {**_CT_WEIGHTS, "num_bits": 4,
+                                                        "strategy": "group", "group_size": 128}}}},
+    "ct-w8a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "ignore": ["lm_head"], "config_groups": {"group_0": {
+                     "targets": ["Linear"], "weights": {**_CT_WEIGHTS, "num_bits": 8,
+                                                        "strategy": "channel"}}}},
+}  # fmt: skip
 PEAK_FLOPS = 787.5e12  # measured bf16 dense matmul on one H200
 PEAK_BW = 4.25e12  # measured device-to-device copy rate
 
@@ -59,7 +82,38 @@ def kv_bytes_per_token(shape: str) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
 
 
-def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
+def weight_bytes(shape: str, quantization: str | None = None) -> int:
+    """Bytes of weights one decode step reads: every parameter in bf16, or the linear
+    layers' packed codes plus a bf16 scale and zero per group and column."""
+    params = param_count(shape)
+    if quantization is None:
+        return 2 * params
+    from models.config import ModelConfig
+
+    c = SHAPES[shape]
+    cfg = ModelConfig.from_dict({**c, "quantization_config": QUANT_SCHEMES[quantization]})
+    qc = cfg.quantization
+    assert qc is not None
+    h, inter, hd = c["hidden_size"], c["intermediate_size"], cfg.head_dim
+    attn = h * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
+    linear = c["num_hidden_layers"] * (attn + 3 * h * inter)
+    shapes = [(hd * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]), h), (h, h),
+              (2 * inter, h), (h, inter)]  # fmt: skip
+    groups = c["num_hidden_layers"] * sum(n * (k // qc.group_size_for(k)) for n, k in shapes)
+    return 2 * (params - linear) + linear * qc.bits // 8 + 2 * 2 * groups
+
+
+def quantized_model_dir(shape: str, quantization: str) -> Path:
+    """The dummy shape's directory with a quantization_config (load_format='dummy')."""
+    path = dummy_model_dir(shape).with_name(f"asyncengine-dummy-{shape}-{quantization}")
+    path.mkdir(exist_ok=True)
+    config = {**SHAPES[shape], "quantization_config": QUANT_SCHEMES[quantization]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def floor_seconds(w: dict, concurrency: int, quantization: str | None = None
+                  ) -> dict[str, float]:  # fmt: skip
     """Lower bound on the run time from the hardware limits (see BENCHMARKS.md); with n
     samples per prompt, n sequences decode per request and shared prompts prefill once."""
     samples = w.get("n", 1)
@@ -70,7 +124,7 @@ def floor_seconds(w: dict, concurrency: int) -> dict[str, float]:
     avg_ctx = p + o / 2
     kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"]) / PEAK_BW
     steps = o * max(1, -(-n // max(concurrency, 1)))
-    weights = steps * params * 2 / PEAK_BW
+    weights = steps * weight_bytes(w["shape"], quantization) / PEAK_BW
     return {
         "prefill_s": prefill,
         "kv_read_s": kv,
@@ -143,9 +197,14 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
 
     # Before the engine exists: its CUDA graphs capture the decode attention's launches.
     split_kv = override_split_kv(args.split_kv) if args.split_kv else None
+    quant = args.quantization
+    model_dir = dummy_model_dir(w["shape"]) if quant is None else quantized_model_dir(
+        w["shape"], quant
+    )  # fmt: skip
     engine_args = EngineArgs(
-        model=str(dummy_model_dir(w["shape"])),
+        model=str(model_dir),
         load_format="dummy",
+        quantization=None if quant is None else QUANT_SCHEMES[quant]["quant_method"],
         skip_tokenizer_init=True,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -227,7 +286,7 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
     out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step,
                                                 as_requests=args.n_as_requests)
     w = dict(w, n=params.n, shared_prompts=not args.n_as_requests)
-    floor = floor_seconds(w, peak["running"])
+    floor = floor_seconds(w, peak["running"], args.quantization)
     limit_tok_s = w["num_requests"] * w["n"] * w["output_len"] / floor["total_s"]
     timing = engine.step_timing
     record = {
@@ -236,6 +295,8 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         "n": params.n,
         "n_as_requests": args.n_as_requests,
         "graphs": not args.enforce_eager,
+        "quantization": args.quantization,
+        "weight_gib": round(weight_bytes(w["shape"], args.quantization) / 2**30, 2),
         "output_tokens": out_tokens,
         "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(out_tokens / elapsed, 1),
@@ -272,7 +333,7 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         decode = step_times[1:]
         record["ms_per_token"] = round(1000 * elapsed / max(out_tokens, 1), 3)
         record["decode_ms_per_token"] = round(1000 * sum(decode) / max(len(decode), 1), 3)
-        weights_floor_ms = 1000 * param_count(w["shape"]) * 2 / PEAK_BW
+        weights_floor_ms = 1000 * weight_bytes(w["shape"], args.quantization) / PEAK_BW
         record["floor_ms_per_token"] = round(weights_floor_ms, 3)
         record["fraction_of_limit"] = round(weights_floor_ms / record["decode_ms_per_token"], 3)
     return record
@@ -421,7 +482,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
     ap.add_argument("--n-as-requests", action="store_true",
                     help="send the --n samples as separate requests (the baseline)")
+    ap.add_argument("--quantization", choices=sorted(QUANT_SCHEMES),
+                    help="serve the dummy weights in this weight-only format (engine only)")
     args = ap.parse_args()
+    if args.quantization and args.system != "engine":
+        ap.error("--quantization runs the engine only")
     w = dict(WORKLOADS[args.workload])
     if args.num_requests:
         w["num_requests"] = args.num_requests

@@ -2,12 +2,14 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, the tiled and whole-row GEMV forms, the norm, rotary and merge kernels) to a
+prefill tiles, the tiled and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV,
+the norm, rotary and merge kernels) to a
 cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
 H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
+  python scripts/compile_kernels.py --only quant # the quantized matmuls only
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -38,6 +40,8 @@ POINTER_TYPES = {
     "positions_ptr": "*i64",
     "slot_mapping_ptr": "*i64",
     "cos_sin_ptr": "*fp32",
+    "qw_ptr": "*i32",
+    "part_ptr": "*fp32",
 }
 FLOAT_SCALARS = {"eps", "scale_log2"}
 
@@ -83,6 +87,14 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, GATED=True, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=8192,
           USE_PDL=True, BLOCK_N=1), 4, 4),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4, 3),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=4096, BITS=8, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), 4, 4),
+    ("kernels.quant_linear", "_quant_gemv_kernel",
+     dict(GROUP_SIZE=128, BITS=4, BLOCK_N=128, BLOCK_K=128), 4, 3),
+    ("kernels.quant_linear", "_quant_gemv_kernel",
+     dict(GROUP_SIZE=32, BITS=8, BLOCK_N=64, BLOCK_K=32), 4, 3),
     ("kernels.rms_norm", "_rms_norm_kernel",
      dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
@@ -124,12 +136,15 @@ def compile_variant(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    ap.add_argument("--only", help="compile only the variants of kernels whose module contains "
+                    "this, e.g. quant")  # fmt: skip
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
     failed = 0
-    for module, kernel, constexprs, warps, stages in VARIANTS:
+    variants = [v for v in VARIANTS if args.only is None or args.only in v[0]]
+    for module, kernel, constexprs, warps, stages in variants:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()
         try:
@@ -140,7 +155,7 @@ def main() -> int:
             row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
-    print(json.dumps({"compiled": len(VARIANTS) - failed, "failed": failed, "arch": args.arch}))
+    print(json.dumps({"compiled": len(variants) - failed, "failed": failed, "arch": args.arch}))
     return 1 if failed else 0
 
 

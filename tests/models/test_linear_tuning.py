@@ -174,3 +174,75 @@ def test_decode_planning_keeps_the_mlp_pair_consistent(
         qkv_proj = layers["qkv_proj"]
         torch.testing.assert_close(qkv, F.linear(h, qkv_proj.weight, qkv_proj.bias),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+# ------------------------------------------------------------- quantized layers
+def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
+    """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load."""
+    from models.quantization.config import QuantConfig, set_current_quant_config
+    from models.quantization.layer import process_quantized_linear
+
+    qc = QuantConfig("gptq", 4, 32)
+    with torch.device(device), set_current_quant_config(qc):
+        model = nn.ModuleDict({
+            "a": RowParallelLinear(128, 64), "b": RowParallelLinear(128, 64),
+            "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM),
+        })  # fmt: skip
+    gen = torch.Generator(device).manual_seed(0)
+    for layer in model.values():
+        layer.weight.data.random_(0, 16, generator=gen)
+        layer.weight_zero.data.random_(0, 16, generator=gen)
+        layer.weight_scale.data = (torch.rand(layer.weight_scale.shape, generator=gen,
+                                              device=device) * 0.01).to(dtype)  # fmt: skip
+        process_quantized_linear(layer)
+    return model
+
+
+def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timings that favour the GEMV up to 4 rows, a GEMM up to 256 and the reference past
+    it give a three-entry plan; RMSNorm inputs keep their declared transform."""
+    from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
+
+    def fake_times(kinds, x, pairs, reps):  # type: ignore[no-untyped-def]
+        rows = x.shape[0]
+
+        def ms(kind: object) -> float:
+            if isinstance(kind, QuantTritonGemv):
+                return 1.0 if rows <= 4 else 9.0
+            if isinstance(kind, QuantTritonGemm):
+                return 2.0 + (0.1 if kind.config != kinds[1].config else 0.0)
+            return 3.0 if rows < 1024 else 1.5
+
+        return {k.describe(): ms(k) for k in kinds}
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    model = _quantized_model("cpu", torch.float32)
+    plans, timings = tuning.plan_quantized_linears(model, device_type="cpu")
+    assert set(plans) == set(model.values())
+    assert plans[model["a"]] is plans[model["b"]] or plans[model["a"]] == plans[model["b"]]
+    entries = plans[model["a"]].entries
+    assert [e.max_rows for e in entries] == [4, 256, None]
+    assert [type(e.kind) for e in entries] == [QuantTritonGemv, QuantTritonGemm, DequantMatmul]
+    assert all(e.input is InputTransform.RMS_NORM for e in plans[model["c"]].entries)
+    assert set(timings) == {(64, 128), (96, 64)} and set(timings[(64, 128)]) == set(
+        tuning.QUANT_ROW_LADDER
+    )
+    # The 16-bit tuners leave quantized layers alone, and they are described by shape.
+    assert tuning.plan_cpu_linears(model)[0] == {}
+    assert tuning.describe_matmul_plans(model)[0].startswith("a 64x128: 1+ rows: dequantize")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
+    from kernels.quant_linear import quant_matmul_ref
+
+    model = _quantized_model("cuda", torch.bfloat16)
+    tuning.tune_decode_gemvs(model)
+    layer = model["a"]
+    for rows in (1, 3, 16, 100, 2048):
+        assert layer.plan.entry_for(rows).kind.name.startswith(("quantized", "dequantize"))
+        x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+        want = quant_matmul_ref(x.float(), layer.qweight, layer.scales.float(),
+                                layer.zeros.float(), 4, 32)  # fmt: skip
+        torch.testing.assert_close(layer(x).float(), want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,253 @@
+"""Weight-only int4/int8 matmuls: y = x W^T (+ b) with W stored as packed integers.
+
+One internal layout serves every checkpoint format (GPTQ, AWQ and compressed-tensors are
+repacked into it at load, `models.quantization`):
+- `qweight` int32 [K / pack, N]: `pack = 32 // bits` consecutive input rows of one output
+  column per word, row k in bits [(k % pack) * bits, ...): a program reading a [BLOCK_K,
+  BLOCK_N] tile loads words contiguous along N;
+- `scales` [G, N] and `zeros` [G, N] in the activation dtype (zeros integer-valued), one row
+  per group of `group_size` consecutive input rows: W[n, k] = (q[k, n] - zeros[g, n]) *
+  scales[g, n] with g = k // group_size.
+
+`quant_matmul_ref` (dequantize, then matmul) is the CPU path and the oracle of the two Triton
+kernels: `quant_gemm` (tl.dot tiles, dequantization inside the K loop, one scale per tile
+since a tile never spans two groups) for prefill and mixed steps, and `quant_gemv` (one
+program per output block, input row and K split, dequantization fused, fp32 partial sums
+reduced after) for decode batches of a few rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton_utils import tl, triton
+
+__all__ = [
+    "QuantGemmConfig",
+    "QuantGemvConfig",
+    "dequantize_weight",
+    "pack_int_weight",
+    "quant_gemm",
+    "quant_gemm_candidates",
+    "quant_gemv",
+    "quant_gemv_candidates",
+    "quant_matmul_ref",
+    "unpack_int_weight",
+]
+
+
+def pack_int_weight(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer values q [N, K] (0 <= q < 2^bits) -> int32 [K / pack, N], the kernels' layout."""
+    pack = 32 // bits
+    n, k = q.shape
+    if k % pack:
+        raise ValueError(f"{bits}-bit weights need an input dimension divisible by {pack}, got {k}")
+    cols = q.t().to(torch.int64).reshape(k // pack, pack, n)
+    shifts = torch.arange(pack, device=q.device, dtype=torch.int64).view(1, pack, 1) * bits
+    words = (cols << shifts).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
+    return words.to(torch.int32).contiguous()
+
+
+def unpack_int_weight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [K / pack, N] -> the integer values [K, N] (int32)."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=qweight.device, dtype=torch.int32).view(1, pack, 1) * bits
+    vals = (qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return vals.reshape(-1, qweight.shape[1])
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+    group_size: int, dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """W^T [K, N] in `dtype` (default: the scales')."""
+    q = unpack_int_weight(qweight, bits).to(torch.float32)
+    z = zeros.to(torch.float32).repeat_interleave(group_size, dim=0)
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)
+    return ((q - z) * s).to(dtype or scales.dtype)
+
+
+def quant_matmul_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> x W^T (+ b) [M, N]: dequantize to x's dtype, then the library's matmul."""
+    w_t = dequantize_weight(qweight, scales, zeros, bits, group_size, x.dtype)
+    y = x @ w_t
+    return y if bias is None else y + bias
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, block_k: int
+           ) -> tuple[int, int, int]:  # fmt: skip
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != k:
+        raise ValueError(f"x has {k} columns; the {bits}-bit weight has {qweight.shape[0]} words")
+    if group_size % block_k or k % block_k:
+        raise ValueError(f"BLOCK_K={block_k} must divide the group size {group_size} and K={k}")
+    if x.stride(1) != 1:
+        raise ValueError("the quantized matmuls need x with contiguous rows")
+    return m, n, k
+
+
+@dataclass(frozen=True)
+class QuantGemmConfig:
+    """Tile shape of `quant_gemm`."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return (f"gemm {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
+                f"s{self.num_stages}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantGemvConfig:
+    """Blocking of `quant_gemv`: output columns per program, K per loop step, K splits."""
+
+    block_n: int = 128
+    block_k: int = 32
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
+                f"s{self.num_stages}")  # fmt: skip
+
+
+def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
+    """Tile shapes the start-up tuner times (BLOCK_K always divides the group)."""
+    out = []
+    for bm, bn, bk, warps, stages in [
+        (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
+    ]:  # fmt: skip
+        bk = min(bk, group_size)
+        if group_size % bk == 0 and k % bk == 0:
+            out.append(QuantGemmConfig(bm, bn, bk, warps, stages))
+    return list(dict.fromkeys(out))
+
+
+def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
+    """GEMV blockings the start-up tuner times."""
+    out = []
+    for bn, bk, split, warps in [
+        (64, 128, 1, 4), (128, 64, 2, 4), (128, 128, 2, 4), (64, 128, 4, 4), (256, 64, 4, 8),
+        (128, 128, 4, 4), (64, 256, 8, 4), (128, 64, 8, 4),
+    ]:  # fmt: skip
+        bk = min(bk, group_size)
+        if group_size % bk == 0 and k % (bk * split) == 0:
+            out.append(QuantGemvConfig(bn, bk, split, warps))
+    return list(dict.fromkeys(out))
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
+                  GROUP_SIZE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """The integer tile (q - zero) [BLOCK_K, BLOCK_N] as fp32 and its group's scales
+    [BLOCK_N]; the tile lies inside one group."""
+    PACK: tl.constexpr = 32 // BITS
+    kk = k0 + offs_k
+    words = tl.load(qw_ptr + (kk // PACK)[:, None] * N + offs_n[None, :], mask=n_mask[None, :],
+                    other=0)  # fmt: skip
+    q = (words >> ((kk % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return q.to(tl.float32) - z[None, :], s
+
+
+@triton.jit
+def _quant_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=m_mask[:, None], other=0.0)  # fmt: skip
+        w, s = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
+                             GROUP_SIZE, BITS)  # fmt: skip
+        # (q - zero) is an integer below 2^8 in magnitude: exact in 16-bit floats.
+        acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def quant_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None = None,
+    config: QuantGemmConfig = QuantGemmConfig(),
+) -> torch.Tensor:  # fmt: skip
+    """`quant_matmul_ref` as one Triton GEMM (any number of rows)."""
+    block_k = min(config.block_k, group_size)
+    m, n, k = _check(x, qweight, bits, group_size, block_k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+    _quant_gemm_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits, HAS_BIAS=bias is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _quant_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, M, N, K, stride_xm, K_PER_SPLIT,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs_k).to(tl.float32)
+        w, s = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
+                             GROUP_SIZE, BITS)  # fmt: skip
+        acc += tl.sum(x[:, None] * w, axis=0) * s
+    tl.store(part_ptr + (pid_k * M + row) * N + offs_n, acc, mask=n_mask)
+
+
+def quant_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int, bias: torch.Tensor | None = None,
+    config: QuantGemvConfig = QuantGemvConfig(),
+) -> torch.Tensor:  # fmt: skip
+    """`quant_matmul_ref` for a few rows: each program reads one output block's weights
+    once per row and K split (later rows find them in L2); the splits' fp32 partial sums
+    are added after."""
+    block_k = min(config.block_k, group_size)
+    m, n, k = _check(x, qweight, bits, group_size, block_k)
+    if k % (block_k * config.split_k):
+        raise ValueError(f"K={k} is not a multiple of BLOCK_K * split_k")
+    part = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), config.split_k, m)
+    _quant_gemv_kernel[grid](
+        x, qweight, scales, zeros, part, m, n, k, x.stride(0), k // config.split_k,
+        GROUP_SIZE=group_size, BITS=bits, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    y = part.sum(0) if config.split_k > 1 else part[0]
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)

@@ -1,0 +1,184 @@
+"""Which weight-only format a checkpoint is in, read from `quantization_config` in config.json.
+
+`parse_quant_config` accepts GPTQ (v1 checkpoint format, 4/8 bits), AWQ (GEMM, 4 bits) and
+compressed-tensors W4A16/W8A16 `pack-quantized` (group or channel strategy), and refuses
+anything else with the field and its value named: a format served with the wrong convention
+gives fluent-looking garbage, so nothing is guessed. `current_quant_config` is how the linear
+layers learn, while the loader builds the model, that their weights are quantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# The `quantization=` values an engine accepts, besides None.
+QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A weight-only integer format: `bits` per weight, one scale (and zero point) per
+    `group_size` input columns (-1: one per output channel).
+
+    sym: the zero point is 2^(bits-1) for every group (GPTQ still stores it); desc_act: GPTQ's
+    act-order, the groups follow a permutation of the input columns given by `g_idx`."""
+
+    method: str
+    bits: int
+    group_size: int
+    sym: bool = True
+    desc_act: bool = False
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+    def group_size_for(self, in_features: int) -> int:
+        """Input columns per group in a layer with `in_features` inputs (its full width)."""
+        return in_features if self.group_size == -1 else self.group_size
+
+    def describe(self) -> str:
+        group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        extra = ", act-order" if self.desc_act else ""
+        sym = "sym" if self.sym else "asym"
+        return f"{self.method} int{self.bits} {group} {sym}{extra}"
+
+
+def _refuse(field: str, value: Any, served: str) -> ValueError:
+    return ValueError(f"quantization_config {field}={value!r} is not supported ({served})")
+
+
+def _group_size(field: str, value: Any) -> int:
+    if value in (32, 64, 128, -1):
+        return int(value)
+    raise _refuse(field, value, "32, 64, 128 or -1 are")
+
+
+def _parse_gptq(q: dict[str, Any]) -> QuantConfig:
+    bits = q.get("bits")
+    if bits not in (4, 8):
+        raise _refuse("bits", bits, "GPTQ 4 and 8 bits are")
+    fmt = q.get("checkpoint_format", q.get("format", "gptq"))
+    if fmt != "gptq":
+        raise _refuse("checkpoint_format", fmt, "only the v1 'gptq' checkpoint format is")
+    if q.get("is_marlin_format"):
+        raise _refuse("is_marlin_format", True, "only the v1 'gptq' checkpoint format is")
+    if q.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise _refuse("pack_dtype", q.get("pack_dtype"), "int32 words are")
+    if q.get("lm_head"):
+        raise _refuse("lm_head", q.get("lm_head"), "the LM head stays 16-bit")
+    return QuantConfig(
+        "gptq", int(bits), _group_size("group_size", q.get("group_size", 128)),
+        sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
+    )  # fmt: skip
+
+
+def _parse_awq(q: dict[str, Any]) -> QuantConfig:
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise _refuse("bits", bits, "AWQ 4 bits is")
+    version = str(q.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("version", q.get("version"), "only the AWQ GEMM layout is")
+    if not q.get("zero_point", True):
+        raise _refuse("zero_point", q.get("zero_point"), "AWQ with zero points is")
+    group = _group_size("group_size", q.get("group_size", q.get("q_group_size", 128)))
+    return QuantConfig("awq", 4, group, sym=False)
+
+
+def _parse_compressed_tensors(q: dict[str, Any]) -> QuantConfig:
+    fmt = q.get("format")
+    if fmt != "pack-quantized":
+        raise _refuse("format", fmt, "only 'pack-quantized' is")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse("config_groups", sorted(groups), "exactly one scheme is")
+    (name, scheme), = groups.items()
+    prefix = f"config_groups.{name}"
+    targets = scheme.get("targets")
+    if targets != ["Linear"]:
+        raise _refuse(f"{prefix}.targets", targets, "only ['Linear'] is")
+    for act in ("input_activations", "output_activations"):
+        if scheme.get(act) is not None:
+            raise _refuse(f"{prefix}.{act}", scheme.get(act), "weight-only schemes are")
+    group_fmt = scheme.get("format")
+    if group_fmt not in (None, "pack-quantized"):
+        raise _refuse(f"{prefix}.format", group_fmt, "only 'pack-quantized' is")
+    w = scheme.get("weights") or {}
+    checks = {"type": ("int", "integer weights are"), "symmetric": (True, "symmetric weights are"),
+              "dynamic": (False, "static weight scales are")}  # fmt: skip
+    for key, (want, served) in checks.items():
+        if w.get(key, want) != want:
+            raise _refuse(f"{prefix}.weights.{key}", w.get(key), served)
+    bits = w.get("num_bits")
+    if bits not in (4, 8):
+        raise _refuse(f"{prefix}.weights.num_bits", bits, "4 and 8 are")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        raise _refuse(f"{prefix}.weights.actorder", w.get("actorder"), "none or static is")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group = _group_size(f"{prefix}.weights.group_size", w.get("group_size"))
+    else:
+        raise _refuse(f"{prefix}.weights.strategy", strategy, "group and channel are")
+    ignore = [m for m in q.get("ignore") or [] if m != "lm_head"]
+    if ignore:
+        raise _refuse("ignore", ignore, "only lm_head may stay unquantized")
+    return QuantConfig("compressed-tensors", int(bits), group, sym=True)
+
+
+_PARSERS = {
+    "gptq": _parse_gptq,
+    "awq": _parse_awq,
+    "compressed-tensors": _parse_compressed_tensors,
+}
+
+
+def parse_quant_config(raw: dict[str, Any], requested: str | None = None) -> QuantConfig | None:
+    """The format of an HF config dict (`raw`: config.json), or None for a 16-bit checkpoint.
+
+    requested: the engine's `quantization=`; it must name the checkpoint's own method."""
+    q = raw.get("quantization_config") or raw.get("compression_config")
+    if requested in ("none", ""):
+        requested = None
+    if requested is not None and requested not in QUANT_METHODS:
+        served = ", ".join(QUANT_METHODS)
+        raise ValueError(f"quantization={requested!r} is not supported ({served} are)")
+    if not q:
+        if requested is not None:
+            raise ValueError(
+                f"quantization={requested!r} was asked for, but config.json has no "
+                "quantization_config (quantizing a 16-bit checkpoint at load is not supported)"
+            )
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    parser = _PARSERS.get(method)
+    if parser is None:
+        raise _refuse("quant_method", q.get("quant_method"), ", ".join(QUANT_METHODS) + " are")
+    if requested is not None and requested != method:
+        raise ValueError(
+            f"quantization={requested!r} was asked for, but the checkpoint is {method!r}"
+        )
+    return parser(q)
+
+
+_current: QuantConfig | None = None
+
+
+@contextlib.contextmanager
+def set_current_quant_config(config: QuantConfig | None) -> Iterator[None]:
+    """Linear layers built inside take `config` as their weight format."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_quant_config() -> QuantConfig | None:
+    return _current

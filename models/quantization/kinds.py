@@ -1,0 +1,85 @@
+"""The matmul-plan kinds of a quantized linear layer (`models.matmul_plan.MatmulKind`).
+
+All three read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
+`zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer` builds at
+load, so switching between them stores nothing: `DequantMatmul` (dequantize, then the
+library's matmul: the CPU path, the oracle, and on the GPU a choice for large batches),
+`QuantTritonGemm` (prefill and mixed steps) and `QuantTritonGemv` (a few rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels.quant_linear import (
+    QuantGemmConfig,
+    QuantGemvConfig,
+    quant_gemm,
+    quant_gemv,
+    quant_matmul_ref,
+)
+from models.matmul_plan import MatmulKind
+
+# The most rows the GEMV serves: it reads each weight block once per row (from L2 after the
+# first), so it loses to tensor-core tiles well before this.
+QUANT_GEMV_MAX_ROWS = 16
+
+
+def _operands(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if layer.input_perm is not None:  # act-order: columns sorted by group
+        x = x.index_select(-1, layer.input_perm)
+    return x.contiguous(), layer.qweight, layer.scales, layer.zeros
+
+
+@dataclass(frozen=True)
+class DequantMatmul(MatmulKind):
+    """Dequantize the weight to the activation dtype, then the library's matmul."""
+
+    name: ClassVar[str] = "dequantize + BLAS"
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        bits, group = layer.quant_config.bits, layer.group_size
+        return quant_matmul_ref(*_operands(layer, x), bits, group, bias)
+
+
+@dataclass(frozen=True)
+class QuantTritonGemm(MatmulKind):
+    """The Triton GEMM dequantizing inside its K loop (`kernels.quant_linear.quant_gemm`)."""
+
+    config: QuantGemmConfig
+    name: ClassVar[str] = "quantized Triton GEMM"
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        bits, group = layer.quant_config.bits, layer.group_size
+        return quant_gemm(*_operands(layer, x), bits, group, bias, self.config)
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class QuantTritonGemv(MatmulKind):
+    """The Triton GEMV with dequantization fused (`kernels.quant_linear.quant_gemv`)."""
+
+    config: QuantGemvConfig
+    name: ClassVar[str] = "quantized Triton GEMV"
+    max_rows: ClassVar[int | None] = QUANT_GEMV_MAX_ROWS
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        bits, group = layer.quant_config.bits, layer.group_size
+        return quant_gemv(*_operands(layer, x), bits, group, bias, self.config)
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"

@@ -1,0 +1,108 @@
+"""The weight-only quantized GEMM and GEMV against their torch reference (dequantize, then
+matmul): in the interpreter on small shapes, and on the GPU at Llama-2-7B's shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant_linear import (
+    QuantGemmConfig,
+    QuantGemvConfig,
+    dequantize_weight,
+    pack_int_weight,
+    quant_gemm,
+    quant_gemm_candidates,
+    quant_gemv,
+    quant_gemv_candidates,
+    quant_matmul_ref,
+    unpack_int_weight,
+)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _case(n: int, k: int, bits: int, group: int, dtype: torch.dtype, device: str = "cpu",
+          seed: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    g = k // group
+    scales = (torch.rand(g, n, generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 1 << bits, (g, n), generator=gen).to(dtype)
+    return tuple(t.to(device) for t in (q, pack_int_weight(q, bits), scales, zeros))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_round_trips_and_dequantizes_per_group(bits: int) -> None:
+    q, qweight, scales, zeros = _case(24, 64, bits, 32, torch.float32)
+    assert qweight.shape == (64 * bits // 32, 24) and qweight.dtype == torch.int32
+    assert torch.equal(unpack_int_weight(qweight, bits).t(), q.int())
+    w_t = dequantize_weight(qweight, scales, zeros, bits, 32)
+    k, n = 40, 5  # column 5, input row 40: group 1
+    assert w_t[k, n] == (q[n, k].float() - zeros[1, n]) * scales[1, n]
+
+
+CASES = [  # (n, k, bits, group, rows)
+    (48, 128, 4, 32, 1), (48, 128, 4, 64, 3), (40, 128, 8, 32, 2), (64, 256, 4, 128, 5),
+    (48, 96, 8, 96, 1), (72, 64, 4, 64, 17),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES)
+def test_gemm_matches_reference(n: int, k: int, bits: int, group: int, rows: int) -> None:
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.float32)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    want = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias)
+    for cfg in (QuantGemmConfig(16, 32, 32, 4, 1), QuantGemmConfig(16, 16, 16, 4, 1)):
+        got = quant_gemm(x, qweight, scales, zeros, bits, group, bias, cfg)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES)
+def test_gemv_matches_reference(n: int, k: int, bits: int, group: int, rows: int) -> None:
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.float32)
+    x = torch.randn(rows, k)
+    want = quant_matmul_ref(x, qweight, scales, zeros, bits, group)
+    for cfg in (QuantGemvConfig(32, 32, 1), QuantGemvConfig(16, 16, 2)):
+        got = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tiles_never_span_two_groups() -> None:
+    _, qweight, scales, zeros = _case(32, 128, 4, 64, torch.float32)
+    x = torch.randn(1, 128)
+    with pytest.raises(ValueError, match="BLOCK_K=48 must divide the group size 64"):
+        quant_gemv(x, qweight, scales, zeros, 4, 64, None, QuantGemvConfig(32, 48, 1))
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        quant_gemm(x[:, :64].contiguous(), qweight, scales, zeros, 4, 64)
+
+
+def test_candidates_fit_the_group_and_the_split() -> None:
+    for group, k in [(32, 4096), (128, 4096), (128, 11008), (4096, 4096), (11008, 11008)]:
+        gemm, gemv = quant_gemm_candidates(group, k), quant_gemv_candidates(group, k)
+        assert gemm and all(group % c.block_k == 0 and k % c.block_k == 0 for c in gemm)
+        assert all(group % c.block_k == 0 and k % (c.block_k * c.split_k) == 0 for c in gemv)
+    assert quant_gemv_candidates(128, 4096)
+
+
+LLAMA_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), LLAMA_SHAPES)
+def test_gpu_llama_shapes_match_reference(n: int, k: int, bits: int) -> None:
+    _, qweight, scales, zeros = _case(n, k, bits, 128, torch.bfloat16, "cuda")
+    scales = scales / 4  # outputs of order one
+    for rows in (1, 4, 16, 300):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) / 8
+        want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, 128)
+        tol = 2e-2 * float(want.abs().max())
+        for cfg in quant_gemm_candidates(128, k):
+            got = quant_gemm(x, qweight, scales, zeros, bits, 128, None, cfg)
+            assert float((got.float() - want).abs().max()) <= tol, cfg
+        if rows <= 16:
+            for gcfg in quant_gemv_candidates(128, k):
+                got = quant_gemv(x, qweight, scales, zeros, bits, 128, None, gcfg)
+                assert float((got.float() - want).abs().max()) <= tol, gcfg

@@ -1,0 +1,53 @@
+"""Q1 on real weights: the embedded SmolLM2-135M written in each format (round-to-nearest,
+tests/quant_writers.py) keeps its perplexity over tests/data/eval_text.txt within a bound
+per format, and a checkpoint with a wrong zero-point convention is caught by the same
+measure. Bounds sit above the measured increases in docs/quantization.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.eval_quant import eval_tokens, perplexity
+from tests.quant_writers import Scheme, write_quantized
+
+pytestmark = pytest.mark.slow
+
+# scheme -> the largest perplexity increase allowed (measured: docs/quantization.md).
+BOUNDS = {
+    Scheme("gptq", 4, 64): 0.35,
+    Scheme("gptq", 8, 64, sym=True): 0.02,
+    Scheme("awq", 4, 64): 0.35,
+    Scheme("compressed-tensors", 4, 64, sym=True): 0.50,
+}
+
+
+@pytest.fixture(scope="module")
+def base() -> tuple[Path, list[int], float]:
+    from models.default_model import default_model_dir
+
+    try:
+        model_dir = default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tokens = eval_tokens(model_dir)
+    return model_dir, tokens, perplexity(model_dir, tokens)
+
+
+@pytest.mark.parametrize("scheme", list(BOUNDS), ids=lambda s: s.name)
+def test_perplexity_increase_is_bounded(
+    base: tuple[Path, list[int], float], tmp_path: Path, scheme: Scheme
+) -> None:
+    model_dir, tokens, base_ppl = base
+    write_quantized(model_dir, tmp_path / "q", scheme)
+    increase = perplexity(tmp_path / "q", tokens) / base_ppl - 1
+    assert increase <= BOUNDS[scheme], f"{scheme.name}: +{100 * increase:.1f} %"
+
+
+def test_a_wrong_zero_point_convention_blows_up_perplexity(
+    base: tuple[Path, list[int], float], tmp_path: Path
+) -> None:
+    model_dir, tokens, base_ppl = base
+    write_quantized(model_dir, tmp_path / "q", Scheme("gptq", 4, 64, mistake="gptq_zero"))
+    assert perplexity(tmp_path / "q", tokens) > 2 * base_ppl
