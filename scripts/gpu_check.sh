@@ -6,6 +6,7 @@
 #                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
 #   bash scripts/gpu_check.sh nsample      # engine GPU tests; W1 prompts with n = 8 against 8x requests
+#   bash scripts/gpu_check.sh quant        # quantized kernels and formats on the GPU; L1/W1 per format
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -61,12 +62,21 @@ elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
   bench --workload w1 --system engine --num-requests 64 --n 8
   bench --workload w1 --system engine --num-requests 64 --n 8 --n-as-requests
+elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then L1/W1 per format
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py \
+    tests/models/quantization 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  bench --workload l1 --system engine --quantization gptq-int4
+  bench --workload l1 --system engine --quantization gptq-int8
+  bench --workload w1 --system engine --quantization gptq-int4
+  bench --workload l1 --system engine --quantization awq-int4
+  python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" \
+    | tail -n 8
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, quant, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
