@@ -86,6 +86,8 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, b
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"x has {k} columns; the {bits}-bit weight has {qweight.shape[0]} words")
+    if block_k & (block_k - 1) or block_k < 32 // bits:
+        raise ValueError(f"BLOCK_K={block_k} must be a power of two of at least a word's values")
     if group_size % block_k or k % block_k:
         raise ValueError(f"BLOCK_K={block_k} must divide the group size {group_size} and K={k}")
     if x.stride(1) != 1:
@@ -131,7 +133,7 @@ def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
         (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
     ]:  # fmt: skip
         bk = min(bk, group_size)
-        if group_size % bk == 0 and k % bk == 0:
+        if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1):
             out.append(QuantGemmConfig(bm, bn, bk, warps, stages))
     return list(dict.fromkeys(out))
 
@@ -144,7 +146,7 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
         (128, 128, 4, 4), (64, 256, 8, 4), (128, 64, 8, 4),
     ]:  # fmt: skip
         bk = min(bk, group_size)
-        if group_size % bk == 0 and k % (bk * split) == 0:
+        if group_size % bk == 0 and k % (bk * split) == 0 and not bk & (bk - 1):
             out.append(QuantGemvConfig(bn, bk, split, warps))
     return list(dict.fromkeys(out))
 
@@ -155,10 +157,13 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
     """The integer tile (q - zero) [BLOCK_K, BLOCK_N] as fp32 and its group's scales
     [BLOCK_N]; the tile lies inside one group."""
     PACK: tl.constexpr = 32 // BITS
-    kk = k0 + offs_k
-    words = tl.load(qw_ptr + (kk // PACK)[:, None] * N + offs_n[None, :], mask=n_mask[None, :],
-                    other=0)  # fmt: skip
-    q = (words >> ((kk % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
+    # Each word once: [BLOCK_K / PACK, BLOCK_N] words, unpacked to rows k0 + w * PACK + i.
+    rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    shifts = tl.arange(0, PACK) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    q = tl.reshape(q, (BLOCK_K, q.shape[2]))
     g = k0 // GROUP_SIZE
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -69,12 +69,14 @@ def test_gemv_matches_reference(n: int, k: int, bits: int, group: int, rows: int
 
 
 def test_tiles_never_span_two_groups() -> None:
-    _, qweight, scales, zeros = _case(32, 128, 4, 64, torch.float32)
-    x = torch.randn(1, 128)
-    with pytest.raises(ValueError, match="BLOCK_K=48 must divide the group size 64"):
-        quant_gemv(x, qweight, scales, zeros, 4, 64, None, QuantGemvConfig(32, 48, 1))
+    _, qweight, scales, zeros = _case(32, 96, 4, 96, torch.float32)  # one group per row
+    x = torch.randn(1, 96)
+    with pytest.raises(ValueError, match="BLOCK_K=64 must divide the group size 96"):
+        quant_gemv(x, qweight, scales, zeros, 4, 96, None, QuantGemvConfig(32, 64, 1))
+    with pytest.raises(ValueError, match="BLOCK_K=48 must be a power of two"):
+        quant_gemm(x, qweight, scales, zeros, 4, 96, None, QuantGemmConfig(16, 16, 48))
     with pytest.raises(ValueError, match="x has 64 columns"):
-        quant_gemm(x[:, :64].contiguous(), qweight, scales, zeros, 4, 64)
+        quant_gemm(x[:, :64].contiguous(), qweight, scales, zeros, 4, 96)
 
 
 def test_candidates_fit_the_group_and_the_split() -> None:
