@@ -21,6 +21,20 @@ __all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_li
 PACKED_MAX_ROWS = 64
 
 
+def _has_dense_io_linear() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# oneDNN's linear that takes and returns dense tensors (the op torch.compile's CPU backend
+# runs on a prepacked weight), where this build has it.
+_DENSE_IO = _has_dense_io_linear()
+
+
 def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available()
 
@@ -34,7 +48,12 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] float32 @ packed^T (+ bias) -> [M, N] dense."""
-    y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    if _DENSE_IO:
+        # The same oneDNN product on dense input and output: converting the activations to
+        # and from oneDNN's format cost as much as the product at decode sizes.
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    else:
+        y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
     return y if bias is None else y + bias
 
 
