@@ -57,24 +57,21 @@ def packed_linear(
     return y if bias is None else y + bias
 
 
-def _median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1e6 * times[len(times) // 2]
-
-
 def time_packed_against_blas(
     weight: torch.Tensor, packed: torch.Tensor, rows: int = 32, reps: int = 7
 ) -> tuple[float, float]:
     """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight and its
-    packed copy (`pack_weight`)."""
+    packed copy (`pack_weight`). The two paths alternate, so a busy spell slows both alike."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    paths = (lambda: F.linear(x, weight), lambda: packed_linear(x, packed))
+    times: tuple[list[float], list[float]] = ([], [])
     with torch.inference_mode():
-        blas = _median_us(lambda: F.linear(x, weight), reps)
-        onednn = _median_us(lambda: packed_linear(x, packed), reps)
-    return blas, onednn
+        for fn in paths:
+            fn()
+        for _ in range(reps):
+            for fn, out in zip(paths, times, strict=True):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    blas_us, packed_us = (1e6 * sorted(t)[len(t) // 2] for t in times)
+    return blas_us, packed_us
