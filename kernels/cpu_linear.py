@@ -21,6 +21,20 @@ __all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_li
 PACKED_MAX_ROWS = 64
 
 
+def _has_dense_io_linear() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# oneDNN's linear that takes and returns dense tensors (the op torch.compile's CPU backend
+# runs on a prepacked weight), where this build has it.
+_DENSE_IO = _has_dense_io_linear()
+
+
 def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available()
 
@@ -34,28 +48,30 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] float32 @ packed^T (+ bias) -> [M, N] dense."""
-    y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    if _DENSE_IO:
+        # The same oneDNN product on dense input and output: converting the activations to
+        # and from oneDNN's format cost as much as the product at decode sizes.
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    else:
+        y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
     return y if bias is None else y + bias
-
-
-def _median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1e6 * times[len(times) // 2]
 
 
 def time_packed_against_blas(
     weight: torch.Tensor, packed: torch.Tensor, rows: int = 32, reps: int = 7
 ) -> tuple[float, float]:
     """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight and its
-    packed copy (`pack_weight`)."""
+    packed copy (`pack_weight`). The two paths alternate, so a busy spell slows both alike."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    paths = (lambda: F.linear(x, weight), lambda: packed_linear(x, packed))
+    times: tuple[list[float], list[float]] = ([], [])
     with torch.inference_mode():
-        blas = _median_us(lambda: F.linear(x, weight), reps)
-        onednn = _median_us(lambda: packed_linear(x, packed), reps)
-    return blas, onednn
+        for fn in paths:
+            fn()
+        for _ in range(reps):
+            for fn, out in zip(paths, times, strict=True):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    blas_us, packed_us = (1e6 * sorted(t)[len(t) // 2] for t in times)
+    return blas_us, packed_us

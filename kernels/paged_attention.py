@@ -20,6 +20,7 @@ Three implementations share the signature:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,8 +42,10 @@ from kernels._triton_utils import (
 __all__ = [
     "DecodePlan",
     "DecodeRotary",
+    "decode_gather_index",
     "decode_plan",
     "decode_plans",
+    "decode_rows_attention",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_triton",
@@ -187,6 +190,62 @@ def _masked_sdpa(
     return o.reshape(n, num_heads, head_dim)
 
 
+def decode_gather_index(
+    block_tables: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For single-token rows with contexts `lens` [n] (int64): the cache blocks to gather
+    (flat [n * num_blocks]), the valid keys [n, padded] and the live rows [n]. The same for
+    every layer of a step (the CPU path derives it once)."""
+    # A `max_seq_len` hint may round past the table; the contexts themselves fit in it.
+    num_blocks = min(-(-max_len // block_size), block_tables.shape[1])
+    padded = num_blocks * block_size
+    device = block_tables.device
+    # Table entries past a sequence's last block may hold anything: point them at block 0.
+    block_start = torch.arange(num_blocks, device=device) * block_size
+    tables = block_tables[:, :num_blocks].to(torch.int64)
+    tables = torch.where(block_start[None, :] < lens[:, None], tables, torch.zeros_like(tables))
+    valid = torch.arange(padded, device=device)[None, :] < lens[:, None]  # [n, padded]
+    return tables.flatten(), valid, lens > 0
+
+
+def decode_rows_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    flat_ids: torch.Tensor,
+    valid: torch.Tensor,
+    live: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """All single-token rows at once (`decode_gather_index`'s index): gather their blocks,
+    one masked attention call; returns [n, Hq, D] float32."""
+    n, head_dim = q.shape[0], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    padded = valid.shape[1]
+    # index_select on a [blocks, block_size * heads * dim] view: one contiguous row per block,
+    # markedly cheaper on the CPU than advanced indexing of the 4-d cache.
+    k = k_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
+    v = v_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
+    k, v = k.float(), v.float()
+    qf = q.float()
+    o = _masked_sdpa(qf, k, v, valid, scale)
+    # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
+    # zero-filled cache never does, so zero them only for rows that came out non-finite.
+    # One check for the whole batch first (a sum is finite when every term is, and far
+    # cheaper than an elementwise test): rows that need either fix below are rare.
+    if math.isfinite(float(o.sum())):
+        return o
+    bad = live & ~torch.isfinite(o).flatten(1).all(dim=1)
+    if bad.any():
+        rows = torch.nonzero(bad).flatten()
+        invalid = ~valid[rows][:, :, None, None]
+        k_rows = k[rows].masked_fill_(invalid, 0.0)
+        v_rows = v[rows].masked_fill_(invalid, 0.0)
+        o[rows] = _masked_sdpa(qf[rows], k_rows, v_rows, valid[rows], scale)
+    # Rows of length 0 (padding) are fully masked: SDPA gives NaN there, we give zeros.
+    return torch.where(live[:, None, None], o, torch.zeros((), device=q.device))
+
+
 def _decode_rows_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,40 +256,8 @@ def _decode_rows_ref(
     scale: float,
 ) -> torch.Tensor:
     """All single-token rows at once: gather their blocks, one masked attention call."""
-    n, head_dim = q.shape[0], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    # A `max_seq_len` hint may round past the table; the contexts themselves fit in it.
-    num_blocks = min(-(-max_len // block_size), block_tables.shape[1])
-    padded = num_blocks * block_size
-    device = q.device
-    # Table entries past a sequence's last block may hold anything: point them at block 0.
-    block_start = torch.arange(num_blocks, device=device) * block_size
-    tables = block_tables[:, :num_blocks].to(torch.int64)
-    tables = torch.where(block_start[None, :] < lens[:, None], tables, torch.zeros_like(tables))
-    valid = torch.arange(padded, device=device)[None, :] < lens[:, None]  # [n, padded]
-    # index_select on a [blocks, block_size * heads * dim] view: one contiguous row per block,
-    # markedly cheaper on the CPU than advanced indexing of the 4-d cache.
-    flat_ids = tables.flatten()
-    k = k_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
-    v = v_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
-    k, v = k.float(), v.float()
-    qf = q.float()
-    o = _masked_sdpa(qf, k, v, valid, scale)
-    # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
-    # zero-filled cache never does, so zero them only for rows that came out non-finite.
-    # One check for the whole batch first: rows that need either fix below are rare.
-    if bool(torch.isfinite(o).all()):
-        return o
-    live = lens > 0
-    bad = live & ~torch.isfinite(o).flatten(1).all(dim=1)
-    if bad.any():
-        rows = torch.nonzero(bad).flatten()
-        invalid = ~valid[rows][:, :, None, None]
-        k_rows = k[rows].masked_fill_(invalid, 0.0)
-        v_rows = v[rows].masked_fill_(invalid, 0.0)
-        o[rows] = _masked_sdpa(qf[rows], k_rows, v_rows, valid[rows], scale)
-    # Rows of length 0 (padding) are fully masked: SDPA gives NaN there, we give zeros.
-    return torch.where(live[:, None, None], o, torch.zeros((), device=device))
+    index = decode_gather_index(block_tables, lens, max_len, k_cache.shape[1])
+    return decode_rows_attention(q, k_cache, v_cache, *index, scale)
 
 
 # --------------------------------------------------------------------------------------------

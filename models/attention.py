@@ -4,6 +4,9 @@ when given the rotary table), then attends over it.
 A decode-only step whose plan (`AttentionMetadata.decode_plan`, decided by the model runner)
 fuses rotary folds the rotary and the K/V write into the attention kernel itself
 (`kernels.rotary_paged_attention`): one kernel per layer instead of two.
+
+On the CPU the layer runs `kernels.cpu_attention`, which works out what it needs from the
+step's metadata once per step (in the first layer) rather than once per layer.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from kernels import (
     rotary_and_write_kv,
     write_kv_cache,
 )
-from kernels.paged_attention import DecodeRotary
+from kernels.cpu_attention import cpu_attention_step, step_index
+from kernels.paged_attention import DecodePlan, DecodeRotary
 from models.forward_context import get_attention_metadata
 
 
@@ -30,6 +34,24 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def _cpu_path(
+        self, q: torch.Tensor, positions: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor | None, plan: DecodePlan | None,
+    ) -> bool:  # fmt: skip
+        """The CPU path takes CPU tensors, contiguous caches, a rotary table (if any) over the
+        whole head and a step without split-KV or fused-rotary plan (the engine gives CPU
+        steps neither); anything else runs the reference ops."""
+        assert self.k_cache is not None and self.v_cache is not None
+        if q.device.type != "cpu" or not self.k_cache.is_contiguous():
+            return False
+        if not self.v_cache.is_contiguous():
+            return False
+        if plan is not None and (plan.segments > 1 or plan.fuse_rotary):
+            return False
+        if cos_sin_cache is None:
+            return True
+        return positions is not None and cos_sin_cache.shape[-1] == self.head_dim
 
     def forward(
         self,
@@ -44,6 +66,13 @@ class Attention(nn.Module):
             raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
         meta = get_attention_metadata()
         plan = meta.decode_plan if meta.decode_only else None
+        if self._cpu_path(q, positions, cos_sin_cache, plan):
+            index = step_index(meta, positions, self.k_cache.shape[1])  # type: ignore[arg-type]
+            out = cpu_attention_step(
+                index, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.block_tables,
+                self.scale,
+            )  # fmt: skip
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         segments = 1 if plan is None else plan.segments
         if (
             plan is not None

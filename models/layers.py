@@ -13,6 +13,7 @@ whether its output is a [gate; up] pair, and `models.linear_tuning` may hand it 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -316,13 +317,26 @@ def compute_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+# Live cos/sin caches by (head_dim, max_position, base, scaling, device): the layers of a
+# model share one, so the CPU attention path reads its rows once per step, not per layer.
+_COS_SIN_CACHES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin cache; the attention layer applies rotary (fused with the KV-cache
-    write or the decode attention)."""
+    """Holds the cos/sin cache, one tensor shared by the layers built with equal settings
+    on one device; the attention layer applies rotary (fused with the KV-cache write or the
+    decode attention)."""
 
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
-        cache = compute_cos_sin_cache(head_dim, max_position, base, scaling)
+        key = (head_dim, max_position, base, repr(sorted((scaling or {}).items())),
+               str(torch.get_default_device()))  # fmt: skip
+        cache = _COS_SIN_CACHES.get(key)
+        if cache is None:
+            cache = compute_cos_sin_cache(head_dim, max_position, base, scaling)
+            _COS_SIN_CACHES[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)

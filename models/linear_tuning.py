@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 # The packed CPU path must win by this much: timings on a busy CPU are noisy.
 CPU_PACKED_MIN_GAIN = 0.9
+# A shape that loses at 32 rows is timed again at this batch, and may take the packed path
+# for batches up to CPU_PACKED_SMALL_MAX_ROWS.
+CPU_PACKED_SMALL_ROWS = 8
+CPU_PACKED_SMALL_MAX_ROWS = 16
 # Layers whose packed copy would exceed this many bytes keep the BLAS call alone (the copy
 # doubles the layer's memory).
 CPU_PACKED_MAX_BYTES = 256 * 2**20
@@ -265,11 +269,15 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
 
 def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tuple[float, float]]]:
     """On the CPU, plan a oneDNN-packed weight for small-batch steps in every linear layer
-    (and the LM head) whose shape runs clearly faster that way. Returns the plans per layer
-    and (BLAS, packed) microseconds per shape at 32 rows."""
+    (and the LM head) whose shape runs clearly faster that way: for up to `PACKED_MAX_ROWS`
+    rows where it wins at 32 rows, else for up to `CPU_PACKED_SMALL_MAX_ROWS` where it wins
+    at `CPU_PACKED_SMALL_ROWS` (a wide layer such as the LM head often wins only there, where
+    the BLAS call's per-call weight packing weighs most). Returns the plans per layer and
+    (BLAS, packed) microseconds per shape at 32 rows."""
     if not cpu_packing_available():
         return {}, {}
     timings: dict[tuple[int, int], tuple[float, float]] = {}
+    small_timings: dict[tuple[int, int], tuple[float, float]] = {}
     plans: Plans = {}
     for module in model.modules():
         if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
@@ -281,15 +289,29 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
             continue
         shape = (weight.shape[0], weight.shape[1])
         if shape not in timings:  # the first layer of a shape is timed
-            timings[shape] = time_packed_against_blas(weight, pack_weight(weight))
-        blas, fast = timings[shape]
+            packed_copy = pack_weight(weight)
+            timings[shape] = time_packed_against_blas(weight, packed_copy)
+            if not _clearly_faster(*timings[shape]):
+                small_timings[shape] = time_packed_against_blas(
+                    weight, packed_copy, rows=CPU_PACKED_SMALL_ROWS
+                )
         declared = module.input_transform
-        if fast < CPU_PACKED_MIN_GAIN * blas:
-            packed = PlanEntry(CpuPacked(), PACKED_MAX_ROWS, declared)
+        if _clearly_faster(*timings[shape]):
+            max_rows: int | None = PACKED_MAX_ROWS
+        elif _clearly_faster(*small_timings[shape]):
+            max_rows = CPU_PACKED_SMALL_MAX_ROWS
+        else:
+            max_rows = None
+        if max_rows is not None:
+            packed = PlanEntry(CpuPacked(), max_rows, declared)
             plans[module] = MatmulPlan((packed, PlanEntry(Blas(), input=declared)))
         else:
             plans[module] = MatmulPlan.default(declared)
     return plans, timings
+
+
+def _clearly_faster(blas_us: float, packed_us: float) -> bool:
+    return packed_us < CPU_PACKED_MIN_GAIN * blas_us
 
 
 def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:

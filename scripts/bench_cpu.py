@@ -176,7 +176,8 @@ class EngineSystem:
         groups = {
             # The layers' linears, and the LM head where start-up tuning kept BLAS for it.
             "matmul_blas": ("aten::mm", "aten::addmm"),
-            "matmul_onednn_packed": ("aten::mkldnn_linear", "aten::to_mkldnn", "aten::_to_dense"),
+            "matmul_onednn_packed": ("mkldnn::_linear_pointwise", "aten::mkldnn_linear",
+                                     "aten::to_mkldnn", "aten::_to_dense"),
             "attention_sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
             "kv_gather": ("aten::index_select",),
         }

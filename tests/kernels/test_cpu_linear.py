@@ -38,3 +38,24 @@ def test_timing_returns_both_paths() -> None:
     w = torch.randn(64, 32)
     blas, packed = time_packed_against_blas(w, pack_weight(w), rows=4, reps=3)
     assert blas > 0 and packed > 0
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_dense_io_path_equals_the_converting_one(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dense-in, dense-out oneDNN op is the same product as converting the activations."""
+    import kernels.cpu_linear as cpu_linear
+
+    if not cpu_linear._has_dense_io_linear():
+        pytest.skip("this torch build has no dense-IO oneDNN linear")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(300, 96, generator=gen)
+    b = torch.randn(300, generator=gen)
+    packed = pack_weight(w)
+    outs = []
+    for dense_io in (True, False):
+        monkeypatch.setattr(cpu_linear, "_DENSE_IO", dense_io)
+        outs.append(packed_linear(x, packed, b))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)

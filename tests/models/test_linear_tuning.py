@@ -47,7 +47,7 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
     monkeypatch: pytest.MonkeyPatch, packed_wins: bool
 ) -> None:
     fake = (100.0, 50.0) if packed_wins else (100.0, 95.0)  # 95: inside the noise margin
-    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed: fake)
+    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed, rows=32: fake)
     model = _model()
     plans, timings = tuning.plan_cpu_linears(model)
     assert set(timings) == {(96, 48), (48, 96), (48, 48), (300, 48)}
@@ -76,8 +76,44 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
                                    gated.weight), atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
+def test_a_shape_that_wins_only_at_small_batches_packs_for_those(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed loses at 32 rows for every shape but the head's wins at the small batch: the
+    head packs up to CPU_PACKED_SMALL_MAX_ROWS rows, every other layer keeps BLAS."""
+    timed: list[tuple[tuple[int, int], int]] = []
+
+    def fake(w: torch.Tensor, packed: torch.Tensor, rows: int = 32) -> tuple[float, float]:
+        timed.append((tuple(w.shape), rows))
+        wins = rows == tuning.CPU_PACKED_SMALL_ROWS and w.shape[0] == 300
+        return (100.0, 50.0) if wins else (100.0, 95.0)
+
+    monkeypatch.setattr(tuning, "time_packed_against_blas", fake)
+    model = _model()
+    plans, timings = tuning.plan_cpu_linears(model)
+    assert all(t == (100.0, 95.0) for t in timings.values())  # the 32-row timings
+    assert sorted(timed) == sorted(
+        [(shape, rows) for shape in timings for rows in (32, tuning.CPU_PACKED_SMALL_ROWS)]
+    )
+    for m, plan in plans.items():
+        small = plan.entry_for(tuning.CPU_PACKED_SMALL_MAX_ROWS)
+        large = plan.entry_for(tuning.CPU_PACKED_SMALL_MAX_ROWS + 1)
+        assert large.kind == Blas()
+        assert small.kind == (CpuPacked() if m is model["head"] else Blas())
+    tuning.tune_cpu_linears(model)
+    head = model["head"]
+    for rows in (1, tuning.CPU_PACKED_SMALL_MAX_ROWS, tuning.CPU_PACKED_SMALL_MAX_ROWS + 1):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(
+            head.compute_logits(x), F.linear(x, head.weight)[:, :300], atol=1e-5, rtol=1e-5
+        )
+
+
 def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed: (100.0, 1.0))
+    monkeypatch.setattr(
+        tuning, "time_packed_against_blas", lambda w, packed, rows=32: (100.0, 1.0)
+    )
     monkeypatch.setattr(tuning, "CPU_PACKED_MAX_BYTES", 48 * 96 * 4 - 1)
     model = _model()
     model["head"].to(torch.float16)
