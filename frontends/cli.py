@@ -46,7 +46,7 @@ _ENGINE_HELP = {
     "async_scheduling": "prepare step N+1 while step N runs on the device (default: on CUDA)",
     "tensor_parallel_size": "number of GPUs to shard the model over",
     "load_format": "weight format; dummy = random weights with the model's shapes",
-    "quantization": "weight quantization (none supported yet)",
+    "quantization": "quantized weight format (default: what config.json says)",
     "skip_tokenizer_init": "no tokenizer: token-id prompts in, token ids out",
     "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
 }
