@@ -4,6 +4,7 @@ zero-point or packing convention is far off; broken checkpoints fail before use.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -191,13 +192,27 @@ def test_gpu_engine_serves_each_format(quantized: Make, scheme: Scheme) -> None:
     equals HF's on the dequantized weights (bf16 rounding differs after that), and every
     linear layer runs a quantized kind."""
     qdir, oracle = quantized(scheme)
-    llm = LLM(str(qdir), dtype="bfloat16", device="cuda", max_num_seqs=4)
     prompts = [[5, 9, 33, 2, 7, 100, 3], list(range(40, 80)), [17, 18]]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    firsts, kinds = _serve_on_gpu(qdir, prompts)
     ref = hf_greedy(oracle, prompts, 4)
-    assert [o.outputs[0].token_ids[0] for o in outs] == [r[0] for r in ref]
-    model = llm.llm_engine.runner.model
-    kinds = {e.kind.name for m in model.modules() if getattr(m, "quant_config", None)
-             for e in m.plan.entries}  # fmt: skip
+    assert firsts == [r[0] for r in ref]
     assert kinds and all(k.startswith(("quantized", "dequantize")) for k in kinds)
+
+
+def _serve_on_gpu(qdir: Path, prompts: list[list[int]]) -> tuple[list[int], set[str]]:
+    """The first greedy token per prompt and the kinds the quantized layers plan; the engine
+    is freed before returning, even on an error, so a failing case leaves the GPU memory
+    to the next one (a traceback would otherwise keep the engine alive)."""
+    llm = LLM(str(qdir), dtype="bfloat16", device="cuda", max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        firsts = [o.outputs[0].token_ids[0] for o in outs]
+        kinds = {e.kind.name for m in llm.llm_engine.runner.model.modules()
+                 if getattr(m, "quant_config", None) for e in m.plan.entries}  # fmt: skip
+        return firsts, kinds
+    finally:
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
