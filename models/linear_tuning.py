@@ -48,6 +48,7 @@ from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
     QuantTritonGemv,
+    agrees_with_reference,
 )
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,14 @@ def plan_quantized_linears(
         gemms = [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
         gemvs = [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
         best: list[MatmulKind] = []
-        for rows in ladder:
+        for i, rows in enumerate(ladder):
+            low_rows = ladder[i - 1] + 1 if i else 1
             x = torch.randn(rows, k, device=first.qweight.device, dtype=first.scales.dtype)
             kinds = [DequantMatmul(), *gemms, *(gemvs if rows <= QUANT_GEMV_MAX_ROWS else [])]
-            row_times = _time_kinds(kinds, x, pairs, reps)
-            fastest = min(row_times, key=row_times.__getitem__)
+            row_times = _time_kinds(kinds, x, pairs, reps, low_rows)
+            # No kind agreeing (a non-finite reference) leaves the reference planned.
+            fastest = (min(row_times, key=row_times.__getitem__) if row_times
+                       else kinds[0].describe())  # fmt: skip
             best.append(next(kind for kind in kinds if kind.describe() == fastest))
             timings.setdefault((n, k), {})[rows] = row_times
         entries: list[PlanEntry] = []
@@ -209,26 +213,30 @@ def plan_quantized_linears(
 def _time_kinds(
     kinds: Sequence[MatmulKind], x: torch.Tensor,
     pairs: list[tuple[LinearBase, torch.Tensor | None]], reps: int,
+    low_rows: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Milliseconds per layer of each kind over `pairs` (layer, bias) at input x; a kind
-    counts only if it agrees with the dequantize-then-matmul reference (kinds[0])."""
+    counts only if it agrees with the dequantize-then-matmul reference on every layer, at
+    x's rows and at `low_rows` (the fewest rows of the range it would serve: a partial
+    tile there can fail where a full one does not)."""
     times: dict[str, float] = {}
-    layer, bias = pairs[0]
-    with torch.inference_mode():
-        want = DequantMatmul().apply(layer, x, bias).float()
-        tol = 0.02 * float(want.abs().max()) + 1e-3
-        for kind in kinds:
-            try:
-                if float((kind.apply(layer, x, bias).float() - want).abs().max()) > tol:
-                    continue
-
-                def call(m: LinearBase, b: torch.Tensor | None, kind: MatmulKind = kind
-                         ) -> torch.Tensor:  # fmt: skip
-                    return kind.apply(m, x, b)
-
-                times[kind.describe()] = _graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
-            except Exception:  # a config this GPU cannot run (resources): skip it
+    checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
+    for kind in kinds:
+        try:
+            if not all(agrees_with_reference(kind, m, xs, b) for m, b in pairs
+                       for xs in checks):  # fmt: skip
+                logger.warning("quantized %s disagrees with the reference at %d rows; "
+                               "not planned", kind.describe(), x.shape[0])  # fmt: skip
                 continue
+
+            def call(m: LinearBase, b: torch.Tensor | None, kind: MatmulKind = kind
+                     ) -> torch.Tensor:  # fmt: skip
+                return kind.apply(m, x, b)
+
+            with torch.inference_mode():
+                times[kind.describe()] = _graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
+        except Exception:  # a config this GPU cannot run (resources): skip it
+            continue
     return times
 
 

@@ -28,6 +28,26 @@ from models.matmul_plan import MatmulKind
 QUANT_GEMV_MAX_ROWS = 16
 
 
+# A kind agrees with the reference when its largest error is within this fraction of the
+# reference's largest output (bf16 rounding of the output and of the inputs' sums).
+AGREEMENT_RTOL = 0.02
+
+
+def agrees_with_reference(
+    kind: MatmulKind, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether `kind` computes `layer`'s output on `x` as `DequantMatmul` does: every value
+    finite and within `AGREEMENT_RTOL` of the reference's scale. A NaN compares false with
+    any bound, so the check is written to fail on it rather than pass."""
+    with torch.inference_mode():
+        want = DequantMatmul().apply(layer, x, bias).float()
+        got = kind.apply(layer, x, bias).float()
+    if got.shape != want.shape or not bool(torch.isfinite(got).all()):
+        return False
+    tol = AGREEMENT_RTOL * float(want.abs().max()) + 1e-3
+    return float((got - want).abs().max()) <= tol
+
+
 def _operands(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layer.input_perm is not None:  # act-order: columns sorted by group
         x = x.index_select(-1, layer.input_perm)

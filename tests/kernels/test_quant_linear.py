@@ -87,6 +87,34 @@ def test_candidates_fit_the_group_and_the_split() -> None:
     assert quant_gemv_candidates(128, 4096)
 
 
+# The tiny test model's quantized shapes (N, K): qkv, o, gate/up and down projections.
+TINY_SHAPES = [(128, 64), (64, 128)]
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("group", [32, -1])
+@pytest.mark.parametrize(("n", "k"), TINY_SHAPES)
+def test_every_candidate_config_matches_reference_for_8_bits(
+    n: int, k: int, group: int, sym: bool
+) -> None:
+    """Every config the start-up tuner may plan, for 8-bit weights at the tiny model's
+    shapes, at a partial row tile (7 rows, as a 7-token prefill) and past one (17)."""
+    gs = k if group == -1 else group
+    _, qweight, scales, zeros = _case(n, k, 8, gs, torch.float16, seed=1)
+    if sym:
+        zeros = torch.full_like(zeros, 128)
+    for rows in (1, 7, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).half()
+        want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), 8, gs)
+        tol = 1e-2 * float(want.abs().max())
+        for cfg in quant_gemm_candidates(gs, k):
+            got = quant_gemm(x, qweight, scales, zeros, 8, gs, None, cfg).float()
+            assert torch.isfinite(got).all() and float((got - want).abs().max()) <= tol, cfg
+        for gcfg in quant_gemv_candidates(gs, k) if rows <= 16 else []:
+            got = quant_gemv(x, qweight, scales, zeros, 8, gs, None, gcfg).float()
+            assert torch.isfinite(got).all() and float((got - want).abs().max()) <= tol, gcfg
+
+
 LLAMA_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
 
 

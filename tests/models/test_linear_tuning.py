@@ -239,7 +239,7 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     it give a three-entry plan; RMSNorm inputs keep their declared transform."""
     from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
 
-    def fake_times(kinds, x, pairs, reps):  # type: ignore[no-untyped-def]
+    def fake_times(kinds, x, pairs, reps, low_rows=1):  # type: ignore[no-untyped-def]
         rows = x.shape[0]
 
         def ms(kind: object) -> float:

@@ -4,6 +4,7 @@ zero-point or packing convention is far off; broken checkpoints fail before use.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ SCHEMES = [
     Scheme("gptq", 4, 32),
     Scheme("gptq", 4, 64, sym=True),
     Scheme("gptq", 8, 32),
+    Scheme("gptq", 8, 32, sym=True),
     Scheme("gptq", 8, -1, sym=True),
     Scheme("gptq", 4, 32, desc_act=True),
     Scheme("awq", 4, 32),
@@ -177,6 +179,11 @@ def test_layers_hold_only_the_packed_layout_after_loading(quantized: Make) -> No
     assert model.lm_head.weight.dtype == torch.float32  # embeddings and LM head stay dense
 
 
+# A GPU greedy token is right if HF's fp32 logit for it is within this fraction of the
+# largest logit of HF's top one: bf16 activations round at about 2^-8 relative per step.
+BF16_LOGIT_MARGIN = 0.03
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -188,16 +195,37 @@ def test_layers_hold_only_the_packed_layout_after_loading(quantized: Make) -> No
 )  # fmt: skip
 def test_gpu_engine_serves_each_format(quantized: Make, scheme: Scheme) -> None:
     """bf16 on the GPU, tuned plans and CUDA graphs: the first greedy token of each prompt
-    equals HF's on the dequantized weights (bf16 rounding differs after that), and every
+    is HF's on the dequantized weights (fp32), or a token whose HF logit is within bf16's
+    rounding of the top one (the tiny random model has near-ties: in gptq-8b-g32-sym the
+    7-token prompt's top two logits are 0.019 apart, which bf16 may swap), and every
     linear layer runs a quantized kind."""
     qdir, oracle = quantized(scheme)
-    llm = LLM(str(qdir), dtype="bfloat16", device="cuda", max_num_seqs=4)
     prompts = [[5, 9, 33, 2, 7, 100, 3], list(range(40, 80)), [17, 18]]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    ref = hf_greedy(oracle, prompts, 4)
-    assert [o.outputs[0].token_ids[0] for o in outs] == [r[0] for r in ref]
-    model = llm.llm_engine.runner.model
-    kinds = {e.kind.name for m in model.modules() if getattr(m, "quant_config", None)
-             for e in m.plan.entries}  # fmt: skip
+    firsts, kinds = _serve_on_gpu(qdir, prompts)
+    for prompt, token in zip(prompts, firsts, strict=True):
+        logits = hf_logits(oracle, prompt)[-1]
+        margin = BF16_LOGIT_MARGIN * float(logits.abs().max())
+        assert float(logits[token]) >= float(logits.max()) - margin, (
+            f"token {token} (HF logit {float(logits[token]):.4f}) vs HF's "
+            f"{int(logits.argmax())} ({float(logits.max()):.4f})"
+        )
     assert kinds and all(k.startswith(("quantized", "dequantize")) for k in kinds)
+
+
+def _serve_on_gpu(qdir: Path, prompts: list[list[int]]) -> tuple[list[int], set[str]]:
+    """The first greedy token per prompt and the kinds the quantized layers plan; the engine
+    is freed before returning, even on an error, so a failing case leaves the GPU memory
+    to the next one (a traceback would otherwise keep the engine alive)."""
+    llm = LLM(str(qdir), dtype="bfloat16", device="cuda", max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        firsts = [o.outputs[0].token_ids[0] for o in outs]
+        kinds = {e.kind.name for m in llm.llm_engine.runner.model.modules()
+                 if getattr(m, "quant_config", None) for e in m.plan.entries}  # fmt: skip
+        return firsts, kinds
+    finally:
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
