@@ -50,6 +50,17 @@ class RequestResult:
     output_tokens: int = 0
     error: str = ""
 
+    def add_tokens(self, n: int, now: float, sent: float, last: float) -> float:
+        """Account `n` tokens arriving together at `now`; returns the new last-arrival time.
+        The first arrival sets TTFT; a merged delta's gap is spread over its tokens."""
+        if self.output_tokens == 0:
+            self.ttft = now - sent
+            self.itls.extend([0.0] * (n - 1))
+        else:
+            self.itls.extend([(now - last) / n] * n)
+        self.output_tokens += n
+        return now
+
 
 def make_requests(n: int, input_len: int, output_len: int, jitter: float, vocab: int,
                   seed: int, content_seed: int = 0) -> list[BenchRequest]:
@@ -102,19 +113,8 @@ async def _drive(url: str, api_key: str | None, requests: list[BenchRequest],
                 prompt_token_ids=req.prompt_token_ids, max_tokens=req.output_len,
                 temperature=0.0, ignore_eos=True,
             ):
-                now = clock()
-                n = len(chunk.token_ids)
-                if n:
-                    if res.output_tokens == 0:
-                        res.ttft = now - sent
-                        n_gap = n - 1
-                    else:
-                        # A merged delta carries several tokens: spread its gap over them.
-                        res.itls.extend([(now - last) / n] * n)
-                        n_gap = 0
-                    res.itls.extend([0.0] * n_gap)
-                    res.output_tokens += n
-                    last = now
+                if chunk.token_ids:
+                    last = res.add_tokens(len(chunk.token_ids), clock(), sent, last)
             res.e2e = clock() - sent
             res.ok = True
         except Exception as exc:  # reported per request in the summary
@@ -172,18 +172,9 @@ async def _drive_openai(url: str, api_key: str | None, requests: list[BenchReque
                         raise RuntimeError(chunk["error"].get("message"))
                     if not chunk["choices"]:
                         continue  # the closing usage chunk
-                    now = clock()
                     n = chunk["usage"]["completion_tokens"] - res.output_tokens
-                    if n <= 0:
-                        continue
-                    if res.output_tokens == 0:
-                        res.ttft = now - sent
-                        res.itls.extend([0.0] * (n - 1))
-                    else:
-                        # A merged chunk carries several tokens: spread its gap over them.
-                        res.itls.extend([(now - last) / n] * n)
-                    res.output_tokens += n
-                    last = now
+                    if n > 0:
+                        last = res.add_tokens(n, clock(), sent, last)
             res.e2e = clock() - sent
             res.ok = True
         except Exception as exc:  # reported per request in the summary
