@@ -89,10 +89,7 @@ class ServerConfig:
     log_prompts: bool = False
 
     def validate(self) -> None:
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(
-                f"refusing to bind non-loopback host {self.host!r} without an API key "
-                "(set --api-key or ASYNCENGINE_API_KEY)")
+        require_key_off_loopback(self.host, self.api_key)
         for name in ("max_size", "max_requests_per_connection", "max_pending_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -121,6 +118,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def require_key_off_loopback(host: str, api_key: str | None) -> None:
+    """Every front end refuses to listen beyond this machine without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"refusing to bind non-loopback host {host!r} without an API key "
+            "(set --api-key or ASYNCENGINE_API_KEY)")
 
 
 @dataclasses.dataclass(slots=True)

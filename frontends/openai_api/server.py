@@ -24,7 +24,7 @@ from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.stat_loggers import PrometheusStatLogger
 from frontends.listening import ListeningAddress
 from frontends.openai_api.app import OpenAIApp
-from frontends.server import is_loopback
+from frontends.server import require_key_off_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ class OpenAIConfig:
     log_prompts: bool = False
 
     def validate(self) -> None:
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(
-                f"refusing to bind non-loopback host {self.host!r} without an API key "
-                "(set --api-key or ASYNCENGINE_API_KEY)")
+        require_key_off_loopback(self.host, self.api_key)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_size < 1:
