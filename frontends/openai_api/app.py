@@ -275,11 +275,7 @@ class OpenAIApp:
         except RequestError as exc:
             raise ApiError.from_request_error(
                 exc, req.param_name(exc.field) if req is not None else exc.field) from None
-        if req.stream:
-            return EventStreamResponse(self._events(mapper, submitted, req.include_usage,
-                                                    req.continuous_usage))
-        await self._until_disconnect(request, self._collect(mapper, submitted))
-        return json_response(mapper.final())
+        return await self._reply(request, req, mapper, submitted)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -297,6 +293,12 @@ class OpenAIApp:
         except RequestError as exc:
             raise ApiError.from_request_error(
                 exc, req.param_name(exc.field) if req is not None else exc.field) from None
+        return await self._reply(request, req, mapper, submitted)
+
+    async def _reply(self, request: Request,
+                     req: schemas.CompletionRequest | schemas.ChatCompletionRequest,
+                     mapper: CompletionMapper | ChatMapper, submitted: _Submitted) -> Response:
+        """Stream the submitted requests' chunks, or wait for them and answer once."""
         if req.stream:
             return EventStreamResponse(self._events(mapper, submitted, req.include_usage,
                                                     req.continuous_usage))
