@@ -404,7 +404,7 @@ def rms_norm_gemv(
     return y, res_out if res_out is not None else x
 
 
-def _graph_time_ms(
+def graph_time_ms(
     call: Callable[[torch.Tensor, torch.Tensor | None], object],
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]],
     reps: int,
@@ -498,7 +498,7 @@ def tune_gemv(
                 lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c, glu=glu),
             ))  # fmt: skip
     with torch.inference_mode():
-        timings = {"blas": _graph_time_ms(library, pairs, reps)}
+        timings = {"blas": graph_time_ms(library, pairs, reps)}
         want = library(*pairs[0]).float()
         tol = 0.02 * float(want.abs().max()) + 1e-3
         best: tuple[str, GemvConfig, bool] | None = None
@@ -507,7 +507,7 @@ def tune_gemv(
                 # A config must agree with the library before its speed counts.
                 if float((call(*pairs[0]).float() - want).abs().max()) > tol:
                     continue
-                timings[name] = _graph_time_ms(call, pairs, reps)
+                timings[name] = graph_time_ms(call, pairs, reps)
             except Exception:  # a config this GPU cannot run (resources): skip it
                 continue
             # A 2 % margin: a tie within timing noise keeps the library.

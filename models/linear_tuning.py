@@ -29,7 +29,7 @@ from kernels.cpu_linear import (
     pack_weight,
     time_packed_against_blas,
 )
-from kernels.gemv import GemvChoice, GemvConfig, _graph_time_ms, tune_gemv
+from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
 from kernels.quant_linear import quant_gemm_candidates, quant_gemv_candidates
 from models.layers import LinearBase, RowParallelLinear
 from models.matmul_plan import (
@@ -234,7 +234,7 @@ def _time_kinds(
                 return kind.apply(m, x, b)
 
             with torch.inference_mode():
-                times[kind.describe()] = _graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
+                times[kind.describe()] = graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
         except Exception:  # a config this GPU cannot run (resources): skip it
             continue
     return times
