@@ -23,11 +23,15 @@ only. The layer takes this path only where the rotary table covers the whole hea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention import decode_gather_index, decode_rows_attention
+
+if TYPE_CHECKING:
+    from models.forward_context import AttentionMetadata
 
 __all__ = ["CpuStepIndex", "cpu_attention_step", "step_index"]
 
@@ -115,18 +119,16 @@ class CpuStepIndex:
         return rot
 
 
-def step_index(meta: object, positions: torch.Tensor, block_size: int) -> CpuStepIndex:
+def step_index(meta: AttentionMetadata, positions: torch.Tensor,
+               block_size: int) -> CpuStepIndex:  # fmt: skip
     """The step's `CpuStepIndex`, built by the first layer that asks and kept on `meta`
-    (an `AttentionMetadata`, which a new step replaces)."""
-    index = getattr(meta, "cpu_step_index", None)
-    if index is None:
-        index = CpuStepIndex(
-            positions, meta.slot_mapping, meta.query_start_loc,  # type: ignore[attr-defined]
-            meta.seq_lens, meta.block_tables, block_size,  # type: ignore[attr-defined]
-            meta.decode_only, meta.max_seq_len,  # type: ignore[attr-defined]
+    (which a new step replaces)."""
+    if meta.cpu_step_index is None:
+        meta.cpu_step_index = CpuStepIndex(
+            positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, block_size, meta.decode_only, meta.max_seq_len,
         )  # fmt: skip
-        meta.cpu_step_index = index  # type: ignore[attr-defined]
-    return index
+    return meta.cpu_step_index
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:

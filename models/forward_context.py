@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_attention import CpuStepIndex
 from kernels.paged_attention import DecodePlan
 
 
@@ -33,6 +34,9 @@ class AttentionMetadata:
     # How a decode-only step runs attention, decided once per step by the model runner;
     # None (or a step with prefill) runs without split-KV and with the separate rotary.
     decode_plan: DecodePlan | None = None
+    # CPU only: what every layer of the step needs from this metadata, derived by the first
+    # layer that asks (`kernels.cpu_attention.step_index`) and shared by the rest.
+    cpu_step_index: CpuStepIndex | None = field(default=None, repr=False, compare=False)
 
 
 class _State(threading.local):
