@@ -418,8 +418,7 @@ class LLMEngine:
                 logger.exception("postprocessing failed for request %s", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
-            key = id(req.parent) if req.parent is not None else id(req)
-            touched.setdefault(key, []).append(req)
+            touched.setdefault(id(req.siblings[0]), []).append(req)
         outputs: list[RequestOutput] = []
         for seqs in touched.values():
             out = self._make_output(seqs)
@@ -438,14 +437,13 @@ class LLMEngine:
         seen: set[int] = set()
         for r in requests:
             # A parallel request fails whole: its other sequences are aborted too.
-            key = id(r.parent) if r.parent is not None else id(r)
+            key = id(r.siblings[0])
             if key in seen:
                 continue
             seen.add(key)
             ids.append(r.request_id)
             arrivals.append(r.arrival_time)
-            seqs = r.parent.seqs if r.parent is not None else [r]
-            live = [s for s in seqs if not s.is_finished]
+            live = [s for s in r.siblings if not s.is_finished]
             for s in live:
                 self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
             if live:

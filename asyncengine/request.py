@@ -81,6 +81,12 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
+    def siblings(self) -> list[Request]:
+        """Every sequence of this request, this one included, in index order (itself alone
+        unless it samples n > 1)."""
+        return self.parent.seqs if self.parent is not None else [self]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

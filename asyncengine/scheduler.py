@@ -93,8 +93,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return []
-        seqs = req.parent.seqs if req.parent is not None else [req]
-        return [s for s in seqs if not s.is_finished]
+        return [s for s in req.siblings if not s.is_finished]
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a sequence from every queue and free its blocks at once."""
@@ -338,5 +337,5 @@ class Scheduler:
         assert len({id(r) for r in seqs}) == len(seqs), "a sequence is queued twice"
         assert {r.request_id for r in seqs} == set(self.requests), "a request is lost"
         for req in seqs:
-            first = req.parent.seqs[0] if req.parent is not None else req
+            first = req.siblings[0]
             assert self.requests[req.request_id] is first, f"{req.request_id} is mapped wrongly"
