@@ -28,6 +28,7 @@ __all__ = [
     "QuantGemmConfig",
     "QuantGemvConfig",
     "dequantize_weight",
+    "gemv_counters",
     "pack_int_weight",
     "quant_gemm",
     "quant_gemm_candidates",
@@ -142,8 +143,9 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
     """GEMV blockings the start-up tuner times."""
     out = []
     for bn, bk, split, warps in [
-        (64, 128, 1, 4), (128, 64, 2, 4), (128, 128, 2, 4), (64, 128, 4, 4), (256, 64, 4, 8),
-        (128, 128, 4, 4), (64, 256, 8, 4), (128, 64, 8, 4),
+        (32, 128, 1, 4), (64, 128, 1, 4), (64, 128, 2, 4), (128, 128, 2, 4), (64, 128, 4, 4),
+        (128, 128, 4, 4), (128, 64, 8, 4), (256, 64, 4, 8), (64, 64, 8, 4), (128, 128, 8, 8),
+        (32, 256, 2, 4), (64, 256, 4, 4),
     ]:  # fmt: skip
         bk = min(bk, group_size)
         if group_size % bk == 0 and k % (bk * split) == 0 and not bk & (bk - 1):
@@ -214,45 +216,107 @@ def quant_gemm(
     return y
 
 
+# Integers below 2^23 OR'ed into this float's mantissa read back as 2^23 + q: unpacking with
+# integer ops and one subtraction instead of a slower int-to-float conversion per value.
+_MAGIC_BITS = 0x4B000000
+_MAGIC = 8388608.0
+
+
 @triton.jit
 def _quant_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, part_ptr, M, N, K, stride_xm, K_PER_SPLIT,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    stride_ym, K_PER_SPLIT, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PACK
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_W)
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Products stay a [words, columns] tile until the end: no reduction across threads in
+    # the loop, only one per program.
+    acc = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
+    x_row = x_ptr + row * stride_xm
     k_start = pid_k * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs_k).to(tl.float32)
-        w, s = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
-                             GROUP_SIZE, BITS)  # fmt: skip
-        acc += tl.sum(x[:, None] * w, axis=0) * s
-    tl.store(part_ptr + (pid_k * M + row) * N + offs_n, acc, mask=n_mask)
+        words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :],
+                        mask=n_mask[None, :], other=0)  # fmt: skip
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
+        part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(PACK):
+            # Word w holds input rows k0 + w * PACK + i, value i at bit i * BITS.
+            bits = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
+            q = bits.to(tl.float32, bitcast=True) - biased_zero[None, :]
+            xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
+            part += q * xi[:, None]
+        acc += part * s[None, :]  # the tile lies inside one group: one scale per column
+    y = tl.sum(acc, axis=0)
+    if SPLIT_K == 1:
+        _store_gemv_row(y, b_ptr, y_ptr + row * stride_ym, offs_n, n_mask, HAS_BIAS)
+    else:
+        # Each split stores its partial sums; the last of an output block's splits to arrive
+        # (counted with one atomic per program) adds them and writes the output, so no
+        # second kernel runs. It resets the counter for the next call and graph replay.
+        tl.store(part_ptr + (pid_k * M + row) * N + offs_n, y, mask=n_mask)
+        tl.debug_barrier()
+        counter = count_ptr + row * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.debug_barrier()
+            splits = tl.arange(0, SPLIT_K)
+            parts = tl.load(part_ptr + (splits[:, None] * M + row) * N + offs_n[None, :],
+                            mask=n_mask[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+            tl.atomic_xchg(counter, 0)
+            _store_gemv_row(tl.sum(parts, axis=0), b_ptr, y_ptr + row * stride_ym, offs_n,
+                            n_mask, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _store_gemv_row(y, b_ptr, y_row, offs_n, n_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=n_mask)
+
+
+def gemv_counters(rows: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed split-K arrival counters for `quant_gemv` on up to `rows` rows and N = n (every
+    block size the tuner tries); the kernel leaves them zeroed, so a layer allocates them
+    once and every call and graph replay reuses them."""
+    return torch.zeros(rows * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
 def quant_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None = None,
-    config: QuantGemvConfig = QuantGemvConfig(),
+    config: QuantGemvConfig = QuantGemvConfig(), counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`quant_matmul_ref` for a few rows: each program reads one output block's weights
-    once per row and K split (later rows find them in L2); the splits' fp32 partial sums
-    are added after."""
+    once per row and K split (later rows find them in L2), dequantization fused; with K
+    splits, the last split of a block adds the others' fp32 partial sums. `counters`: from
+    `gemv_counters` (default: fresh ones)."""
     block_k = min(config.block_k, group_size)
     m, n, k = _check(x, qweight, bits, group_size, block_k)
-    if k % (block_k * config.split_k):
+    split = config.split_k
+    if k % (block_k * split):
         raise ValueError(f"K={k} is not a multiple of BLOCK_K * split_k")
-    part = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, config.block_n), config.split_k, m)
-    _quant_gemv_kernel[grid](
-        x, qweight, scales, zeros, part, m, n, k, x.stride(0), k // config.split_k,
-        GROUP_SIZE=group_size, BITS=bits, BLOCK_N=config.block_n, BLOCK_K=block_k,
+    if split & (split - 1):
+        raise ValueError(f"split_k={split} must be a power of two")
+    blocks = triton.cdiv(n, config.block_n)
+    if counters is None:
+        counters = gemv_counters(m, n, x.device)
+    elif counters.numel() < m * blocks:
+        raise ValueError(f"{counters.numel()} split-K counters; {m} rows need {m * blocks}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32,
+                       device=x.device)  # fmt: skip
+    _quant_gemv_kernel[(blocks, split, m)](
+        x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
+        x.stride(0), y.stride(0), k // split, GROUP_SIZE=group_size, BITS=bits,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    y = part.sum(0) if config.split_k > 1 else part[0]
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype)
+    return y

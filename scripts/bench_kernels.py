@@ -331,6 +331,7 @@ QUANT_ROWS = (1, 4, 16, 64, 512)
 def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) -> None:
     from kernels.quant_linear import (
         dequantize_weight,
+        gemv_counters,
         pack_int_weight,
         quant_gemm,
         quant_gemm_candidates,
@@ -366,9 +367,10 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) ->
                                                                       None, c)))  # fmt: skip
             emit("quant", {**case, "impl": str(cfg)}, ms, nbytes=nbytes, flops=2 * rows * n * k)
         if rows <= 16:
+            counters = gemv_counters(rows, n, "cuda")
             for gcfg in quant_gemv_candidates(group, k):
-                ms = bench(cycling(lambda w, s, z, x=x, c=gcfg: quant_gemv(x, w, s, z, bits,
-                                                                           group, None, c)))
+                ms = bench(cycling(lambda w, s, z, x=x, c=gcfg, cnt=counters: quant_gemv(
+                    x, w, s, z, bits, group, None, c, cnt)))
                 emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
 
 

@@ -65,7 +65,7 @@ elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate
 elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then L1/W1 per format
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py \
     tests/models/quantization 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
-  bench --workload l1 --system engine --quantization gptq-int4
+  bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
   bench --workload l1 --system engine --quantization gptq-int8
   bench --workload w1 --system engine --quantization gptq-int4
   bench --workload l1 --system engine --quantization awq-int4

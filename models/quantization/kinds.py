@@ -99,7 +99,8 @@ class QuantTritonGemv(MatmulKind):
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         bits, group = layer.quant_config.bits, layer.group_size
-        return quant_gemv(*_operands(layer, x), bits, group, bias, self.config)
+        return quant_gemv(*_operands(layer, x), bits, group, bias, self.config,
+                          layer.gemv_counters)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"

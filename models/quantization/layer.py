@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import QuantGemmConfig, pack_int_weight
+from kernels.quant_linear import QuantGemmConfig, gemv_counters, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
-from models.quantization.kinds import DequantMatmul, QuantTritonGemm
+from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, DequantMatmul, QuantTritonGemm
 
 # Rows up to which the GPU's plan before tuning runs the Triton GEMM.
 DEFAULT_GEMM_MAX_ROWS = 64
@@ -91,6 +91,9 @@ def process_quantized_linear(layer: nn.Module) -> None:
         del layer.weight_perm
     layer.weight = None
     del layer.weight_scale, layer.weight_zero
+    # The GEMV's split-K arrival counters: allocated once, outside any CUDA graph capture.
+    layer.register_buffer("gemv_counters", gemv_counters(
+        QUANT_GEMV_MAX_ROWS, layer.qweight.shape[1], layer.qweight.device), False)
     declared = layer.input_transform
     if layer.qweight.is_cuda:
         # Large batches dequantize into a temporary weight; planning it from the start makes
