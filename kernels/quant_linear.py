@@ -153,6 +153,12 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
     return list(dict.fromkeys(out))
 
 
+# Integers below 2^23 OR'ed into this float's mantissa read back as 2^23 + q: unpacking with
+# integer ops and one subtraction instead of a slower int-to-float conversion per value.
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)
+
+
 @triton.jit
 def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
                   GROUP_SIZE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
@@ -169,7 +175,8 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
     g = k0 // GROUP_SIZE
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    return q.to(tl.float32) - z[None, :], s
+    q = (q | _MAGIC_BITS).to(tl.float32, bitcast=True)
+    return q - (z + _MAGIC)[None, :], s
 
 
 @triton.jit
@@ -214,12 +221,6 @@ def quant_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
-
-
-# Integers below 2^23 OR'ed into this float's mantissa read back as 2^23 + q: unpacking with
-# integer ops and one subtraction instead of a slower int-to-float conversion per value.
-_MAGIC_BITS = 0x4B000000
-_MAGIC = 8388608.0
 
 
 @triton.jit

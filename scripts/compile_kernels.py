@@ -42,6 +42,7 @@ POINTER_TYPES = {
     "cos_sin_ptr": "*fp32",
     "qw_ptr": "*i32",
     "part_ptr": "*fp32",
+    "count_ptr": "*i32",
 }
 FLOAT_SCALARS = {"eps", "scale_log2"}
 
@@ -92,9 +93,11 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=4096, BITS=8, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), 4, 4),
     ("kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=128, BITS=4, BLOCK_N=128, BLOCK_K=128), 4, 3),
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, BLOCK_N=128, BLOCK_K=128), 4, 3),
     ("kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=32, BITS=8, BLOCK_N=64, BLOCK_K=32), 4, 3),
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=True, SPLIT_K=8, BLOCK_N=64, BLOCK_K=64), 4, 3),
+    ("kernels.quant_linear", "_quant_gemv_kernel",
+     dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=False, SPLIT_K=4, BLOCK_N=64, BLOCK_K=32), 4, 3),
     ("kernels.rms_norm", "_rms_norm_kernel",
      dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",

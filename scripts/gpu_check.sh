@@ -6,7 +6,8 @@
 #                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
 #   bash scripts/gpu_check.sh nsample      # engine GPU tests; W1 prompts with n = 8 against 8x requests
-#   bash scripts/gpu_check.sh quant        # quantized kernels and formats on the GPU; L1/W1 per format
+#   bash scripts/gpu_check.sh quant [quick] # quantized kernels and formats on the GPU; L1/W1 per
+#                                          # format (quick: L1 GPTQ int4/int8 only)
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -67,8 +68,10 @@ elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then
     tests/models/quantization 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
   bench --workload l1 --system engine --quantization gptq-int8
-  bench --workload w1 --system engine --quantization gptq-int4
-  bench --workload l1 --system engine --quantization awq-int4
+  if [ "${2:-}" != quick ]; then
+    bench --workload w1 --system engine --quantization gptq-int4
+    bench --workload l1 --system engine --quantization awq-int4
+  fi
   python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" \
     | tail -n 8
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
