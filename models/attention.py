@@ -40,6 +40,15 @@ KV_SCALE_NAMES = {
 }
 
 
+def kv_scale_target(hf_name: str) -> tuple[str, str] | None:
+    """For a checkpoint's KV-cache scale (`model.layers.N.self_attn.k_scale`, ...): the
+    attention module holding it (`model.layers.N.self_attn`) and "k_scale" or "v_scale";
+    None for any other tensor."""
+    head, sep, tail = hf_name.partition(".self_attn.")
+    which = KV_SCALE_NAMES.get(tail) if sep else None
+    return None if which is None else (head + ".self_attn", which)
+
+
 class Attention(nn.Module):
     """Attention over the paged KV cache bound by the model runner (`k_cache`, `v_cache`)."""
 
