@@ -20,7 +20,9 @@ model with a 16-bit cache). `--kv-scales` picks the K/V scales of those rows, on
 `one` (1.0, vLLM's default; a checkpoint's own k_scale/v_scale where it has them), `tensor`
 (per layer, amax / 448 over a calibration window) or `head` (the same per KV head). The
 calibration window is the first `--window` tokens of the text, run through the model with a
-16-bit cache.
+16-bit cache. `--save-kv-scales DIR` writes a copy of the 16-bit model with its per-head
+calibrated scales as vLLM-style `model.layers.N.self_attn.k_scale` / `v_scale` tensors, which
+the engine loads (`kv_cache_dtype="fp8"` then uses them instead of 1.0).
 """
 
 from __future__ import annotations
@@ -107,6 +109,28 @@ def kv_scales_for(
     if mode == "one":
         return None
     return calibrate_kv_scales(model, calibration, per_head=mode == "head")
+
+
+def save_kv_scales(base: Path, out: Path, scales: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> None:  # fmt: skip
+    """A copy of the model directory `base` plus kv_scales.safetensors holding each layer's
+    K and V scales under vLLM's names (one value, or one per KV head)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.gguf"))
+    if (out / "model.safetensors.index.json").exists():
+        raise ValueError("sharded checkpoints (an index) are not handled here")
+    tensors = {}
+    for i, (k_scale, v_scale) in enumerate(scales):
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            same = bool((t == t[0]).all())
+            tensors[f"model.layers.{i}.self_attn.{name}"] = t[:1].reshape(()) if same else t
+    save_file({k: v.clone().contiguous() for k, v in tensors.items()},
+              str(out / "kv_scales.safetensors"))  # fmt: skip
 
 
 def perplexity(
@@ -213,6 +237,8 @@ def main() -> None:
                     help="also evaluate every model with its KV cache in e4m3")
     ap.add_argument("--kv-scales", default="one",
                     help=f"comma-separated FP8 KV scale modes, of {', '.join(KV_SCALE_MODES)}")
+    ap.add_argument("--save-kv-scales", type=Path, metavar="DIR",
+                    help="write the 16-bit model with per-head calibrated KV scales to DIR")
     args = ap.parse_args()
     scale_modes = args.kv_scales.split(",")
     if any(m not in KV_SCALE_MODES for m in scale_modes):
@@ -229,6 +255,15 @@ def main() -> None:
         models.update(rtn_checkpoints(args.base, args.rtn.split(","), args.out))
     tokens = eval_tokens(args.base)
     prompts = prompts_from(tokens)
+    if args.save_kv_scales:
+        from models.config import ModelConfig
+        from models.loader import load_model
+
+        model = load_model(args.base, ModelConfig.from_dir(args.base), dtype=torch.float32,
+                           device=torch.device("cpu"))  # fmt: skip
+        scales = calibrate_kv_scales(model, tokens[: args.window], per_head=True)
+        save_kv_scales(args.base, args.save_kv_scales, scales)
+        models[f"16-bit, scales saved in {args.save_kv_scales.name}"] = args.save_kv_scales
     rows = []
     base_ppl, base_out = None, None
     runs = []
