@@ -199,16 +199,16 @@ def test_dispatcher_hands_the_split_count_to_triton_only(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(pa, "paged_attention_triton", fake_triton)
     monkeypatch.setattr(pa, "paged_attention_ref", fake_ref)
+    scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2)}  # both paths get them
+    hints = {"decode_only": True, "max_seq_len": 48, "num_segments": 4, **scales}
     monkeypatch.setattr(pa, "use_triton", lambda _: True)
-    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
-        "triton"
-    )
+    assert paged_attention(*batch.args(), **hints) == "triton"  # type: ignore[arg-type]
     monkeypatch.setattr(pa, "use_triton", lambda _: False)
-    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
-        "ref"
-    )
-    assert seen["triton"] == {"max_query_len": None, "decode_only": True, "num_segments": 4}
-    assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48}
+    assert paged_attention(*batch.args(), **hints) == "ref"  # type: ignore[arg-type]
+    assert seen["triton"] == {
+        "max_query_len": None, "decode_only": True, "num_segments": 4, **scales
+    }
+    assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48, **scales}
 
 
 def test_triton_tile_overrides_keep_the_result() -> None:
