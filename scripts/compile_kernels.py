@@ -136,7 +136,11 @@ def compile_variant(
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), kernel)
-    params = list(inspect.signature(fn.fn).parameters)
+    sig = inspect.signature(fn.fn).parameters
+    params = list(sig)
+    # Constexprs a variant leaves out take their defaults, as in a launch that omits them.
+    defaults = {p: v.default for p, v in sig.items() if v.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {})}
     for p in params:
