@@ -44,8 +44,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None
-    # "fp8" / "fp8_e4m3": the KV cache stores e4m3 with per-layer K and V scales (from the
-    # checkpoint's k_scale / v_scale, else 1.0), halving its bytes per token.
+    # "fp8" / "fp8_e4m3": the KV cache stores e4m3 with K and V scales per layer or per KV
+    # head (the checkpoint's k_scale / v_scale, else 1.0), halving its bytes per token.
     kv_cache_dtype: KVCacheDtype = "auto"
     skip_tokenizer_init: bool = False
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
