@@ -11,6 +11,9 @@ from models.quantization.config import QUANT_METHODS
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+# vLLM's values: "auto" stores K/V in the model dtype; "fp8" means e4m3.
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -41,6 +44,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None
+    # "fp8" / "fp8_e4m3": the KV cache stores e4m3 with K and V scales per layer or per KV
+    # head (the checkpoint's k_scale / v_scale, else 1.0), halving its bytes per token.
+    kv_cache_dtype: KVCacheDtype = "auto"
     skip_tokenizer_init: bool = False
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
@@ -82,6 +88,8 @@ class EngineArgs:
             fail("load_format", "must be one of auto, safetensors, gguf, dummy")
         if self.quantization not in (None, "none", *QUANT_METHODS):
             fail("quantization", f"must be one of none, {', '.join(QUANT_METHODS)}")
+        if self.kv_cache_dtype not in ("auto", *_KV_CACHE_DTYPES):
+            fail("kv_cache_dtype", "must be one of auto, fp8, fp8_e4m3")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -98,3 +106,19 @@ class EngineArgs:
         if config_dtype in (torch.float16, torch.bfloat16):
             return config_dtype
         return torch.bfloat16
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The KV cache's element type. FP8 needs a GPU with e4m3 support (compute capability
+        8.9 or newer); anywhere else on CUDA it is refused, never silently replaced."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9):
+                name = torch.cuda.get_device_name(device)
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU with FP8 (e4m3) "
+                    f"support, compute capability 8.9 or newer (Ada, Hopper); {name} has "
+                    f"{cap[0]}.{cap[1]}. Use kv_cache_dtype='auto'."
+                )
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype]

@@ -25,7 +25,13 @@ from asyncengine.request import ParentRequest, Request, RequestStatus
 from asyncengine.request_check import QueueState, RequestLimits, check_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.scheduler import Scheduler, SchedulerOutput
-from asyncengine.stats_collect import RateMeter, block_map, decode_rate, device_stats
+from asyncengine.stats_collect import (
+    RateMeter,
+    block_map,
+    decode_rate,
+    device_stats,
+    kv_dtype_name,
+)
 from asyncengine.stats_schema import EngineStats, RequestStats
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
@@ -71,6 +77,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_config = cfg = ModelConfig.from_dir(model_dir, args.quantization)
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
+        self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
         torch.manual_seed(args.seed)
@@ -108,6 +115,7 @@ class LLMEngine:
             dtype=self.dtype,
             block_size=args.block_size,
             eos_token_ids=self.eos_token_ids,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         num_blocks = args.num_kv_blocks or self.runner.profile_num_blocks(
             args.gpu_memory_utilization, self.max_num_batched_tokens, args.cpu_kv_cache_gib
@@ -152,7 +160,7 @@ class LLMEngine:
         self.async_scheduling = wanted
         self._inflight: InflightStep | None = None
         logger.info(
-            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), "
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "max_model_len %d",
             time.monotonic() - t0,
             cfg.architecture,
@@ -160,6 +168,7 @@ class LLMEngine:
             self.dtype,
             num_blocks,
             args.block_size,
+            kv_dtype_name(self.runner.kv_cache_dtype),
             num_blocks * self.runner.block_bytes() / 2**30,
             self.max_model_len,
         )
@@ -577,6 +586,7 @@ class LLMEngine:
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_free_blocks,
             kv_block_size=pool.block_size,
+            kv_cache_dtype=kv_dtype_name(self.runner.kv_cache_dtype),
             kv_block_map=block_map(pool),
             prefix_cache_hit_rate=pool.prefix_hits / queries if queries else 0.0,
             prefix_cache_queries=queries,

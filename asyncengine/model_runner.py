@@ -158,7 +158,9 @@ def _plain_greedy(req: Request) -> bool:
 
 
 class KVCache:
-    """Per-layer K and V tensors laid out [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer K and V tensors laid out [num_blocks, block_size, num_kv_heads, head_dim], in
+    the model dtype or in e4m3 (`kv_cache_dtype="fp8"`: 1 byte per element, the scales live
+    on the attention layers)."""
 
     def __init__(
         self,
@@ -176,6 +178,11 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks = num_blocks
 
+    def raw(self) -> torch.Tensor:
+        """The data to move blocks with: float8 as its bytes (torch has no index_copy_ for
+        float8 on the CPU), other dtypes as they are."""
+        return self.data.view(torch.uint8) if self.data.element_size() == 1 else self.data
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
 
@@ -184,13 +191,15 @@ def copy_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> Non
     """Copy whole blocks (all layers, K and V) from src[i] to dst[j] for (i, j) in pairs."""
     if not pairs:
         return
+    if src.data.dtype != dst.data.dtype:
+        raise ValueError(f"cannot copy {src.data.dtype} KV blocks into a {dst.data.dtype} cache")
     src_ids = torch.tensor([p[0] for p in pairs], device=src.data.device)
     dst_ids = torch.tensor([p[1] for p in pairs], device=dst.data.device)
-    moved = src.data.index_select(2, src_ids)
+    moved = src.raw().index_select(2, src_ids)
     # To the GPU the copy may run behind the queue; to the CPU it must have landed before the
     # CPU-side index_copy_ reads it, so that direction blocks.
     moved = moved.to(dst.data.device, non_blocking=dst.data.device.type == "cuda")
-    dst.data.index_copy_(2, dst_ids, moved)
+    dst.raw().index_copy_(2, dst_ids, moved)
 
 
 class ModelRunner:
@@ -207,11 +216,14 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         eos_token_ids: set[int],
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.cfg = model_config
         self.device = device
         self.dtype = dtype
+        # The KV cache's element type: the model dtype, or e4m3 (`EngineArgs.kv_cache_dtype`).
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
@@ -230,7 +242,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         layers = self.cfg.num_hidden_layers
         return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -263,7 +275,7 @@ class ModelRunner:
         num_tokens = max(num_tokens, 1)
         dummy_k = torch.zeros(
             (1, self.block_size, self.num_kv_heads, self.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
         )
         for layer in self.model.attention_layers():  # type: ignore[operator]
@@ -282,7 +294,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         layers = self.cfg.num_hidden_layers
-        args = (self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        args = (self.block_size, self.num_kv_heads, self.head_dim, self.kv_cache_dtype)
         self.kv_cache = KVCache(layers, num_blocks, *args, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
             attn.k_cache, attn.v_cache = self.kv_cache.layer(i)

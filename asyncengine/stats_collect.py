@@ -1,6 +1,7 @@
 """What fills `EngineStats` snapshots: rolling windows, rate meters and device readings.
 
-`percentiles` is the one percentile rule every summary (engine, dashboard demo) uses.
+`percentiles` is the one percentile rule every summary (engine, dashboard demo) uses;
+`kv_dtype_name` is how a KV cache's element type is spelled in snapshots.
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ def block_map(pool: BlockPool) -> str:
     return "".join(
         max(cells[i : i + group], key=rank.__getitem__) for i in range(0, len(cells), group)
     )
+
+
+_KV_DTYPE_NAMES = {
+    "torch.float8_e4m3fn": "fp8_e4m3",
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+    "torch.float32": "float32",
+}
+
+
+def kv_dtype_name(dtype: object) -> str:
+    """The KV cache's element type as snapshots show it: vLLM's "fp8_e4m3" for e4m3, the
+    torch name otherwise (takes a torch.dtype; compared by name to keep torch unimported)."""
+    name = str(dtype)
+    return _KV_DTYPE_NAMES.get(name, name.removeprefix("torch."))
 
 
 def device_stats(device_type: str, device_index: int = 0) -> DeviceStats:

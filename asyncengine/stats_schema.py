@@ -66,6 +66,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     kv_block_size: int = 16
+    # The KV cache's element type: the model dtype ("bfloat16", ...) or "fp8_e4m3".
+    kv_cache_dtype: str = ""
     # One character per block (see BLOCK_*), downsampled to at most 4096 cells.
     kv_block_map: str = ""
     prefix_cache_hit_rate: float = 0.0

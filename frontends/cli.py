@@ -49,6 +49,8 @@ _ENGINE_HELP = {
     "quantization": "quantized weight format (default: what config.json says)",
     "skip_tokenizer_init": "no tokenizer: token-id prompts in, token ids out",
     "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
+    "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 "
+    "with per-layer K/V scales, half the bytes; CUDA needs compute capability 8.9+)",
 }
 
 

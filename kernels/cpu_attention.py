@@ -18,6 +18,10 @@ prefill layout. Per layer that leaves rotary of q and k together in four ops, tw
 Results equal the references (`rotary_and_write_kv_ref`, `paged_attention_ref`): the rotary
 products and sums are the same float operations, and attention differs by summation order
 only. The layer takes this path only where the rotary table covers the whole head.
+
+An FP8 cache stores e4m3 (`kernels.kv_cache_write.quantize_kv`) and attention runs in float32
+on the dequantized values; a fresh chunk attends over its own k and v quantized and
+dequantized the same way, so every path sees the keys the cache holds.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_cache_write import check_kv_scales, dequantize_kv, is_fp8_kv, quantize_kv
 from kernels.paged_attention import decode_gather_index, decode_rows_attention
 
 if TYPE_CHECKING:
@@ -166,7 +171,7 @@ def _fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def _cached_chunk(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-    seq_len: int, scale: float,
+    seq_len: int, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """A chunk over a cached prefix: the reference's gather and masked SDPA."""
     q_len, num_heads, head_dim = q.shape
@@ -176,8 +181,9 @@ def _cached_chunk(
     v = v_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
     key_pos = torch.arange(seq_len)
     mask = key_pos[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
+    k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
     o = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
     )  # fmt: skip
     return o.transpose(0, 1)
@@ -193,10 +199,15 @@ def cpu_attention_step(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k (with a table), write k and v into the caches, attend; q [T, Hq, D],
     k, v [T, Hkv, D] -> [T, Hq, D] in q.dtype. With a table, q and k must be adjacent heads
-    of one tensor (the fused QKV projection's output), which is rotated in one pass."""
+    of one tensor (the fused QKV projection's output), which is rotated in one pass. An FP8
+    cache takes `k_scale` and `v_scale` (float32 [Hkv])."""
+    check_kv_scales(k_cache, k_scale, v_scale)
+    fp8 = is_fp8_kv(k_cache)
     num_heads = q.shape[1]
     if cos_sin_cache is not None:
         rot = index.rotary(cos_sin_cache, q.dtype)
@@ -208,22 +219,42 @@ def cpu_attention_step(
         else:
             q, k = _rotate_qk(q, rot), _rotate_qk(k, rot)
     rows = index.write_rows
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        src = new if rows is None else new.index_select(0, rows)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, index.write_slots, src.to(cache.dtype))
+    if fp8:
+        assert k_scale is not None and v_scale is not None
+        # Quantized once: written to the cache (as bytes: CPU torch cannot index_copy_
+        # float8) and, dequantized, the k and v a fresh chunk attends over.
+        k8, v8 = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+        for cache, new in ((k_cache, k8), (v_cache, v8)):
+            src = new if rows is None else new.index_select(0, rows)
+            flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
+            flat.index_copy_(0, index.write_slots, src.view(torch.uint8))
+        if index.chunks:
+            k, v = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+    else:
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            src = new if rows is None else new.index_select(0, rows)
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, index.write_slots, src.to(cache.dtype))
+    scales = (k_scale, v_scale)
     if index.decode_only:
         if index.decode_gather is None:
             return torch.zeros_like(q)
-        return decode_rows_attention(q, k_cache, v_cache, *index.decode_gather, scale).to(q.dtype)
+        return decode_rows_attention(
+            q, k_cache, v_cache, *index.decode_gather, scale, *scales
+        ).to(q.dtype)
     out = torch.zeros(q.shape, dtype=torch.float32)
     if index.decode_gather is not None and index.decode_tokens is not None:
         tok = index.decode_tokens
-        out[tok] = decode_rows_attention(q[tok], k_cache, v_cache, *index.decode_gather, scale)
+        out[tok] = decode_rows_attention(
+            q[tok], k_cache, v_cache, *index.decode_gather, scale, *scales
+        )
     for b, start, q_len, seq_len, fresh in index.chunks:
         end = start + q_len
         if fresh:
             o = _fresh_causal(q[start:end], k[start:end], v[start:end], scale)
         else:
-            o = _cached_chunk(q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale)
+            o = _cached_chunk(
+                q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale, *scales
+            )
         out[start:end] = o
     return out.to(q.dtype)

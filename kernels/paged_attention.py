@@ -16,6 +16,12 @@ Three implementations share the signature:
   a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
   constants only, so the decode path can be captured in a CUDA graph.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
+
+An FP8 cache (e4m3, `kernels.kv_cache_write`) comes with K and V scales per KV head. The
+reference dequantizes what it gathers and computes in float32. The kernel loads the e4m3
+tiles and converts them to the query dtype (exact: every e4m3 value is a bf16/fp16 value);
+since a program owns one KV head, its K scale folds into the softmax scale and its V scale
+into the output, so the scales cost two scalar loads per program and nothing per key.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kernels._triton_utils import (
     use_pdl,
     use_triton,
 )
+from kernels.kv_cache_write import check_kv_scales, dequantize_kv, is_fp8_kv, quantize_fp8
 
 __all__ = [
     "DecodePlan",
@@ -95,8 +102,11 @@ def paged_attention_ref(
     max_query_len: int | None = None,
     decode_only: bool = False,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention in plain torch (fp32 math); returns [T, Hq, D] in q.dtype.
+    An FP8 cache is dequantized with `k_scale` / `v_scale` (float32 [Hkv]) as it is read.
 
     `decode_only` and `max_seq_len` are host hints, as on the Triton path: a caller passing
     `decode_only=True` vouches that every sequence has one query token, and `max_seq_len`
@@ -104,6 +114,7 @@ def paged_attention_ref(
     layer. Without them it finds both itself. `max_query_len` is accepted and ignored.
     """
     del max_query_len
+    check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -116,7 +127,9 @@ def paged_attention_ref(
         else:
             max_len = int(lens.max()) if num_tokens else 0
         if max_len > 0:
-            o = _decode_rows_ref(q, k_cache, v_cache, block_tables, lens, max_len, scale)
+            o = _decode_rows_ref(
+                q, k_cache, v_cache, block_tables, lens, max_len, scale, k_scale, v_scale
+            )
         else:
             o = torch.zeros(num_tokens, num_heads, head_dim, device=device)
         if out is None:
@@ -134,8 +147,9 @@ def paged_attention_ref(
         max_len = int(d_lens.max())
         if max_len > 0:
             result[tok] = _decode_rows_ref(
-                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale
-            )
+                q[tok], k_cache, v_cache, block_tables[decode_idx], d_lens, max_len, scale,
+                k_scale, v_scale,
+            )  # fmt: skip
 
     # Sequences with several query tokens (prefill chunks): one SDPA call each. The
     # metadata is read back once, not element by element.
@@ -148,7 +162,7 @@ def paged_attention_ref(
         blocks = block_tables[b, :num_blocks].to(torch.int64)
         k = k_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
         v = v_cache.flatten(1).index_select(0, blocks).view(-1, num_kv_heads, head_dim)
-        k, v = k[:seq_len].float(), v[:seq_len].float()
+        k, v = dequantize_kv(k[:seq_len], k_scale), dequantize_kv(v[:seq_len], v_scale)
         qs = q[start : start + q_len].float()
         key_pos = torch.arange(seq_len, device=device)
         query_pos = seq_len - q_len + torch.arange(q_len, device=device)
@@ -216,9 +230,12 @@ def decode_rows_attention(
     valid: torch.Tensor,
     live: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All single-token rows at once (`decode_gather_index`'s index): gather their blocks,
-    one masked attention call; returns [n, Hq, D] float32."""
+    one masked attention call; returns [n, Hq, D] float32. An FP8 cache is dequantized with
+    its scales."""
     n, head_dim = q.shape[0], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     padded = valid.shape[1]
@@ -226,7 +243,7 @@ def decode_rows_attention(
     # markedly cheaper on the CPU than advanced indexing of the 4-d cache.
     k = k_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
     v = v_cache.flatten(1).index_select(0, flat_ids).view(n, padded, num_kv_heads, head_dim)
-    k, v = k.float(), v.float()
+    k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
     qf = q.float()
     o = _masked_sdpa(qf, k, v, valid, scale)
     # Masked slots only matter when they hold NaN or inf (0 * NaN in P @ V): the engine's
@@ -254,10 +271,12 @@ def _decode_rows_ref(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All single-token rows at once: gather their blocks, one masked attention call."""
     index = decode_gather_index(block_tables, lens, max_len, k_cache.shape[1])
-    return decode_rows_attention(q, k_cache, v_cache, *index, scale)
+    return decode_rows_attention(q, k_cache, v_cache, *index, scale, k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,11 +409,14 @@ def _attend_tile(
     K_pre,
     V_pre,
     PRELOADED: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
     takes `k_new`/`v_new` from registers instead of the cache (this step's own token).
-    PRELOADED: the tile's K and V are `K_pre`/`V_pre`, loaded (masked) by the caller."""
+    PRELOADED: the tile's K and V are `K_pre`/`V_pre`, loaded (masked) by the caller.
+    KV_FP8: K and V arrive as e4m3 and are converted to Q's dtype; they stay in units of
+    their scales, which the caller folded into `scale_log2` and applies to the output."""
     offs_t = tile * TILE + tl.arange(0, TILE)
     if PRELOADED:
         K = K_pre
@@ -411,6 +433,8 @@ def _attend_tile(
         # the scores.
         if EARLY_V:
             V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
+    if KV_FP8:
+        K = K.to(Q.dtype)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
     S = _dot(Q, tl.trans(K), DOT_FP32=DOT_FP32, IEEE=IEEE) * scale_log2
@@ -426,6 +450,8 @@ def _attend_tile(
 
     if not PRELOADED and not EARLY_V:
         V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
+    if KV_FP8:
+        V = V.to(Q.dtype)
     if HAS_NEW:
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
     acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32=DOT_FP32, IEEE=IEEE)
@@ -446,6 +472,8 @@ def _paged_attention_kernel(
     seg_acc_ptr,
     seg_max_ptr,
     seg_sum_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     num_seqs,
     q_len_lo,
@@ -486,11 +514,16 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
+    if KV_FP8:
+        # Scores are q . (k_scale * code) = k_scale * (q . code): the K scale joins the
+        # softmax scale. The scales are step inputs, not written by the previous kernel.
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     if DECODE:
         # Every sequence has one query token, token b of sequence b: no search, and the
         # loads below do not wait on query_start_loc (a decode step is latency-bound).
@@ -584,7 +617,20 @@ def _paged_attention_kernel(
             )
             v_row = v_new_ptr + seq_idx.to(tl.int64) * stride_vnt + kv_head * stride_vnh
             v_new = tl.load(v_row + offs_d, mask=d_mask, other=0.0)
-            if slot >= 0:
+            if KV_FP8:
+                # Stored quantized, and used as stored (in units of the scales), so this
+                # token is attended to exactly as the later steps that read it back will.
+                k_code = quantize_fp8(k_new, tl.load(k_scale_ptr + kv_head))
+                v_code = quantize_fp8(v_new, tl.load(v_scale_ptr + kv_head))
+                k_new = k_code.to(q_ptr.dtype.element_ty)
+                v_new = v_code.to(q_ptr.dtype.element_ty)
+                if slot >= 0:
+                    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                    k_dst = k_base + blk * stride_kb + off * stride_ks + offs_d
+                    tl.store(k_dst, k_code, mask=d_mask)
+                    tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, v_code,
+                             mask=d_mask)  # fmt: skip
+            elif slot >= 0:
                 blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
                 tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_new, mask=d_mask)
                 tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, v_new, mask=d_mask)
@@ -602,7 +648,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=K_first, V_pre=V_first,
             MASKED=True, HAS_NEW=True, EARLY_V=True, PRELOADED=True,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE,
+            IEEE=IEEE, KV_FP8=KV_FP8,
         )  # fmt: skip
         first = tile_lo + 1
     for tile in range(first, tl.minimum(tile_hi, num_full)):
@@ -612,7 +658,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=False, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE,
+            IEEE=IEEE, KV_FP8=KV_FP8,
         )  # fmt: skip
     for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
@@ -621,9 +667,11 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=True, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE,
+            IEEE=IEEE, KV_FP8=KV_FP8,
         )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)  # P @ (v_scale * code) = v_scale * (P @ code)
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(L == 0.0, 1.0, L)[:, None]  # rows with no keys give zeros
         o_offs = tok[:, None] * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :]
@@ -789,8 +837,11 @@ def paged_attention_triton(
     pdl: bool = True,
     small_tiles: Mapping[str, int] | None = None,
     large_tiles: Mapping[str, int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention; same contract as `paged_attention_ref`.
+    """Triton paged attention; same contract as `paged_attention_ref` (an FP8 cache takes
+    `k_scale` / `v_scale`, float32 [Hkv] device tensors read by the kernel).
 
     Host hints (never read from device memory): `max_query_len` lets a batch of short queries
     skip the large-tile launch; T == B selects the decode path. `decode_only` promises one
@@ -811,13 +862,16 @@ def paged_attention_triton(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    check_kv_scales(k_cache, k_scale, v_scale)
+    kv_fp8 = is_fp8_kv(k_cache)
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     d_pad = max(16, next_power_of_2(head_dim))
-    elem = q.element_size()
+    # Tile shapes follow the bytes a K/V element takes (1 for an FP8 cache).
+    elem = k_cache.element_size()
     dot_fp32 = interpreter_enabled() and q.dtype == torch.bfloat16
     common = {
         "NUM_HEADS": num_heads,
@@ -827,7 +881,9 @@ def paged_attention_triton(
         "GROUP": group,
         "DOT_FP32": dot_fp32,
         "IEEE": q.dtype == torch.float32 or dot_fp32,
+        "KV_FP8": kv_fp8,
     }
+    scales = (k_scale, v_scale) if kv_fp8 else (q, q)  # unused unless KV_FP8
     pdl = pdl and use_pdl(q)
     if rotary is not None:
         if not decode_only:
@@ -856,7 +912,7 @@ def paged_attention_triton(
         grid = (rows, num_kv_heads, segments)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *seg_bufs,
-            scale_log2, num_seqs, lo, hi,
+            *scales, scale_log2, num_seqs, lo, hi,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -907,6 +963,8 @@ def paged_attention(
     decode_only: bool = False,
     max_seq_len: int | None = None,
     num_segments: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
 
@@ -915,14 +973,16 @@ def paged_attention(
     including this step's tokens, whose K/V are already in the cache). Returns [T, Hq, D] in
     q.dtype (written into `out` when given). Sequences with seq_len 0 give zeros.
     `max_seq_len` (the longest context) is a hint for the reference; `num_segments` is the
-    Triton decode path's split-KV count (the step's `DecodePlan.segments`).
+    Triton decode path's split-KV count (the step's `DecodePlan.segments`). An FP8 cache
+    (`torch.float8_e4m3fn`) needs `k_scale` and `v_scale`, float32 [Hkv].
     """
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if use_triton(q):
         return paged_attention_triton(
             *args, max_query_len=max_query_len, decode_only=decode_only,
-            num_segments=num_segments,
+            num_segments=num_segments, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return paged_attention_ref(
-        *args, max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len
-    )
+        *args, max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip

@@ -7,6 +7,11 @@ fuses rotary folds the rotary and the K/V write into the attention kernel itself
 
 On the CPU the layer runs `kernels.cpu_attention`, which works out what it needs from the
 step's metadata once per step (in the first layer) rather than once per layer.
+
+With an FP8 cache (`kv_cache_dtype="fp8"`) every op quantizes K and V as it writes them and
+dequantizes inside attention, with the layer's `k_scale` and `v_scale`: float32 buffers of one
+entry per KV head of this rank, 1.0 unless the checkpoint carries scales (`load_kv_scale`).
+They stay device tensors, so CUDA graphs read their values at replay.
 """
 
 from __future__ import annotations
@@ -23,6 +28,25 @@ from kernels import (
 from kernels.cpu_attention import cpu_attention_step, step_index
 from kernels.paged_attention import DecodePlan, DecodeRotary
 from models.forward_context import get_attention_metadata
+from models.parallel import get_tp_rank, get_tp_size
+
+# Checkpoint names of the KV-cache scales (vLLM's, then compressed-tensors') under a layer's
+# `self_attn.`, and which of the layer's scales each one fills.
+KV_SCALE_NAMES = {
+    "k_scale": "k_scale",
+    "v_scale": "v_scale",
+    "k_proj.output_scale": "k_scale",
+    "v_proj.output_scale": "v_scale",
+}
+
+
+def kv_scale_target(hf_name: str) -> tuple[str, str] | None:
+    """For a checkpoint's KV-cache scale (`model.layers.N.self_attn.k_scale`, ...): the
+    attention module holding it (`model.layers.N.self_attn`) and "k_scale" or "v_scale";
+    None for any other tensor."""
+    head, sep, tail = hf_name.partition(".self_attn.")
+    which = KV_SCALE_NAMES.get(tail) if sep else None
+    return None if which is None else (head + ".self_attn", which)
 
 
 class Attention(nn.Module):
@@ -34,6 +58,39 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        ones = torch.ones(num_kv_heads, dtype=torch.float32)
+        self.register_buffer("k_scale", ones, persistent=False)
+        self.register_buffer("v_scale", ones.clone(), persistent=False)
+
+    def load_kv_scale(self, which: str, loaded: torch.Tensor, total_kv_heads: int) -> None:
+        """Set `k_scale` or `v_scale` from a checkpoint tensor: one value (per tensor) or one
+        per KV head of the whole model ([total_kv_heads]; this rank keeps its heads)."""
+        target = getattr(self, which)
+        values = loaded.detach().float().flatten()
+        if values.numel() == 1:
+            target.fill_(float(values[0]))
+        elif values.numel() == total_kv_heads and loaded.dim() == 1:
+            target.copy_(self._rank_heads(values, total_kv_heads))
+        else:
+            raise ValueError(
+                f"{which} must hold one value or one per KV head ({total_kv_heads}), got "
+                f"shape {list(loaded.shape)}"
+            )
+        if not bool(torch.isfinite(target).all()) or bool((target <= 0).any()):
+            raise ValueError(f"{which} must be finite and positive, got {values.tolist()}")
+
+    def _rank_heads(self, values: torch.Tensor, total_kv_heads: int) -> torch.Tensor:
+        """This rank's KV heads of a per-head tensor (tensor parallelism splits or, with more
+        ranks than KV heads, replicates them)."""
+        tp, rank = get_tp_size(), get_tp_rank()
+        if tp == 1:
+            return values
+        if total_kv_heads >= tp:
+            per = total_kv_heads // tp
+            return values[rank * per : (rank + 1) * per]
+        return values[rank * total_kv_heads // tp].expand(self.num_kv_heads)
 
     def _cpu_path(
         self, q: torch.Tensor, positions: torch.Tensor | None,
@@ -70,7 +127,7 @@ class Attention(nn.Module):
             index = step_index(meta, positions, self.k_cache.shape[1])  # type: ignore[arg-type]
             out = cpu_attention_step(
                 index, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.block_tables,
-                self.scale,
+                self.scale, self.k_scale, self.v_scale,
             )  # fmt: skip
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         segments = 1 if plan is None else plan.segments
@@ -85,16 +142,20 @@ class Attention(nn.Module):
             out = paged_decode_attention_with_rotary(
                 q, rotary, self.k_cache, self.v_cache, meta.block_tables,
                 meta.query_start_loc, meta.seq_lens, self.scale, segments,
+                self.k_scale, self.v_scale,
             )  # fmt: skip
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         if cos_sin_cache is not None:
             if positions is None:
                 raise ValueError("rotary embedding needs the positions")
             q = rotary_and_write_kv(
-                positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping
-            )
+                positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache,
+                meta.slot_mapping, self.k_scale, self.v_scale,
+            )  # fmt: skip
         else:
-            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            write_kv_cache(
+                k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale
+            )
         out = paged_attention(
             q,
             self.k_cache,
@@ -107,5 +168,7 @@ class Attention(nn.Module):
             decode_only=meta.decode_only,
             max_seq_len=meta.max_seq_len,
             num_segments=segments,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

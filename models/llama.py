@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.attention import Attention
+from models.attention import Attention, kv_scale_target
 from models.config import ModelConfig
 from models.layers import (
     MergedColumnParallelLinear,
@@ -172,6 +172,15 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            kv_scale = kv_scale_target(hf_name)
+            if kv_scale is not None:  # the FP8 KV cache's scales (unused by a 16-bit cache)
+                attn = self.get_submodule(kv_scale[0]).attn
+                try:
+                    attn.load_kv_scale(kv_scale[1], tensor, self.config.num_key_value_heads)
+                except ValueError as e:
+                    raise ValueError(f"{hf_name}: {e}") from None
+                used.add(hf_name)
                 continue
             name, shard = hf_name, None
             for frag, (fused, shard_id) in self.packed_modules_mapping.items():

@@ -9,9 +9,12 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
   python scripts/bench_throughput.py --workload w1 --system hf --hf-batch-size 128
   python scripts/bench_throughput.py --workload l1 --system engine
   python scripts/bench_throughput.py --workload l1 --quantization gptq-int4
+  python scripts/bench_throughput.py --workload w1 --kv-cache-dtype fp8
 
 `--quantization` serves the dummy shape in a weight-only format (random codes, scales that
 give weights of the 16-bit dummy's magnitude); the floors then count the quantized bytes.
+`--kv-cache-dtype fp8` stores the KV cache in e4m3 (scales 1.0, the dummy checkpoint has
+none): the pool holds twice the blocks and the floors count one byte per K/V element.
 
 Parallel sampling: `--n 8` samples each prompt 8 times in one request (the prompt's KV
 computed once and shared); `--n 8 --n-as-requests` sends the same work as 8 separate
@@ -76,10 +79,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def kv_bytes_per_token(shape: str) -> int:
+def kv_bytes_per_token(shape: str, kv_elem_bytes: int = 2) -> int:
     c = SHAPES[shape]
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * kv_elem_bytes
 
 
 def weight_bytes(shape: str, quantization: str | None = None) -> int:
@@ -112,8 +115,8 @@ def quantized_model_dir(shape: str, quantization: str) -> Path:
     return path
 
 
-def floor_seconds(w: dict, concurrency: int, quantization: str | None = None
-                  ) -> dict[str, float]:  # fmt: skip
+def floor_seconds(w: dict, concurrency: int, quantization: str | None = None,
+                  kv_elem_bytes: int = 2) -> dict[str, float]:  # fmt: skip
     """Lower bound on the run time from the hardware limits (see BENCHMARKS.md); with n
     samples per prompt, n sequences decode per request and shared prompts prefill once."""
     samples = w.get("n", 1)
@@ -122,7 +125,7 @@ def floor_seconds(w: dict, concurrency: int, quantization: str | None = None
     prefills = w["num_requests"] if w.get("shared_prompts", True) else n
     prefill = prefills * p * 2 * params / PEAK_FLOPS
     avg_ctx = p + o / 2
-    kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"]) / PEAK_BW
+    kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"], kv_elem_bytes) / PEAK_BW
     steps = o * max(1, -(-n // max(concurrency, 1)))
     weights = steps * weight_bytes(w["shape"], quantization) / PEAK_BW
     return {
@@ -212,6 +215,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         async_scheduling=False if args.sync else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         dtype="bfloat16" if args.device != "cpu" else "float32",
     )
@@ -286,7 +290,8 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
     out_tokens, elapsed, step_times = run_steps(engine, prompts, params, prefix, on_step,
                                                 as_requests=args.n_as_requests)
     w = dict(w, n=params.n, shared_prompts=not args.n_as_requests)
-    floor = floor_seconds(w, peak["running"], args.quantization)
+    kv_elem_bytes = 1 if args.kv_cache_dtype != "auto" else 2
+    floor = floor_seconds(w, peak["running"], args.quantization, kv_elem_bytes)
     limit_tok_s = w["num_requests"] * w["n"] * w["output_len"] / floor["total_s"]
     timing = engine.step_timing
     record = {
@@ -296,6 +301,7 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         "n_as_requests": args.n_as_requests,
         "graphs": not args.enforce_eager,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "weight_gib": round(weight_bytes(w["shape"], args.quantization) / 2**30, 2),
         "output_tokens": out_tokens,
         "elapsed_s": round(elapsed, 3),
@@ -484,9 +490,13 @@ def main() -> None:
                     help="send the --n samples as separate requests (the baseline)")
     ap.add_argument("--quantization", choices=sorted(QUANT_SCHEMES),
                     help="serve the dummy weights in this weight-only format (engine only)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                    help="KV cache element type (engine only): fp8 stores e4m3")
     args = ap.parse_args()
     if args.quantization and args.system != "engine":
         ap.error("--quantization runs the engine only")
+    if args.kv_cache_dtype != "auto" and args.system != "engine":
+        ap.error("--kv-cache-dtype runs the engine only")
     w = dict(WORKLOADS[args.workload])
     if args.num_requests:
         w["num_requests"] = args.num_requests

@@ -2,14 +2,15 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, the tiled and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV,
-the norm, rotary and merge kernels) to a
+prefill tiles, each also over an FP8 (e4m3) KV cache, the tiled and whole-row GEMV forms,
+the int4/int8 weight-only GEMM and GEMV, the norm, rotary, KV-write and merge kernels) to a
 cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
 H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
   python scripts/compile_kernels.py --only quant # the quantized matmuls only
+  python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -43,7 +44,11 @@ POINTER_TYPES = {
     "qw_ptr": "*i32",
     "part_ptr": "*fp32",
     "count_ptr": "*i32",
+    "k_scale_ptr": "*fp32",
+    "v_scale_ptr": "*fp32",
 }
+# Variants with KV_FP8 on read and write an e4m3 cache.
+FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 FLOAT_SCALARS = {"eps", "scale_log2"}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
@@ -103,6 +108,25 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True), 4, 1),
+    # FP8 KV cache: split-KV decode (MHA, and GQA with rotary fused), short-query and
+    # prefill tiles, and the two cache writers.
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
+          ROTARY=False, KV_FP8=True), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=16, DECODE=True,
+          ROTARY=True, KV_FP8=True), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=False,
+          ROTARY=False, KV_FP8=True), 4, 2),
+    ("kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=4, BLOCK_M=64, BLOCK_Q=16, TILE=64, NUM_SEGMENTS=1, DECODE=False,
+          ROTARY=False, KV_FP8=True), 4, 2),
+    ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
+     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
+          HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True, KV_FP8=True), 4, 1),
+    ("kernels.kv_cache_write", "_write_kv_cache_kernel",
+     dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=True), 4, 1),
 ]  # fmt: skip
 
 
@@ -115,13 +139,18 @@ def compile_variant(
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), kernel)
-    params = list(inspect.signature(fn.fn).parameters)
+    sig = inspect.signature(fn.fn).parameters
+    params = list(sig)
+    # Constexprs a variant leaves out take their defaults, as in a launch that omits them.
+    defaults = {p: v.default for p, v in sig.items() if v.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
     signature = {}
+    pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {})}
     for p in params:
         if p in constexprs:
             signature[p] = "constexpr"
         elif p.endswith("_ptr"):
-            signature[p] = POINTER_TYPES.get(p, "*bf16")
+            signature[p] = pointers.get(p, "*bf16")
         else:
             signature[p] = "fp32" if p in FLOAT_SCALARS else "i32"
     src = ASTSource(
@@ -141,12 +170,15 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     ap.add_argument("--only", help="compile only the variants of kernels whose module contains "
                     "this, e.g. quant")  # fmt: skip
+    ap.add_argument("--fp8-kv", action="store_true", help="only the FP8 KV-cache variants")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
     failed = 0
     variants = [v for v in VARIANTS if args.only is None or args.only in v[0]]
+    if args.fp8_kv:
+        variants = [v for v in variants if v[2].get("KV_FP8")]
     for module, kernel, constexprs, warps, stages in variants:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()

@@ -8,10 +8,21 @@ same text. Prints one JSON line per model and a markdown table (docs/quantizatio
 
   python scripts/eval_quant.py --checkpoint gptq-4=/path/to/gptq --checkpoint awq-4=/path/awq
   python scripts/eval_quant.py --rtn gptq-4-g64,awq-4-g64 --out /tmp/q1   # round-to-nearest
+  python scripts/eval_quant.py --kv-cache-dtype fp8 --kv-scales one,tensor,head  # FP8 KV
 
 `--base` defaults to the embedded SmolLM2-135M. `--rtn` writes round-to-nearest checkpoints
 with the test-fixture writer (tests/quant_writers.py): an accuracy floor for the format's
 conventions, not what GPTQ or AWQ calibration reaches.
+
+`--kv-cache-dtype fp8` adds, for the 16-bit model and each checkpoint, rows with the KV cache
+in e4m3 (everything else as in that model's own row; agreement is still against the 16-bit
+model with a 16-bit cache). `--kv-scales` picks the K/V scales of those rows, one row each:
+`one` (1.0, vLLM's default; a checkpoint's own k_scale/v_scale where it has them), `tensor`
+(per layer, amax / 448 over a calibration window) or `head` (the same per KV head). The
+calibration window is the first `--window` tokens of the text, run through the model with a
+16-bit cache. `--save-kv-scales DIR` writes a copy of the 16-bit model with its per-head
+calibrated scales as vLLM-style `model.layers.N.self_attn.k_scale` / `v_scale` tensors, which
+the engine loads (`kv_cache_dtype="fp8"` then uses them instead of 1.0).
 """
 
 from __future__ import annotations
@@ -38,14 +49,18 @@ def eval_tokens(base_dir: Path, text_path: Path = EVAL_TEXT) -> list[int]:
     return tok(text_path.read_text(), add_special_tokens=False)["input_ids"]
 
 
-def _window_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence as one prefill step through a fresh paged cache."""
+def _window_logits(
+    model: torch.nn.Module, ids: list[int], kv_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence as one prefill step through a fresh paged cache
+    (of `kv_dtype`: float32, or e4m3 for an FP8 cache)."""
     from models.forward_context import AttentionMetadata, set_forward_context
 
     blocks = -(-len(ids) // BLOCK)
     for attn in model.attention_layers():  # type: ignore[operator]
         shape = (blocks, BLOCK, attn.num_kv_heads, attn.head_dim)
-        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+        attn.k_cache = torch.zeros(shape, dtype=kv_dtype)
+        attn.v_cache = torch.zeros(shape, dtype=kv_dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(len(ids)),
         query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
@@ -57,29 +72,119 @@ def _window_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()  # type: ignore[operator]
 
 
-def perplexity(model_dir: Path, tokens: list[int], window: int = 256) -> float:
-    """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..)."""
+KV_SCALE_MODES = ("one", "tensor", "head")
+FP8 = torch.float8_e4m3fn
+
+
+def calibrate_kv_scales(
+    model: torch.nn.Module, ids: list[int], per_head: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, K and V scales that map the largest |K| / |V| (K after rotary, as cached)
+    of one pass over `ids` with a 16-bit cache to 448, the largest e4m3 value: per layer, or
+    per KV head with `per_head`. Each scale is float32 [num_kv_heads]."""
+    _window_logits(model, ids)
+    scales = []
+    for attn in model.attention_layers():  # type: ignore[operator]
+        pair = []
+        for cache in (attn.k_cache, attn.v_cache):
+            amax = cache.abs().amax(dim=(0, 1, 3)).float()  # per KV head
+            if not per_head:
+                amax = amax.max().expand_as(amax)
+            pair.append((amax.clamp(min=1e-8) / 448.0).contiguous())
+        scales.append((pair[0], pair[1]))
+    return scales
+
+
+def set_kv_scales(model: torch.nn.Module, scales: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> None:  # fmt: skip
+    for attn, (k_scale, v_scale) in zip(model.attention_layers(), scales, strict=True):  # type: ignore[operator]
+        attn.k_scale.copy_(k_scale)
+        attn.v_scale.copy_(v_scale)
+
+
+def kv_scales_for(
+    model: torch.nn.Module, mode: str, calibration: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The scales of `--kv-scales` mode (None: keep the model's own, 1.0 or the checkpoint's)."""
+    if mode == "one":
+        return None
+    return calibrate_kv_scales(model, calibration, per_head=mode == "head")
+
+
+def save_kv_scales(base: Path, out: Path, scales: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> None:  # fmt: skip
+    """A copy of the model directory `base` plus kv_scales.safetensors holding each layer's
+    K and V scales under vLLM's names (one value, or one per KV head)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.gguf"))
+    if (out / "model.safetensors.index.json").exists():
+        raise ValueError("sharded checkpoints (an index) are not handled here")
+    tensors = {}
+    for i, (k_scale, v_scale) in enumerate(scales):
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            same = bool((t == t[0]).all())
+            tensors[f"model.layers.{i}.self_attn.{name}"] = t[:1].reshape(()) if same else t
+    save_file({k: v.clone().contiguous() for k, v in tensors.items()},
+              str(out / "kv_scales.safetensors"))  # fmt: skip
+
+
+def perplexity(
+    model_dir: Path,
+    tokens: list[int],
+    window: int = 256,
+    kv_cache_dtype: str = "auto",
+    kv_scales: str = "one",
+) -> float:
+    """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..);
+    with `kv_cache_dtype="fp8"` through an e4m3 cache with `kv_scales` (KV_SCALE_MODES)."""
     from models.config import ModelConfig
     from models.loader import load_model
 
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    kv_dtype = torch.float32
+    if kv_cache_dtype != "auto":
+        kv_dtype = FP8
+        scales = kv_scales_for(model, kv_scales, tokens[:window])
+        if scales is not None:
+            set_kv_scales(model, scales)
     nll, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         ids = tokens[start : start + window]
         if len(ids) < 2:
             break
-        logits = _window_logits(model, ids)
+        logits = _window_logits(model, ids, kv_dtype)
         target = torch.tensor(ids[1:])
         nll += float(torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum"))
         count += len(ids) - 1
     return math.exp(nll / count)
 
 
-def greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_cache_dtype: str = "auto",
+    kv_scales: str = "one",
+    calibration: list[int] | None = None,
+) -> list[list[int]]:
+    """Greedy continuations through the engine (CPU path), with the KV cache as asked."""
     from asyncengine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+              kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]  # fmt: skip
+    if kv_cache_dtype != "auto":
+        model = llm.llm_engine.runner.model
+        scales = kv_scales_for(model, kv_scales, calibration or [])
+        if scales is not None:
+            set_kv_scales(model, scales)
+        # Calibration ran the layers over caches of its own: bind the engine's again.
+        llm.llm_engine.runner.allocate_kv_cache(llm.llm_engine.pool.num_blocks, 0)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -128,7 +233,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/asyncengine-q1"))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                    help="also evaluate every model with its KV cache in e4m3")
+    ap.add_argument("--kv-scales", default="one",
+                    help=f"comma-separated FP8 KV scale modes, of {', '.join(KV_SCALE_MODES)}")
+    ap.add_argument("--save-kv-scales", type=Path, metavar="DIR",
+                    help="write the 16-bit model with per-head calibrated KV scales to DIR")
     args = ap.parse_args()
+    scale_modes = args.kv_scales.split(",")
+    if any(m not in KV_SCALE_MODES for m in scale_modes):
+        ap.error(f"--kv-scales takes {', '.join(KV_SCALE_MODES)}")
     if args.base is None:
         from models.default_model import default_model_dir
 
@@ -141,11 +255,27 @@ def main() -> None:
         models.update(rtn_checkpoints(args.base, args.rtn.split(","), args.out))
     tokens = eval_tokens(args.base)
     prompts = prompts_from(tokens)
+    if args.save_kv_scales:
+        from models.config import ModelConfig
+        from models.loader import load_model
+
+        model = load_model(args.base, ModelConfig.from_dir(args.base), dtype=torch.float32,
+                           device=torch.device("cpu"))  # fmt: skip
+        scales = calibrate_kv_scales(model, tokens[: args.window], per_head=True)
+        save_kv_scales(args.base, args.save_kv_scales, scales)
+        models[f"16-bit, scales saved in {args.save_kv_scales.name}"] = args.save_kv_scales
     rows = []
     base_ppl, base_out = None, None
+    runs = []
     for name, path in models.items():
-        ppl = perplexity(path, tokens, args.window)
-        out = greedy(path, prompts, args.max_tokens)
+        runs.append((name, path, "auto", "one"))
+        if args.kv_cache_dtype != "auto":
+            for mode in scale_modes:
+                runs.append((f"{name} + fp8 KV (scales: {mode})", path, "fp8", mode))
+    calibration = tokens[: args.window]
+    for name, path, kv, mode in runs:
+        ppl = perplexity(path, tokens, args.window, kv, mode)
+        out = greedy(path, prompts, args.max_tokens, kv, mode, calibration)
         base_ppl, base_out = base_ppl or ppl, base_out or out
         row = {"model": name, "perplexity": round(ppl, 3),
                "ppl_increase": round(ppl / base_ppl - 1, 4),

@@ -179,7 +179,8 @@ class DevicePanel(Panel):
 
 
 class KVCachePanel(Panel):
-    """Block usage as a stacked bar, the block pool as a picture, prefix-cache figures."""
+    """Block usage as a stacked bar, the block pool as a picture, prefix-cache figures; the
+    subtitle gives the pool's size and the KV element type (e.g. "KV fp8_e4m3")."""
 
     TITLE = "KV cache"
 
@@ -191,17 +192,20 @@ class KVCachePanel(Panel):
 
     def on_mount(self) -> None:
         super().on_mount()
-        self._pool = (0, 16)  # (blocks, tokens per block) of the last snapshot
+        self._pool = (0, 16, "")  # (blocks, tokens per block, KV dtype) of the last snapshot
         self.watch(self.query_one(BlockMap), "blocks_per_cell", self._update_subtitle)
 
     def _update_subtitle(self) -> None:
-        total, block_size = self._pool
+        total, block_size, kv_dtype = self._pool
         if not total:
             self.border_subtitle = ""
             return
         per_cell = self.query_one(BlockMap).blocks_per_cell
         scale = "1 block" if per_cell == 1 else f"{per_cell} blocks"
-        self.border_subtitle = f"{fmt_count(total)} blocks × {block_size} tokens · ▀ = {scale}"
+        dtype = f" · KV {kv_dtype}" if kv_dtype else ""
+        self.border_subtitle = (
+            f"{fmt_count(total)} blocks × {block_size} tokens{dtype} · ▀ = {scale}"
+        )
 
     def show(self, stats: EngineStats, history: StatsHistory) -> None:
         total = stats.kv_blocks_total
@@ -230,7 +234,7 @@ class KVCachePanel(Panel):
             )
         )
         self.query_one("#kv-map", BlockMap).block_map = block_map
-        self._pool = (total, stats.kv_block_size)
+        self._pool = (total, stats.kv_block_size, stats.kv_cache_dtype)
         self._update_subtitle()
 
         events = Text(no_wrap=True, overflow="ellipsis")

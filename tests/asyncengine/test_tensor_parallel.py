@@ -349,3 +349,24 @@ def test_tp_parallel_samples_copy_their_blocks_on_every_rank(
     finally:
         llm.llm_engine.shutdown()
     assert get_tp_size() == 1
+
+
+def test_tp_workers_build_the_fp8_kv_cache_too(tiny_llama_dir: Path) -> None:
+    """kv_cache_dtype reaches every rank: the workers' blocks are e4m3 as rank 0's, and a TP=2
+    run with swaps equals the TP=1 run over the same FP8 cache."""
+    prompts = make_prompts()
+    expected = generate(make_llm(tiny_llama_dir, kv_cache_dtype="fp8"), prompts)
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, kv_cache_dtype="fp8",
+                   num_kv_blocks=14, preemption_mode="swap")  # fmt: skip
+    try:
+        runner = llm.llm_engine.runner
+        assert isinstance(runner, TensorParallelModelRunner)
+        assert runner.kv_cache_dtype == torch.float8_e4m3fn
+        cfg = llm.llm_engine.model_config
+        # K and V, every layer, 16 tokens, this rank's one KV head, one byte per element.
+        e4m3_bytes = 2 * cfg.num_hidden_layers * 16 * 1 * cfg.head_dim
+        assert runner._call_all("block_bytes") == [e4m3_bytes] * 2
+        assert generate(llm, prompts) == expected
+        assert llm.llm_engine.scheduler.num_swaps_out > 0
+    finally:
+        llm.llm_engine.shutdown()

@@ -19,11 +19,14 @@ def test_cli_engine_flags_follow_engine_args() -> None:
         "serve", "--model", "m", "--device", "cpu", "--max-model-len", "128",
         "--num-kv-blocks", "7", "--no-enable-prefix-caching", "--enforce-eager",
         "--preemption-mode", "swap", "--max-num-batched-tokens", "64", "--port", "0",
+        "--kv-cache-dtype", "fp8",
     ])
     args = engine_args_from(ns)
     assert (args.model, args.device, args.max_model_len, args.num_kv_blocks) == ("m", "cpu", 128, 7)
     assert not args.enable_prefix_caching and args.enforce_eager
     assert args.preemption_mode == "swap" and args.max_num_batched_tokens == 64
+    assert args.kv_cache_dtype == "fp8"
+    assert engine_args_from(build_parser().parse_args(["serve"])).kv_cache_dtype == "auto"
     assert ns.host == "127.0.0.1" and ns.port == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])
@@ -63,6 +66,7 @@ def test_failures_print_one_line(argv: list[str], status: int, words: str, bad_c
 @pytest.mark.parametrize(("argv", "words"), [
     (["generate", "hi", "--block-size", "x"], "argument --block-size: invalid int value: 'x'"),
     (["serve", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["serve", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
     (["--log-level", "loud", "generate", "hi"], "unknown log level 'loud'"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])

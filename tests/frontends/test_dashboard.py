@@ -376,6 +376,16 @@ async def test_app_shows_the_injected_stats(source: ScriptedStatsSource) -> None
         assert not app.query_one("#panels").has_class("-stale")
 
 
+async def test_kv_panel_shows_the_kv_dtype(source: ScriptedStatsSource) -> None:
+    app = MonitorApp(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await fed(app, source, pilot, Connected(url=URL), busy_stats(kv_cache_dtype="fp8_e4m3"))
+        subtitle = app.query_one("#kv-cache").border_subtitle
+        assert "16 blocks × 16 tokens · KV fp8_e4m3 · ▀ = " in subtitle
+        await fed(app, source, pilot, busy_stats(kv_cache_dtype="bfloat16"))
+        assert "KV bfloat16" in app.query_one("#kv-cache").border_subtitle
+
+
 async def test_latency_table_shows_percentiles(source: ScriptedStatsSource) -> None:
     app = MonitorApp(source)
     async with app.run_test(size=SIZE) as pilot:

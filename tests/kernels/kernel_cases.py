@@ -1,12 +1,14 @@
-"""Shared helpers of the kernel tests: the GPU skip mark, random paged-attention batches and a
-naive attention oracle."""
+"""Shared helpers of the kernel tests: the GPU skip mark, random paged-attention batches (16-bit
+or FP8 caches) and a naive attention oracle."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+
+from kernels.kv_cache_write import FP8_E4M3_MAX, dequantize_kv, quantize_kv
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -20,6 +22,14 @@ class PagedBatch:
     query_start_loc: torch.Tensor  # int32 [B+1]
     seq_lens: torch.Tensor  # int32 [B]
     scale: float
+    k_scale: torch.Tensor | None = None  # float32 [Hkv], with an FP8 cache
+    v_scale: torch.Tensor | None = None
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The FP8 scales as keyword arguments of the ops (none for a 16-bit cache)."""
+        if self.k_scale is None or self.v_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def args(self) -> tuple:
         return (
@@ -104,3 +114,33 @@ def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:
                 s = k[:, h // group] @ q[qsl[b] + j, h] * batch.scale
                 out[qsl[b] + j, h] = torch.softmax(s, 0) @ v[:, h // group]
     return out
+
+
+def to_fp8(batch: PagedBatch, per_head: bool) -> PagedBatch:
+    """The batch with its caches quantized to e4m3 (NaN slots stay NaN). Scales map each
+    head's (or the whole cache's) largest finite value to 3/4 of the e4m3 range."""
+    scales = []
+    for cache in (batch.k_cache, batch.v_cache):
+        amax = torch.nan_to_num(cache.float(), nan=0.0).abs().amax(dim=(0, 1, 3))
+        if not per_head:
+            amax = amax.max().expand_as(amax)
+        scales.append((amax.clamp(min=1e-6) / (0.75 * FP8_E4M3_MAX)).contiguous())
+    k_scale, v_scale = scales
+    return replace(
+        batch,
+        k_cache=quantize_kv(batch.k_cache, k_scale),
+        v_cache=quantize_kv(batch.v_cache, v_scale),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def dequantized(batch: PagedBatch) -> PagedBatch:
+    """An FP8 batch with its caches dequantized to float32 (what its reference computes on)."""
+    return replace(
+        batch,
+        k_cache=dequantize_kv(batch.k_cache, batch.k_scale),
+        v_cache=dequantize_kv(batch.v_cache, batch.v_scale),
+        k_scale=None,
+        v_scale=None,
+    )

@@ -1,5 +1,6 @@
 """The CPU attention step equals the reference ops (rotary + KV write, paged attention) on
-decode, fresh prefill, chunks over a cached prefix, their mix and padding slots."""
+decode, fresh prefill, chunks over a cached prefix, their mix and padding slots, with a 16-bit
+or an FP8 cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kernels.cpu_attention import CpuStepIndex, cpu_attention_step
+from kernels.kv_cache_write import FP8_KV_DTYPE, quantize_kv, write_kv_cache_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.rotary_kv_cache import rotary_and_write_kv_ref
 from models.layers import compute_cos_sin_cache
@@ -131,3 +133,45 @@ def test_the_step_index_reads_the_rotary_table_once_per_table() -> None:
     other = index.rotary(table.clone(), torch.float32)
     assert other is not first
     torch.testing.assert_close(other.cos, first.cos, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_step_with_fp8_cache_equals_the_reference(case: str, rotary: bool) -> None:
+    chunks, pad = CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    step = _step(chunks, pad, gen)
+    t = step["positions"].numel()
+    q, k, v = _qkv(t, gen)
+    k_scale = torch.tensor([0.01, 0.02])
+    v_scale = torch.tensor([0.015, 0.005])
+    k_cache = quantize_kv(torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen), k_scale)
+    v_cache = quantize_kv(torch.randn(NUM_BLOCKS, BLOCK, HKV, D, generator=gen), v_scale)
+    table = compute_cos_sin_cache(D, 64, 10000.0, None) if rotary else None
+    decode_only = all(n == 1 for _, n in chunks) and pad == 0
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    if table is not None:
+        q_ref = rotary_and_write_kv_ref(
+            step["positions"], q, k, v, table, ref_k, ref_v, step["slot_mapping"], **scales
+        )
+    else:
+        q_ref = q
+        write_kv_cache_ref(k, v, ref_k, ref_v, step["slot_mapping"], **scales)
+    expected = paged_attention_ref(
+        q_ref, ref_k, ref_v, step["block_tables"], step["query_start_loc"], step["seq_lens"],
+        SCALE, decode_only=decode_only, **scales,
+    )  # fmt: skip
+    index = CpuStepIndex(
+        step["positions"], step["slot_mapping"], step["query_start_loc"], step["seq_lens"],
+        step["block_tables"], BLOCK, decode_only, None,
+    )  # fmt: skip
+    out = cpu_attention_step(
+        index, q, k, v, table, k_cache, v_cache, step["block_tables"], SCALE, k_scale, v_scale
+    )
+    assert k_cache.dtype == FP8_KV_DTYPE
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    real = t - pad
+    torch.testing.assert_close(out[:real], expected[:real], atol=1e-5, rtol=1e-5)

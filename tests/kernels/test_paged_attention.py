@@ -12,9 +12,11 @@ from kernels import paged_attention
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from tests.kernels.kernel_cases import (
     PagedBatch,
+    dequantized,
     make_paged_batch,
     naive_paged_attention,
     requires_cuda,
+    to_fp8,
 )
 
 # The submodule, not the function `kernels.paged_attention` re-exported by the package.
@@ -72,9 +74,56 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
 
 
 def _triton_vs_ref(batch: PagedBatch, atol: float, **kwargs: object) -> None:
-    ref = paged_attention_ref(*batch.args())
-    out = paged_attention_triton(*batch.args(), **kwargs)
+    ref = paged_attention_ref(*batch.args(), **batch.scales())
+    out = paged_attention_triton(*batch.args(), **batch.scales(), **kwargs)
     _assert_close(out, ref, atol)
+
+
+# ------------------------------------------------------------------ FP8 cache
+
+
+@pytest.mark.parametrize("case", [MIXED, DECODE])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_reference_attends_over_the_dequantized_cache(
+    case: tuple[list[int], list[int]], per_head: bool
+) -> None:
+    batch = to_fp8(make_paged_batch(*case, 8, 2, head_dim=16, block_size=4), per_head)
+    out = paged_attention_ref(*batch.args(), **batch.scales())
+    expected = naive_paged_attention(dequantized(batch))
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    # And close to the unquantized cache: e4m3 keeps 3 mantissa bits.
+    exact = naive_paged_attention(make_paged_batch(*case, 8, 2, head_dim=16, block_size=4))
+    assert (out.double() - exact).abs().max() < 0.25
+
+
+def test_fp8_cache_without_scales_is_refused() -> None:
+    batch = to_fp8(make_paged_batch(*DECODE, 4, 2, head_dim=8, block_size=4), False)
+    with pytest.raises(ValueError, match="fp8 KV cache needs k_scale"):
+        paged_attention(*batch.args())
+    with pytest.raises(ValueError, match="fp8 KV cache needs v_scale"):
+        paged_attention_triton(*batch.args(), k_scale=batch.k_scale)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_triton_fp8_mixed_batch(heads: tuple[int, int], per_head: bool) -> None:
+    batch = to_fp8(make_paged_batch(*MIXED, *heads, head_dim=32, seed=4), per_head)
+    _triton_vs_ref(batch, atol=2e-5)
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+def test_triton_fp8_decode(segments: int) -> None:
+    batch = to_fp8(make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8), True)
+    _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
+def test_triton_fp8_half_precision_queries(dtype: torch.dtype, atol: float) -> None:
+    batch = make_paged_batch(*MIXED, 8, 2, head_dim=32, seed=7)
+    batch = to_fp8(batch, per_head=True)
+    batch.q = batch.q.to(dtype)
+    _triton_vs_ref(batch, atol=atol)
+    _triton_vs_ref(batch, atol=atol, max_query_len=64, large_tiles={"BLOCK_M": 32})
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (6, 2)])
@@ -150,16 +199,16 @@ def test_dispatcher_hands_the_split_count_to_triton_only(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(pa, "paged_attention_triton", fake_triton)
     monkeypatch.setattr(pa, "paged_attention_ref", fake_ref)
+    scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2)}  # both paths get them
+    hints = {"decode_only": True, "max_seq_len": 48, "num_segments": 4, **scales}
     monkeypatch.setattr(pa, "use_triton", lambda _: True)
-    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
-        "triton"
-    )
+    assert paged_attention(*batch.args(), **hints) == "triton"  # type: ignore[arg-type]
     monkeypatch.setattr(pa, "use_triton", lambda _: False)
-    assert paged_attention(*batch.args(), decode_only=True, max_seq_len=48, num_segments=4) == (
-        "ref"
-    )
-    assert seen["triton"] == {"max_query_len": None, "decode_only": True, "num_segments": 4}
-    assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48}
+    assert paged_attention(*batch.args(), **hints) == "ref"  # type: ignore[arg-type]
+    assert seen["triton"] == {
+        "max_query_len": None, "decode_only": True, "num_segments": 4, **scales
+    }
+    assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48, **scales}
 
 
 def test_triton_tile_overrides_keep_the_result() -> None:
@@ -249,6 +298,30 @@ def test_gpu_mixed_and_prefill(num_kv_heads: int) -> None:
     ref = paged_attention_ref(*batch.args())
     _assert_close(paged_attention_triton(*batch.args()), ref, atol=2e-2)
     _assert_close(paged_attention_triton(*batch.args(), max_query_len=2000), ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_kv_heads", [32, 8])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_gpu_fp8_decode_and_prefill(num_kv_heads: int, per_head: bool) -> None:
+    """FP8 cache at Llama sizes: split-KV decode (1 and 16 segments) up to 4k keys, and a
+    mixed batch through both tile launches, against the reference on the same e4m3 cache."""
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    lens = torch.randint(1, 4001, (7,), generator=gen).tolist()
+    lens[0], lens[-1] = 4000, 0
+    batch = to_fp8(_gpu_case([1] * 7, lens, num_kv_heads), per_head)
+    ref = paged_attention_ref(*batch.args(), **batch.scales())
+    for segments in (1, 16):
+        out = paged_attention_triton(
+            *batch.args(), **batch.scales(), num_segments=segments, decode_only=True
+        )
+        _assert_close(out, ref, atol=2e-2)
+    q_lens = [1, 1, 512, 1, 300, 37, 1, 2000]
+    seq_lens = [900, 0, 512, 3000, 1324, 100, 5, 4000]
+    mixed = to_fp8(_gpu_case(q_lens, seq_lens, num_kv_heads, seed=1), per_head)
+    ref = paged_attention_ref(*mixed.args(), **mixed.scales())
+    _assert_close(paged_attention_triton(*mixed.args(), **mixed.scales()), ref, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -104,3 +104,41 @@ def test_dummy_weights_fill_every_parameter(tmp_path: Path) -> None:
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
         assert p.abs().sum() > 0, name
+
+
+def test_kv_cache_scales_load_per_tensor_and_per_head(tmp_path: Path) -> None:
+    """vLLM's `self_attn.k_scale` / `v_scale` (one value) and compressed-tensors'
+    `k_proj.output_scale` / `v_proj.output_scale` (here one per KV head) reach the layers."""
+    d = build_tiny_model_dir(tmp_path, "llama3", with_tokenizer=False)  # 2 KV heads
+    weights = load_file(str(d / "model.safetensors"))
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor([0.5])
+    weights["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.125, 2.0])
+    weights["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([3.0, 4.0])
+    save_file(weights, str(d / "model.safetensors"))
+    attn0, attn1 = _load(d).attention_layers()
+    assert attn0.k_scale.tolist() == [0.25, 0.25] and attn0.v_scale.tolist() == [0.5, 0.5]
+    assert attn1.k_scale.tolist() == [0.125, 2.0] and attn1.v_scale.tolist() == [3.0, 4.0]
+    assert attn1.k_scale.dtype == torch.float32
+
+
+def test_kv_cache_scales_default_to_one(tmp_path: Path) -> None:
+    d = build_tiny_model_dir(tmp_path, "llama3", with_tokenizer=False)
+    for attn in _load(d).attention_layers():
+        assert attn.k_scale.tolist() == [1.0, 1.0] and attn.v_scale.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.ones(3), r"k_scale must hold one value or one per KV head \(2\), got shape \[3\]"),
+    (torch.ones(2, 1), r"k_scale must hold one value or one per KV head \(2\), got shape \[2, 1\]"),
+    (torch.tensor(0.0), "k_scale must be finite and positive"),
+])  # fmt: skip
+def test_kv_cache_scale_of_a_wrong_shape_or_value_is_refused(
+    tmp_path: Path, bad: torch.Tensor, match: str
+) -> None:
+    d = build_tiny_model_dir(tmp_path, "llama3", with_tokenizer=False)
+    weights = load_file(str(d / "model.safetensors"))
+    weights["model.layers.1.self_attn.k_scale"] = bad
+    save_file(weights, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_scale: " + match):
+        _load(d)
