@@ -18,6 +18,7 @@ reduced after) for decode batches of a few rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "QuantGemmConfig",
     "QuantGemvConfig",
     "dequantize_weight",
+    "dequantize_weight_triton",
     "gemv_counters",
     "pack_int_weight",
     "quant_gemm",
@@ -288,6 +290,49 @@ def _store_gemv_row(y, b_ptr, y_row, offs_n, n_mask, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PACK
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    n_mask = offs_n < N
+    words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :],
+                    mask=n_mask[None, :], other=0)  # fmt: skip
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(PACK):
+        field = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
+        w = (field.to(tl.float32, bitcast=True) - (z + _MAGIC)[None, :]) * s[None, :]
+        # Row k0 + w * PACK + i of W^T: each row's store is contiguous along N.
+        tl.store(w_ptr + (k0 + offs_w * PACK + i)[:, None] * N + offs_n[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=n_mask[None, :])  # fmt: skip
+
+
+def dequantize_weight_triton(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+    group_size: int, dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`dequantize_weight` in one Triton pass (W^T [K, N], rounded as the reference rounds:
+    (q - zero) * scale in fp32, then to `dtype`), for the library's matmul to read."""
+    pack = 32 // bits
+    k, n = qweight.shape[0] * pack, qweight.shape[1]
+    block_k = math.gcd(group_size, 64)
+    if block_k < pack or block_k & (block_k - 1):
+        raise ValueError(f"group size {group_size} needs a power-of-two divisor of at least "
+                         f"{pack} up to 64")  # fmt: skip
+    w_t = torch.empty((k, n), dtype=dtype or scales.dtype, device=qweight.device)
+    grid = (k // block_k, triton.cdiv(n, 128))
+    _dequantize_kernel[grid](qweight, scales, zeros, w_t, n, GROUP_SIZE=group_size, BITS=bits,
+                             BLOCK_K=block_k, BLOCK_N=128, num_warps=4)  # fmt: skip
+    return w_t
 
 
 def gemv_counters(rows: int, n: int, device: torch.device | str) -> torch.Tensor:

@@ -10,6 +10,7 @@ from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
     dequantize_weight,
+    dequantize_weight_triton,
     pack_int_weight,
     quant_gemm,
     quant_gemm_candidates,
@@ -66,6 +67,28 @@ def test_gemv_matches_reference(n: int, k: int, bits: int, group: int, rows: int
     for cfg in (QuantGemvConfig(32, 32, 1), QuantGemvConfig(16, 16, 2)):
         got = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "k", "bits", "group"), [(48, 128, 4, 32), (40, 128, 8, 64),
+                                                       (200, 96, 4, 96), (24, 256, 8, 256)])
+def test_triton_dequantize_equals_reference(n: int, k: int, bits: int, group: int) -> None:
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.float32)
+    want = dequantize_weight(qweight, scales, zeros, bits, group)
+    assert torch.equal(dequantize_weight_triton(qweight, scales, zeros, bits, group), want)
+    # The interpreter truncates float32 to bfloat16 where the GPU rounds to nearest: within
+    # one bf16 step here, bit-exact in the GPU test below.
+    got = dequantize_weight_triton(qweight, scales, zeros, bits, group, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_triton_dequantize_is_bit_exact(bits: int) -> None:
+    _, qweight, scales, zeros = _case(11008, 4096, bits, 128, torch.bfloat16, "cuda")
+    want = dequantize_weight(qweight, scales, zeros, bits, 128)
+    assert torch.equal(dequantize_weight_triton(qweight, scales, zeros, bits, 128), want)
 
 
 def test_tiles_never_span_two_groups() -> None:
