@@ -6,8 +6,10 @@
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
-  Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; each row range
-  takes the fastest that agrees with the reference.
+  kinds of the layer's format (`models.quantization.kinds.tuning_kinds`: for integer
+  weights the Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; for
+  FP8 the weight-only GEMV, cuBLASLt's `_scaled_mm` and the Triton GEMM); each row range
+  takes the fastest that agrees with its reference.
 
 `plan_*` return the plans per layer; `tune_*` hand each layer its plan. A layer keeps the
 library unless the alternative is clearly faster, so a wrong guess costs nothing but the
@@ -30,7 +32,6 @@ from kernels.cpu_linear import (
     time_packed_against_blas,
 )
 from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
-from kernels.quant_linear import quant_gemm_candidates, quant_gemv_candidates
 from models.layers import LinearBase, RowParallelLinear
 from models.matmul_plan import (
     Blas,
@@ -43,13 +44,7 @@ from models.matmul_plan import (
     PlannedMatmul,
     TritonGemv,
 )
-from models.quantization.kinds import (
-    QUANT_GEMV_MAX_ROWS,
-    DequantMatmul,
-    QuantTritonGemm,
-    QuantTritonGemv,
-    agrees_with_reference,
-)
+from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference, tuning_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -185,16 +180,14 @@ def plan_quantized_linears(
             groups.setdefault(key, []).append(m)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    for (n, k, _, group, has_bias, declared, _), layers in groups.items():
+    for (n, k, _, _, has_bias, declared, _), layers in groups.items():
         first = layers[0]
         pairs = [(m, m.bias if has_bias else None) for m in layers]
-        gemms = [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
-        gemvs = [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
         best: list[MatmulKind] = []
         for i, rows in enumerate(ladder):
             low_rows = ladder[i - 1] + 1 if i else 1
-            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.scales.dtype)
-            kinds = [DequantMatmul(), *gemms, *(gemvs if rows <= QUANT_GEMV_MAX_ROWS else [])]
+            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.params_dtype)
+            kinds = tuning_kinds(first, rows)
             row_times = _time_kinds(kinds, x, pairs, reps, low_rows)
             # No kind agreeing (a non-finite reference) leaves the reference planned.
             fastest = (min(row_times, key=row_times.__getitem__) if row_times
@@ -205,7 +198,10 @@ def plan_quantized_linears(
         for i, (rows, kind) in enumerate(zip(ladder, best, strict=True)):
             if i + 1 < len(best) and best[i + 1] == kind:
                 continue  # the next row range runs the same kernel: one entry serves both
-            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared))
+            # A kind that can form the declared input itself (FP8's activation quantization
+            # with RMSNorm or SiLU-and-mul) does, saving a kernel.
+            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared,
+                                     fuse_input=declared in kind.fusable_inputs))  # fmt: skip
         plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
     return plans, timings
 
