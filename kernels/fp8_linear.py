@@ -117,7 +117,7 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, q_ptr, s_ptr, in_scale_ptr, K, stride_xm,
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, xq_ptr, xs_ptr, in_scale_ptr, K, stride_xm,
     stride_rm, eps, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STATIC: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
@@ -147,8 +147,8 @@ def _quantize_rows_kernel(
     else:
         scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1.0 / (448.0 * 512.0))
     q = _round_to_e4m3(tl.clamp(xf / scale, -448.0, 448.0))
-    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+    tl.store(xq_ptr + row * K + offs, q.to(xq_ptr.dtype.element_ty), mask=mask)
+    tl.store(xs_ptr + row, scale)
 
 
 def quantize_rows(
@@ -239,7 +239,7 @@ def fp8_gemm_candidates() -> list[Fp8GemmConfig]:
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_wn, stride_ym,
+    xq_ptr, xs_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -256,8 +256,8 @@ def _fp8_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    a_ptrs = xq_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w8_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
@@ -266,7 +266,7 @@ def _fp8_gemm_kernel(
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    a_s = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    a_s = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
     w_s = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
@@ -334,7 +334,7 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, K_PER_SPLIT,
+    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, K_PER_SPLIT,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -344,7 +344,7 @@ def _fp8_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w8_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     if BLOCK_M == 1:
@@ -423,4 +423,3 @@ def fp8_dense_weight(qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.
                      ) -> torch.Tensor:  # fmt: skip
     """The dequantized weight [N, K] in `dtype` (for checks and the HF oracle)."""
     return dequantize_fp8(qweight, w_scale.reshape(-1, 1)).to(dtype)
-
