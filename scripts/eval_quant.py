@@ -8,10 +8,17 @@ same text. Prints one JSON line per model and a markdown table (docs/quantizatio
 
   python scripts/eval_quant.py --checkpoint gptq-4=/path/to/gptq --checkpoint awq-4=/path/awq
   python scripts/eval_quant.py --rtn gptq-4-g64,awq-4-g64 --out /tmp/q1   # round-to-nearest
+  python scripts/eval_quant.py --fp8 --rtn fp8-tensor                     # FP8 weights
 
 `--base` defaults to the embedded SmolLM2-135M. `--rtn` writes round-to-nearest checkpoints
 with the test-fixture writer (tests/quant_writers.py): an accuracy floor for the format's
 conventions, not what GPTQ or AWQ calibration reaches.
+
+`--fp8` adds the base model quantized at load (`quantization="fp8"`: per-channel e4m3
+weights) twice: on the CPU's W8A8 reference (activations rounded to e4m3 per token, as the
+GPU's GEMMs compute) and weight-only (W8A16, as the GPU's GEMV for 1-16 rows computes).
+`--rtn fp8-tensor` writes a vLLM-style FP8 checkpoint with one weight scale per tensor.
+A `--checkpoint` name ending in "W8A16" is evaluated weight-only.
 """
 
 from __future__ import annotations
@@ -57,13 +64,19 @@ def _window_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float()  # type: ignore[operator]
 
 
-def perplexity(model_dir: Path, tokens: list[int], window: int = 256) -> float:
-    """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..)."""
+def perplexity(model_dir: Path, tokens: list[int], window: int = 256,
+               quantization: str | None = None, weight_only: bool = False) -> float:  # fmt: skip
+    """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..).
+    quantization: the engine's `quantization=`; weight_only: FP8 layers on the W8A16
+    reference."""
     from models.config import ModelConfig
     from models.loader import load_model
+    from models.quantization.fp8 import use_weight_only_reference
 
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(model_dir, quantization)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    if weight_only:
+        use_weight_only_reference(model)
     nll, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         ids = tokens[start : start + window]
@@ -76,12 +89,22 @@ def perplexity(model_dir: Path, tokens: list[int], window: int = 256) -> float:
     return math.exp(nll / count)
 
 
-def greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int,
+    quantization: str | None = None, weight_only: bool = False,
+) -> list[list[int]]:  # fmt: skip
     from asyncengine import LLM, SamplingParams
+    from models.quantization.fp8 import use_weight_only_reference
 
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+              quantization=quantization)  # fmt: skip
+    try:
+        if weight_only:
+            use_weight_only_reference(llm.llm_engine.runner.model)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -103,11 +126,18 @@ def prompts_from(tokens: list[int], count: int = 8, length: int = 24) -> list[li
 
 def rtn_checkpoints(base: Path, names: list[str], out: Path) -> dict[str, Path]:
     """Round-to-nearest checkpoints named like gptq-4-g64, gptq-8-g64-sym, awq-4-g64,
-    compressed-tensors-4-g64 (sym implied) or compressed-tensors-8-channel."""
-    from tests.quant_writers import Scheme, write_quantized
+    compressed-tensors-4-g64 (sym implied), compressed-tensors-8-channel, or FP8 e4m3 with
+    dynamic activations: fp8-tensor (vLLM-style, a scale per tensor), ct-fp8-channel
+    (compressed-tensors float-quantized, a scale per channel)."""
+    from tests.quant_writers import FP8_METHODS, Scheme, write_quantized
 
     made = {}
     for name in names:
+        method, _, strategy = name.rpartition("-")
+        if method in FP8_METHODS:
+            made[f"{name} (RTN)"] = out / name
+            write_quantized(base, out / name, Scheme(method, fp8_weights=strategy))
+            continue
         parts = name.split("-")
         method = "compressed-tensors" if name.startswith("compressed-tensors") else parts[0]
         rest = name.removeprefix(method + "-").split("-")
@@ -128,24 +158,30 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/asyncengine-q1"))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--fp8", action="store_true", help="add the base quantized to FP8 at load")
     args = ap.parse_args()
     if args.base is None:
         from models.default_model import default_model_dir
 
         args.base = default_model_dir()
-    models = {"16-bit": args.base}
+    # name -> (directory, quantization=, weight-only FP8 reference)
+    models: dict[str, tuple[Path, str | None, bool]] = {"16-bit": (args.base, None, False)}
     for item in args.checkpoint:
         name, _, path = item.partition("=")
-        models[name] = Path(path)
+        models[name] = (Path(path), None, name.endswith("W8A16"))
+    if args.fp8:
+        models["fp8 at load, W8A8 (per-token)"] = (args.base, "fp8", False)
+        models["fp8 at load, W8A16"] = (args.base, "fp8", True)
     if args.rtn:
-        models.update(rtn_checkpoints(args.base, args.rtn.split(","), args.out))
+        for name, path in rtn_checkpoints(args.base, args.rtn.split(","), args.out).items():
+            models[name] = (path, None, False)
     tokens = eval_tokens(args.base)
     prompts = prompts_from(tokens)
     rows = []
     base_ppl, base_out = None, None
-    for name, path in models.items():
-        ppl = perplexity(path, tokens, args.window)
-        out = greedy(path, prompts, args.max_tokens)
+    for name, (path, quantization, weight_only) in models.items():
+        ppl = perplexity(path, tokens, args.window, quantization, weight_only)
+        out = greedy(path, prompts, args.max_tokens, quantization, weight_only)
         base_ppl, base_out = base_ppl or ppl, base_out or out
         row = {"model": name, "perplexity": round(ppl, 3),
                "ppl_increase": round(ppl / base_ppl - 1, 4),

@@ -118,6 +118,16 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
+def use_weight_only_reference(model: nn.Module) -> None:
+    """Plan every FP8 layer of `model` on the weight-only (W8A16) reference: the numbers of
+    the GEMV, which serves 1-16 rows on a GPU (the CPU's default is the W8A8 reference)."""
+    for m in model.modules():
+        qc = getattr(m, "quant_config", None)
+        if qc is not None and qc.is_fp8:
+            entry = PlanEntry(Fp8DequantMatmul(quantize_input=False), input=m.input_transform)
+            m.set_plan(MatmulPlan((entry,)))
+
+
 def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
     """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
     kinds: list[MatmulKind] = [Fp8DequantMatmul(), Fp8ScaledMM()]
