@@ -137,12 +137,14 @@ def _write_fp8(prefix: str, module: str, w: torch.Tensor, s: Scheme,
                packed: dict[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
     """Write one FP8 layer into `packed`; returns its dequantized weight."""
     q, scale = fp8_rtn(w, s.method == "fp8-online" or s.fp8_weights == "channel")
+    if s.method == "ct-fp8":  # stored in the model's dtype: the oracle uses the stored value
+        scale = scale.to(w.dtype).float()
     deq = (q.float() * scale).to(w.dtype)
     if s.method == "fp8-online":
         packed[prefix + ".weight"] = w
         return deq
     stored = 1 / scale if s.mistake == "fp8_inverse" else scale
-    if s.method == "ct-fp8":  # compressed-tensors writes scales in the model's dtype, [1] or [N, 1]
+    if s.method == "ct-fp8":  # compressed-tensors: [1] or [N, 1], in the model's dtype
         stored = stored.reshape(-1, 1) if s.fp8_weights == "channel" else stored.reshape(1)
         stored = stored.to(w.dtype)
     packed[prefix + ".weight"] = q
