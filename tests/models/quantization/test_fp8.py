@@ -316,3 +316,36 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
     down.set_plan(MatmulPlan((fp8_entry(gemm, None, InputTransform.SILU_AND_MUL),)))
     want = MatmulPlan((PlanEntry(Fp8DequantMatmul(), input=InputTransform.SILU_AND_MUL),))
     torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "scheme", [Scheme("ct-fp8"), Scheme("fp8", fp8_weights="tensor", activation="static"),
+               Scheme("fp8-online")], ids=lambda s: s.name,
+)  # fmt: skip
+def test_gpu_engine_serves_fp8(quantized: Make, scheme: Scheme) -> None:
+    """bf16 on the GPU, tuned plans and CUDA graphs: every linear layer runs an FP8 kind, and
+    the first greedy token of each prompt is HF's on the dequantized weights or one whose HF
+    logit is within the W8A8 bound of the CPU test (10 % of the logits' range: the tiny
+    random model's logits are close together)."""
+    qdir, oracle = quantized(scheme)
+    prompts = [[5, 9, 33, 2, 7, 100, 3], list(range(40, 80)), [17, 18]]
+    llm = LLM(str(qdir), dtype="bfloat16", device="cuda", max_num_seqs=4,
+              quantization=_requested(scheme))  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        firsts = [o.outputs[0].token_ids[0] for o in outs]
+        kinds = {e.kind.name for m in llm.llm_engine.runner.model.modules()
+                 if getattr(m, "quant_config", None) for e in m.plan.entries}  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert kinds and all(k.startswith("fp8") for k in kinds)
+    for prompt, token in zip(prompts, firsts, strict=True):
+        logits = hf_logits(oracle, prompt)[-1]
+        margin = 0.10 * float(logits.abs().max())
+        assert float(logits[token]) >= float(logits.max()) - margin, (token, int(logits.argmax()))
