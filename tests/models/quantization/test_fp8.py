@@ -140,6 +140,16 @@ def test_online_quantization_is_per_output_channel(tiny_src: Path) -> None:
     assert getattr(model.lm_head, "quant_config", None) is None
 
 
+def test_dummy_weights_are_finite_e4m3_of_the_16_bit_dummys_size(tiny_src: Path) -> None:
+    cfg = ModelConfig.from_dir(tiny_src, "fp8")
+    model = load_model(tiny_src, cfg, dtype=torch.float32, device=torch.device("cpu"),
+                       load_format="dummy")  # fmt: skip
+    layer = model.model.layers[0].self_attn.qkv_proj
+    w = fp8_dense_weight(layer.qweight, layer.scales, torch.float32)
+    assert layer.qweight.dtype == torch.float8_e4m3fn and bool(torch.isfinite(w).all())
+    assert 0.01 < float(w.abs().max()) <= 0.02 and float(w.std()) > 0.005
+
+
 def test_fused_shards_with_different_per_tensor_scales_keep_each_scale(quantized: Make) -> None:
     qdir, _ = quantized(Scheme("fp8", fp8_weights="tensor", activation="static"))
     tensors = load_file(str(qdir / "model.safetensors"))
@@ -290,6 +300,10 @@ def _layers(quantized: Make) -> dict[str, torch.nn.Module]:
 def test_the_kinds_agree_with_their_reference(quantized: Make) -> None:
     layer = _layers(quantized)["down"]
     x = torch.randn(7, layer.in_features, generator=torch.Generator().manual_seed(0))
+    static_dir, _ = quantized(Scheme("fp8", fp8_weights="tensor", activation="static"))
+    static = _load(static_dir).model.layers[0].mlp.down_proj
+    assert static.input_scale is not None
+    assert agrees_with_reference(Fp8TritonGemm(Fp8GemmConfig(16, 32, 32, 4, 1)), static, x, None)
     assert agrees_with_reference(Fp8TritonGemm(Fp8GemmConfig(16, 32, 32, 4, 1)), layer, x, None)
     assert agrees_with_reference(Fp8Gemv(Fp8GemvConfig(16, 32)), layer, x, None)
     assert agrees_with_reference(Fp8ScaledMM(), layer, x.bfloat16(), None)
