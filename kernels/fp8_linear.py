@@ -333,10 +333,22 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
 
 
 @triton.jit
+def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
+    """The GEMV's input at row offsets `rows` (int64) and columns kk; GATED: x holds
+    [gate, up] and this is silu(gate) * up, rounded to x's dtype as `silu_and_mul` rounds."""
+    x = tl.load(x_ptr + rows + kk, mask=mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + rows + K + kk, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, K_PER_SPLIT,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
     once and serves every row of x."""
@@ -353,24 +365,24 @@ def _fp8_gemv_kernel(
             kk = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
-                x = tl.load(x_ptr + kk)
+                x = _gemv_x(x_ptr, 0, kk, kk < k_end, K, GATED)
             else:
                 k_mask = kk < k_end
                 w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                             other=0.0)  # fmt: skip
-                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+                x = _gemv_x(x_ptr, 0, kk, k_mask, K, GATED)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
+        x_rows = offs_m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
             k_mask = kk < k_end
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            x = _gemv_x(x_ptr, x_rows, kk[None, :], m_mask[:, None] & k_mask[None, :], K, GATED)
             # e4m3 values are exact in 16-bit floats: the tensor cores see the weight as is.
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     offs_m = tl.arange(0, BLOCK_M)
@@ -384,10 +396,13 @@ def _fp8_gemv_kernel(
 def fp8_gemv(
     x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None = None, config: Fp8GemvConfig = Fp8GemvConfig(),
+    *, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, K] (16-bit) -> x W^T (+ b) [M, N] in x's dtype, the weight-only
-    `fp8_linear_ref(..., quantize_input=False)`."""
-    m, k = x.shape
+    `fp8_linear_ref(..., quantize_input=False)`. gated: x is [M, 2K] holding [gate, up], and
+    the product is taken with silu(gate) * up (the MLP's down projection, without a separate
+    activation kernel)."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[0]
     if m > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {m}")
@@ -408,7 +423,7 @@ def fp8_gemv(
     _fp8_gemv_kernel[grid](
         x, qweight, w_scale, bias if fused_bias else out, out, m, n, k, x.stride(0),
         qweight.stride(0), per_split, HAS_BIAS=fused_bias, EVEN_K=k % per_split == 0
-        and per_split % config.block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+        and per_split % config.block_k == 0, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split == 1:

@@ -14,7 +14,8 @@ the layer.
 Kinds: `Fp8DequantMatmul` (the torch reference: the CPU path and the oracle, W8A8 or weight-
 only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quantized per
 token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
-RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows).
+RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows; it
+forms a SiLU-and-mul input itself).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def default_fp8_plan(layer: nn.Module) -> MatmulPlan:
     gemm: MatmulKind = (Fp8ScaledMM() if scaled_mm_fits(layer.out_features, layer.in_features)
                         else Fp8TritonGemm(Fp8GemmConfig()))  # fmt: skip
     return MatmulPlan((
-        PlanEntry(Fp8Gemv(Fp8GemvConfig()), FP8_GEMV_MAX_ROWS, declared),
+        fp8_entry(Fp8Gemv(Fp8GemvConfig()), FP8_GEMV_MAX_ROWS, declared),
         fp8_entry(gemm, None, declared),
     ))  # fmt: skip
 
@@ -221,13 +222,18 @@ class Fp8Gemv(MatmulKind):
     config: Fp8GemvConfig
     name: ClassVar[str] = "fp8 Triton GEMV (W8A16)"
     max_rows: ClassVar[int | None] = FP8_GEMV_MAX_ROWS
+    # SiLU-and-mul is elementwise: each program forms its K range of the input itself.
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL}
+    )
     reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=False)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        return fp8_gemv(x.contiguous(), layer.qweight, layer.scales, bias, self.config)
+        return fp8_gemv(x.contiguous(), layer.qweight, layer.scales, bias, self.config,
+                        gated=gated)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"

@@ -143,6 +143,17 @@ def test_gemv_is_the_weight_only_product(dtype: torch.dtype) -> None:
         fp8_gemv(torch.randn(17, 200).to(dtype), q, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_forms_a_gated_input_as_silu_and_mul_rounds_it(dtype: torch.dtype) -> None:
+    _, q, scale = _weight(40, 96)
+    for rows in (1, 5):
+        gated = torch.randn(rows, 192).to(dtype)
+        want = fp8_linear_ref(silu_and_mul_ref(gated), q, scale, quantize_input=False)
+        for cfg in (Fp8GemvConfig(8, 32), Fp8GemvConfig(16, 64, split_k=2)):
+            got = fp8_gemv(gated, q, scale, None, cfg, gated=True)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize(("n", "k"), LLAMA_SHAPES)

@@ -330,6 +330,12 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
     down.set_plan(MatmulPlan((fp8_entry(gemm, None, InputTransform.SILU_AND_MUL),)))
     want = MatmulPlan((PlanEntry(Fp8DequantMatmul(), input=InputTransform.SILU_AND_MUL),))
     torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
+    # The weight-only GEMV takes the [gate, up] input too.
+    gemv = fp8_entry(Fp8Gemv(Fp8GemvConfig(16, 32)), 16, InputTransform.SILU_AND_MUL)
+    down.set_plan(MatmulPlan((gemv, fp8_entry(gemm, None, InputTransform.SILU_AND_MUL))))
+    assert down.plan.entries[0].fuse_input
+    want = MatmulPlan((PlanEntry(Fp8DequantMatmul(False), input=InputTransform.SILU_AND_MUL),))
+    torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
