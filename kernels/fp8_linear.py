@@ -16,7 +16,9 @@ matmul, cast):
 - `fp8_gemm`: a Triton `tl.dot` GEMM on the two fp8 operands with the same epilogue;
 - `fp8_gemv`: weight-only (W8A16) for 1-16 rows: e4m3 weights converted to the activation
   dtype in registers, fp32 sums, the row scale in the epilogue; no activation rounding,
-  which is both cheaper at these sizes and more accurate.
+  which is both cheaper at these sizes and more accurate. It can take a [gate, up] input
+  (SiLU-and-mul in its prologue) and, for one row, `fp8_rms_norm_gemv` forms the residual
+  add and RMSNorm in its prologue with `kernels.gemv`'s own input helpers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import next_power_of_2, tl, triton
+from kernels.gemv import _load_x, _row_rstd
 
 __all__ = [
     "FP8_DTYPE",
@@ -39,6 +42,7 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_candidates",
     "fp8_linear_ref",
+    "fp8_rms_norm_gemv",
     "fp8_scaled_mm",
     "quantize_rows",
     "quantize_rows_ref",
@@ -346,12 +350,15 @@ def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, K_PER_SPLIT,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N, K,
+    stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
-    once and serves every row of x."""
+    once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
+    `kernels.gemv` forms it (SiLU-and-mul, or the residual add and RMSNorm, each program
+    taking the row's rstd itself)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -360,18 +367,22 @@ def _fp8_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     if BLOCK_M == 1:
+        rstd = 0.0
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
-                x = _gemv_x(x_ptr, 0, kk, kk < k_end, K, GATED)
             else:
                 k_mask = kk < k_end
                 w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                             other=0.0)  # fmt: skip
-                x = _gemv_x(x_ptr, 0, kk, k_mask, K, GATED)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            # Columns past this split's end meet zero weights; past K, x is zero.
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                        HAS_RESIDUAL)  # fmt: skip
+            acc2 += w.to(tl.float32) * x[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         offs_m = tl.arange(0, BLOCK_M)
@@ -402,10 +413,39 @@ def fp8_gemv(
     `fp8_linear_ref(..., quantize_input=False)`. gated: x is [M, 2K] holding [gate, up], and
     the product is taken with silu(gate) * up (the MLP's down projection, without a separate
     activation kernel)."""
+    return _fp8_gemv(x, qweight, w_scale, bias, config, gated=gated)[0]
+
+
+def fp8_rms_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    config: Fp8GemvConfig = Fp8GemvConfig(),
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """rms_norm(x + residual) W^T (+ b) for one row x [1, K] in one kernel, rounded as the
+    separate `fused_add_rms_norm` then `fp8_gemv` would round it. Returns (y [1, N], the new
+    residual x + residual, or x itself without a residual)."""
+    k = qweight.shape[1]
+    if x.shape != (1, k) or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"fp8_rms_norm_gemv needs x [1, {k}] and a [{k}] norm weight in "
+                         f"x's dtype, got x {tuple(x.shape)}")  # fmt: skip
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must match x in shape and dtype")
+    y, res_out = _fp8_gemv(x, qweight, w_scale, bias, config,
+                           norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
+    return y, res_out if res_out is not None else x
+
+
+def _fp8_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+    config: Fp8GemvConfig, *, gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[0]
     if m > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {m}")
+    if norm is not None and m != 1:
+        raise ValueError(f"the fused RMSNorm takes one row, got {m}")
     if qweight.shape[1] != k or x.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError(f"fp8_gemv needs x [M, {qweight.shape[1]}] and a weight with "
                          f"contiguous rows, got x {tuple(x.shape)}")  # fmt: skip
@@ -416,22 +456,28 @@ def fp8_gemv(
     split = triton.cdiv(k, per_split)
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype,
                       device=x.device)  # fmt: skip
+    res_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
-        return out[0]
+        return out[0], res_out
     grid = (triton.cdiv(n, block_n), split)
     fused_bias = bias is not None and split == 1
+    norm_w, eps = norm if norm is not None else (out, 0.0)
     _fp8_gemv_kernel[grid](
-        x, qweight, w_scale, bias if fused_bias else out, out, m, n, k, x.stride(0),
-        qweight.stride(0), per_split, HAS_BIAS=fused_bias, EVEN_K=k % per_split == 0
-        and per_split % config.block_k == 0, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        x, qweight, w_scale, bias if fused_bias else out, out,
+        residual if residual is not None else x, norm_w, res_out if res_out is not None else x,
+        float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, HAS_BIAS=fused_bias,
+        EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     if split == 1:
-        return out[0]
+        return out[0], res_out
     y = out.sum(0)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype), res_out
 
 
 def fp8_dense_weight(qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype

@@ -15,7 +15,8 @@ Kinds: `Fp8DequantMatmul` (the torch reference: the CPU path and the oracle, W8A
 only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quantized per
 token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
 RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows; it
-forms a SiLU-and-mul input itself).
+forms a SiLU-and-mul input itself) with `Fp8RowGemv`, its one-row form that also forms an
+RMSNorm input.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kernels.fp8_linear import (
     fp8_gemv,
     fp8_gemv_candidates,
     fp8_linear_ref,
+    fp8_rms_norm_gemv,
     fp8_scaled_mm,
     quantize_rows,
     scaled_mm_fits,
@@ -96,7 +98,8 @@ def default_fp8_plan(layer: nn.Module) -> MatmulPlan:
     gemm: MatmulKind = (Fp8ScaledMM() if scaled_mm_fits(layer.out_features, layer.in_features)
                         else Fp8TritonGemm(Fp8GemmConfig()))  # fmt: skip
     return MatmulPlan((
-        fp8_entry(Fp8Gemv(Fp8GemvConfig()), FP8_GEMV_MAX_ROWS, declared),
+        fp8_entry(Fp8RowGemv(Fp8GemvConfig()), 1, declared),
+        fp8_entry(Fp8Gemv(Fp8GemvConfig(16, 256)), FP8_GEMV_MAX_ROWS, declared),
         fp8_entry(gemm, None, declared),
     ))  # fmt: skip
 
@@ -133,8 +136,9 @@ def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
     """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
     kinds: list[MatmulKind] = [Fp8DequantMatmul(), Fp8ScaledMM()]
     kinds += [Fp8TritonGemm(c) for c in fp8_gemm_candidates()]
+    gemv = Fp8RowGemv if rows == 1 else Fp8Gemv
     if rows <= FP8_GEMV_MAX_ROWS:
-        kinds += [Fp8Gemv(c) for c in fp8_gemv_candidates(rows)]
+        kinds += [gemv(c) for c in fp8_gemv_candidates(rows)]
     return kinds
 
 
@@ -237,3 +241,23 @@ class Fp8Gemv(MatmulKind):
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class Fp8RowGemv(Fp8Gemv):
+    """`Fp8Gemv` for one row, which can also form an RMSNorm input in its prologue
+    (`kernels.fp8_linear.fp8_rms_norm_gemv`): a decode step of one sequence then runs no
+    norm kernel before q/k/v and gate/up."""
+
+    name: ClassVar[str] = "fp8 Triton row GEMV (W8A16)"
+    max_rows: ClassVar[int | None] = 1
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL, InputTransform.RMS_NORM}
+    )
+
+    def apply_normed(
+        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm,
+        bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return fp8_rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
+                                 layer.scales, bias, self.config)  # fmt: skip

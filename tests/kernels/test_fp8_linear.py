@@ -20,6 +20,7 @@ from kernels.fp8_linear import (
     fp8_gemv,
     fp8_gemv_candidates,
     fp8_linear_ref,
+    fp8_rms_norm_gemv,
     fp8_scaled_mm,
     quantize_rows,
     quantize_rows_ref,
@@ -154,6 +155,24 @@ def test_gemv_forms_a_gated_input_as_silu_and_mul_rounds_it(dtype: torch.dtype) 
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_gemv_forms_the_normed_input_as_the_separate_kernels_round_it(dtype: torch.dtype
+                                                                          ) -> None:  # fmt: skip
+    _, q, scale = _weight(40, 96)
+    norm_w = (torch.rand(96) + 0.5).to(dtype)
+    x, residual = torch.randn(1, 96).to(dtype), torch.randn(1, 96).to(dtype)
+    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    want = fp8_linear_ref(h, q, scale, quantize_input=False)
+    for cfg in (Fp8GemvConfig(8, 32), Fp8GemvConfig(16, 64, split_k=2)):
+        got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, cfg)
+        torch.testing.assert_close(new_residual, want_residual)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    got, same = fp8_rms_norm_gemv(x, None, norm_w, 1e-5, q, scale)
+    assert same is x
+    want = fp8_linear_ref(rms_norm_ref(x, norm_w, 1e-5), q, scale, quantize_input=False)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize(("n", "k"), LLAMA_SHAPES)
@@ -177,6 +196,12 @@ def test_gpu_llama_shapes_match_reference(n: int, k: int) -> None:
             for gcfg in fp8_gemv_candidates(rows):
                 got = fp8_gemv(x, q, scale, None, gcfg)
                 assert float((got.float() - want).abs().max()) <= tol, gcfg
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = fp8_linear_ref(rms_norm_ref(x, norm_w, 1e-5), q, scale, quantize_input=False).float()
+    for gcfg in fp8_gemv_candidates(1):
+        got, _ = fp8_rms_norm_gemv(x, None, norm_w, 1e-5, q, scale, None, gcfg)
+        assert float((got.float() - want).abs().max()) <= 1e-2 * float(want.abs().max()), gcfg
 
 
 @pytest.mark.gpu

@@ -312,10 +312,17 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
 def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Timings favouring the weight-only GEMV up to 8 rows (its one-row configs differ from
-    its 2-16-row ones), the Triton GEMM up to 64 and cuBLASLt past it give that plan; the
-    W8A8 entries of a layer with an RMSNorm input form it in their activation quantization."""
-    from models.quantization.fp8 import Fp8DequantMatmul, Fp8Gemv, Fp8ScaledMM, Fp8TritonGemm
+    """Timings favouring the weight-only GEMV up to 8 rows (its one-row form and configs
+    differ from its 2-16-row ones), the Triton GEMM up to 64 and cuBLASLt past it give that
+    plan; the W8A8 entries and the one-row GEMV of a layer with an RMSNorm input form it
+    themselves."""
+    from models.quantization.fp8 import (
+        Fp8DequantMatmul,
+        Fp8Gemv,
+        Fp8RowGemv,
+        Fp8ScaledMM,
+        Fp8TritonGemm,
+    )
 
     def fake_times(kinds, x, pairs, reps, low_rows=1):  # type: ignore[no-untyped-def]
         assert x.dtype == torch.float32  # the layers' activation dtype, not the scales'
@@ -338,10 +345,11 @@ def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
     plans, timings = tuning.plan_quantized_linears(model, device_type="cpu")
     entries = plans[model["a"]].entries
     assert [e.max_rows for e in entries] == [1, 8, 64, None]
-    assert [type(e.kind) for e in entries] == [Fp8Gemv, Fp8Gemv, Fp8TritonGemm, Fp8ScaledMM]
+    assert [type(e.kind) for e in entries] == [Fp8RowGemv, Fp8Gemv, Fp8TritonGemm, Fp8ScaledMM]
     normed = plans[model["c"]].entries
     assert all(e.input is InputTransform.RMS_NORM for e in normed)
-    assert [e.fuse_input for e in normed] == [False, False, True, True]
+    # The one-row GEMV and the W8A8 GEMMs form the normed input themselves.
+    assert [e.fuse_input for e in normed] == [True, False, True, True]
     assert set(timings) == {(64, 128), (96, 64)}
 
 

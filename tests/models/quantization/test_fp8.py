@@ -24,6 +24,7 @@ from models.quantization import fp8
 from models.quantization.fp8 import (
     Fp8DequantMatmul,
     Fp8Gemv,
+    Fp8RowGemv,
     Fp8ScaledMM,
     Fp8TritonGemm,
     fp8_entry,
@@ -326,6 +327,14 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
     h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, norm.eps)
     torch.testing.assert_close(new_residual, want_residual)
     torch.testing.assert_close(got, Fp8DequantMatmul().apply(qkv, h, None), atol=1e-4, rtol=1e-4)
+    # One row: the weight-only row GEMV forms it in its prologue.
+    row = fp8_entry(Fp8RowGemv(Fp8GemvConfig(8, 32)), 1, InputTransform.RMS_NORM)
+    qkv.set_plan(MatmulPlan((row, fp8_entry(gemm, None, InputTransform.RMS_NORM))))
+    assert qkv.plan.entries[0].fuse_input
+    got, new_residual = qkv.forward_normed(x[:1], residual[:1], norm)
+    torch.testing.assert_close(new_residual, want_residual[:1])
+    torch.testing.assert_close(got, Fp8DequantMatmul(False).apply(qkv, h[:1], None),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
     gated = torch.randn(5, 2 * down.in_features, generator=gen)
     down.set_plan(MatmulPlan((fp8_entry(gemm, None, InputTransform.SILU_AND_MUL),)))
     want = MatmulPlan((PlanEntry(Fp8DequantMatmul(), input=InputTransform.SILU_AND_MUL),))
