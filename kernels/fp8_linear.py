@@ -328,6 +328,9 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
             Fp8GemvConfig(4, 512), Fp8GemvConfig(4, 1024, num_stages=3), Fp8GemvConfig(8, 512),
             Fp8GemvConfig(8, 1024, num_stages=3), Fp8GemvConfig(16, 512, num_warps=8),
             Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(8, 512, split_k=2),
+            # A byte per weight: twice the K of a 16-bit tile for the same bytes in flight.
+            Fp8GemvConfig(4, 2048, num_warps=8, num_stages=3),
+            Fp8GemvConfig(8, 1024, num_warps=8, num_stages=3),
         ]  # fmt: skip
     return [
         Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(32, 128),
