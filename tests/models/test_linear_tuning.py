@@ -239,7 +239,7 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     it give a three-entry plan; RMSNorm inputs keep their declared transform."""
     from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
 
-    def fake_times(kinds, x, pairs, reps, low_rows=1):  # type: ignore[no-untyped-def]
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         rows = x.shape[0]
 
         def ms(kind: object) -> float:
@@ -324,7 +324,7 @@ def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
         Fp8TritonGemm,
     )
 
-    def fake_times(kinds, x, pairs, reps, low_rows=1):  # type: ignore[no-untyped-def]
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         assert x.dtype == torch.float32  # the layers' activation dtype, not the scales'
         rows = x.shape[0]
 
@@ -376,3 +376,21 @@ def test_gpu_fp8_layers_are_tuned_and_stay_correct() -> None:
         weight_only = "GEMV" in normed.plan.entry_for(rows).kind.name
         want = fp8_linear_ref(n, normed.qweight, normed.scales, quantize_input=not weight_only)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
+    """An RMSNorm layer's kinds are timed on rms_norm(x + residual): formed by the W8A8
+    kind's activation quantization, by a norm kernel before the reference; both compute
+    the same product."""
+    from kernels.fp8_linear import Fp8GemmConfig
+    from models.quantization.fp8 import Fp8DequantMatmul, Fp8TritonGemm
+
+    model = _fp8_model("cpu", torch.float32)
+    layer = model["c"]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    call = tuning._declared_input(x, InputTransform.RMS_NORM)
+    fused = call(Fp8TritonGemm(Fp8GemmConfig(16, 32, 32, 4, 1)), layer, None)
+    unfused = call(Fp8DequantMatmul(), layer, None)
+    torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
+    plain = tuning._declared_input(x, InputTransform.NONE)(Fp8DequantMatmul(), layer, None)
+    assert not torch.allclose(plain, unfused)
