@@ -6,8 +6,11 @@
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
 - CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
-  Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; each row range
-  takes the fastest that agrees with the reference.
+  kinds of the layer's format (`models.quantization.kinds.tuning_kinds`: for integer
+  weights the Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; for
+  FP8 the weight-only GEMV, cuBLASLt's `_scaled_mm` and the Triton GEMM), each timed with
+  the layer's input transform where its plan entry would apply it; each row range takes
+  the fastest that agrees with its reference.
 
 `plan_*` return the plans per layer; `tune_*` hand each layer its plan. A layer keeps the
 library unless the alternative is clearly faster, so a wrong guess costs nothing but the
@@ -17,12 +20,13 @@ tuning time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from kernels.activation import silu_and_mul
 from kernels.cpu_linear import (
     PACKED_MAX_ROWS,
     cpu_packing_available,
@@ -30,8 +34,7 @@ from kernels.cpu_linear import (
     time_packed_against_blas,
 )
 from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
-from kernels.quant_linear import quant_gemm_candidates, quant_gemv_candidates
-from models.layers import LinearBase, RowParallelLinear
+from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
     Blas,
     CpuPacked,
@@ -43,13 +46,7 @@ from models.matmul_plan import (
     PlannedMatmul,
     TritonGemv,
 )
-from models.quantization.kinds import (
-    QUANT_GEMV_MAX_ROWS,
-    DequantMatmul,
-    QuantTritonGemm,
-    QuantTritonGemv,
-    agrees_with_reference,
-)
+from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference, tuning_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -185,17 +182,15 @@ def plan_quantized_linears(
             groups.setdefault(key, []).append(m)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    for (n, k, _, group, has_bias, declared, _), layers in groups.items():
+    for (n, k, _, _, has_bias, declared, _), layers in groups.items():
         first = layers[0]
         pairs = [(m, m.bias if has_bias else None) for m in layers]
-        gemms = [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
-        gemvs = [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
         best: list[MatmulKind] = []
         for i, rows in enumerate(ladder):
             low_rows = ladder[i - 1] + 1 if i else 1
-            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.scales.dtype)
-            kinds = [DequantMatmul(), *gemms, *(gemvs if rows <= QUANT_GEMV_MAX_ROWS else [])]
-            row_times = _time_kinds(kinds, x, pairs, reps, low_rows)
+            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.params_dtype)
+            kinds = tuning_kinds(first, rows)
+            row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
             # No kind agreeing (a non-finite reference) leaves the reference planned.
             fastest = (min(row_times, key=row_times.__getitem__) if row_times
                        else kinds[0].describe())  # fmt: skip
@@ -205,7 +200,10 @@ def plan_quantized_linears(
         for i, (rows, kind) in enumerate(zip(ladder, best, strict=True)):
             if i + 1 < len(best) and best[i + 1] == kind:
                 continue  # the next row range runs the same kernel: one entry serves both
-            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared))
+            # A kind that can form the declared input itself (FP8's activation quantization
+            # with RMSNorm or SiLU-and-mul) does, saving a kernel.
+            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared,
+                                     fuse_input=declared in kind.fusable_inputs))  # fmt: skip
         plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
     return plans, timings
 
@@ -213,14 +211,17 @@ def plan_quantized_linears(
 def _time_kinds(
     kinds: Sequence[MatmulKind], x: torch.Tensor,
     pairs: list[tuple[LinearBase, torch.Tensor | None]], reps: int,
-    low_rows: int = 1,
+    low_rows: int = 1, *, declared: InputTransform = InputTransform.NONE,
 ) -> dict[str, float]:  # fmt: skip
     """Milliseconds per layer of each kind over `pairs` (layer, bias) at input x; a kind
     counts only if it agrees with the dequantize-then-matmul reference on every layer, at
     x's rows and at `low_rows` (the fewest rows of the range it would serve: a partial
-    tile there can fail where a full one does not)."""
+    tile there can fail where a full one does not). A layer whose input needs RMSNorm or
+    SiLU-and-mul (`declared`) is timed with it: inside the kind where the kind forms it,
+    else as its own kernel before, as the plan will run it."""
     times: dict[str, float] = {}
     checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
+    timed_input = _declared_input(x, declared)
     for kind in kinds:
         try:
             if not all(agrees_with_reference(kind, m, xs, b) for m, b in pairs
@@ -231,13 +232,41 @@ def _time_kinds(
 
             def call(m: LinearBase, b: torch.Tensor | None, kind: MatmulKind = kind
                      ) -> torch.Tensor:  # fmt: skip
-                return kind.apply(m, x, b)
+                return timed_input(kind, m, b)
 
             with torch.inference_mode():
                 times[kind.describe()] = graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
         except Exception:  # a config this GPU cannot run (resources): skip it
             continue
     return times
+
+
+def _declared_input(
+    x: torch.Tensor, declared: InputTransform
+) -> Callable[[MatmulKind, LinearBase, torch.Tensor | None], torch.Tensor]:
+    """A call of a kind on the input a `declared` layer receives, formed where a plan
+    holding that kind forms it: in the kind if it can (`MatmulKind.fusable_inputs`), else by
+    a kernel of its own before it."""
+    if declared is InputTransform.NONE:
+        return lambda kind, m, b: kind.apply(m, x, b)
+    if declared is InputTransform.SILU_AND_MUL:
+        pair = torch.cat([x, x], dim=1)  # [gate, up]
+
+        def gated(kind: MatmulKind, m: LinearBase, b: torch.Tensor | None) -> torch.Tensor:
+            if declared in kind.fusable_inputs:
+                return kind.apply(m, pair, b, gated=True)
+            return kind.apply(m, silu_and_mul(pair), b)
+
+        return gated
+    norm = RMSNorm(x.shape[1], 1e-5).to(x.device, x.dtype)
+    residual = torch.randn_like(x)
+
+    def normed(kind: MatmulKind, m: LinearBase, b: torch.Tensor | None) -> torch.Tensor:
+        if declared in kind.fusable_inputs:
+            return kind.apply_normed(m, x, residual, norm, b)[0]
+        return kind.apply(m, norm(x, residual)[0], b)
+
+    return normed
 
 
 def tune_decode_gemvs(

@@ -102,6 +102,13 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         elif name.endswith(".weight_scale"):
             levels = 1 << _owner(model, name).quant_config.bits
             param.data.fill_(0.04 / levels)
+        elif param.dtype == torch.float8_e4m3fn:
+            # e4m3 values in +-levels / 2: with the scale above, the 16-bit dummy's magnitude.
+            # Drawn in float32 and converted (torch draws no fp8 values).
+            levels = 1 << _owner(model, name).quant_config.bits
+            drawn = torch.empty(param.shape, device=param.device).uniform_(-levels / 2, levels / 2,
+                                                                           generator=gen)
+            param.data.copy_(drawn)
         elif not param.dtype.is_floating_point:  # quantized values
             levels = 1 << _owner(model, name).quant_config.bits
             param.data.random_(0, levels, generator=gen)

@@ -7,8 +7,12 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py            # all kernels
     python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
+    python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
 
-Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes.
+Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes. FP8
+rows count the e4m3 weights, float32 scales, x and y; the W8A8 GEMMs' TFLOP/s are also given
+against the H200's dense FP8 peak (1979), and each GEMM row names the rows' activation
+quantization time separately (`quant_ms`) from the GEMM's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM_GBPS = 4250.0  # measured device-to-device copy rate of an H200
 BF16_TFLOPS = 787.5  # measured dense bf16 matmul rate of an H200
+FP8_TFLOPS = 1979.0  # the H200's published dense FP8 tensor-core rate
 WORKLOADS = {"W1": (32, 32), "W2": (32, 8)}  # (q heads, kv heads), head_dim 128
 HEAD_DIM, HIDDEN, BLOCK_SIZE = 128, 4096, 16
 INTERMEDIATE = {"W1": 11008, "W2": 14336}
@@ -374,6 +379,71 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) ->
                 emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
 
 
+FP8_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
+    from kernels.fp8_linear import (
+        fp8_gemm,
+        fp8_gemm_candidates,
+        fp8_gemv,
+        fp8_gemv_candidates,
+        fp8_scaled_mm,
+        quantize_rows,
+        quantize_weight_per_channel,
+    )
+
+    wbytes = n * k + 4 * n
+    # Enough distinct weights (as the layers are) that L2 serves none of the reads.
+    copies = max(4, math.ceil(512 * 2**20 / wbytes))
+    weights = []
+    for _ in range(copies):
+        q, scale = quantize_weight_per_channel(
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        )
+        weights.append((q, scale.view(-1)))
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def cycling(call: Callable[..., Any]) -> Callable[[], Any]:
+        turn = itertools.count()
+        return lambda: call(*weights[next(turn) % copies])
+
+    def row(case: dict[str, Any], impl: str, ms: float, nbytes: float, flops: float,
+            **extra: Any) -> None:  # fmt: skip
+        tflops = flops / ms / 1e9
+        emit("fp8", {**case, "impl": impl, **extra, "frac_fp8": round(tflops / FP8_TFLOPS, 3)},
+             ms, nbytes=nbytes, flops=flops)  # fmt: skip
+
+    for rows in FP8_ROWS:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        case, flops = {**shape, "rows": rows}, 2 * rows * n * k
+        nbytes = wbytes + 2 * rows * (n + k)
+        ms = bench(lambda x=x: torch.nn.functional.linear(x, dense))
+        emit("fp8", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k + 2 * rows * (n + k),
+             flops=flops)  # fmt: skip
+        quant_ms = bench(lambda x=x: quantize_rows(x))
+        xq, xs, _ = quantize_rows(x)
+        w8a8_bytes = wbytes + rows * (k + 4 + 2 * n)
+        ms = bench(cycling(lambda w, s, a=xq, b=xs: fp8_scaled_mm(a, b, w, s, None,
+                                                                  torch.bfloat16)))  # fmt: skip
+        row(case, "_scaled_mm", ms, w8a8_bytes, flops, quant_ms=round(quant_ms, 4))
+        for cfg in fp8_gemm_candidates():
+            call = lambda w, s, a=xq, b=xs, c=cfg: fp8_gemm(a, b, w, s, None, torch.bfloat16, c)  # noqa: E731
+            ms = bench(cycling(call))
+            row(case, f"triton {cfg}", ms, w8a8_bytes, flops, quant_ms=round(quant_ms, 4))
+        if rows <= 16:
+            for gcfg in fp8_gemv_candidates(rows):
+                ms = bench(cycling(lambda w, s, x=x, c=gcfg: fp8_gemv(x, w, s, None, c)))
+                row(case, f"triton {gcfg}", ms, nbytes, flops)
+
+
+def bench_fp8() -> None:
+    for wl in ("W1", "W2"):
+        for n, k in GEMV_SHAPES[wl]:
+            shape = {"workload": wl, "n": n, "k": k}
+            run_case("fp8", shape, _fp8_case, n=n, k=k)
+
+
 def bench_quant() -> None:
     for bits in (4, 8):
         for n, k in GEMV_SHAPES["W1"]:
@@ -384,7 +454,8 @@ def bench_quant() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--only", choices=["attention", "sweep", "elementwise", "sampling", "gemv", "quant"]
+        "--only",
+        choices=["attention", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8"],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
     parser.add_argument("--sweep-batches", default="1,4,8,16,32,64", help="decode sweep batches")
@@ -412,6 +483,8 @@ def main() -> None:
         bench_gemv()
     if args.only in (None, "quant"):
         bench_quant()
+    if args.only in (None, "fp8"):
+        bench_fp8()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
   python scripts/bench_throughput.py --workload l1 --system engine
   python scripts/bench_throughput.py --workload l1 --quantization gptq-int4
   python scripts/bench_throughput.py --workload w1 --kv-cache-dtype fp8
+  python scripts/bench_throughput.py --workload w2 --quantization fp8 --kv-cache-dtype fp8
 
 `--quantization` serves the dummy shape in a weight-only format (random codes, scales that
-give weights of the 16-bit dummy's magnitude); the floors then count the quantized bytes.
+give weights of the 16-bit dummy's magnitude), or with FP8 e4m3 weights (`fp8`: what
+`quantization="fp8"` makes of a 16-bit checkpoint: per-channel scales, per-token dynamic
+activations for the W8A8 GEMMs); the floors then count the quantized bytes.
 `--kv-cache-dtype fp8` stores the KV cache in e4m3 (scales 1.0, the dummy checkpoint has
 none): the pool holds twice the blocks and the floors count one byte per K/V element.
 
@@ -69,6 +72,8 @@ QUANT_SCHEMES: dict[str, dict[str, Any]] = {
                  "ignore": ["lm_head"], "config_groups": {"group_0": {
                      "targets": ["Linear"], "weights": {**_CT_WEIGHTS, "num_bits": 8,
                                                         "strategy": "channel"}}}},
+    # No quantization_config: the 16-bit dummy, quantized at load (`quantization="fp8"`).
+    "fp8": {},
 }  # fmt: skip
 PEAK_FLOPS = 787.5e12  # measured bf16 dense matmul on one H200
 PEAK_BW = 4.25e12  # measured device-to-device copy rate
@@ -94,7 +99,8 @@ def weight_bytes(shape: str, quantization: str | None = None) -> int:
     from models.config import ModelConfig
 
     c = SHAPES[shape]
-    cfg = ModelConfig.from_dict({**c, "quantization_config": QUANT_SCHEMES[quantization]})
+    cfg = ModelConfig.from_dict({**c, "quantization_config": QUANT_SCHEMES[quantization]},
+                                quantization_method(quantization))  # fmt: skip
     qc = cfg.quantization
     assert qc is not None
     h, inter, hd = c["hidden_size"], c["intermediate_size"], cfg.head_dim
@@ -103,7 +109,15 @@ def weight_bytes(shape: str, quantization: str | None = None) -> int:
     shapes = [(hd * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]), h), (h, h),
               (2 * inter, h), (h, inter)]  # fmt: skip
     groups = c["num_hidden_layers"] * sum(n * (k // qc.group_size_for(k)) for n, k in shapes)
+    # A bf16 scale and zero per group, or FP8's one float32 scale per output channel.
     return 2 * (params - linear) + linear * qc.bits // 8 + 2 * 2 * groups
+
+
+def quantization_method(quantization: str | None) -> str | None:
+    """The engine's `quantization=` for a --quantization choice."""
+    if quantization is None:
+        return None
+    return QUANT_SCHEMES[quantization].get("quant_method", quantization)
 
 
 def quantized_model_dir(shape: str, quantization: str) -> Path:
@@ -207,7 +221,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     engine_args = EngineArgs(
         model=str(model_dir),
         load_format="dummy",
-        quantization=None if quant is None else QUANT_SCHEMES[quant]["quant_method"],
+        quantization=quantization_method(quant),
         skip_tokenizer_init=True,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -3,13 +3,15 @@
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
 prefill tiles, each also over an FP8 (e4m3) KV cache, the tiled and whole-row GEMV forms,
-the int4/int8 weight-only GEMM and GEMV, the norm, rotary, KV-write and merge kernels) to a
+the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and activation quantization, the
+norm, rotary, KV-write and merge kernels) to a
 cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
 H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
-  python scripts/compile_kernels.py --only quant # the quantized matmuls only
+  python scripts/compile_kernels.py --only quant # the int4/int8 matmuls only
+  python scripts/compile_kernels.py --only fp8   # the FP8 kernels only
   python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
@@ -47,6 +49,11 @@ POINTER_TYPES = {
     "count_ptr": "*i32",
     "k_scale_ptr": "*fp32",
     "v_scale_ptr": "*fp32",
+    "xq_ptr": "*fp8e4nv",
+    "w8_ptr": "*fp8e4nv",
+    "xs_ptr": "*fp32",
+    "ws_ptr": "*fp32",
+    "in_scale_ptr": "*fp32",
 }
 # Variants with KV_FP8 on read and write an e4m3 cache.
 FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
@@ -108,6 +115,26 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=True, SPLIT_K=8, BLOCK_N=64, BLOCK_K=64), 4, 3),
     ("kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=False, SPLIT_K=4, BLOCK_N=64, BLOCK_K=32), 4, 3),
+    ("kernels.fp8_linear", "_fp8_gemm_kernel",
+     dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8, 3),
+    ("kernels.fp8_linear", "_fp8_gemm_kernel",
+     dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8), 4, 4),
+    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+     dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
+          BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 4, 4),
+    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+     dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, K_PAD=4096,
+          BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024), 4, 3),
+    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+     dict(HAS_BIAS=True, EVEN_K=False, GATED=True, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
+          BLOCK_M=16, BLOCK_N=32, BLOCK_K=256), 4, 4),
+    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+     dict(HAS_BIAS=False, EVEN_K=True, GATED=True, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
+          BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024), 4, 3),
+    ("kernels.fp8_linear", "_quantize_rows_kernel",
+     dict(GATED=False, NORM=True, HAS_RESIDUAL=True, STATIC=False, K_PAD=4096), 8, 1),
+    ("kernels.fp8_linear", "_quantize_rows_kernel",
+     dict(GATED=True, NORM=False, HAS_RESIDUAL=False, STATIC=True, K_PAD=16384), 16, 1),
     ("kernels.rms_norm", "_rms_norm_kernel",
      dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",

@@ -9,10 +9,17 @@ same text. Prints one JSON line per model and a markdown table (docs/quantizatio
   python scripts/eval_quant.py --checkpoint gptq-4=/path/to/gptq --checkpoint awq-4=/path/awq
   python scripts/eval_quant.py --rtn gptq-4-g64,awq-4-g64 --out /tmp/q1   # round-to-nearest
   python scripts/eval_quant.py --kv-cache-dtype fp8 --kv-scales one,tensor,head  # FP8 KV
+  python scripts/eval_quant.py --fp8 --rtn fp8-tensor                     # FP8 weights
 
 `--base` defaults to the embedded SmolLM2-135M. `--rtn` writes round-to-nearest checkpoints
 with the test-fixture writer (tests/quant_writers.py): an accuracy floor for the format's
 conventions, not what GPTQ or AWQ calibration reaches.
+
+`--fp8` adds the base model quantized at load (`quantization="fp8"`: per-channel e4m3
+weights) twice: on the CPU's W8A8 reference (activations rounded to e4m3 per token, as the
+GPU's GEMMs compute) and weight-only (W8A16, as the GPU's GEMV for 1-16 rows computes).
+`--rtn fp8-tensor` writes a vLLM-style FP8 checkpoint with one weight scale per tensor.
+A `--checkpoint` name ending in "W8A16" is evaluated weight-only.
 
 `--kv-cache-dtype fp8` adds, for the 16-bit model and each checkpoint, rows with the KV cache
 in e4m3 (everything else as in that model's own row; agreement is still against the 16-bit
@@ -139,14 +146,21 @@ def perplexity(
     window: int = 256,
     kv_cache_dtype: str = "auto",
     kv_scales: str = "one",
+    quantization: str | None = None,
+    weight_only: bool = False,
 ) -> float:
     """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..);
-    with `kv_cache_dtype="fp8"` through an e4m3 cache with `kv_scales` (KV_SCALE_MODES)."""
+    with `kv_cache_dtype="fp8"` through an e4m3 cache with `kv_scales` (KV_SCALE_MODES).
+    quantization: the engine's `quantization=`; weight_only: FP8 layers on the W8A16
+    reference."""
     from models.config import ModelConfig
     from models.loader import load_model
+    from models.quantization.fp8 import use_weight_only_reference
 
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(model_dir, quantization)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
+    if weight_only:
+        use_weight_only_reference(model)
     kv_dtype = torch.float32
     if kv_cache_dtype != "auto":
         kv_dtype = FP8
@@ -172,21 +186,30 @@ def greedy(
     kv_cache_dtype: str = "auto",
     kv_scales: str = "one",
     calibration: list[int] | None = None,
+    quantization: str | None = None,
+    weight_only: bool = False,
 ) -> list[list[int]]:
-    """Greedy continuations through the engine (CPU path), with the KV cache as asked."""
+    """Greedy continuations through the engine (CPU path), with the KV cache and weight
+    format as asked."""
     from asyncengine import LLM, SamplingParams
+    from models.quantization.fp8 import use_weight_only_reference
 
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-              kv_cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]  # fmt: skip
-    if kv_cache_dtype != "auto":
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)  # type: ignore[arg-type]  # fmt: skip
+    try:
         model = llm.llm_engine.runner.model
-        scales = kv_scales_for(model, kv_scales, calibration or [])
-        if scales is not None:
-            set_kv_scales(model, scales)
-        # Calibration ran the layers over caches of its own: bind the engine's again.
-        llm.llm_engine.runner.allocate_kv_cache(llm.llm_engine.pool.num_blocks, 0)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+        if weight_only:
+            use_weight_only_reference(model)
+        if kv_cache_dtype != "auto":
+            scales = kv_scales_for(model, kv_scales, calibration or [])
+            if scales is not None:
+                set_kv_scales(model, scales)
+            # Calibration ran the layers over caches of its own: bind the engine's again.
+            llm.llm_engine.runner.allocate_kv_cache(llm.llm_engine.pool.num_blocks, 0)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -208,11 +231,18 @@ def prompts_from(tokens: list[int], count: int = 8, length: int = 24) -> list[li
 
 def rtn_checkpoints(base: Path, names: list[str], out: Path) -> dict[str, Path]:
     """Round-to-nearest checkpoints named like gptq-4-g64, gptq-8-g64-sym, awq-4-g64,
-    compressed-tensors-4-g64 (sym implied) or compressed-tensors-8-channel."""
-    from tests.quant_writers import Scheme, write_quantized
+    compressed-tensors-4-g64 (sym implied), compressed-tensors-8-channel, or FP8 e4m3 with
+    dynamic activations: fp8-tensor (vLLM-style, a scale per tensor), ct-fp8-channel
+    (compressed-tensors float-quantized, a scale per channel)."""
+    from tests.quant_writers import FP8_METHODS, Scheme, write_quantized
 
     made = {}
     for name in names:
+        method, _, strategy = name.rpartition("-")
+        if method in FP8_METHODS:
+            made[f"{name} (RTN)"] = out / name
+            write_quantized(base, out / name, Scheme(method, fp8_weights=strategy))
+            continue
         parts = name.split("-")
         method = "compressed-tensors" if name.startswith("compressed-tensors") else parts[0]
         rest = name.removeprefix(method + "-").split("-")
@@ -239,6 +269,7 @@ def main() -> None:
                     help=f"comma-separated FP8 KV scale modes, of {', '.join(KV_SCALE_MODES)}")
     ap.add_argument("--save-kv-scales", type=Path, metavar="DIR",
                     help="write the 16-bit model with per-head calibrated KV scales to DIR")
+    ap.add_argument("--fp8", action="store_true", help="add the base quantized to FP8 at load")
     args = ap.parse_args()
     scale_modes = args.kv_scales.split(",")
     if any(m not in KV_SCALE_MODES for m in scale_modes):
@@ -247,12 +278,17 @@ def main() -> None:
         from models.default_model import default_model_dir
 
         args.base = default_model_dir()
-    models = {"16-bit": args.base}
+    # name -> (directory, quantization=, weight-only FP8 reference)
+    models: dict[str, tuple[Path, str | None, bool]] = {"16-bit": (args.base, None, False)}
     for item in args.checkpoint:
         name, _, path = item.partition("=")
-        models[name] = Path(path)
+        models[name] = (Path(path), None, name.endswith("W8A16"))
+    if args.fp8:
+        models["fp8 at load, W8A8 (per-token)"] = (args.base, "fp8", False)
+        models["fp8 at load, W8A16"] = (args.base, "fp8", True)
     if args.rtn:
-        models.update(rtn_checkpoints(args.base, args.rtn.split(","), args.out))
+        for name, path in rtn_checkpoints(args.base, args.rtn.split(","), args.out).items():
+            models[name] = (path, None, False)
     tokens = eval_tokens(args.base)
     prompts = prompts_from(tokens)
     if args.save_kv_scales:
@@ -263,19 +299,21 @@ def main() -> None:
                            device=torch.device("cpu"))  # fmt: skip
         scales = calibrate_kv_scales(model, tokens[: args.window], per_head=True)
         save_kv_scales(args.base, args.save_kv_scales, scales)
-        models[f"16-bit, scales saved in {args.save_kv_scales.name}"] = args.save_kv_scales
+        models[f"16-bit, scales saved in {args.save_kv_scales.name}"] = (
+            args.save_kv_scales, None, False)
     rows = []
     base_ppl, base_out = None, None
     runs = []
-    for name, path in models.items():
-        runs.append((name, path, "auto", "one"))
+    for name, (path, quant, weight_only) in models.items():
+        runs.append((name, path, "auto", "one", quant, weight_only))
         if args.kv_cache_dtype != "auto":
             for mode in scale_modes:
-                runs.append((f"{name} + fp8 KV (scales: {mode})", path, "fp8", mode))
+                runs.append((f"{name} + fp8 KV (scales: {mode})", path, "fp8", mode, quant,
+                             weight_only))  # fmt: skip
     calibration = tokens[: args.window]
-    for name, path, kv, mode in runs:
-        ppl = perplexity(path, tokens, args.window, kv, mode)
-        out = greedy(path, prompts, args.max_tokens, kv, mode, calibration)
+    for name, path, kv, mode, quant, weight_only in runs:
+        ppl = perplexity(path, tokens, args.window, kv, mode, quant, weight_only)
+        out = greedy(path, prompts, args.max_tokens, kv, mode, calibration, quant, weight_only)
         base_ppl, base_out = base_ppl or ppl, base_out or out
         row = {"model": name, "perplexity": round(ppl, 3),
                "ppl_increase": round(ppl / base_ppl - 1, 4),

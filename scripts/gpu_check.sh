@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh nsample      # engine GPU tests; W1 prompts with n = 8 against 8x requests
 #   bash scripts/gpu_check.sh quant [quick] # quantized kernels and formats on the GPU; L1/W1 per
 #                                          # format (quick: L1 GPTQ int4/int8 only)
+#   bash scripts/gpu_check.sh fp8          # FP8 kernel/engine GPU tests; L1 FP8 and int4, W1 with FP8 KV
+#   bash scripts/gpu_check.sh w2 [SEQS]    # W2 with FP8 weights and KV (max_num_seqs SEQS), then bf16
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -74,12 +76,26 @@ elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then
   fi
   python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" \
     | tail -n 8
+elif [ "$phase" = fp8 ]; then  # FP8 weights and KV cache: GPU tests, then L1/W1/W2 beside bf16
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
+    tests/kernels/test_kv_cache_write.py tests/kernels/test_rotary_kv_cache.py \
+    tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \
+    tests/kernels/test_quant_linear.py tests/asyncengine/test_kv_cache_dtype.py \
+    tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
+  bench --workload l1 --system engine --quantization fp8
+  bench --workload l1 --system engine --quantization gptq-int4
+  bench --workload w1 --system engine
+  bench --workload w1 --system engine --kv-cache-dtype fp8
+  bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512
+elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
+  bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
+  bench --workload w2 --system engine
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, quant, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, quant, fp8, w2, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -1,8 +1,10 @@
-"""Weight-only quantized checkpoints: GPTQ, AWQ and compressed-tensors int4/int8.
+"""Quantized weights: GPTQ, AWQ and compressed-tensors int4/int8 (weight-only), and FP8 e4m3
+(W8A8: compressed-tensors float-quantized, vLLM-style fp8, or quantized at load).
 
-`config` reads the format from config.json, `formats` turns each format's packed tensors into
-one canonical form, `layer` gives linear layers those parameters and repacks them for the
-kernels (`kernels.quant_linear`), and `kinds` are the matmul-plan kinds that run them.
+`config` reads the format from config.json, `formats` turns each format's tensors into one
+canonical form, `layer` gives linear layers those parameters and repacks them for the
+kernels (`kernels.quant_linear`), `kinds` are the matmul-plan kinds that run them, and
+`fp8` holds FP8's parameters, repacking and kinds (`kernels.fp8_linear`).
 """
 
 from models.quantization.config import (

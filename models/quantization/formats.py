@@ -10,6 +10,11 @@ against each other, and yields the layer in the canonical form the model's param
   compressed-tensors has none: 2^(bits-1));
 - `prefix.weight_perm` (GPTQ with desc_act): int64 [K], the input column of each canonical
   column, so W[:, j] is the checkpoint's column perm[j] and x[:, perm] meets it.
+FP8 (`read_fp8_weights`): `prefix.weight` float8_e4m3fn [N, K], `prefix.weight_scale`
+float32 [N, 1] (a per-tensor scale expanded to every row), `prefix.input_scale` float32 (one
+value, static activations only). From a 16-bit checkpoint (`quantization="fp8"`) each
+projection is quantized here, per output channel, on the whole tensor, so every
+tensor-parallel shard gets the scales one GPU would.
 Tensors that are not part of a quantized layer pass through unchanged.
 """
 
@@ -19,6 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kernels.fp8_linear import FP8_DTYPE, quantize_weight_per_channel
 from models.quantization.config import QuantConfig
 
 # AWQ packs eight output columns per word in this order: nibble i holds column ORDER[i].
@@ -157,6 +163,9 @@ def read_quantized_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` (HF names) with each quantized layer's tensors replaced by its canonical
     form (module docstring). A layer missing a part, or a linear stored unquantized, fails."""
+    if qc.is_fp8:
+        yield from read_fp8_weights(weights, qc)
+        return
     required, optional = _PARTS[qc.method]
     parts = set(required) | set(optional)
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -180,4 +189,90 @@ def read_quantized_weights(
         if qc.method == "gptq" and qc.desc_act and "g_idx" not in got:
             raise ValueError(f"checkpoint is missing {prefix}.g_idx (desc_act=true needs it)")
         for part, tensor in _CONVERT[qc.method](prefix, got, qc).items():
+            yield f"{prefix}.{part}", tensor
+
+
+def _is_projection(prefix: str, part: str) -> bool:
+    return part == "weight" and prefix.endswith("_proj")
+
+
+def _fp8_scale(name: str, t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight scale, per tensor (one value) or per channel ([N, 1] or [N]),
+    as float32 [N, 1]."""
+    if not t.is_floating_point() or t.element_size() == 1:
+        raise ValueError(f"{name} is {t.dtype}; the format needs a float16/32 scale")
+    if t.numel() == 1:
+        t = t.reshape(1, 1).expand(rows, 1)
+    elif tuple(t.shape) in ((rows, 1), (rows,)):
+        t = t.reshape(rows, 1)
+    else:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; the format needs one value (per "
+                         f"tensor) or [{rows}, 1] (per channel)")  # fmt: skip
+    t = t.float().contiguous()
+    if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+        raise ValueError(f"{name} holds a scale that is not a positive finite number")
+    return t
+
+
+def _fp8_layer(prefix: str, got: dict[str, torch.Tensor], qc: QuantConfig
+               ) -> dict[str, torch.Tensor]:  # fmt: skip
+    w = got["weight"]
+    if w.dtype != FP8_DTYPE:
+        if w.dtype.is_floating_point and w.element_size() == 1:
+            raise ValueError(f"{prefix}.weight is {w.dtype}; only e4m3 (torch.float8_e4m3fn) "
+                             "weights are supported")  # fmt: skip
+        raise ValueError(f"{prefix}.weight is stored unquantized ({w.dtype}) in an fp8 "
+                         "checkpoint; every linear layer must be quantized")  # fmt: skip
+    if w.dim() != 2:
+        raise ValueError(f"{prefix}.weight must be 2-D, got {tuple(w.shape)}")
+    if "weight_scale" not in got:
+        raise ValueError(f"checkpoint is missing {prefix}.weight_scale")
+    out = {"weight": w, "weight_scale": _fp8_scale(f"{prefix}.weight_scale",
+                                                   got["weight_scale"], w.shape[0])}  # fmt: skip
+    if qc.activation == "static":
+        if "input_scale" not in got:
+            raise ValueError(f"checkpoint is missing {prefix}.input_scale (static activation "
+                             "scales need it)")  # fmt: skip
+        a = got["input_scale"]
+        if a.numel() != 1:
+            raise ValueError(f"{prefix}.input_scale has shape {tuple(a.shape)}; the format "
+                             "needs one value")  # fmt: skip
+        out["input_scale"] = _fp8_scale(f"{prefix}.input_scale", a, 1).reshape(())
+    return out
+
+
+def read_fp8_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with each projection in the FP8 canonical form (module docstring): quantized
+    here from a 16-bit checkpoint, else checked and its scales expanded."""
+    if qc.source == "online":
+        for name, tensor in weights:
+            prefix, _, part = name.rpartition(".")
+            if not _is_projection(prefix, part):
+                yield name, tensor
+                continue
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise ValueError(f"{name} is {tensor.dtype}; quantization='fp8' quantizes a "
+                                 "16/32-bit checkpoint")  # fmt: skip
+            q, scale = quantize_weight_per_channel(tensor)
+            yield name, q
+            yield f"{prefix}.weight_scale", scale
+        return
+    parts = ("weight", "weight_scale", "input_scale")
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part in ("weight_zero_point", "input_zero_point"):
+            raise ValueError(f"{name}: asymmetric fp8 quantization is not supported")
+        if part not in parts or not prefix.endswith("_proj"):
+            yield name, tensor
+            continue
+        # Parts of one layer may lie in different files: each layer is converted once the
+        # whole checkpoint has been read.
+        pending.setdefault(prefix, {})[part] = tensor
+    for prefix, got in pending.items():
+        if "weight" not in got:
+            raise ValueError(f"checkpoint is missing {prefix}.weight")
+        for part, tensor in _fp8_layer(prefix, got, qc).items():
             yield f"{prefix}.{part}", tensor

@@ -1,4 +1,6 @@
-"""The matmul-plan kinds of a quantized linear layer (`models.matmul_plan.MatmulKind`).
+"""The matmul-plan kinds of a weight-only integer linear layer (`models.matmul_plan.MatmulKind`);
+`tuning_kinds` names those the start-up tuner times for any quantized layer (FP8's:
+`models.quantization.fp8`).
 
 All three read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
 `zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer` builds at
@@ -18,10 +20,13 @@ from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
     quant_gemm,
+    quant_gemm_candidates,
     quant_gemv,
+    quant_gemv_candidates,
     quant_matmul_ref,
 )
 from models.matmul_plan import MatmulKind
+from models.quantization import fp8
 
 # The most rows the GEMV serves: it reads each weight block once per row (from L2 after the
 # first), so it loses to tensor-core tiles well before this.
@@ -36,16 +41,30 @@ AGREEMENT_RTOL = 0.02
 def agrees_with_reference(
     kind: MatmulKind, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
 ) -> bool:
-    """Whether `kind` computes `layer`'s output on `x` as `DequantMatmul` does: every value
-    finite and within `AGREEMENT_RTOL` of the reference's scale. A NaN compares false with
-    any bound, so the check is written to fail on it rather than pass."""
+    """Whether `kind` computes `layer`'s output on `x` as its reference does (the kind's
+    `reference`, by default `DequantMatmul`): every value finite and within
+    `AGREEMENT_RTOL` of the reference's scale. A NaN compares false with any bound, so the
+    check is written to fail on it rather than pass."""
+    reference = getattr(kind, "reference", None) or DequantMatmul()
     with torch.inference_mode():
-        want = DequantMatmul().apply(layer, x, bias).float()
+        want = reference.apply(layer, x, bias).float()
         got = kind.apply(layer, x, bias).float()
     if got.shape != want.shape or not bool(torch.isfinite(got).all()):
         return False
     tol = AGREEMENT_RTOL * float(want.abs().max()) + 1e-3
     return float((got - want).abs().max()) <= tol
+
+
+def tuning_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+    """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
+    if layer.quant_config.is_fp8:
+        return fp8.tuning_kinds(layer, rows)
+    group, k = layer.group_size, layer.in_features
+    kinds: list[MatmulKind] = [DequantMatmul()]
+    kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
+    if rows <= QUANT_GEMV_MAX_ROWS:
+        kinds += [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
+    return kinds
 
 
 def _operands(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

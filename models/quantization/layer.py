@@ -8,6 +8,7 @@ like a 16-bit weight (column-parallel along N; row-parallel along K and, groups 
 (`kernels.quant_linear`), drops the canonical tensors, and gives the layer a plan that reads
 it: the dequantize-then-matmul reference on the CPU; on the GPU the Triton GEMM for small
 batches and the reference for large ones, until the start-up tuner refines it.
+FP8 layers take their own parameters and plan (`models.quantization.fp8`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from kernels.quant_linear import QuantGemmConfig, gemv_counters, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
+from models.quantization.fp8 import check_fp8_device, create_fp8_weights, process_fp8_linear
 from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, DequantMatmul, QuantTritonGemm
 
 # Rows up to which the GPU's plan before tuning runs the Triton GEMM.
@@ -29,6 +31,11 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 def create_quantized_weights(layer: nn.Module, qc: QuantConfig, full_in: int) -> None:
     """Give `layer` (in_features, out_features: its shard) the canonical parameters;
     `full_in`: the layer's unsharded input width (groups are counted on it)."""
+    # The activation dtype: the model is built with it as the default dtype.
+    layer.params_dtype = torch.get_default_dtype()
+    if qc.is_fp8:
+        create_fp8_weights(layer, qc)
+        return
     k, n = layer.in_features, layer.out_features
     gs = qc.group_size_for(full_in)
     if full_in % gs:
@@ -80,6 +87,9 @@ def load_input_perm(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
 def process_quantized_linear(layer: nn.Module) -> None:
     """Repack the loaded canonical parameters into the kernels' layout and plan the layer."""
     qc: QuantConfig = layer.quant_config
+    if qc.is_fp8:
+        process_fp8_linear(layer)
+        return
     dtype = layer.weight_scale.dtype
     layer.register_buffer("qweight", pack_int_weight(layer.weight.data, qc.bits), False)
     layer.register_buffer("scales", layer.weight_scale.data.t().contiguous(), False)
@@ -112,7 +122,10 @@ def quantized_linears(model: nn.Module) -> list[nn.Module]:
 
 
 def check_quantized_dtype(qc: QuantConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before anything is allocated, an activation dtype the kernels do not serve."""
+    """Refuse, before anything is allocated, an activation dtype the kernels do not serve
+    (and FP8 on a GPU without FP8 tensor cores)."""
+    if qc.is_fp8:
+        check_fp8_device(device)
     if device.type == "cuda" and dtype not in CUDA_DTYPES:
         raise ValueError(f"{qc.method} weights on CUDA need dtype float16 or bfloat16, got "
                          f"{str(dtype).removeprefix('torch.')}")  # fmt: skip

@@ -239,7 +239,7 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     it give a three-entry plan; RMSNorm inputs keep their declared transform."""
     from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
 
-    def fake_times(kinds, x, pairs, reps, low_rows=1):  # type: ignore[no-untyped-def]
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         rows = x.shape[0]
 
         def ms(kind: object) -> float:
@@ -282,3 +282,115 @@ def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
         want = quant_matmul_ref(x.float(), layer.qweight, layer.scales.float(),
                                 layer.zeros.float(), 4, 32)  # fmt: skip
         torch.testing.assert_close(layer(x).float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
+    """FP8 layers quantized at load from random 16-bit weights (dynamic activations)."""
+    from kernels.fp8_linear import quantize_weight_per_channel
+    from models.quantization.config import ONLINE_FP8, set_current_quant_config
+    from models.quantization.layer import process_quantized_linear
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), set_current_quant_config(ONLINE_FP8):
+            model = nn.ModuleDict({
+                "a": RowParallelLinear(128, 64), "b": RowParallelLinear(128, 64),
+                "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM),
+            })  # fmt: skip
+    finally:
+        torch.set_default_dtype(previous)
+    gen = torch.Generator().manual_seed(0)
+    for layer in model.values():
+        q, scale = quantize_weight_per_channel(torch.randn(layer.weight.shape, generator=gen))
+        layer.weight.data.copy_(q.to(device))
+        layer.weight_scale.data.copy_(scale.to(device) * 0.05)
+        process_quantized_linear(layer)
+    return model
+
+
+def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timings favouring the weight-only GEMV up to 8 rows (its one-row form and configs
+    differ from its 2-16-row ones), the Triton GEMM up to 64 and cuBLASLt past it give that
+    plan; the W8A8 entries and the one-row GEMV of a layer with an RMSNorm input form it
+    themselves."""
+    from models.quantization.fp8 import (
+        Fp8DequantMatmul,
+        Fp8Gemv,
+        Fp8RowGemv,
+        Fp8ScaledMM,
+        Fp8TritonGemm,
+    )
+
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
+        assert x.dtype == torch.float32  # the layers' activation dtype, not the scales'
+        rows = x.shape[0]
+
+        def ms(kind: object) -> float:
+            if isinstance(kind, Fp8Gemv):
+                return 1.0 if rows <= 8 else 9.0
+            if isinstance(kind, Fp8TritonGemm):
+                return 2.0 + (0.1 if kind.config != kinds[2].config else 0.0)
+            if isinstance(kind, Fp8ScaledMM):
+                return 3.0 if rows <= 64 else 1.5
+            return 50.0
+
+        return {k.describe(): ms(k) for k in kinds}
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    model = _fp8_model("cpu", torch.float32)
+    assert isinstance(model["a"].plan.entries[0].kind, Fp8DequantMatmul)
+    plans, timings = tuning.plan_quantized_linears(model, device_type="cpu")
+    entries = plans[model["a"]].entries
+    assert [e.max_rows for e in entries] == [1, 8, 64, None]
+    assert [type(e.kind) for e in entries] == [Fp8RowGemv, Fp8Gemv, Fp8TritonGemm, Fp8ScaledMM]
+    normed = plans[model["c"]].entries
+    assert all(e.input is InputTransform.RMS_NORM for e in normed)
+    # The one-row GEMV and the W8A8 GEMMs form the normed input themselves.
+    assert [e.fuse_input for e in normed] == [True, False, True, True]
+    assert set(timings) == {(64, 128), (96, 64)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_layers_are_tuned_and_stay_correct() -> None:
+    from kernels.fp8_linear import fp8_linear_ref
+    from kernels.rms_norm import fused_add_rms_norm
+    from models.layers import RMSNorm
+
+    model = _fp8_model("cuda", torch.bfloat16)
+    tuning.tune_decode_gemvs(model)
+    layer, normed = model["a"], model["c"]
+    norm = RMSNorm(64, 1e-5).to("cuda", torch.bfloat16)
+    for rows in (1, 3, 16, 100, 2048):
+        assert layer.plan.entry_for(rows).kind.name.startswith("fp8")
+        x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+        weight_only = rows <= 16 and "GEMV" in layer.plan.entry_for(rows).kind.name
+        want = fp8_linear_ref(x, layer.qweight, layer.scales, quantize_input=not weight_only)
+        torch.testing.assert_close(layer(x).float(), want.float(), atol=2e-2, rtol=2e-2)
+        h, residual = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16), None
+        got, _ = normed.forward_normed(h, residual, norm)
+        n = fused_add_rms_norm(h, torch.zeros_like(h), norm.weight, 1e-5)[0]
+        weight_only = "GEMV" in normed.plan.entry_for(rows).kind.name
+        want = fp8_linear_ref(n, normed.qweight, normed.scales, quantize_input=not weight_only)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
+    """An RMSNorm layer's kinds are timed on rms_norm(x + residual): formed by the W8A8
+    kind's activation quantization, by a norm kernel before the reference; both compute
+    the same product."""
+    from kernels.fp8_linear import Fp8GemmConfig
+    from models.quantization.fp8 import Fp8DequantMatmul, Fp8TritonGemm
+
+    model = _fp8_model("cpu", torch.float32)
+    layer = model["c"]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    call = tuning._declared_input(x, InputTransform.RMS_NORM)
+    fused = call(Fp8TritonGemm(Fp8GemmConfig(16, 32, 32, 4, 1)), layer, None)
+    unfused = call(Fp8DequantMatmul(), layer, None)
+    torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
+    plain = tuning._declared_input(x, InputTransform.NONE)(Fp8DequantMatmul(), layer, None)
+    assert not torch.allclose(plain, unfused)

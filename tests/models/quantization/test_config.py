@@ -27,6 +27,19 @@ CT = {
 }  # fmt: skip
 
 
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+_FLOAT8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+CT_FP8 = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None, "format": "float-quantized",
+        "weights": {**_FLOAT8, "strategy": "channel", "dynamic": False},
+        "input_activations": {**_FLOAT8, "strategy": "token", "dynamic": True},
+    }},
+}  # fmt: skip
+A = "config_groups__group_0__input_activations"
+
+
 def _cfg(q: dict[str, Any], **changes: Any) -> dict[str, Any]:
     q = copy.deepcopy(q)
     for path, value in changes.items():
@@ -51,6 +64,26 @@ def test_formats_as_written() -> None:
     assert parse_quant_config({"hidden_size": 8}) is None
 
 
+def test_fp8_formats_as_written() -> None:
+    dynamic = QuantConfig("fp8", 8, -1, activation="dynamic", source="fp8")
+    assert parse_quant_config(_cfg(FP8)) == dynamic
+    assert parse_quant_config({"quantization_config": {"quant_method": "fp8"}}) == dynamic
+    assert parse_quant_config(_cfg(FP8, activation_scheme="static"), "fp8") == QuantConfig(
+        "fp8", 8, -1, activation="static", source="fp8"
+    )
+    ct = QuantConfig("fp8", 8, -1, activation="dynamic", source="compressed-tensors")
+    assert parse_quant_config(_cfg(CT_FP8)) == ct
+    # Either name asks for a compressed-tensors FP8 checkpoint.
+    assert parse_quant_config(_cfg(CT_FP8), "fp8") == parse_quant_config(
+        _cfg(CT_FP8), "compressed-tensors") == ct  # fmt: skip
+    static = _cfg(CT_FP8, **{W + "strategy": "tensor", A + "__strategy": "tensor",
+                             A + "__dynamic": False})  # fmt: skip
+    assert parse_quant_config(static).activation == "static"
+    online = parse_quant_config({"hidden_size": 8}, "fp8")
+    assert online == QuantConfig("fp8", 8, -1, activation="dynamic", source="online")
+    assert online.describe() == "fp8 e4m3 per-channel (quantized at load), per-token activations"
+
+
 W = "config_groups__group_0__weights__"
 
 
@@ -68,7 +101,7 @@ W = "config_groups__group_0__weights__"
         (_cfg(AWQ, version="gemv"), "version='gemv'"),
         (_cfg(AWQ, version="exllama"), "version='exllama'"),
         (_cfg(AWQ, zero_point=False), "zero_point=False"),
-        (_cfg(CT, format="float-quantized"), "format='float-quantized'"),
+        (_cfg(CT, format="float-quantized"), "weights.type='int'"),
         (_cfg(CT, format="naive-quantized"), "format='naive-quantized'"),
         (_cfg(CT, **{W + "symmetric": False}), "weights.symmetric=False"),
         (_cfg(CT, **{W + "num_bits": 2}), "weights.num_bits=2"),
@@ -78,7 +111,22 @@ W = "config_groups__group_0__weights__"
         (_cfg(CT, **{"config_groups__group_0__input_activations": {"num_bits": 8}}),
          "input_activations="),
         (_cfg(CT, ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore="),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+        (_cfg(FP8, weight_block_size=[128, 128]), r"weight_block_size=\[128, 128\]"),
+        (_cfg(FP8, activation_scheme="per-group"), "activation_scheme='per-group'"),
+        (_cfg(FP8, fmt="e5m2"), "fmt='e5m2'"),
+        (_cfg(FP8, ignored_layers=["model.layers.0.mlp.down_proj"]), "ignored_layers="),
+        (_cfg(CT_FP8, **{W + "type": "int"}), "weights.type='int'"),
+        (_cfg(CT_FP8, **{W + "num_bits": 4}), "weights.num_bits=4"),
+        (_cfg(CT_FP8, **{W + "symmetric": False}), "weights.symmetric=False"),
+        (_cfg(CT_FP8, **{W + "strategy": "block"}), "weights.strategy='block'"),
+        (_cfg(CT_FP8, **{W + "strategy": "group"}), "weights.strategy='group'"),
+        (_cfg(CT_FP8, **{W + "dynamic": True}), "weights.dynamic=True"),
+        (_cfg(CT_FP8, **{A: None}), "input_activations=None"),
+        (_cfg(CT_FP8, **{A + "__strategy": "group"}), "input_activations.strategy='group'"),
+        (_cfg(CT_FP8, **{A + "__dynamic": False}), "input_activations.dynamic=False"),
+        (_cfg(CT_FP8, **{A + "__symmetric": False}), "input_activations.symmetric=False"),
+        (_cfg(CT_FP8, **{"config_groups__group_0__format": "pack-quantized"}),
+         "group_0.format='pack-quantized'"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method="),
     ],
 )  # fmt: skip
@@ -94,12 +142,15 @@ def test_an_explicit_quantization_must_agree_with_the_checkpoint() -> None:
         parse_quant_config(_cfg(GPTQ), "awq")
     with pytest.raises(ValueError, match="no quantization_config"):
         parse_quant_config({}, "gptq")
+    with pytest.raises(ValueError, match="quantization='fp8' was asked for, but the checkpoint "
+                                         "is 'gptq'"):  # fmt: skip
+        parse_quant_config(_cfg(GPTQ), "fp8")
     with pytest.raises(ValueError, match="quantization='int3' is not supported"):
         parse_quant_config(_cfg(GPTQ), "int3")
 
 
 def test_engine_args_accept_the_served_methods() -> None:
-    for method in (None, "none", "gptq", "awq", "compressed-tensors"):
+    for method in (None, "none", "gptq", "awq", "compressed-tensors", "fp8"):
         EngineArgs(quantization=method)
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="fp4")

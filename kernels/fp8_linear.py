@@ -1,0 +1,489 @@
+"""FP8 (e4m3) linear layers: y = x W^T (+ b) with W stored in e4m3, one scale per output row.
+
+Weights: `qweight` float8_e4m3fn [N, K] (rows contiguous, as the checkpoints store them and as
+cuBLASLt's fp8 GEMM reads its second operand) and `w_scale` float32 [N]: W[n, k] =
+qweight[n, k] * w_scale[n]. A per-tensor checkpoint scale is expanded to every row at load.
+
+Activations, for the W8A8 GEMMs, are quantized per token on the fly (scale = amax / 448 of
+the row) or with one static per-tensor scale from the checkpoint (`input_scale`);
+`quantize_rows` does it in one pass per row and can form its input first, as the separate
+kernels would round it: SiLU-and-mul of a [gate, up] pair, or the residual add and RMSNorm.
+
+Each kernel sits beside its torch reference, which is the CPU path and the test oracle
+(dequantize e4m3 -> float32 x scale, quantize-dequantize the activation for W8A8, float32
+matmul, cast):
+- `fp8_scaled_mm`: torch's `_scaled_mm` (cuBLASLt) with row-wise scales in its epilogue;
+- `fp8_gemm`: a Triton `tl.dot` GEMM on the two fp8 operands with the same epilogue;
+- `fp8_gemv`: weight-only (W8A16) for 1-16 rows: e4m3 weights converted to the activation
+  dtype in registers, fp32 sums, the row scale in the epilogue; no activation rounding,
+  which is both cheaper at these sizes and more accurate. It can take a [gate, up] input
+  (SiLU-and-mul in its prologue) and, for one row, `fp8_rms_norm_gemv` forms the residual
+  add and RMSNorm in its prologue with `kernels.gemv`'s own input helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton_utils import next_power_of_2, tl, triton
+from kernels.gemv import _load_x, _row_rstd
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "Fp8GemmConfig",
+    "Fp8GemvConfig",
+    "dequantize_fp8",
+    "fp8_dense_weight",
+    "fp8_gemm",
+    "fp8_gemm_candidates",
+    "fp8_gemv",
+    "fp8_gemv_candidates",
+    "fp8_linear_ref",
+    "fp8_rms_norm_gemv",
+    "fp8_scaled_mm",
+    "quantize_rows",
+    "quantize_rows_ref",
+    "quantize_weight_per_channel",
+    "scaled_mm_fits",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# The smallest per-token scale: a row of zeros still divides by something positive.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# The GEMV serves at most this many rows (one weight tile per program serves them all).
+FP8_GEMV_MAX_ROWS = 16
+
+
+# ----------------------------------------------------------------------------- references
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (e4m3 [N, K], float32 scales [N, 1]): amax / 448 per row."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [N, K] times a scale broadcast against it ([N, 1] or a scalar), in float32."""
+    return q.float() * scale.float()
+
+
+def quantize_rows_ref(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): per token (amax / 448 of each row),
+    or with the static per-tensor `input_scale` (a scalar) for every row."""
+    xf = x.float()
+    if input_scale is None:
+        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.contiguous()
+
+
+def fp8_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, *, quantize_input: bool = True,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> x W^T (+ b) [M, N] in x's dtype, in float32 from the dequantized weight;
+    quantize_input: W8A8, x first rounded to e4m3 per token (or with `input_scale`)."""
+    w = dequantize_fp8(qweight, w_scale.reshape(-1, 1))
+    if quantize_input:
+        xq, xs = quantize_rows_ref(x, input_scale)
+        xf = dequantize_fp8(xq, xs)
+    else:
+        xf = x.float()
+    y = xf @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------ activation quantization
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32:
+    the conversion after it is exact. (Triton's interpreter rounds the conversion itself
+    without carrying into the exponent: 124.3 became 64, not 128.)"""
+    bits = v.to(tl.int32, bitcast=True)
+    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, the carry may raise
+    # the exponent. Subnormal: a multiple of 2^-9, by adding and removing 1.5 * 2^14.
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    small = (v + 24576.0) - 24576.0
+    return tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, kept.to(tl.float32, bitcast=True), small)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, xq_ptr, xs_ptr, in_scale_ptr, K, stride_xm,
+    stride_rm, eps, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    STATIC: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per row: form the row (SiLU-and-mul or residual add + RMSNorm, rounded
+    to x's dtype as those kernels round), then its scale and e4m3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, K_PAD)
+    mask = offs < K
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(dt)
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_rm + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            tl.store(res_out_ptr + row * K + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        normed = (xf * rstd).to(dt).to(tl.float32)
+        x = (normed * tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+    xf = x.to(tl.float32)
+    if STATIC:
+        scale = tl.load(in_scale_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+    q = _round_to_e4m3(tl.clamp(xf / scale, -448.0, 448.0))
+    tl.store(xq_ptr + row * K + offs, q.to(xq_ptr.dtype.element_ty), mask=mask)
+    tl.store(xs_ptr + row, scale)
+
+
+def quantize_rows(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None, *, gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`quantize_rows_ref` in one Triton kernel: returns (e4m3 [M, K], float32 scales [M, 1],
+    the new residual or None).
+
+    gated: x is [M, 2K] holding [gate, up]; the row quantized is silu(gate) * up.
+    norm (weight, eps): the row quantized is rms_norm(x + residual) (rms_norm(x) without a
+    residual); the new residual x + residual is returned."""
+    m = x.shape[0]
+    k = x.shape[1] // 2 if gated else x.shape[1]
+    if x.stride(1) != 1:
+        raise ValueError("quantize_rows needs x with contiguous rows")
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    norm_w, eps = norm if norm is not None else (scale, 0.0)
+    if residual is not None and residual.stride(1) != 1:
+        raise ValueError("quantize_rows needs a residual with contiguous rows")
+    k_pad = next_power_of_2(k)
+    if m:
+        _quantize_rows_kernel[(m,)](
+            x, residual if residual is not None else x, norm_w,
+            res_out if res_out is not None else q, q, scale,
+            input_scale if input_scale is not None else scale, k, x.stride(0),
+            residual.stride(0) if residual is not None else 0, float(eps), GATED=gated,
+            NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+            STATIC=input_scale is not None, K_PAD=k_pad,
+            num_warps=4 if k_pad <= 2048 else (8 if k_pad <= 8192 else 16),
+        )  # fmt: skip
+    return q, scale, res_out
+
+
+# ------------------------------------------------------------------------- W8A8: cuBLASLt
+def scaled_mm_fits(n: int, k: int) -> bool:
+    """cuBLASLt's fp8 GEMM needs K and N multiples of 16."""
+    return n % 16 == 0 and k % 16 == 0
+
+
+def fp8_scaled_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """xq e4m3 [M, K] with x_scale [M, 1] against qweight [N, K] with w_scale [N]: torch's
+    `_scaled_mm` with row-wise scales applied in its epilogue. Its row-wise form writes
+    bfloat16; another output dtype is cast from that."""
+    n, k = qweight.shape
+    if not scaled_mm_fits(n, k):
+        raise ValueError(f"_scaled_mm needs K and N multiples of 16, got N={n}, K={k}")
+    y = torch._scaled_mm(
+        xq, qweight.t(), scale_a=x_scale, scale_b=w_scale.view(1, n),
+        out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    if bias is not None:
+        y = y + bias
+    return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+# -------------------------------------------------------------------------- W8A8: Triton
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Tile shape of `fp8_gemm`; `group_m` row tiles share a column sweep (L2 reuse)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def __str__(self) -> str:
+        return (f"gemm {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
+                f"s{self.num_stages}")  # fmt: skip
+
+
+def fp8_gemm_candidates() -> list[Fp8GemmConfig]:
+    """Tile shapes the start-up tuner times (fp8 tensor cores take K tiles of 32 or more)."""
+    return [
+        Fp8GemmConfig(16, 64, 128, 4, 4), Fp8GemmConfig(32, 64, 128, 4, 4),
+        Fp8GemmConfig(64, 64, 128, 4, 4), Fp8GemmConfig(64, 128, 128, 4, 3),
+        Fp8GemmConfig(128, 128, 128, 8, 3), Fp8GemmConfig(128, 256, 64, 8, 3),
+        Fp8GemmConfig(64, 256, 128, 8, 3),
+    ]  # fmt: skip
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    xq_ptr, xs_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles walk the column tiles together, so a weight tile is
+    # read from HBM once per group rather than once per row tile.
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    a_ptrs = xq_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w8_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_s = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    w_s = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_gemm(
+    xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemmConfig = Fp8GemmConfig(),
+) -> torch.Tensor:  # fmt: skip
+    """`fp8_scaled_mm` as a Triton GEMM (any M, N, K)."""
+    m, k = xq.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] != k or xq.stride(1) != 1 or qweight.stride(1) != 1:
+        raise ValueError(f"fp8_gemm needs x [M, {qweight.shape[1]}] and a weight with "
+                         f"contiguous rows, got x {tuple(xq.shape)}")  # fmt: skip
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return y
+    c = config
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
+    _fp8_gemm_kernel[grid](
+        xq, x_scale, qweight, w_scale, bias if bias is not None else y, y, m, n, k,
+        xq.stride(0), qweight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return y
+
+
+# -------------------------------------------------------------------------- W8A16: GEMV
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    """Blocking of `fp8_gemv`: output rows per program, K per step, K splits. One row uses
+    FMA on [block_n, block_k] tiles (as `kernels.gemv`); 2-16 rows use `tl.dot` with the
+    rows padded to 16 and at least 16 output rows per program."""
+
+    block_n: int = 8
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __str__(self) -> str:
+        return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
+                f"s{self.num_stages}")  # fmt: skip
+
+
+def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
+    """GEMV blockings the start-up tuner times for `rows` rows."""
+    if rows == 1:
+        return [
+            Fp8GemvConfig(4, 512), Fp8GemvConfig(4, 1024, num_stages=3), Fp8GemvConfig(8, 512),
+            Fp8GemvConfig(8, 1024, num_stages=3), Fp8GemvConfig(16, 512, num_warps=8),
+            Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(8, 512, split_k=2),
+            # A byte per weight: twice the K of a 16-bit tile for the same bytes in flight.
+            Fp8GemvConfig(4, 2048, num_warps=8, num_stages=3),
+            Fp8GemvConfig(8, 1024, num_warps=8, num_stages=3),
+        ]  # fmt: skip
+    return [
+        Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(32, 128),
+        Fp8GemvConfig(64, 128), Fp8GemvConfig(16, 512, num_stages=3),
+        Fp8GemvConfig(32, 256, split_k=2), Fp8GemvConfig(64, 256, num_warps=8, num_stages=3),
+    ]  # fmt: skip
+
+
+@triton.jit
+def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
+    """The GEMV's input at row offsets `rows` (int64) and columns kk; GATED: x holds
+    [gate, up] and this is silu(gate) * up, rounded to x's dtype as `silu_and_mul` rounds."""
+    x = tl.load(x_ptr + rows + kk, mask=mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + rows + K + kk, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N, K,
+    stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
+    once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
+    `kernels.gemv` forms it (SiLU-and-mul, or the residual add and RMSNorm, each program
+    taking the row's rstd itself)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w8_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    if BLOCK_M == 1:
+        rstd = 0.0
+        if NORM:
+            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+            else:
+                k_mask = kk < k_end
+                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                            other=0.0)  # fmt: skip
+            # Columns past this split's end meet zero weights; past K, x is zero.
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                        HAS_RESIDUAL)  # fmt: skip
+            acc2 += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_rows = offs_m.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = _gemv_x(x_ptr, x_rows, kk[None, :], m_mask[:, None] & k_mask[None, :], K, GATED)
+            # e4m3 values are exact in 16-bit floats: the tensor cores see the weight as is.
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + ((pid_k * M + offs_m.to(tl.int64)) * N)[:, None] + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+def fp8_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, config: Fp8GemvConfig = Fp8GemvConfig(),
+    *, gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """x [M <= 16, K] (16-bit) -> x W^T (+ b) [M, N] in x's dtype, the weight-only
+    `fp8_linear_ref(..., quantize_input=False)`. gated: x is [M, 2K] holding [gate, up], and
+    the product is taken with silu(gate) * up (the MLP's down projection, without a separate
+    activation kernel)."""
+    return _fp8_gemv(x, qweight, w_scale, bias, config, gated=gated)[0]
+
+
+def fp8_rms_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    config: Fp8GemvConfig = Fp8GemvConfig(),
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """rms_norm(x + residual) W^T (+ b) for one row x [1, K] in one kernel, rounded as the
+    separate `fused_add_rms_norm` then `fp8_gemv` would round it. Returns (y [1, N], the new
+    residual x + residual, or x itself without a residual)."""
+    k = qweight.shape[1]
+    if x.shape != (1, k) or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"fp8_rms_norm_gemv needs x [1, {k}] and a [{k}] norm weight in "
+                         f"x's dtype, got x {tuple(x.shape)}")  # fmt: skip
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must match x in shape and dtype")
+    y, res_out = _fp8_gemv(x, qweight, w_scale, bias, config,
+                           norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
+    return y, res_out if res_out is not None else x
+
+
+def _fp8_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+    config: Fp8GemvConfig, *, gated: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    n = qweight.shape[0]
+    if m > FP8_GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {m}")
+    if norm is not None and m != 1:
+        raise ValueError(f"the fused RMSNorm takes one row, got {m}")
+    if qweight.shape[1] != k or x.stride(1) != 1 or qweight.stride(1) != 1:
+        raise ValueError(f"fp8_gemv needs x [M, {qweight.shape[1]}] and a weight with "
+                         f"contiguous rows, got x {tuple(x.shape)}")  # fmt: skip
+    block_m = 1 if m == 1 else max(16, next_power_of_2(m))
+    block_n = config.block_n if m == 1 else max(16, config.block_n)
+    split = max(1, config.split_k)
+    per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, per_split)
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype,
+                      device=x.device)  # fmt: skip
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m == 0:
+        return out[0], res_out
+    grid = (triton.cdiv(n, block_n), split)
+    fused_bias = bias is not None and split == 1
+    norm_w, eps = norm if norm is not None else (out, 0.0)
+    _fp8_gemv_kernel[grid](
+        x, qweight, w_scale, bias if fused_bias else out, out,
+        residual if residual is not None else x, norm_w, res_out if res_out is not None else x,
+        float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, HAS_BIAS=fused_bias,
+        EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if split == 1:
+        return out[0], res_out
+    y = out.sum(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), res_out
+
+
+def fp8_dense_weight(qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+                     ) -> torch.Tensor:  # fmt: skip
+    """The dequantized weight [N, K] in `dtype` (for checks and the HF oracle)."""
+    return dequantize_fp8(qweight, w_scale.reshape(-1, 1)).to(dtype)

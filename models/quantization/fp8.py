@@ -1,0 +1,263 @@
+"""FP8 (e4m3) linear layers: their parameters, the repacking once loaded, and their
+matmul-plan kinds.
+
+While loading, an FP8 layer holds `weight` float8_e4m3fn [N, K] (its shard), `weight_scale`
+float32 [N, 1] (one per output channel: a per-tensor checkpoint scale arrives expanded to
+every row by `models.quantization.formats`, which is exact, so fused q/k/v and gate/up shards
+with different scales need no requantization) and, for static activations, `input_scale`
+float32 (one per layer: the fused projections share their input and take the largest of
+their checkpoint scales, so none of them clips). Column-parallel shards take their rows of
+both; row-parallel shards replicate the channel scales. `process_fp8_linear` then keeps
+`qweight` [N, K] e4m3 and `scales` [N] float32 (`kernels.fp8_linear`'s layout) and plans
+the layer.
+
+Kinds: `Fp8DequantMatmul` (the torch reference: the CPU path and the oracle, W8A8 or weight-
+only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quantized per
+token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
+RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows; it
+forms a SiLU-and-mul input itself) with `Fp8RowGemv`, its one-row form that also forms an
+RMSNorm input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kernels.fp8_linear import (
+    FP8_DTYPE,
+    FP8_GEMV_MAX_ROWS,
+    Fp8GemmConfig,
+    Fp8GemvConfig,
+    fp8_gemm,
+    fp8_gemm_candidates,
+    fp8_gemv,
+    fp8_gemv_candidates,
+    fp8_linear_ref,
+    fp8_rms_norm_gemv,
+    fp8_scaled_mm,
+    quantize_rows,
+    scaled_mm_fits,
+)
+from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
+from models.quantization.config import QuantConfig
+
+# The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def create_fp8_weights(layer: nn.Module, qc: QuantConfig) -> None:
+    """Give `layer` (in_features, out_features: its shard) the FP8 parameters."""
+    k, n = layer.in_features, layer.out_features
+    layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
+    layer.weight_scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
+    for p in (layer.weight, layer.weight_scale):
+        p.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        # A channel's scale covers its whole row: a row-parallel shard takes all of them.
+        p.row_replicated = p is layer.weight_scale  # type: ignore[attr-defined]
+    if qc.activation == "static":
+        layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32),
+                                         requires_grad=False)  # fmt: skip
+        layer.input_scale.weight_loader = load_input_scale  # type: ignore[attr-defined]
+    else:
+        layer.input_scale = None
+    layer.group_size, layer.input_perm = k, None
+
+
+def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """A static activation scale: one value; the shards of a fused projection keep the
+    largest (they quantize one input)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"input_scale has shape {tuple(loaded.shape)}; the format needs one "
+                         "value per layer")  # fmt: skip
+    value = loaded.reshape(()).to(param.device, torch.float32)
+    if getattr(param, "loaded", False):
+        value = torch.maximum(value, param.data)
+    param.data.copy_(value)
+    param.loaded = True  # type: ignore[attr-defined]
+
+
+def process_fp8_linear(layer: nn.Module) -> None:
+    """Keep the loaded weight and scales in the kernels' layout and plan the layer."""
+    layer.register_buffer("qweight", layer.weight.data, False)
+    layer.register_buffer("scales", layer.weight_scale.data.reshape(-1).contiguous(), False)
+    layer.weight = None
+    del layer.weight_scale
+    layer.set_plan(default_fp8_plan(layer))
+
+
+def default_fp8_plan(layer: nn.Module) -> MatmulPlan:
+    """The CPU: the W8A8 reference. A GPU before tuning: the GEMV for a few rows, then
+    cuBLASLt (or the Triton GEMM where cuBLASLt's alignment rules are not met)."""
+    declared = layer.input_transform
+    if not layer.qweight.is_cuda:
+        return MatmulPlan((PlanEntry(Fp8DequantMatmul(), input=declared),))
+    gemm: MatmulKind = (Fp8ScaledMM() if scaled_mm_fits(layer.out_features, layer.in_features)
+                        else Fp8TritonGemm(Fp8GemmConfig()))  # fmt: skip
+    return MatmulPlan((
+        fp8_entry(Fp8RowGemv(Fp8GemvConfig()), 1, declared),
+        fp8_entry(Fp8Gemv(Fp8GemvConfig(16, 256)), FP8_GEMV_MAX_ROWS, declared),
+        fp8_entry(gemm, None, declared),
+    ))  # fmt: skip
+
+
+def fp8_entry(kind: MatmulKind, max_rows: int | None, declared: InputTransform) -> PlanEntry:
+    """A plan entry for `kind` that forms the declared input itself where the kind can."""
+    return PlanEntry(kind, max_rows, declared, fuse_input=declared in kind.fusable_inputs)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse a CUDA device without FP8 tensor cores before anything is allocated."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"fp8 weights need a GPU with FP8 tensor cores (compute capability 8.9 or newer); "
+            f"{name} has {capability[0]}.{capability[1]}"
+        )
+
+
+def use_weight_only_reference(model: nn.Module) -> None:
+    """Plan every FP8 layer of `model` on the weight-only (W8A16) reference: the numbers of
+    the GEMV, which serves 1-16 rows on a GPU (the CPU's default is the W8A8 reference)."""
+    for m in model.modules():
+        qc = getattr(m, "quant_config", None)
+        if qc is not None and qc.is_fp8:
+            entry = PlanEntry(Fp8DequantMatmul(quantize_input=False), input=m.input_transform)
+            m.set_plan(MatmulPlan((entry,)))
+
+
+def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
+    """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
+    kinds: list[MatmulKind] = [Fp8DequantMatmul(), Fp8ScaledMM()]
+    kinds += [Fp8TritonGemm(c) for c in fp8_gemm_candidates()]
+    gemv = Fp8RowGemv if rows == 1 else Fp8Gemv
+    if rows <= FP8_GEMV_MAX_ROWS:
+        kinds += [gemv(c) for c in fp8_gemv_candidates(rows)]
+    return kinds
+
+
+@dataclass(frozen=True)
+class Fp8DequantMatmul(MatmulKind):
+    """Dequantize the weight to float32 and multiply in float32; `quantize_input`: first
+    round the activation to e4m3 as the W8A8 kinds do (W8A8), else use it as is (W8A16)."""
+
+    quantize_input: bool = True
+    name: ClassVar[str] = "fp8 dequantize + float32 matmul"
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        return fp8_linear_ref(x, layer.qweight, layer.scales, bias,
+                              quantize_input=self.quantize_input,
+                              input_scale=layer.input_scale)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.name} ({'W8A8' if self.quantize_input else 'W8A16'})"
+
+
+class _W8A8(MatmulKind):
+    """A GEMM on e4m3 activations: `quantize_rows` forms and quantizes the input (RMSNorm or
+    SiLU-and-mul included when the plan fuses them), then `_gemm` multiplies."""
+
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL}
+    )
+    reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=True)
+
+    def _gemm(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor,
+              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        xq, xs, _ = quantize_rows(x.contiguous(), layer.input_scale, gated=gated)
+        return self._gemm(layer, xq, xs, bias, x.dtype)
+
+    def apply_normed(
+        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm,
+        bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        xq, xs, new_residual = quantize_rows(
+            x.contiguous(), layer.input_scale, norm=(norm.weight, norm.eps), residual=residual
+        )
+        y = self._gemm(layer, xq, xs, bias, x.dtype)
+        return y, new_residual if new_residual is not None else x
+
+
+@dataclass(frozen=True)
+class Fp8ScaledMM(_W8A8):
+    """torch's `_scaled_mm` (cuBLASLt) with row-wise scales in its epilogue."""
+
+    name: ClassVar[str] = "fp8 _scaled_mm"
+
+    def _gemm(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor,
+              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        return fp8_scaled_mm(xq, xs, layer.qweight, layer.scales, bias, dtype)
+
+
+@dataclass(frozen=True)
+class Fp8TritonGemm(_W8A8):
+    """The Triton `tl.dot` GEMM on both e4m3 operands (`kernels.fp8_linear.fp8_gemm`)."""
+
+    config: Fp8GemmConfig
+    name: ClassVar[str] = "fp8 Triton GEMM"
+
+    def _gemm(self, layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor,
+              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        return fp8_gemm(xq, xs, layer.qweight, layer.scales, bias, dtype, self.config)
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class Fp8Gemv(MatmulKind):
+    """The weight-only GEMV (`kernels.fp8_linear.fp8_gemv`) for 1-16 rows."""
+
+    config: Fp8GemvConfig
+    name: ClassVar[str] = "fp8 Triton GEMV (W8A16)"
+    max_rows: ClassVar[int | None] = FP8_GEMV_MAX_ROWS
+    # SiLU-and-mul is elementwise: each program forms its K range of the input itself.
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL}
+    )
+    reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=False)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        return fp8_gemv(x.contiguous(), layer.qweight, layer.scales, bias, self.config,
+                        gated=gated)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class Fp8RowGemv(Fp8Gemv):
+    """`Fp8Gemv` for one row, which can also form an RMSNorm input in its prologue
+    (`kernels.fp8_linear.fp8_rms_norm_gemv`): a decode step of one sequence then runs no
+    norm kernel before q/k/v and gate/up."""
+
+    name: ClassVar[str] = "fp8 Triton row GEMV (W8A16)"
+    max_rows: ClassVar[int | None] = 1
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL, InputTransform.RMS_NORM}
+    )
+
+    def apply_normed(
+        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm,
+        bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return fp8_rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
+                                 layer.scales, bias, self.config)  # fmt: skip
