@@ -2,10 +2,11 @@
 `tuning_kinds` names those the start-up tuner times for any quantized layer (FP8's:
 `models.quantization.fp8`).
 
-All three read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
+All four read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
 `zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer` builds at
-load, so switching between them stores nothing: `DequantMatmul` (dequantize, then the
-library's matmul: the CPU path, the oracle, and on the GPU a choice for large batches),
+load, so switching between them stores nothing: `DequantMatmul` (dequantize with torch ops,
+then the library's matmul: the CPU path and the oracle), `TritonDequantMatmul` (the same
+with one Triton dequantization pass: on the GPU, a choice for large batches),
 `QuantTritonGemm` (prefill and mixed steps) and `QuantTritonGemv` (a few rows).
 """
 
@@ -19,6 +20,7 @@ import torch
 from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
+    dequantize_weight_triton,
     quant_gemm,
     quant_gemm_candidates,
     quant_gemv,
@@ -61,6 +63,8 @@ def tuning_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
         return fp8.tuning_kinds(layer, rows)
     group, k = layer.group_size, layer.in_features
     kinds: list[MatmulKind] = [DequantMatmul()]
+    if layer.qweight.is_cuda:
+        kinds.append(TritonDequantMatmul())
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
@@ -85,6 +89,25 @@ class DequantMatmul(MatmulKind):
     ) -> torch.Tensor:  # fmt: skip
         bits, group = layer.quant_config.bits, layer.group_size
         return quant_matmul_ref(*_operands(layer, x), bits, group, bias)
+
+
+@dataclass(frozen=True)
+class TritonDequantMatmul(MatmulKind):
+    """`DequantMatmul` with the dequantization as one Triton pass (the same values, rounded
+    alike): for large batches, where the library's tensor-core GEMM outruns the quantized
+    GEMM by more than the pass costs."""
+
+    name: ClassVar[str] = "Triton dequantize + BLAS"
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        x, qweight, scales, zeros = _operands(layer, x)
+        w_t = dequantize_weight_triton(qweight, scales, zeros, layer.quant_config.bits,
+                                       layer.group_size, x.dtype)  # fmt: skip
+        y = x @ w_t
+        return y if bias is None else y + bias
 
 
 @dataclass(frozen=True)

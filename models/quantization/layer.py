@@ -20,7 +20,12 @@ from kernels.quant_linear import QuantGemmConfig, gemv_counters, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
 from models.quantization.fp8 import check_fp8_device, create_fp8_weights, process_fp8_linear
-from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, DequantMatmul, QuantTritonGemm
+from models.quantization.kinds import (
+    QUANT_GEMV_MAX_ROWS,
+    DequantMatmul,
+    QuantTritonGemm,
+    TritonDequantMatmul,
+)
 
 # Rows up to which the GPU's plan before tuning runs the Triton GEMM.
 DEFAULT_GEMM_MAX_ROWS = 64
@@ -110,7 +115,7 @@ def process_quantized_linear(layer: nn.Module) -> None:
         # the memory profile (run before tuning) count that temporary.
         plan = MatmulPlan((
             PlanEntry(QuantTritonGemm(QuantGemmConfig()), DEFAULT_GEMM_MAX_ROWS, declared),
-            PlanEntry(DequantMatmul(), None, declared),
+            PlanEntry(TritonDequantMatmul(), None, declared),
         ))  # fmt: skip
     else:
         plan = MatmulPlan((PlanEntry(DequantMatmul(), input=declared),))
