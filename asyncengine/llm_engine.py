@@ -214,8 +214,8 @@ class LLMEngine:
             return None
         has_scales = checkpoint_has_kv_scales(model)
         if not should_calibrate(self.args.calculate_kv_scales, True, has_scales):
-            if not has_scales:
-                logger.info("FP8 KV cache with scales 1.0 (calculate_kv_scales=False)")
+            source = "the checkpoint's" if has_scales else "1.0 (calculate_kv_scales=False)"
+            logger.info("FP8 KV cache with KV scales %s", source)
             return None
         if has_scales:
             logger.info("calculate_kv_scales=True: the checkpoint's KV scales are replaced")

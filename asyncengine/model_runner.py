@@ -295,8 +295,8 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, token_ids: list[int]) -> KVScales:
         """Set every layer's FP8 KV scales, per KV head of this rank, from one pass over
-        `token_ids` (`asyncengine.kv_calibration`); returns them on the host. Runs before the
-        KV pool exists, so the pool and the prefix cache never see the pass."""
+        `token_ids` (`asyncengine.kv_calibration`); returns them on the host. The pass writes
+        a scratch cache of its own: the KV pool and the prefix cache never see it."""
         scales = calibrate_kv_scales(
             self.model, token_ids, dtype=self.dtype, device=self.device,
             block_size=self.block_size,
