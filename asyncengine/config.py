@@ -45,8 +45,13 @@ class EngineArgs:
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     quantization: str | None = None
     # "fp8" / "fp8_e4m3": the KV cache stores e4m3 with K and V scales per layer or per KV
-    # head (the checkpoint's k_scale / v_scale, else 1.0), halving its bytes per token.
+    # head (the checkpoint's k_scale / v_scale, else calibrated at start-up), halving its bytes
+    # per token.
     kv_cache_dtype: KVCacheDtype = "auto"
+    # FP8 KV scales from one pass over a calibration text at start-up, per KV head (see
+    # asyncengine.kv_calibration). None: when the checkpoint carries no KV scales; True: also
+    # replacing the checkpoint's; False: never (scales 1.0 without checkpoint scales, as vLLM).
+    calculate_kv_scales: bool | None = None
     skip_tokenizer_init: bool = False
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
@@ -90,6 +95,13 @@ class EngineArgs:
             fail("quantization", f"must be one of none, {', '.join(QUANT_METHODS)}")
         if self.kv_cache_dtype not in ("auto", *_KV_CACHE_DTYPES):
             fail("kv_cache_dtype", "must be one of auto, fp8, fp8_e4m3")
+        if self.calculate_kv_scales not in (None, True, False):
+            fail("calculate_kv_scales", "must be true, false or unset")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            fail(
+                "calculate_kv_scales",
+                "needs kv_cache_dtype fp8 or fp8_e4m3 (a 16-bit KV cache has no scales)",
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

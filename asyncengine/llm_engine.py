@@ -19,6 +19,13 @@ from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
 from asyncengine.errors import InvalidRequestError
+from asyncengine.kv_calibration import (
+    KVScales,
+    calibration_token_ids,
+    checkpoint_has_kv_scales,
+    describe_kv_scales,
+    should_calibrate,
+)
 from asyncengine.model_runner import InflightStep, ModelRunner
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request import ParentRequest, Request, RequestStatus
@@ -117,6 +124,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+        # Before the KV pool and CUDA graphs exist: the pass leaves nothing behind.
+        self.calibrated_kv_scales = self._set_up_kv_scales(model)
         num_blocks = args.num_kv_blocks or self.runner.profile_num_blocks(
             args.gpu_memory_utilization, self.max_num_batched_tokens, args.cpu_kv_cache_gib
         )
@@ -196,6 +205,31 @@ class LLMEngine:
                 f"max_model_len {self.args.max_model_len} exceeds the model's limit {limit}"
             )
         return self.args.max_model_len
+
+    def _set_up_kv_scales(self, model: torch.nn.Module) -> KVScales | None:
+        """An FP8 cache's scales: the checkpoint's, or calibrated on the shipped text as
+        `calculate_kv_scales` says (None: only without checkpoint scales), else 1.0. Returns
+        the calibrated scales (every rank's), None when nothing was calibrated."""
+        if self.args.kv_cache_dtype == "auto":
+            return None
+        has_scales = checkpoint_has_kv_scales(model)
+        if not should_calibrate(self.args.calculate_kv_scales, True, has_scales):
+            source = "the checkpoint's" if has_scales else "1.0 (calculate_kv_scales=False)"
+            logger.info("FP8 KV cache with KV scales %s", source)
+            return None
+        if has_scales:
+            logger.info("calculate_kv_scales=True: the checkpoint's KV scales are replaced")
+        ids = calibration_token_ids(
+            self.tokenizer, self.model_config.vocab_size, self.max_model_len
+        )
+        if self.tokenizer is None:
+            logger.info(
+                "no tokenizer: KV scales are calibrated on a fixed sequence of %d token ids",
+                len(ids),
+            )
+        scales = self.runner.calibrate_kv_scales(ids)
+        logger.info("%s", describe_kv_scales(scales, len(ids)))
+        return scales
 
     @staticmethod
     def _generation_config_eos(model_dir: Path) -> set[int]:

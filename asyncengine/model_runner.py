@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncengine.kv_calibration import KVScales, calibrate_kv_scales, set_kv_scales
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
@@ -291,6 +292,17 @@ class ModelRunner:
         with set_forward_context(meta):
             hidden = self.model(ids, ids)
         self.model.compute_logits(hidden[-min(num_tokens, 256) :])  # type: ignore[operator]
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> KVScales:
+        """Set every layer's FP8 KV scales, per KV head of this rank, from one pass over
+        `token_ids` (`asyncengine.kv_calibration`); returns them on the host. The pass writes
+        a scratch cache of its own: the KV pool and the prefix cache never see it."""
+        scales = calibrate_kv_scales(
+            self.model, token_ids, dtype=self.dtype, device=self.device,
+            block_size=self.block_size,
+        )  # fmt: skip
+        set_kv_scales(self.model, scales)
+        return [(k.cpu(), v.cpu()) for k, v in scales]
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         layers = self.cfg.num_hidden_layers

@@ -9,9 +9,9 @@ starts with one fixed-size int64 header on the control group:
   broadcasts the step's packed device buffer, the very buffer its own inputs are views of,
   on the default group (NCCL on the GPU, so it never leaves the device). The workers unpack
   it with the same field list (`asyncengine.step_buffer`). Nothing is pickled per step.
-- CALL: a set-up call (`profile_num_blocks`, `allocate_kv_cache`, `prepare_for_serving`),
-  pickled as (method name, args, kwargs); every rank runs that `ModelRunner` method and rank
-  0 gathers the results.
+- CALL: a set-up call (`calibrate_kv_scales`, `profile_num_blocks`, `allocate_kv_cache`,
+  `prepare_for_serving`), pickled as (method name, args, kwargs); every rank runs that
+  `ModelRunner` method and rank 0 gathers the results.
 
 Each worker runs the same `ModelRunner.run_model` (so CUDA graphs, captured for the same
 sizes and plans on every rank, replay in lockstep) and the LM head's gather when rows need
@@ -43,6 +43,7 @@ from asyncengine.distributed import (
     broadcast_host_ints,
     receive_header,
 )
+from asyncengine.kv_calibration import KVScales
 from asyncengine.model_runner import InflightStep, ModelRunner, StepInputs, step_inputs
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, layout, unpack
@@ -156,6 +157,17 @@ class TensorParallelModelRunner(ModelRunner):
                 cpu_cache_gib,
             )
             return min(counts)
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> KVScales:
+        """Every rank calibrates its own KV heads from rank 0's ids; the scales of all ranks,
+        each layer's concatenated in rank order (a KV head that several ranks hold appears
+        once per rank)."""
+        with self._guard("KV scale calibration"):
+            per_rank = self._call_all("calibrate_kv_scales", token_ids)
+        return [
+            (torch.cat([r[i][0] for r in per_rank]), torch.cat([r[i][1] for r in per_rank]))
+            for i in range(len(per_rank[0]))
+        ]
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         with self._guard("KV cache allocation"):

@@ -50,7 +50,9 @@ _ENGINE_HELP = {
     "skip_tokenizer_init": "no tokenizer: token-id prompts in, token ids out",
     "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 "
-    "with per-layer K/V scales, half the bytes; CUDA needs compute capability 8.9+)",
+    "with per-KV-head K/V scales, half the bytes; CUDA needs compute capability 8.9+)",
+    "calculate_kv_scales": "FP8 KV cache: calibrate the K/V scales at start-up on a shipped "
+    "text (default: when the checkpoint has none; --no-calculate-kv-scales keeps 1.0)",
 }
 
 

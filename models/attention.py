@@ -10,8 +10,9 @@ step's metadata once per step (in the first layer) rather than once per layer.
 
 With an FP8 cache (`kv_cache_dtype="fp8"`) every op quantizes K and V as it writes them and
 dequantizes inside attention, with the layer's `k_scale` and `v_scale`: float32 buffers of one
-entry per KV head of this rank, 1.0 unless the checkpoint carries scales (`load_kv_scale`).
-They stay device tensors, so CUDA graphs read their values at replay.
+entry per KV head of this rank, from the checkpoint (`load_kv_scale`) or calibrated at
+start-up (`asyncengine.kv_calibration`), else 1.0. They stay device tensors, so CUDA graphs
+read their values at replay.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         ones = torch.ones(num_kv_heads, dtype=torch.float32)
         self.register_buffer("k_scale", ones, persistent=False)
         self.register_buffer("v_scale", ones.clone(), persistent=False)
+        # Whether the checkpoint set either scale (start-up calibration keeps those by default).
+        self.kv_scales_loaded = False
 
     def load_kv_scale(self, which: str, loaded: torch.Tensor, total_kv_heads: int) -> None:
         """Set `k_scale` or `v_scale` from a checkpoint tensor: one value (per tensor) or one
@@ -80,6 +83,7 @@ class Attention(nn.Module):
             )
         if not bool(torch.isfinite(target).all()) or bool((target <= 0).any()):
             raise ValueError(f"{which} must be finite and positive, got {values.tolist()}")
+        self.kv_scales_loaded = True
 
     def _rank_heads(self, values: torch.Tensor, total_kv_heads: int) -> torch.Tensor:
         """This rank's KV heads of a per-head tensor (tensor parallelism splits or, with more

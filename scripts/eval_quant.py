@@ -8,7 +8,7 @@ same text. Prints one JSON line per model and a markdown table (docs/quantizatio
 
   python scripts/eval_quant.py --checkpoint gptq-4=/path/to/gptq --checkpoint awq-4=/path/awq
   python scripts/eval_quant.py --rtn gptq-4-g64,awq-4-g64 --out /tmp/q1   # round-to-nearest
-  python scripts/eval_quant.py --kv-cache-dtype fp8 --kv-scales one,tensor,head  # FP8 KV
+  python scripts/eval_quant.py --kv-cache-dtype fp8 --kv-scales default,one,head  # FP8 KV
   python scripts/eval_quant.py --fp8 --rtn fp8-tensor                     # FP8 weights
 
 `--base` defaults to the embedded SmolLM2-135M. `--rtn` writes round-to-nearest checkpoints
@@ -24,12 +24,16 @@ A `--checkpoint` name ending in "W8A16" is evaluated weight-only.
 `--kv-cache-dtype fp8` adds, for the 16-bit model and each checkpoint, rows with the KV cache
 in e4m3 (everything else as in that model's own row; agreement is still against the 16-bit
 model with a 16-bit cache). `--kv-scales` picks the K/V scales of those rows, one row each:
-`one` (1.0, vLLM's default; a checkpoint's own k_scale/v_scale where it has them), `tensor`
-(per layer, amax / 448 over a calibration window) or `head` (the same per KV head). The
-calibration window is the first `--window` tokens of the text, run through the model with a
-16-bit cache. `--save-kv-scales DIR` writes a copy of the 16-bit model with its per-head
-calibrated scales as vLLM-style `model.layers.N.self_attn.k_scale` / `v_scale` tensors, which
-the engine loads (`kv_cache_dtype="fp8"` then uses them instead of 1.0).
+`default` (what the engine does without options: the checkpoint's k_scale/v_scale where it
+has them, else per KV head calibrated at start-up on the text shipped in the package,
+asyncengine/data/kv_calibration.txt), `one` (1.0, vLLM's default, `calculate_kv_scales=False`;
+a checkpoint's own scales where it has them), `tensor` (per layer, amax / 448 over a
+calibration window) or `head` (the same per KV head). The calibration window of `tensor` and
+`head` is the first `--window` tokens of the evaluated text. All calibrate through the
+engine's `asyncengine.kv_calibration`. `--save-kv-scales DIR` writes a copy of the 16-bit
+model with its per-head calibrated scales (on that window) as vLLM-style
+`model.layers.N.self_attn.k_scale` / `v_scale` tensors, which the engine loads
+(`kv_cache_dtype="fp8"` then uses them instead of calibrating).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from asyncengine import kv_calibration  # noqa: E402
+from asyncengine.kv_calibration import KVScales, set_kv_scales  # noqa: E402
 
 EVAL_TEXT = ROOT / "tests" / "data" / "eval_text.txt"
 BLOCK = 16
@@ -79,47 +86,49 @@ def _window_logits(
         return model.compute_logits(hidden).float()  # type: ignore[operator]
 
 
-KV_SCALE_MODES = ("one", "tensor", "head")
+KV_SCALE_MODES = ("default", "one", "tensor", "head")
 FP8 = torch.float8_e4m3fn
 
 
-def calibrate_kv_scales(
-    model: torch.nn.Module, ids: list[int], per_head: bool
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, K and V scales that map the largest |K| / |V| (K after rotary, as cached)
-    of one pass over `ids` with a 16-bit cache to 448, the largest e4m3 value: per layer, or
-    per KV head with `per_head`. Each scale is float32 [num_kv_heads]."""
-    _window_logits(model, ids)
-    scales = []
-    for attn in model.attention_layers():  # type: ignore[operator]
-        pair = []
-        for cache in (attn.k_cache, attn.v_cache):
-            amax = cache.abs().amax(dim=(0, 1, 3)).float()  # per KV head
-            if not per_head:
-                amax = amax.max().expand_as(amax)
-            pair.append((amax.clamp(min=1e-8) / 448.0).contiguous())
-        scales.append((pair[0], pair[1]))
-    return scales
+def calibrate_kv_scales(model: torch.nn.Module, ids: list[int], per_head: bool) -> KVScales:
+    """Per layer, K and V scales from one pass over `ids` with a float32 cache (the engine's
+    `asyncengine.kv_calibration.calibrate_kv_scales` on the CPU path): per layer, or per KV
+    head with `per_head`. Each scale is float32 [num_kv_heads]."""
+    return kv_calibration.calibrate_kv_scales(
+        model, ids, dtype=torch.float32, device=torch.device("cpu"), block_size=BLOCK,
+        per_head=per_head,
+    )  # fmt: skip
 
 
-def set_kv_scales(model: torch.nn.Module, scales: list[tuple[torch.Tensor, torch.Tensor]]
-                  ) -> None:  # fmt: skip
-    for attn, (k_scale, v_scale) in zip(model.attention_layers(), scales, strict=True):  # type: ignore[operator]
-        attn.k_scale.copy_(k_scale)
-        attn.v_scale.copy_(v_scale)
+def engine_calibration_ids(model_dir: Path) -> list[int]:
+    """The ids the engine calibrates on at start-up for `model_dir` (its shipped text, as
+    the model's tokenizer encodes a prompt)."""
+    from transformers import AutoTokenizer
+
+    from models.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return kv_calibration.calibration_token_ids(
+        tok, cfg.vocab_size, cfg.max_position_embeddings
+    )
 
 
 def kv_scales_for(
-    model: torch.nn.Module, mode: str, calibration: list[int]
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The scales of `--kv-scales` mode (None: keep the model's own, 1.0 or the checkpoint's)."""
+    model: torch.nn.Module, model_dir: Path, mode: str, calibration: list[int]
+) -> KVScales | None:
+    """The scales of `--kv-scales` mode (None: keep the model's own, 1.0 or the checkpoint's).
+    `default` decides as the engine does with `calculate_kv_scales` unset."""
     if mode == "one":
         return None
+    if mode == "default":
+        if kv_calibration.checkpoint_has_kv_scales(model):
+            return None
+        return calibrate_kv_scales(model, engine_calibration_ids(model_dir), per_head=True)
     return calibrate_kv_scales(model, calibration, per_head=mode == "head")
 
 
-def save_kv_scales(base: Path, out: Path, scales: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> None:  # fmt: skip
+def save_kv_scales(base: Path, out: Path, scales: KVScales) -> None:
     """A copy of the model directory `base` plus kv_scales.safetensors holding each layer's
     K and V scales under vLLM's names (one value, or one per KV head)."""
     import shutil
@@ -164,7 +173,7 @@ def perplexity(
     kv_dtype = torch.float32
     if kv_cache_dtype != "auto":
         kv_dtype = FP8
-        scales = kv_scales_for(model, kv_scales, tokens[:window])
+        scales = kv_scales_for(model, model_dir, kv_scales, tokens[:window])
         if scales is not None:
             set_kv_scales(model, scales)
     nll, count = 0.0, 0
@@ -194,18 +203,21 @@ def greedy(
     from asyncengine import LLM, SamplingParams
     from models.quantization.fp8 import use_weight_only_reference
 
+    # The engine calibrates `default` itself at start-up; the other modes start it without.
+    engine_args = {}
+    if kv_cache_dtype != "auto" and kv_scales != "default":
+        engine_args["calculate_kv_scales"] = False
     llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization)  # type: ignore[arg-type]  # fmt: skip
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+              **engine_args)  # type: ignore[arg-type]  # fmt: skip
     try:
         model = llm.llm_engine.runner.model
         if weight_only:
             use_weight_only_reference(model)
-        if kv_cache_dtype != "auto":
-            scales = kv_scales_for(model, kv_scales, calibration or [])
+        if kv_cache_dtype != "auto" and kv_scales in ("tensor", "head"):
+            scales = kv_scales_for(model, model_dir, kv_scales, calibration or [])
             if scales is not None:
                 set_kv_scales(model, scales)
-            # Calibration ran the layers over caches of its own: bind the engine's again.
-            llm.llm_engine.runner.allocate_kv_cache(llm.llm_engine.pool.num_blocks, 0)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -265,7 +277,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                     help="also evaluate every model with its KV cache in e4m3")
-    ap.add_argument("--kv-scales", default="one",
+    ap.add_argument("--kv-scales", default="default",
                     help=f"comma-separated FP8 KV scale modes, of {', '.join(KV_SCALE_MODES)}")
     ap.add_argument("--save-kv-scales", type=Path, metavar="DIR",
                     help="write the 16-bit model with per-head calibrated KV scales to DIR")

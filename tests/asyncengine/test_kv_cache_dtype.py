@@ -1,7 +1,8 @@
 """`kv_cache_dtype="fp8"` through the engine on the CPU path: e4m3 blocks, twice the blocks of
-a 16-bit pool, outputs close to the "auto" run, preemption (swap and recompute) unchanged,
-the dtype in the stats, bad values and GPUs without FP8 refused. On a GPU (`gpu`): the
-Triton kernels, eager and under CUDA graphs, against the CPU path over the same FP8 cache."""
+a 16-bit pool, outputs close to the "auto" run (scales calibrated at start-up or 1.0),
+preemption (swap and recompute) unchanged, the dtype in the stats, bad values and GPUs
+without FP8 refused. On a GPU (`gpu`): the Triton kernels, eager and under CUDA graphs,
+against the CPU path over the same FP8 cache."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from tests.asyncengine.engine_helpers import assert_pool_clean
 from tests.asyncengine.test_llm_engine import make_prompts
 
 MAX_TOKENS = 24
-# Largest change of a greedy token's logprob that the FP8 cache (scales 1.0) may cause on the
-# tiny GQA model, over positions whose context is still the same in both runs. Measured:
-# 0.056 over 69 positions (6 prompts); the model is random, so its logits are nearly flat and
-# greedy paths part early (first divergence at 0-24 tokens), which is why logprobs are bounded
-# here rather than token agreement.
+# Largest change of a greedy token's logprob that the FP8 cache may cause on the tiny GQA
+# model, over positions whose context is still the same in both runs. Measured (6 prompts):
+# 0.056 over 69 positions with scales 1.0, 0.043 over 102 with the scales calibrated at
+# start-up; the model is random, so its logits are nearly flat and greedy paths part early
+# (first divergence at 0-24 tokens), which is why logprobs are bounded here rather than token
+# agreement (tests/asyncengine/test_kv_calibration.py bounds that).
 MAX_LOGPROB_DELTA = 0.15
 
 
@@ -54,10 +56,15 @@ def _logprob_delta(one: list[RequestOutput], other: list[RequestOutput]) -> tupl
     return worst, compared
 
 
-def test_fp8_cache_stays_close_to_the_16_bit_run(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("calculate_kv_scales", [None, False], ids=["calibrated", "scales-1"])
+def test_fp8_cache_stays_close_to_the_16_bit_run(
+    tiny_llama_dir: Path, calculate_kv_scales: bool | None
+) -> None:
     prompts = make_prompts(452)
     _, auto = _generate(tiny_llama_dir, prompts)
-    llm, fp8 = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8")
+    llm, fp8 = _generate(
+        tiny_llama_dir, prompts, kv_cache_dtype="fp8", calculate_kv_scales=calculate_kv_scales
+    )
     runner = llm.llm_engine.runner
     assert runner.kv_cache is not None
     assert runner.kv_cache.data.dtype == torch.float8_e4m3fn
@@ -137,16 +144,23 @@ def test_gpu_fp8_cache_follows_the_cpu_path(
 ) -> None:  # fmt: skip
     """The Triton kernels (write, prefill, split-KV decode, fused rotary; captured in CUDA
     graphs or not) over an e4m3 cache, with chunked prefill and swaps, give the logprobs of
-    the CPU reference path over the same format, and stay as close to a 16-bit cache."""
+    the CPU reference path over the same format, and stay as close to a 16-bit cache. Both
+    engines calibrate their KV scales at start-up, the GPU one through the Triton kernels."""
     from asyncengine.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "fuse_decode_rotary", fused_rotary)
     prompts = make_prompts(452)
-    _, cpu = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8")
+    cpu_llm, cpu = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8")
     gpu_args = dict(device="cuda", num_kv_blocks=16, max_num_batched_tokens=23,
                     preemption_mode="swap", enforce_eager=enforce_eager, max_num_seqs=8)
     llm, gpu = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8", **gpu_args)
     engine = llm.llm_engine
+    cpu_scales = cpu_llm.llm_engine.calibrated_kv_scales
+    assert cpu_scales is not None and engine.calibrated_kv_scales is not None
+    # Triton's float32 dots may run in TF32: the same scales up to that rounding.
+    for (k, v), (k_cpu, v_cpu) in zip(engine.calibrated_kv_scales, cpu_scales, strict=True):
+        torch.testing.assert_close(k, k_cpu, rtol=1e-2, atol=0)
+        torch.testing.assert_close(v, v_cpu, rtol=1e-2, atol=0)
     assert engine.runner.kv_cache is not None
     assert engine.runner.kv_cache.data.dtype == torch.float8_e4m3fn
     assert engine.scheduler.num_swaps_out > 0

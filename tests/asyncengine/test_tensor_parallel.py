@@ -370,3 +370,33 @@ def test_tp_workers_build_the_fp8_kv_cache_too(tiny_llama_dir: Path) -> None:
         assert llm.llm_engine.scheduler.num_swaps_out > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tp_ranks_calibrate_their_own_kv_heads_from_the_same_ids(tiny_llama_dir: Path) -> None:
+    """FP8 KV scales calibrated at start-up: every rank runs the pass over rank 0's ids and
+    calibrates its own KV heads; the ranks' scales side by side are TP=1's, and two TP=2
+    engines agree on scales and greedy tokens."""
+    prompts = make_prompts()
+    single = make_llm(tiny_llama_dir, kv_cache_dtype="fp8").llm_engine.calibrated_kv_scales
+    assert single is not None
+    runs = []
+    for _ in range(2):
+        llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, kv_cache_dtype="fp8")
+        try:
+            engine = llm.llm_engine
+            scales = engine.calibrated_kv_scales
+            assert scales is not None
+            # Rank 0's layers hold the first of the two KV heads.
+            for attn, (k, v) in zip(engine.runner.model.attention_layers(), scales, strict=True):
+                assert torch.equal(attn.k_scale, k[:1]) and torch.equal(attn.v_scale, v[:1])
+            runs.append((scales, generate(llm, prompts)))
+        finally:
+            llm.llm_engine.shutdown()
+    assert get_tp_size() == 1
+    (first, tokens), (second, tokens_again) = runs
+    assert tokens == tokens_again
+    for (k, v), (k2, v2), (k1, v1) in zip(first, second, single, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+        # The sharded layers sum their partial products in another order: float32 rounding.
+        torch.testing.assert_close(k, k1, rtol=1e-5, atol=0)
+        torch.testing.assert_close(v, v1, rtol=1e-5, atol=0)

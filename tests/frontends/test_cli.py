@@ -26,7 +26,11 @@ def test_cli_engine_flags_follow_engine_args() -> None:
     assert not args.enable_prefix_caching and args.enforce_eager
     assert args.preemption_mode == "swap" and args.max_num_batched_tokens == 64
     assert args.kv_cache_dtype == "fp8"
+    assert args.calculate_kv_scales is None
     assert engine_args_from(build_parser().parse_args(["serve"])).kv_cache_dtype == "auto"
+    for flag, value in (("--calculate-kv-scales", True), ("--no-calculate-kv-scales", False)):
+        parsed = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8", flag])
+        assert engine_args_from(parsed).calculate_kv_scales is value
     assert ns.host == "127.0.0.1" and ns.port == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])

@@ -1,8 +1,9 @@
 """Q1 for the FP8 KV cache on real weights: the embedded SmolLM2-135M with its K/V stored in
 e4m3 keeps its perplexity over tests/data/eval_text.txt within a bound, with scales 1.0
-(vLLM's default) and with per-head calibrated scales, which load back from a checkpoint
-(vLLM's `self_attn.k_scale` / `v_scale` names) to the same result. Bounds sit above the
-increases measured in docs/quantization.md ("FP8 KV cache")."""
+(vLLM's default), with calibrated scales (per layer or per KV head on the text's first
+window) and with the engine's default (per KV head on its shipped calibration text); scales
+saved in a checkpoint (vLLM's `self_attn.k_scale` / `v_scale` names) load back to the same
+result. Bounds sit above the increases measured in docs/quantization.md ("FP8 KV cache")."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from scripts.eval_quant import (
 pytestmark = pytest.mark.slow
 
 # scale mode -> the largest perplexity increase allowed (measured: -0.74 % with 1.0,
-# -0.08 % per layer, +0.16 % per KV head).
-BOUNDS = {"one": 0.02, "tensor": 0.01, "head": 0.01}
+# -0.08 % per layer, +0.16 % per KV head on the text's first window, +0.97 % per KV head on
+# the calibration text shipped with the engine, its default).
+BOUNDS = {"one": 0.02, "tensor": 0.01, "head": 0.01, "default": 0.02}
 
 
 @pytest.fixture(scope="module")
