@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import next_power_of_2, tl, triton
-from kernels.gemv import _load_x, _row_rstd
+from kernels.gemv import load_gemv_input, row_rstd
 
 __all__ = [
     "FP8_DTYPE",
@@ -372,7 +372,7 @@ def _fp8_gemv_kernel(
     if BLOCK_M == 1:
         rstd = 0.0
         if NORM:
-            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
+            rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
@@ -383,7 +383,7 @@ def _fp8_gemv_kernel(
                 w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                             other=0.0)  # fmt: skip
             # Columns past this split's end meet zero weights; past K, x is zero.
-            x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+            x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
                         HAS_RESIDUAL)  # fmt: skip
             acc2 += w.to(tl.float32) * x[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]

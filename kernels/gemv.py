@@ -129,7 +129,7 @@ def _load_vec(ptr, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_x(
+def load_gemv_input(
     x_ptr, res_ptr, norm_w_ptr, rstd, kk, K,
     EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
@@ -158,7 +158,7 @@ def _load_w(w_rows, kk, K, n_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD: tl.constexpr,
+def row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr):  # fmt: skip
     """RMSNorm's 1 / rms of the row x (+ residual); program 0 also writes x + residual, the
     new residual. Every program needs the whole row's rstd: each reads the row (from L2) and
@@ -217,8 +217,9 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     rstd = 0.0
     if NORM:
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
-    x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
+        rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
+    x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, EVEN_K, GATED, NORM,
+                        HAS_RESIDUAL)  # fmt: skip
     acc = w.to(tl.float32) * x[None, :]
     acc_up = acc
     if GLU:
@@ -228,7 +229,8 @@ def _gemv_kernel(
         w = _load_w(w_rows, kk, K, n_mask, EVEN_K)
         if GLU:
             w_up = _load_w(up_rows, kk, K, n_mask, EVEN_K)
-        x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)
+        x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, EVEN_K, GATED, NORM,
+                            HAS_RESIDUAL)  # fmt: skip
         acc += w.to(tl.float32) * x[None, :]
         if GLU:
             acc_up += w_up.to(tl.float32) * x[None, :]
@@ -267,8 +269,9 @@ def _gemv_rows_kernel(
     pdl_wait(USE_PDL)
     rstd = 0.0
     if NORM:
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
-    x = _load_x(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM, HAS_RESIDUAL)
+        rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
+    x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM,
+                        HAS_RESIDUAL)  # fmt: skip
     _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
                 n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)  # fmt: skip
     for rb in range(pid + tl.num_programs(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):

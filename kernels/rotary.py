@@ -32,6 +32,22 @@ def apply_rotary_emb_ref(
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin, dt):
+    """The rotated halves [x1 cos - x2 sin, x2 cos + x1 sin] of fp32 rows x1, x2 (cos, sin:
+    one row each), in dtype `dt`: each product, then the sum, rounded to the input dtype (HF
+    computes in q.dtype); the products of two fp16/bf16 values are exact in fp32, so this
+    follows torch's rounding. (Measured on an H200: a few bf16 outputs per million still
+    differ by one ulp.)"""
+    c = cos[None, :]
+    s = sin[None, :]
+    a1 = (x1 * c).to(dt).to(tl.float32)
+    b1 = (x2 * s).to(dt).to(tl.float32)
+    a2 = (x2 * c).to(dt).to(tl.float32)
+    b2 = (x1 * s).to(dt).to(tl.float32)
+    return (a1 - b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, o_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -45,17 +61,9 @@ def _rotate_heads(
     dt = o_ptr.dtype.element_ty
     x1 = tl.load(x_row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
-    # Each product, then the sum, rounded to the input dtype (HF computes in q.dtype); the
-    # products of two fp16/bf16 values are exact in fp32, so this follows torch's rounding.
-    # (Measured on an H200: a few bf16 outputs per million still differ by one ulp.)
-    a1 = (x1 * c).to(dt).to(tl.float32)
-    b1 = (x2 * s).to(dt).to(tl.float32)
-    a2 = (x2 * c).to(dt).to(tl.float32)
-    b2 = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_row + offs_d[None, :], (a1 - b1).to(dt), mask=mask)
-    tl.store(o_row + HALF + offs_d[None, :], (a2 + b2).to(dt), mask=mask)
+    first, second = rotate_halves(x1, x2, cos, sin, dt)
+    tl.store(o_row + offs_d[None, :], first, mask=mask)
+    tl.store(o_row + HALF + offs_d[None, :], second, mask=mask)
     if REST_PAD > 0:
         offs_r = tl.arange(0, REST_PAD)
         rmask = (offs_h < NUM_HEADS)[:, None] & (offs_r < HEAD_DIM - 2 * HALF)[None, :]

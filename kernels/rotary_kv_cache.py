@@ -21,7 +21,13 @@ from kernels._triton_utils import (
     use_triton,
 )
 from kernels.kv_cache_write import check_kv_scales, is_fp8_kv, quantize_fp8, write_kv_cache_ref
-from kernels.rotary import _load_cos_sin, _rotate_heads, apply_rotary_emb_ref, rotary_launch_args
+from kernels.rotary import (
+    _load_cos_sin,
+    _rotate_heads,
+    apply_rotary_emb_ref,
+    rotary_launch_args,
+    rotate_halves,
+)
 
 __all__ = ["rotary_and_write_kv", "rotary_and_write_kv_ref", "rotary_and_write_kv_triton"]
 
@@ -60,14 +66,9 @@ def _rotate_heads_fp8(
     scale = tl.load(scale_ptr + offs_h, mask=h_mask, other=1.0)[:, None]
     x1 = tl.load(x_row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
-    a1 = (x1 * c).to(dt).to(tl.float32)
-    b1 = (x2 * s).to(dt).to(tl.float32)
-    a2 = (x2 * c).to(dt).to(tl.float32)
-    b2 = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_row + offs_d[None, :], quantize_fp8((a1 - b1).to(dt), scale), mask=mask)
-    tl.store(o_row + HALF + offs_d[None, :], quantize_fp8((a2 + b2).to(dt), scale), mask=mask)
+    first, second = rotate_halves(x1, x2, cos, sin, dt)
+    tl.store(o_row + offs_d[None, :], quantize_fp8(first, scale), mask=mask)
+    tl.store(o_row + HALF + offs_d[None, :], quantize_fp8(second, scale), mask=mask)
     if REST_PAD > 0:
         offs_r = tl.arange(0, REST_PAD)
         rmask = h_mask[:, None] & (offs_r < HEAD_DIM - 2 * HALF)[None, :]
