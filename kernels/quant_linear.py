@@ -249,21 +249,14 @@ def _quant_gemv_kernel(
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
         part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
-        # The values are masked in place rather than shifted down, so one AND-OR (a single
-        # LOP3) turns each into a float: value i of a 16-bit half sits at bit j * BITS
-        # (j = i % HALF) and reads back as 2^23 + q * 2^(j * BITS), exact below 2^23. The
-        # upper half takes one shift per word. Subtracting 2^23 + zero * 2^(j * BITS) leaves
-        # (q - zero) * 2^(j * BITS); x is scaled by 2^-(j * BITS) (exact) to match.
-        HALF: tl.constexpr = PACK // 2
-        upper = words >> 16
         for i in tl.static_range(PACK):
-            src = words if i < HALF else upper
-            shift = (i % HALF) * BITS
-            field = (src & (((1 << BITS) - 1) << shift)) | _MAGIC_BITS
-            q = field.to(tl.float32, bitcast=True) - (z * (1 << shift) + _MAGIC)[None, :]
+            # Word w holds input rows k0 + w * PACK + i, value i at bit i * BITS.
+            bits = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
+            q = bits.to(tl.float32, bitcast=True) - biased_zero[None, :]
             xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
-            part += q * (xi * (1.0 / (1 << shift)))[:, None]
+            part += q * xi[:, None]
         acc += part * s[None, :]  # the tile lies inside one group: one scale per column
     y = tl.sum(acc, axis=0)
     if SPLIT_K == 1:
