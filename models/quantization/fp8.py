@@ -136,9 +136,12 @@ def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
     """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
     kinds: list[MatmulKind] = [Fp8DequantMatmul(), Fp8ScaledMM()]
     kinds += [Fp8TritonGemm(c) for c in fp8_gemm_candidates()]
-    gemv = Fp8RowGemv if rows == 1 else Fp8Gemv
+    if rows == 1:
+        # The row GEMV forms a normed input in every program; with many programs (gate/up)
+        # a norm kernel of its own before the plain GEMV can cost less, so both are timed.
+        kinds += [Fp8RowGemv(c) for c in fp8_gemv_candidates(1)]
     if rows <= FP8_GEMV_MAX_ROWS:
-        kinds += [gemv(c) for c in fp8_gemv_candidates(rows)]
+        kinds += [Fp8Gemv(c) for c in fp8_gemv_candidates(rows)]
     return kinds
 
 

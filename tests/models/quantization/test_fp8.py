@@ -315,6 +315,18 @@ def test_the_kinds_agree_with_their_reference(quantized: Make) -> None:
     torch.testing.assert_close(Fp8Gemv(Fp8GemvConfig(16, 32)).apply(layer, x, None), w8a16)
 
 
+def test_one_row_is_timed_with_the_norm_fused_and_as_a_kernel_of_its_own(quantized: Make
+                                                                         ) -> None:  # fmt: skip
+    gate_up = _layers(quantized)["gate_up"]
+    assert gate_up.input_transform is InputTransform.RMS_NORM
+    one = fp8.tuning_kinds(gate_up, 1)
+    fused = [k for k in one if InputTransform.RMS_NORM in k.fusable_inputs]
+    plain = [k for k in one if isinstance(k, Fp8Gemv) and k not in fused]
+    assert any(isinstance(k, fp8.Fp8RowGemv) for k in fused) and plain
+    assert not any(isinstance(k, fp8.Fp8RowGemv) for k in fp8.tuning_kinds(gate_up, 2))
+    assert not any(isinstance(k, Fp8Gemv) for k in fp8.tuning_kinds(gate_up, 17))
+
+
 def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> None:
     layers = _layers(quantized)
     gen = torch.Generator().manual_seed(1)
