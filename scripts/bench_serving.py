@@ -475,13 +475,19 @@ async def bench(ns: argparse.Namespace) -> None:
         emit(offline)
 
 
+def sweep_command(argv: list[str], budget: int) -> list[str]:
+    """This script with the same flags, one chunked-prefill budget and no sweep (a later
+    flag wins over an earlier one)."""
+    return [sys.executable, str(Path(__file__).resolve()), *argv,
+            "--max-num-batched-tokens", str(budget), "--max-num-batched-tokens-sweep", ""]
+
+
 def run_sweep(argv: list[str], budgets: list[int]) -> list[dict[str, Any]]:
     """The benchmark once per chunked-prefill budget, each in its own process (a fresh
     engine and server, all of the GPU's memory); their JSON lines pass through."""
     records = []
     for budget in budgets:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv,
-               "--max-num-batched-tokens", str(budget), "--max-num-batched-tokens-sweep", ""]
+        cmd = sweep_command(argv, budget)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
             assert proc.stdout is not None
             for line in proc.stdout:
