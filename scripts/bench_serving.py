@@ -18,7 +18,7 @@ Mixed lengths: `--input-len-range LO,HI` / `--output-len-range LO,HI` draw each 
 log-uniformly from [LO, HI] (as many requests per doubling of length: mostly short, with a
 long tail, the shape of chat and RAG traffic). `--workload long-mixed` is issue #20's long-prompt
 case: prompts 32-8192 and outputs 32-1024 tokens on the Llama-3.1-8B shape, 256 requests at
-4 and 12 req/s, over the OpenAI API. Each record carries `fraction_of_floor`: the least time
+6 and 12 req/s, over the OpenAI API. Each record carries `fraction_of_floor`: the least time
 one H200 needs for those requests at those arrival times (bench_common's floor), over the
 measured time. `--max-num-batched-tokens-sweep 2048,4096,...` runs the whole benchmark once
 per chunked-prefill budget, each in a fresh process (a fresh server and engine), and prints
@@ -62,7 +62,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     # 9216 = the longest prompt plus the longest output.
     "long-mixed": dict(shape="llama3.1-8b", api="openai", input_len_range="32,8192",
                        output_len_range="32,1024", max_model_len=9216, num_requests=256,
-                       rates="4,12", skip_offline=True, skip_tokenizer_init=True),
+                       rates="6,12", skip_offline=True, skip_tokenizer_init=True),
 }
 
 
@@ -325,7 +325,7 @@ def summarize(system: str, rate: float, results: list[RequestResult], duration: 
         record["total_tokens_per_s"] = (prompt_tokens + out_tokens) / duration
         if floor_model is not None and arrivals is not None and len(done) == len(requests):
             floor = serving_floor(floor_model, requests, arrivals)
-            record["floor"] = {k: round(v, 3) for k, v in floor.items()}
+            record["floor"] = {k: round(v, 6) for k, v in floor.items()}
             record["fraction_of_floor"] = round(floor["total_s"] / duration, 4)
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
