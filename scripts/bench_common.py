@@ -1,9 +1,12 @@
-"""Shared pieces of the GPU benchmarks: model shapes of BENCHMARKS.md and dummy model dirs."""
+"""Shared pieces of the GPU benchmarks: model shapes of BENCHMARKS.md, dummy model dirs and
+the hardware floor (the least time one H200 needs for a set of requests)."""
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    ),
+    # Long prompts: Llama-3.1-8B, W2's shape with llama3 RoPE scaling and a 128k context
+    # (Llama-3-8B's 8192 cannot hold an 8192-token prompt and its output).
+    "llama3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
         bos_token_id=128000,
         eos_token_id=128001,
         torch_dtype="bfloat16",
@@ -84,6 +108,58 @@ def param_count(shape: str) -> int:
     hd = h // c["num_attention_heads"]
     attn = h * hd * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
     return layers * (attn + 3 * h * i + 2 * h) + 2 * v * h + h
+
+
+PEAK_FLOPS = 787.5e12  # measured bf16 dense matmul on one H200
+PEAK_BW = 4.25e12  # measured device-to-device copy rate
+
+
+def kv_bytes_per_token(shape: str, kv_elem_bytes: int = 2) -> int:
+    c = SHAPES[shape]
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * kv_elem_bytes
+
+
+def prefill_flops(shape: str, prompt_len: int) -> float:
+    """FLOPs of one prompt's prefill: 2 per parameter per token, plus causal attention's
+    QK^T and PV (2 FLOPs per multiply-add, 2 products, head_dim x query heads, over the
+    p(p+1)/2 query/key pairs of each layer): the quadratic term that dominates long prompts."""
+    c = SHAPES[shape]
+    linear = 2.0 * param_count(shape) * prompt_len
+    pairs = prompt_len * (prompt_len + 1) / 2
+    attention = 4.0 * c["num_hidden_layers"] * c["hidden_size"] * pairs
+    return linear + attention
+
+
+def floor_seconds_for(shape: str, prefill_lens: Sequence[int],
+                      decodes: Sequence[tuple[int, int]], concurrency: int, weight_bytes: int,
+                      kv_elem_bytes: int = 2) -> dict[str, float]:
+    """Lower bound on the time one H200 needs (BENCHMARKS.md): prefill at the matmul peak,
+    and for each decode step the weights read once plus every running sequence's KV cache.
+    `prefill_lens`: the prompts prefilled; `decodes`: (prompt_len, output_len) per decoding
+    sequence. At most `concurrency` sequences decode in one step, and no sequence emits two
+    tokens in one, so the steps are at least the longest output and the outputs over the
+    concurrency."""
+    prefill = sum(prefill_flops(shape, p) for p in prefill_lens) / PEAK_FLOPS
+    # Each output token reads the KV of its context: the prompt and half its output on average.
+    kv_tokens = sum(o * (p + o / 2) for p, o in decodes)
+    kv = kv_tokens * kv_bytes_per_token(shape, kv_elem_bytes) / PEAK_BW
+    outputs = [o for _, o in decodes]
+    steps = max(max(outputs, default=0), math.ceil(sum(outputs) / max(concurrency, 1)))
+    weights = steps * weight_bytes / PEAK_BW
+    return {"prefill_s": prefill, "kv_read_s": kv, "weights_s": weights,
+            "total_s": prefill + kv + weights}
+
+
+def request_floor_seconds(shape: str, prompt_len: int, output_len: int, weight_bytes: int,
+                          kv_elem_bytes: int = 2) -> float:
+    """Least time from a request's arrival to its last token on an otherwise idle H200: its
+    prefill (which yields the first token), then one step per further token, each reading
+    the weights and the request's own KV cache."""
+    decode_steps = max(output_len - 1, 0)
+    kv = decode_steps * (prompt_len + output_len / 2) * kv_bytes_per_token(shape, kv_elem_bytes)
+    return (prefill_flops(shape, prompt_len) / PEAK_FLOPS
+            + (decode_steps * weight_bytes + kv) / PEAK_BW)
 
 
 def emit(record: dict[str, Any]) -> None:

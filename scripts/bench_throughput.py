@@ -41,12 +41,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.bench_common import (
+    PEAK_BW,
     SHAPES,
     dummy_model_dir,
     emit,
+    floor_seconds_for,
     param_count,
     warmth,
     warmth_delta,
+)
+from scripts.bench_common import (
+    PEAK_FLOPS as PEAK_FLOPS,  # bench_tp imports it from here
 )
 
 WORKLOADS = {
@@ -75,19 +80,11 @@ QUANT_SCHEMES: dict[str, dict[str, Any]] = {
     # No quantization_config: the 16-bit dummy, quantized at load (`quantization="fp8"`).
     "fp8": {},
 }  # fmt: skip
-PEAK_FLOPS = 787.5e12  # measured bf16 dense matmul on one H200
-PEAK_BW = 4.25e12  # measured device-to-device copy rate
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def kv_bytes_per_token(shape: str, kv_elem_bytes: int = 2) -> int:
-    c = SHAPES[shape]
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * kv_elem_bytes
 
 
 def weight_bytes(shape: str, quantization: str | None = None) -> int:
@@ -135,19 +132,9 @@ def floor_seconds(w: dict, concurrency: int, quantization: str | None = None,
     samples per prompt, n sequences decode per request and shared prompts prefill once."""
     samples = w.get("n", 1)
     n, p, o = w["num_requests"] * samples, w["prompt_len"], w["output_len"]
-    params = param_count(w["shape"])
     prefills = w["num_requests"] if w.get("shared_prompts", True) else n
-    prefill = prefills * p * 2 * params / PEAK_FLOPS
-    avg_ctx = p + o / 2
-    kv = n * o * avg_ctx * kv_bytes_per_token(w["shape"], kv_elem_bytes) / PEAK_BW
-    steps = o * max(1, -(-n // max(concurrency, 1)))
-    weights = steps * weight_bytes(w["shape"], quantization) / PEAK_BW
-    return {
-        "prefill_s": prefill,
-        "kv_read_s": kv,
-        "weights_s": weights,
-        "total_s": prefill + kv + weights,
-    }
+    return floor_seconds_for(w["shape"], [p] * prefills, [(p, o)] * n, concurrency,
+                             weight_bytes(w["shape"], quantization), kv_elem_bytes)
 
 
 def greedy_params(output_len: int) -> Any:

@@ -5,6 +5,9 @@
 #   bash scripts/gpu_check.sh compare DIR  # L1 and W1 (two passes each) from another tree DIR
 #                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
+#   bash scripts/gpu_check.sh longmix [BUDGETS] # prompts 32-8192, outputs 32-1024 over the OpenAI
+#                                          # API at 6 and 12 req/s, once per chunked-prefill budget
+#                                          # (default 2048,4096,8192,16384; 2-3 min each)
 #   bash scripts/gpu_check.sh nsample      # engine GPU tests; W1 prompts with n = 8 against 8x requests
 #   bash scripts/gpu_check.sh quant [quick] # quantized kernels and formats on the GPU; L1/W1 per
 #                                          # format (quick: L1 GPTQ int4/int8 only)
@@ -60,6 +63,11 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
 elif [ "$phase" = serving ]; then  # H1 (OpenAI HTTP) and S1 (WebSocket) at saturation
   serving --api openai --rates inf --num-requests 256
   serving --api websocket --rates inf --num-requests 256 --skip-offline
+elif [ "$phase" = longmix ]; then  # issue #20 item 4: TTFT/ITL per chunked-prefill budget
+  python3 scripts/bench_serving.py --workload long-mixed --device cuda \
+    --max-num-batched-tokens-sweep "${2:-2048,4096,8192,16384}" 2>>"$OUT/bench.log" \
+    | tee "$OUT/longmix.part" | grep '^{' | cut -c1-300
+  cat "$OUT/longmix.part" >> "$OUT/longmix.txt"; grep '^{' "$OUT/longmix.part" >> "$OUT/serving.jsonl"
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -95,9 +103,10 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, nsample, quant, fp8, w2, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, w2, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
 echo "== serving"; cut -c1-300 "$OUT/serving.jsonl" 2>/dev/null
 echo "== compare"; cat "$OUT/compare.jsonl" 2>/dev/null | cut -c1-300
+echo "== longmix"; grep '^|' "$OUT/longmix.txt" 2>/dev/null
