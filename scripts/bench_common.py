@@ -10,6 +10,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# W2's shape, which the long-prompt shape extends.
+LLAMA3_8B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+)
+
 SHAPES: dict[str, dict[str, Any]] = {
     # W1 / L1: Llama-2-7B
     "llama2-7b": dict(
@@ -30,43 +49,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
     # W2: Llama-3-8B
-    "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        bos_token_id=128000,
-        eos_token_id=128001,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-    ),
+    "llama3-8b": LLAMA3_8B,
     # Long prompts: Llama-3.1-8B, W2's shape with llama3 RoPE scaling and a 128k context
     # (Llama-3-8B's 8192 cannot hold an 8192-token prompt and its output).
     "llama3.1-8b": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
+        LLAMA3_8B,
         max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
-        bos_token_id=128000,
-        eos_token_id=128001,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
     ),
     # A small shape for smoke runs.
     "tiny": dict(
