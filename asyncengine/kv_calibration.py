@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.fp8_format import FP8_E4M3_MAX
 from models.forward_context import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "kv_calibration.txt"
-FP8_E4M3_MAX = 448.0
 # Keeps a head that stored only zeros from a zero scale (its values stay zero either way).
 MIN_SCALE = 1e-8
 # Without a tokenizer: this many ids, drawn from a generator of this seed.

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import next_power_of_2, tl, triton
+from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
 
 __all__ = [
     "FP8_DTYPE",
-    "FP8_MAX",
     "Fp8GemmConfig",
     "Fp8GemvConfig",
     "dequantize_fp8",
@@ -50,10 +50,8 @@ __all__ = [
     "scaled_mm_fits",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 # The smallest per-token scale: a row of zeros still divides by something positive.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
 # The GEMV serves at most this many rows (one weight tile per program serves them all).
 FP8_GEMV_MAX_ROWS = 16
 
@@ -62,8 +60,8 @@ FP8_GEMV_MAX_ROWS = 16
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (e4m3 [N, K], float32 scales [N, 1]): amax / 448 per row."""
     wf = w.float()
-    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    q = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
+    q = (wf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return q, scale
 
 
@@ -79,10 +77,10 @@ def quantize_rows_ref(
     or with the static per-tensor `input_scale` (a scalar) for every row."""
     xf = x.float()
     if input_scale is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
     return q, scale.contiguous()
 
 
@@ -106,19 +104,6 @@ def fp8_linear_ref(
 
 
 # ------------------------------------------------------------------ activation quantization
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32:
-    the conversion after it is exact. (Triton's interpreter rounds the conversion itself
-    without carrying into the exponent: 124.3 became 64, not 128.)"""
-    bits = v.to(tl.int32, bitcast=True)
-    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, the carry may raise
-    # the exponent. Subnormal: a multiple of 2^-9, by adding and removing 1.5 * 2^14.
-    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    small = (v + 24576.0) - 24576.0
-    return tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, kept.to(tl.float32, bitcast=True), small)
-
-
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, res_ptr, norm_w_ptr, res_out_ptr, xq_ptr, xs_ptr, in_scale_ptr, K, stride_xm,
@@ -150,7 +135,7 @@ def _quantize_rows_kernel(
         scale = tl.load(in_scale_ptr).to(tl.float32)
     else:
         scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1.0 / (448.0 * 512.0))
-    q = _round_to_e4m3(tl.clamp(xf / scale, -448.0, 448.0))
+    q = round_to_e4m3_grid(tl.clamp(xf / scale, -448.0, 448.0))
     tl.store(xq_ptr + row * K + offs, q.to(xq_ptr.dtype.element_ty), mask=mask)
     tl.store(xs_ptr + row, scale)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton_utils import interpreter_enabled, next_power_of_2, tl, triton, use_triton
+from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -30,8 +31,7 @@ __all__ = [
     "write_kv_cache_triton",
 ]
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # largest finite e4m3 value; e4m3fn has no infinity
+FP8_KV_DTYPE = FP8_DTYPE
 
 
 def is_fp8_kv(cache: torch.Tensor) -> bool:
@@ -76,22 +76,9 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
 
 
-# The interpreter's float -> e4m3 cast truncates and drops the carry into the exponent; there
-# `quantize_fp8` rounds to the e4m3 grid first, so the cast has nothing left to round.
+# The interpreter's float -> e4m3 cast truncates (`kernels.fp8_format`); there `quantize_fp8`
+# rounds to the e4m3 grid first, so the cast has nothing left to round.
 _EMULATE_FP8_ROUNDING = tl.constexpr(interpreter_enabled())
-
-
-@triton.jit
-def _round_to_e4m3_grid(y):
-    """y (float32, |y| <= 448) rounded to nearest even on the e4m3 grid, still float32: the
-    step is 2^(e - 3) for |y| in [2^e, 2^(e+1)), e >= -6, and 2^-9 below (subnormals).
-    Adding and subtracting 1.5 * 2^(23 + step exponent) rounds |y| at that step."""
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    step = tl.maximum(e, -6) - 3
-    magic = (((127 + 23 + step) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0.0 and tiny negatives stay -0.0
 
 
 @triton.jit
@@ -101,7 +88,7 @@ def quantize_fp8(x, scale):
     y = tl.div_rn(x.to(tl.float32), scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if _EMULATE_FP8_ROUNDING:
-        y = _round_to_e4m3_grid(y)
+        y = round_to_e4m3_grid(y)
     return y.to(tl.float8e4nv)
 
 

@@ -11,7 +11,7 @@ import torch
 from kernels.activation import silu_and_mul_ref
 from kernels.fp8_linear import (
     FP8_DTYPE,
-    FP8_MAX,
+    FP8_E4M3_MAX,
     Fp8GemmConfig,
     Fp8GemvConfig,
     dequantize_fp8,
@@ -44,7 +44,7 @@ def _weight(n: int, k: int, device: str = "cpu", seed: int = 0) -> tuple[torch.T
 def test_weight_quantization_is_per_row_and_saturates_at_448() -> None:
     w, q, scale = _weight(24, 40)
     assert q.dtype == FP8_DTYPE and scale.shape == (24,)
-    assert torch.equal(q.float().abs().amax(1), torch.full((24,), FP8_MAX))
+    assert torch.equal(q.float().abs().amax(1), torch.full((24,), FP8_E4M3_MAX))
     rel = (dequantize_fp8(q, scale.view(-1, 1)) - w).abs() / w.abs().amax(1, keepdim=True)
     assert float(rel.max()) <= 2.0**-4  # half of e4m3's largest relative step
 
@@ -75,7 +75,7 @@ def test_per_token_quantization_matches_reference(dtype: torch.dtype) -> None:
     q, s, _ = quantize_rows(x, static)
     want_q, want_s = quantize_rows_ref(x, static)
     assert torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
-    assert float(q.float().abs().max()) == FP8_MAX  # static scales saturate, never overflow
+    assert float(q.float().abs().max()) == FP8_E4M3_MAX  # static scales saturate, never overflow
 
 
 def test_fused_input_transforms_quantize_what_the_separate_kernels_produce() -> None:
