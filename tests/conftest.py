@@ -45,3 +45,18 @@ def default_model_dir() -> Path:
     from models.default_model import default_model_dir as resolve
 
     return resolve()
+
+
+@pytest.fixture(scope="session")
+def q1_base() -> tuple[Path, list[int], float]:
+    """Q1's 16-bit baseline, computed once for every accuracy test: the embedded SmolLM2's
+    directory, the evaluation text's tokens and its perplexity (skips without the model)."""
+    from models.default_model import default_model_dir
+    from scripts.eval_quant import eval_tokens, perplexity
+
+    try:
+        model_dir = default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tokens = eval_tokens(model_dir)
+    return model_dir, tokens, perplexity(model_dir, tokens)

@@ -14,7 +14,6 @@ import torch
 
 from scripts.eval_quant import (
     calibrate_kv_scales,
-    eval_tokens,
     perplexity,
     save_kv_scales,
 )
@@ -27,34 +26,22 @@ pytestmark = pytest.mark.slow
 BOUNDS = {"one": 0.02, "tensor": 0.01, "head": 0.01, "default": 0.02}
 
 
-@pytest.fixture(scope="module")
-def base() -> tuple[Path, list[int], float]:
-    from models.default_model import default_model_dir
-
-    try:
-        model_dir = default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    tokens = eval_tokens(model_dir)
-    return model_dir, tokens, perplexity(model_dir, tokens)
-
-
 @pytest.mark.parametrize("mode", list(BOUNDS))
 def test_fp8_kv_perplexity_increase_is_bounded(
-    base: tuple[Path, list[int], float], mode: str
+    q1_base: tuple[Path, list[int], float], mode: str
 ) -> None:
-    model_dir, tokens, base_ppl = base
+    model_dir, tokens, base_ppl = q1_base
     increase = perplexity(model_dir, tokens, kv_cache_dtype="fp8", kv_scales=mode) / base_ppl - 1
     assert abs(increase) <= BOUNDS[mode], f"fp8 KV, scales {mode}: {100 * increase:+.2f} %"
 
 
 def test_calibrated_scales_saved_in_a_checkpoint_load_back(
-    base: tuple[Path, list[int], float], tmp_path: Path
+    q1_base: tuple[Path, list[int], float], tmp_path: Path
 ) -> None:
     from models.config import ModelConfig
     from models.loader import load_model
 
-    model_dir, tokens, _ = base
+    model_dir, tokens, _ = q1_base
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
     scales = calibrate_kv_scales(model, tokens[:256], per_head=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.eval_quant import eval_tokens, perplexity
+from scripts.eval_quant import perplexity
 from tests.quant_writers import Scheme, write_quantized
 
 pytestmark = pytest.mark.slow
@@ -24,32 +24,20 @@ BOUNDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def base() -> tuple[Path, list[int], float]:
-    from models.default_model import default_model_dir
-
-    try:
-        model_dir = default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    tokens = eval_tokens(model_dir)
-    return model_dir, tokens, perplexity(model_dir, tokens)
-
-
 @pytest.mark.parametrize("scheme", list(BOUNDS), ids=lambda s: s.name)
 def test_perplexity_increase_is_bounded(
-    base: tuple[Path, list[int], float], tmp_path: Path, scheme: Scheme
+    q1_base: tuple[Path, list[int], float], tmp_path: Path, scheme: Scheme
 ) -> None:
-    model_dir, tokens, base_ppl = base
+    model_dir, tokens, base_ppl = q1_base
     write_quantized(model_dir, tmp_path / "q", scheme)
     increase = perplexity(tmp_path / "q", tokens) / base_ppl - 1
     assert increase <= BOUNDS[scheme], f"{scheme.name}: +{100 * increase:.1f} %"
 
 
 def test_a_wrong_zero_point_convention_blows_up_perplexity(
-    base: tuple[Path, list[int], float], tmp_path: Path
+    q1_base: tuple[Path, list[int], float], tmp_path: Path
 ) -> None:
-    model_dir, tokens, base_ppl = base
+    model_dir, tokens, base_ppl = q1_base
     write_quantized(model_dir, tmp_path / "q", Scheme("gptq", 4, 64, mistake="gptq_zero"))
     assert perplexity(tmp_path / "q", tokens) > 2 * base_ppl
 
@@ -65,9 +53,9 @@ FP8_BOUNDS = {
 
 @pytest.mark.parametrize(("source", "matmul"), list(FP8_BOUNDS), ids=lambda v: v)
 def test_fp8_perplexity_increase_is_bounded(
-    base: tuple[Path, list[int], float], tmp_path: Path, source: str, matmul: str
+    q1_base: tuple[Path, list[int], float], tmp_path: Path, source: str, matmul: str
 ) -> None:
-    model_dir, tokens, base_ppl = base
+    model_dir, tokens, base_ppl = q1_base
     if source == "online":
         path, quantization = model_dir, "fp8"
     else:
