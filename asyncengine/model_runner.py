@@ -29,6 +29,7 @@ from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, pack, unpack
+from kernels.kv_cache_write import as_bytes
 from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
@@ -179,11 +180,6 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks = num_blocks
 
-    def raw(self) -> torch.Tensor:
-        """The data to move blocks with: float8 as its bytes (torch has no index_copy_ for
-        float8 on the CPU), other dtypes as they are."""
-        return self.data.view(torch.uint8) if self.data.element_size() == 1 else self.data
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
 
@@ -196,11 +192,11 @@ def copy_blocks(src: KVCache, dst: KVCache, pairs: list[tuple[int, int]]) -> Non
         raise ValueError(f"cannot copy {src.data.dtype} KV blocks into a {dst.data.dtype} cache")
     src_ids = torch.tensor([p[0] for p in pairs], device=src.data.device)
     dst_ids = torch.tensor([p[1] for p in pairs], device=dst.data.device)
-    moved = src.raw().index_select(2, src_ids)
+    moved = as_bytes(src.data).index_select(2, src_ids)
     # To the GPU the copy may run behind the queue; to the CPU it must have landed before the
     # CPU-side index_copy_ reads it, so that direction blocks.
     moved = moved.to(dst.data.device, non_blocking=dst.data.device.type == "cuda")
-    dst.raw().index_copy_(2, dst_ids, moved)
+    as_bytes(dst.data).index_copy_(2, dst_ids, moved)
 
 
 class ModelRunner:

@@ -22,6 +22,7 @@ from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 __all__ = [
     "FP8_E4M3_MAX",
     "FP8_KV_DTYPE",
+    "as_bytes",
     "check_kv_scales",
     "dequantize_kv",
     "is_fp8_kv",
@@ -71,8 +72,9 @@ def check_kv_scales(
             )
 
 
-def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
-    # CPU torch has no index_copy_ for float8: scatter the same bytes as uint8.
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache (or rows of one) as its bytes, to move or scatter: CPU torch has no
+    index_copy_ or indexed assignment for float8. Other dtypes as they are."""
     return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
 
 
@@ -117,10 +119,10 @@ def write_kv_cache_ref(
         rows = quantize_kv(rows, scale) if scale is not None and is_fp8_kv(cache) else rows
         if cache.is_contiguous():
             # One index_copy_ into the [slots, heads, dim] view: the cheapest scatter on CPU.
-            flat = _as_bytes(cache.view(-1, *cache.shape[2:]))
-            flat.index_copy_(0, kept, _as_bytes(rows.to(cache.dtype)))
+            flat = as_bytes(cache.view(-1, *cache.shape[2:]))
+            flat.index_copy_(0, kept, as_bytes(rows.to(cache.dtype)))
         else:  # strided views: index by (block, offset)
-            _as_bytes(cache)[kept // block_size, kept % block_size] = _as_bytes(
+            as_bytes(cache)[kept // block_size, kept % block_size] = as_bytes(
                 rows.to(cache.dtype)
             )
 

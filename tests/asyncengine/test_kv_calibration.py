@@ -19,6 +19,7 @@ from asyncengine.kv_calibration import (
     calibration_token_ids,
     should_calibrate,
 )
+from kernels.kv_cache_write import as_bytes
 from kernels.rotary import apply_rotary_emb_ref
 from models.config import ModelConfig
 from models.loader import load_model
@@ -139,7 +140,7 @@ def test_calibration_leaves_the_kv_pool_empty(calibrated: LLM) -> None:
     assert engine.pool.num_cached_free_blocks == 0
     kv = engine.runner.kv_cache
     assert kv is not None and kv.data.dtype == torch.float8_e4m3fn
-    assert not bool(kv.raw().any())  # no byte of the pool was written
+    assert not bool(as_bytes(kv.data).any())  # no byte of the pool was written
     layers = engine.runner.model.attention_layers()  # type: ignore[operator]
     for i, attn in enumerate(layers):  # the layers are bound to the pool again
         assert attn.k_cache.data_ptr() == kv.layer(i)[0].data_ptr()
