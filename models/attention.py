@@ -29,7 +29,7 @@ from kernels import (
 from kernels.cpu_attention import cpu_attention_step, step_index
 from kernels.paged_attention import DecodePlan, DecodeRotary
 from models.forward_context import get_attention_metadata
-from models.parallel import get_tp_rank, get_tp_size
+from models.parallel import local_kv_heads
 
 # Checkpoint names of the KV-cache scales (vLLM's, then compressed-tensors') under a layer's
 # `self_attn.`, and which of the layer's scales each one fills.
@@ -75,7 +75,8 @@ class Attention(nn.Module):
         if values.numel() == 1:
             target.fill_(float(values[0]))
         elif values.numel() == total_kv_heads and loaded.dim() == 1:
-            target.copy_(self._rank_heads(values, total_kv_heads))
+            heads = local_kv_heads(total_kv_heads)  # this rank's, as the QKV projection's
+            target.copy_(values[heads.start : heads.stop])
         else:
             raise ValueError(
                 f"{which} must hold one value or one per KV head ({total_kv_heads}), got "
@@ -84,17 +85,6 @@ class Attention(nn.Module):
         if not bool(torch.isfinite(target).all()) or bool((target <= 0).any()):
             raise ValueError(f"{which} must be finite and positive, got {values.tolist()}")
         self.kv_scales_loaded = True
-
-    def _rank_heads(self, values: torch.Tensor, total_kv_heads: int) -> torch.Tensor:
-        """This rank's KV heads of a per-head tensor (tensor parallelism splits or, with more
-        ranks than KV heads, replicates them)."""
-        tp, rank = get_tp_size(), get_tp_rank()
-        if tp == 1:
-            return values
-        if total_kv_heads >= tp:
-            per = total_kv_heads // tp
-            return values[rank * per : (rank + 1) * per]
-        return values[rank * total_kv_heads // tp].expand(self.num_kv_heads)
 
     def _cpu_path(
         self, q: torch.Tensor, positions: torch.Tensor | None,

@@ -22,7 +22,14 @@ from torch import nn
 
 from kernels import fused_add_rms_norm, rms_norm
 from models.matmul_plan import InputTransform, PlannedMatmul
-from models.parallel import all_gather_last_dim, all_reduce, divide, get_tp_rank, get_tp_size
+from models.parallel import (
+    all_gather_last_dim,
+    all_reduce,
+    divide,
+    get_tp_rank,
+    get_tp_size,
+    local_kv_heads,
+)
 from models.quantization.config import QuantConfig, current_quant_config
 
 
@@ -162,12 +169,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp)
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
-        if num_kv_heads >= tp:
-            self.num_kv_heads = divide(num_kv_heads, tp)
-            self.kv_replicas = 1
-        else:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp, num_kv_heads)
+        kv_heads = local_kv_heads(num_kv_heads)
+        self.num_kv_heads, self.kv_head_start = len(kv_heads), kv_heads.start
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias, input_transform)
 
@@ -176,13 +179,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
+            offset, start, size = 0, self.tp_rank * q_size, q_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank = kv_size, self.tp_rank // self.kv_replicas
+            start, size = self.kv_head_start * self.head_dim, kv_size
         heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         _check_full_shape(f"{shard_id}_proj", loaded, (heads * self.head_dim, *param.shape[1:]))
-        shard = loaded.narrow(0, rank * size, size)
+        shard = loaded.narrow(0, start, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"{shard_id}_proj", target, shard)
         target.copy_(shard)

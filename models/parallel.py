@@ -46,3 +46,13 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
     return numerator // denominator
+
+
+def local_kv_heads(total_kv_heads: int) -> range:
+    """The KV heads this rank holds: its equal share when there are at least as many heads as
+    ranks, else the one head its group of ranks replicates."""
+    if total_kv_heads >= _tp_size:
+        per = divide(total_kv_heads, _tp_size)
+        return range(_tp_rank * per, (_tp_rank + 1) * per)
+    head = _tp_rank // divide(_tp_size, total_kv_heads)
+    return range(head, head + 1)
