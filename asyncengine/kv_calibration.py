@@ -83,28 +83,12 @@ def calibrate_kv_scales(
     caches are bound again afterwards. The model's scales are left as they were."""
     if not token_ids:
         raise ValueError("KV scale calibration needs at least one token")
-    n = len(token_ids)
-    blocks = -(-n // block_size)
     layers = model.attention_layers()  # type: ignore[operator]
     bound = [(attn.k_cache, attn.v_cache) for attn in layers]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        max_query_len=n,
-        max_seq_len=n,
-    )
     try:
         with torch.inference_mode():
-            for attn in layers:
-                shape = (blocks, block_size, attn.num_kv_heads, attn.head_dim)
-                attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-                attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-            positions = torch.arange(n, dtype=torch.int64, device=device)
-            with set_forward_context(meta):
-                model(ids, positions)
+            prefill_through_scratch_cache(model, token_ids, dtype=dtype, device=device,
+                                          block_size=block_size)  # fmt: skip
             scales = []
             for attn in layers:
                 pair = []
@@ -118,6 +102,32 @@ def calibrate_kv_scales(
         for attn, (k_cache, v_cache) in zip(layers, bound, strict=True):
             attn.k_cache, attn.v_cache = k_cache, v_cache
     return scales
+
+
+def prefill_through_scratch_cache(
+    model: nn.Module, token_ids: list[int], *, dtype: torch.dtype, device: torch.device,
+    block_size: int = 16,
+) -> torch.Tensor:  # fmt: skip
+    """One sequence as one prefill step through fresh zeroed caches of `dtype` bound to every
+    attention layer (left bound: the caller reads or replaces them); the hidden states."""
+    n = len(token_ids)
+    blocks = -(-n // block_size)
+    for attn in model.attention_layers():  # type: ignore[operator]
+        shape = (blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(n, dtype=torch.int64, device=device)
+    with set_forward_context(meta):
+        return model(ids, positions)
 
 
 def set_kv_scales(model: nn.Module, scales: KVScales) -> None:

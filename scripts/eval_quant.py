@@ -68,21 +68,10 @@ def _window_logits(
 ) -> torch.Tensor:
     """Logits [T, vocab] of one sequence as one prefill step through a fresh paged cache
     (of `kv_dtype`: float32, or e4m3 for an FP8 cache)."""
-    from models.forward_context import AttentionMetadata, set_forward_context
-
-    blocks = -(-len(ids) // BLOCK)
-    for attn in model.attention_layers():  # type: ignore[operator]
-        shape = (blocks, BLOCK, attn.num_kv_heads, attn.head_dim)
-        attn.k_cache = torch.zeros(shape, dtype=kv_dtype)
-        attn.v_cache = torch.zeros(shape, dtype=kv_dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(len(ids)),
-        query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
-        seq_lens=torch.tensor([len(ids)], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-    )
-    with torch.inference_mode(), set_forward_context(meta):
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+    with torch.inference_mode():
+        hidden = kv_calibration.prefill_through_scratch_cache(
+            model, ids, dtype=kv_dtype, device=torch.device("cpu"), block_size=BLOCK
+        )
         return model.compute_logits(hidden).float()  # type: ignore[operator]
 
 
