@@ -376,6 +376,35 @@ def _load_kv(
     return tl.load(base + offs)
 
 
+# The interpreter runs no inline PTX; it widens e4m3 with a cast (the same values).
+_WIDEN_IN_PTX = tl.constexpr(not interpreter_enabled())
+
+
+@triton.jit
+def _widen_e4m3(x, IN_PTX: tl.constexpr):
+    """e4m3 codes to fp16 (exact), two per instruction. IN_PTX: as inline PTX the compiler
+    does not move, so a tile is widened before the shared-memory round trip of the dot
+    operand (16-bit values transpose there with ldmatrix) instead of after it, where a
+    transposed 8-bit operand is read byte by byte."""
+    if IN_PTX and _WIDEN_IN_PTX:
+        # Not pure: a pure op would be hoisted past the shared-memory load like a cast.
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    else:
+        return x.to(tl.float16)
+
+
 @triton.jit
 def _attend_tile(
     Q,
@@ -410,6 +439,8 @@ def _attend_tile(
     V_pre,
     PRELOADED: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    KV_DOT_F16: tl.constexpr = False,
+    KV_WIDEN: tl.constexpr = 2,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
@@ -433,7 +464,9 @@ def _attend_tile(
         # the scores.
         if EARLY_V:
             V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
-    if KV_FP8:
+    if KV_DOT_F16:
+        K = _widen_e4m3(K, IN_PTX=KV_WIDEN >= 2)
+    elif KV_FP8:
         K = K.to(Q.dtype)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
@@ -450,7 +483,9 @@ def _attend_tile(
 
     if not PRELOADED and not EARLY_V:
         V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
-    if KV_FP8:
+    if KV_DOT_F16:
+        V = _widen_e4m3(V, IN_PTX=KV_WIDEN >= 1)
+    elif KV_FP8:
         V = V.to(Q.dtype)
     if HAS_NEW:
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
@@ -515,9 +550,14 @@ def _paged_attention_kernel(
     ROTARY: tl.constexpr = False,
     HALF: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False,
+    KV_DOT_F16: tl.constexpr = False,
+    KV_WIDEN: tl.constexpr = 2,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
+    # KV_DOT_F16: an e4m3 tile widens to fp16 in one instruction per two values (to bf16 it
+    # takes three), so a 16-bit query joins it in fp16 (scores and P @ V accumulate in fp32).
+    dot_dtype = tl.float16 if KV_DOT_F16 else q_ptr.dtype.element_ty
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     if KV_FP8:
@@ -559,7 +599,7 @@ def _paged_attention_kernel(
     if D_PAD != HEAD_DIM:
         q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
     if not ROTARY:
-        Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+        Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(dot_dtype)
     q_abs = ctx_len + q_pos
 
     # Causal pruning: this block sees keys 0 .. ctx_len + its last query position.
@@ -581,8 +621,8 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
 
     new_pos = seq_len - 1  # this step's token, when ROTARY: taken from registers
-    k_new = tl.zeros([D_PAD], dtype=q_ptr.dtype.element_ty)
-    v_new = tl.zeros([D_PAD], dtype=q_ptr.dtype.element_ty)
+    k_new = tl.zeros([D_PAD], dtype=dot_dtype)
+    v_new = tl.zeros([D_PAD], dtype=dot_dtype)
     if ROTARY:
         # A decode step with rotary fused in. Nothing read so far, nor the rotary table, the
         # slot nor this segment's first KV tile, is written by the previous kernel (the QKV
@@ -605,6 +645,7 @@ def _paged_attention_kernel(
         Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
         q_row = tok[:, None] * stride_qt + (head * stride_qh)[:, None]
         Q = _rotate_row(Q, q_ptr + q_row, offs_d, q_mask, cos, sin, HEAD_DIM=HEAD_DIM, HALF=HALF)
+        Q = Q.to(dot_dtype)
         # Only the program whose segment holds the new key reads it, so that program alone
         # rotates it, writes k and v to their cache slot and uses them from registers.
         last_tile = new_pos // TILE
@@ -622,8 +663,8 @@ def _paged_attention_kernel(
                 # token is attended to exactly as the later steps that read it back will.
                 k_code = quantize_fp8(k_new, tl.load(k_scale_ptr + kv_head))
                 v_code = quantize_fp8(v_new, tl.load(v_scale_ptr + kv_head))
-                k_new = k_code.to(q_ptr.dtype.element_ty)
-                v_new = v_code.to(q_ptr.dtype.element_ty)
+                k_new = k_code.to(dot_dtype)
+                v_new = v_code.to(dot_dtype)
                 if slot >= 0:
                     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
                     k_dst = k_base + blk * stride_kb + off * stride_ks + offs_d
@@ -648,7 +689,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=K_first, V_pre=V_first,
             MASKED=True, HAS_NEW=True, EARLY_V=True, PRELOADED=True,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
         )  # fmt: skip
         first = tile_lo + 1
     for tile in range(first, tl.minimum(tile_hi, num_full)):
@@ -658,7 +699,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=False, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
         )  # fmt: skip
     for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
@@ -667,7 +708,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=True, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
         )  # fmt: skip
 
     if KV_FP8:
@@ -734,16 +775,22 @@ MAX_SPLIT_SEGMENTS = 16
 SHORT_CONTEXT_KEYS = 1024
 
 
-def _small_tile_config(group: int, elem_size: int) -> dict[str, int]:
+def _small_tile_config(group: int, elem_size: int, split: bool = False) -> dict[str, int]:
     """Decode / short-query tiles: the G heads of one KV head packed into >= 16 MMA rows.
 
     Measured on an H200 (bf16, D 128): 2 stages beat 3-4; 32-key tiles are best for MHA,
-    64-key tiles once several heads share each K/V tile."""
+    64-key tiles once several heads share each K/V tile. An FP8 cache moves half the bytes
+    per key, so an unsplit launch takes twice the keys per tile to keep as many bytes in
+    flight (measured at 256 sequences: 64 keys for MHA, 128 for GQA); split-KV launches
+    (`split`, small batches) keep the 16-bit tiles, whose segments are short already."""
     block_m = max(16, next_power_of_2(group))
+    tile = 64 if group > 1 and elem_size <= 2 else 32
+    if elem_size == 1 and not split:
+        tile *= 2
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
-        "TILE": 64 if group > 1 and elem_size <= 2 else 32,
+        "TILE": tile,
         "num_warps": 4,
         "num_stages": 2,
     }
@@ -882,6 +929,7 @@ def paged_attention_triton(
         "DOT_FP32": dot_fp32,
         "IEEE": q.dtype == torch.float32 or dot_fp32,
         "KV_FP8": kv_fp8,
+        "KV_DOT_F16": kv_fp8 and q.dtype != torch.float32,
     }
     scales = (k_scale, v_scale) if kv_fp8 else (q, q)  # unused unless KV_FP8
     pdl = pdl and use_pdl(q)
@@ -917,13 +965,14 @@ def paged_attention_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), *rot_args,
-            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **common, **cfg, **rot_flags,
+            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, **{**common, **rot_flags, **cfg},
             **pdl_kwargs(pdl),
         )  # fmt: skip
 
-    small = _with_overrides(_small_tile_config(group, elem), small_tiles, group)
     decode = decode_only or num_tokens == num_seqs
-    if decode and num_segments > 1:
+    split = decode and num_segments > 1
+    small = _with_overrides(_small_tile_config(group, elem, split), small_tiles, group)
+    if split:
         segments = next_power_of_2(num_segments)
         f32 = {"dtype": torch.float32, "device": q.device}
         seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)

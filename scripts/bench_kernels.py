@@ -8,6 +8,7 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
+    python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
 
 Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes. FP8
 rows count the e4m3 weights, float32 scales, x and y; the W8A8 GEMMs' TFLOP/s are also given
@@ -94,9 +95,11 @@ def run_case(kernel: str, shape: dict[str, Any], fn: Callable[..., None], **kwar
 
 
 def _attention_inputs(
-    q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int
+    q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+    kv_fp8: bool = False,
 ) -> tuple[tuple, int]:
-    """Random bf16 batch with shuffled blocks; returns (args, bytes of K/V read + q + out)."""
+    """Random bf16 batch with shuffled blocks (an e4m3 cache with `kv_fp8`, whose scales are
+    then the last two args); returns (args, bytes of K/V read + q + out)."""
     dev, dt = "cuda", torch.bfloat16
     blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -113,8 +116,12 @@ def _attention_inputs(
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     q = torch.randn(int(qsl[-1]), num_heads, HEAD_DIM, device=dev, dtype=dt)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    if kv_fp8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     args = (q, k_cache, v_cache, tables, qsl.to(dev), lens, HEAD_DIM**-0.5)
-    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * HEAD_DIM * 2
+    if kv_fp8:
+        args += (torch.ones(num_kv_heads, device=dev), torch.ones(num_kv_heads, device=dev))
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * HEAD_DIM * k_cache.element_size()
     return args, kv_bytes + 2 * q.numel() * 2
 
 
@@ -174,9 +181,11 @@ def _sweep_case(
 ) -> None:
     from kernels.paged_attention import paged_attention_triton
 
+    scales = {"k_scale": args[7], "v_scale": args[8]} if len(args) > 7 else {}
     ms = bench(
         lambda: paged_attention_triton(
-            *args, out=out, decode_only=True, num_segments=shape["segments"], small_tiles=cfg
+            *args[:7], out=out, decode_only=True, num_segments=shape["segments"],
+            small_tiles=cfg, **scales,
         ),
         warmup=2,
         iters=5,
@@ -198,6 +207,34 @@ def sweep_decode(batches: list[int], contexts: list[int]) -> None:
                     cfg = {"TILE": tile, "num_stages": stages}
                     run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                              nbytes=nbytes, cfg=cfg)  # fmt: skip
+
+
+def sweep_fp8_kv_decode() -> None:
+    """Decode attention over an e4m3 cache beside the bf16 cache at the throughput shapes
+    (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): tiles, warps, stages, and
+    the dot's dtype (KV_DOT_F16 False widens e4m3 to bf16 as the 16-bit path computes)."""
+    cases = {"W1": (256, 640), "W2": (256, 1500)}
+    for wl, heads in WORKLOADS.items():
+        bsz, ctx = cases[wl]
+        for kv_fp8 in (False, True):
+            args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8)
+            out = torch.empty_like(args[0])
+            # The 16-bit cache and the bf16-widening dot run their default tiles only.
+            configs: list[dict[str, Any]] = [{}]
+            if kv_fp8:
+                configs.append({"KV_DOT_F16": False})
+                # KV_WIDEN: 0 widens K and V after their shared-memory loads, 1 only K, 2 none.
+                configs += [
+                    {"TILE": tile, "num_warps": warps, "num_stages": stages, "KV_WIDEN": widen}
+                    for tile, warps, stages, widen in itertools.product(
+                        (32, 64, 128), (4,), (2, 3), (0, 1, 2)
+                    )
+                ]
+            for cfg in configs:
+                shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
+                         "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip
+                run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
+                         nbytes=nbytes, cfg=cfg)  # fmt: skip
 
 
 def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict[str, int]) -> None:
@@ -455,7 +492,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--only",
-        choices=["attention", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8"],
+        choices=[
+            "attention", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8", "kvfp8"
+        ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
     parser.add_argument("--sweep-batches", default="1,4,8,16,32,64", help="decode sweep batches")
@@ -475,6 +514,8 @@ def main() -> None:
         )
         if not args.no_prefill_sweep:
             sweep_prefill()
+    if args.only in (None, "kvfp8"):
+        sweep_fp8_kv_decode()
     if args.only in (None, "elementwise"):
         bench_elementwise()
     if args.only in (None, "sampling"):

@@ -13,6 +13,7 @@
 #                                          # format (quick: L1 GPTQ int4/int8 only)
 #   bash scripts/gpu_check.sh fp8          # FP8 kernel/engine GPU tests; L1 FP8 and int4, W1 with FP8 KV
 #   bash scripts/gpu_check.sh w2 [SEQS]    # W2 with FP8 weights and KV (max_num_seqs SEQS), then bf16
+#   bash scripts/gpu_check.sh fp8speed [SEQS] # FP8 KV: attention GPU tests, decode sweep, W1, W2
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -95,6 +96,15 @@ elif [ "$phase" = fp8 ]; then  # FP8 weights and KV cache: GPU tests, then L1/W1
   bench --workload w1 --system engine
   bench --workload w1 --system engine --kv-cache-dtype fp8
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512
+elif [ "$phase" = fp8speed ]; then  # FP8 KV: attention GPU tests, decode sweep, W1 and W2
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
+    tests/kernels/test_rotary_paged_attention.py tests/asyncengine/test_kv_cache_dtype.py \
+    tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" | tee "$OUT/kvfp8.jsonl" \
+    | python3 -c "import json,sys; [print(r.get('workload'), r.get('kv'), {k: r[k] for k in ('TILE','num_warps','num_stages','KV_DOT_F16','KV_WIDEN') if k in r}, r.get('ms'), r.get('frac_hbm'), r.get('error','')) for r in map(json.loads, sys.stdin)]"
+  bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
+  bench --workload w1 --system engine
+  bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
 elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
   bench --workload w2 --system engine
@@ -103,7 +113,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, w2, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, w2, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
