@@ -381,12 +381,14 @@ _WIDEN_IN_PTX = tl.constexpr(not interpreter_enabled())
 
 
 @triton.jit
-def _widen_e4m3(x, IN_PTX: tl.constexpr):
-    """e4m3 codes to fp16 (exact), two per instruction. IN_PTX: as inline PTX the compiler
-    does not move, so a tile is widened before the shared-memory round trip of the dot
-    operand (16-bit values transpose there with ldmatrix) instead of after it, where a
-    transposed 8-bit operand is read byte by byte."""
-    if IN_PTX and _WIDEN_IN_PTX:
+def _widen_e4m3_before_dot(x):
+    """e4m3 codes to fp16 (exact), two per instruction, as inline PTX the compiler does not
+    move: the tile is widened before the shared-memory round trip of its dot operand, where
+    16-bit values transpose with ldmatrix, instead of after it, where a transposed 8-bit
+    operand is read byte by byte. V needs it (P @ V reduces over keys, the slow axis of the
+    cache); K does not (Q @ K^T reduces over head_dim, its contiguous axis, so its e4m3
+    bytes are read vectorized and widened after the load, half the shared-memory traffic)."""
+    if _WIDEN_IN_PTX:
         # Not pure: a pure op would be hoisted past the shared-memory load like a cast.
         return tl.inline_asm_elementwise(
             asm="""{
@@ -440,7 +442,6 @@ def _attend_tile(
     PRELOADED: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     KV_DOT_F16: tl.constexpr = False,
-    KV_WIDEN: tl.constexpr = 2,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
@@ -464,9 +465,7 @@ def _attend_tile(
         # the scores.
         if EARLY_V:
             V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
-    if KV_DOT_F16:
-        K = _widen_e4m3(K, IN_PTX=KV_WIDEN >= 2)
-    elif KV_FP8:
+    if KV_FP8:
         K = K.to(Q.dtype)
     if HAS_NEW:
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
@@ -484,7 +483,7 @@ def _attend_tile(
     if not PRELOADED and not EARLY_V:
         V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
     if KV_DOT_F16:
-        V = _widen_e4m3(V, IN_PTX=KV_WIDEN >= 1)
+        V = _widen_e4m3_before_dot(V)
     elif KV_FP8:
         V = V.to(Q.dtype)
     if HAS_NEW:
@@ -551,7 +550,6 @@ def _paged_attention_kernel(
     HALF: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False,
     KV_DOT_F16: tl.constexpr = False,
-    KV_WIDEN: tl.constexpr = 2,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
@@ -689,7 +687,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=K_first, V_pre=V_first,
             MASKED=True, HAS_NEW=True, EARLY_V=True, PRELOADED=True,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
         )  # fmt: skip
         first = tile_lo + 1
     for tile in range(first, tl.minimum(tile_hi, num_full)):
@@ -699,7 +697,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=False, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
         )  # fmt: skip
     for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
@@ -708,7 +706,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
             MASKED=True, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, KV_WIDEN=KV_WIDEN,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
         )  # fmt: skip
 
     if KV_FP8:
@@ -780,13 +778,13 @@ def _small_tile_config(group: int, elem_size: int, split: bool = False) -> dict[
 
     Measured on an H200 (bf16, D 128): 2 stages beat 3-4; 32-key tiles are best for MHA,
     64-key tiles once several heads share each K/V tile. An FP8 cache moves half the bytes
-    per key, so an unsplit launch takes twice the keys per tile to keep as many bytes in
-    flight (measured at 256 sequences: 64 keys for MHA, 128 for GQA); split-KV launches
-    (`split`, small batches) keep the 16-bit tiles, whose segments are short already."""
+    per key: an unsplit launch takes 128-key tiles (measured at 256 sequences, MHA x 640
+    keys and GQA x 1500, against 32 and 64 keys and 3 stages); split-KV launches (`split`,
+    small batches) keep the 16-bit tiles, whose segments are short already."""
     block_m = max(16, next_power_of_2(group))
     tile = 64 if group > 1 and elem_size <= 2 else 32
     if elem_size == 1 and not split:
-        tile *= 2
+        tile = 128
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,

@@ -223,12 +223,9 @@ def sweep_fp8_kv_decode() -> None:
             configs: list[dict[str, Any]] = [{}]
             if kv_fp8:
                 configs.append({"KV_DOT_F16": False})
-                # KV_WIDEN: 0 widens K and V after their shared-memory loads, 1 only K, 2 none.
                 configs += [
-                    {"TILE": tile, "num_warps": warps, "num_stages": stages, "KV_WIDEN": widen}
-                    for tile, warps, stages, widen in itertools.product(
-                        (32, 64, 128), (4,), (2, 3), (0, 1, 2)
-                    )
+                    {"TILE": tile, "num_warps": warps, "num_stages": stages}
+                    for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3))
                 ]
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,

@@ -101,7 +101,7 @@ elif [ "$phase" = fp8speed ]; then  # FP8 KV: attention GPU tests, decode sweep,
     tests/kernels/test_rotary_paged_attention.py tests/asyncengine/test_kv_cache_dtype.py \
     tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" | tee "$OUT/kvfp8.jsonl" \
-    | python3 -c "import json,sys; [print(r.get('workload'), r.get('kv'), {k: r[k] for k in ('TILE','num_warps','num_stages','KV_DOT_F16','KV_WIDEN') if k in r}, r.get('ms'), r.get('frac_hbm'), r.get('error','')) for r in map(json.loads, sys.stdin)]"
+    | python3 -c "import json,sys; [print(r.get('workload'), r.get('kv'), {k: r[k] for k in ('TILE','num_warps','num_stages','KV_DOT_F16') if k in r}, r.get('ms'), r.get('frac_hbm'), r.get('error','')) for r in map(json.loads, sys.stdin)]"
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
   bench --workload w1 --system engine
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
