@@ -53,9 +53,11 @@ def prefill_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[s
     prefill` (which sweeps BLOCK_M, TILE, warps and stages on an H200): `wgmma` takes 64 rows
     per warpgroup, so 128 rows run on 8 warps (two warpgroups); 64-key tiles keep the fp32
     scores (128 x 64) and the accumulator (128 x head_dim) in registers without spilling at
-    head_dim 128; two stages of K and V (2 x 32 KB in bf16) plus the Q tile fit shared
-    memory with room for a third stage. head_dim 256 or fp32 queries halve the tiles, and
-    an FP8 cache keeps the 16-bit shape (its tiles are converted before the MMA).
+    head_dim 128 (about 200 registers a thread, so one program per multiprocessor); at
+    that occupancy three stages are what lets the K/V copies run two tiles ahead (with two,
+    sm_90 lowering waits for every copy at the top of each iteration), and three stages of
+    K and V plus Q take 128 KB of shared memory. head_dim 256 or fp32 queries halve the
+    tiles, and an FP8 cache keeps the 16-bit shape (its tiles are converted before the MMA).
     `group` > 128 query heads per KV head widens BLOCK_M to hold them.
     """
     big = head_dim_pad <= 128 and elem_size <= 2
@@ -65,7 +67,7 @@ def prefill_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[s
         "BLOCK_Q": block_m // group,
         "TILE": 64 if big else 32,
         "num_warps": 8 if big else 4,
-        "num_stages": 2 if big else 1,
+        "num_stages": 3 if big else 1,
     }
 
 
@@ -82,22 +84,26 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _block_ids(bt_row_ptr, start, num_keys, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache block of each key start .. start + TILE - 1 (0 past `num_keys`: never read)."""
+    offs_t = start + tl.arange(0, TILE)
+    return tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=offs_t < num_keys, other=0)
+
+
+@triton.jit
 def _kv_tile_ptrs(
-    k_base, v_base, bt_row_ptr, start, num_keys, offs_d,
+    k_base, v_base, blk, start, num_keys, offs_d,
     stride_kb, stride_ks, stride_vb, stride_vs,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Pointers to keys start .. start + TILE - 1 of one KV head (rows gathered through the
-    block table) and their load mask; MASKED: keys past `num_keys` are neither looked up
-    nor loaded (unwritten slots may hold NaN, and 0 * NaN would poison P @ V)."""
+    """Pointers to keys start .. start + TILE - 1 of one KV head, in cache blocks `blk`, and
+    their load mask; MASKED: keys past `num_keys` are not loaded (unwritten slots may hold
+    NaN, and 0 * NaN would poison P @ V)."""
     offs_t = start + tl.arange(0, TILE)
     if MASKED:
-        kv_valid = offs_t < num_keys
-        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=kv_valid, other=0)
-        mask = kv_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        mask = (offs_t < num_keys)[:, None] & (offs_d < HEAD_DIM)[None, :]
     else:
-        blk = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE)
         mask = (offs_d < HEAD_DIM)[None, :]
     blk = blk.to(tl.int64)
     slot = (offs_t % BLOCK_SIZE).to(tl.int64)
@@ -207,9 +213,12 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     # Off the diagonal: no masks, every row sees every key, so the running max is finite
     # after the first tile and needs no -inf guard.
+    # The block ids of the next tile are read one iteration ahead: a K/V address that
+    # waits on a table load issued in the same iteration would serialize the pipeline.
+    blk = _block_ids(bt_row_ptr, 0, num_keys, TILE=TILE, BLOCK_SIZE=BLOCK_SIZE)
     for tile in range(0, num_full):
         k_ptrs, v_ptrs, kv_mask = _kv_tile_ptrs(
-            k_base, v_base, bt_row_ptr, tile * TILE, num_keys, offs_d,
+            k_base, v_base, blk, tile * TILE, num_keys, offs_d,
             stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, MASKED=False,
         )  # fmt: skip
@@ -222,11 +231,13 @@ def _prefill_attention_kernel(
         V = _load(v_ptrs, kv_mask, dt, MASKED=False, D_PAD=D_PAD, HEAD_DIM=HEAD_DIM)
         acc = _mma(P.to(dt), V, acc * alpha[:, None], DOT_FP32, IEEE)
         M = m_new
+        blk = _block_ids(bt_row_ptr, (tile + 1) * TILE, num_keys, TILE=TILE, BLOCK_SIZE=BLOCK_SIZE)
     # The diagonal: causal mask and bounds. A row may see no key of a tile (or none at all
     # when it is past the sequence's end): keep its max at -inf and exp2's argument finite.
     for tile in range(num_full, num_tiles):
+        blk = _block_ids(bt_row_ptr, tile * TILE, num_keys, TILE=TILE, BLOCK_SIZE=BLOCK_SIZE)
         k_ptrs, v_ptrs, kv_mask = _kv_tile_ptrs(
-            k_base, v_base, bt_row_ptr, tile * TILE, num_keys, offs_d,
+            k_base, v_base, blk, tile * TILE, num_keys, offs_d,
             stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, MASKED=True,
         )  # fmt: skip

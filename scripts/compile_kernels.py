@@ -2,11 +2,10 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, each also over an FP8 (e4m3) KV cache, the tiled and whole-row GEMV forms,
-the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and activation quantization, the
-norm, rotary, KV-write and merge kernels) to a
-cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
-H200 fails here.
+prefill tiles, the sm_90 prefill kernel, each also over an FP8 (e4m3) KV cache, the tiled
+and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and
+activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90
+with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
@@ -61,6 +60,8 @@ FLOAT_SCALARS = {"eps", "scale_log2"}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
+PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=False, USE_PDL=True,
+               BLOCK_M=128, TILE=64)  # fmt: skip
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
@@ -78,6 +79,10 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=64, BLOCK_Q=64, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False), 4, 2),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=4, BLOCK_Q=32), 8, 3),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=1, BLOCK_Q=128), 8, 3),
     ("kernels.paged_attention", "_reduce_segments_kernel",
      dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SEGMENTS=16, USE_PDL=True), 4, 1),
     ("kernels.gemv", "_gemv_kernel",
@@ -154,6 +159,8 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=64, BLOCK_Q=16, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False, KV_FP8=True), 4, 2),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=4, BLOCK_Q=32, KV_FP8=True), 8, 3),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True, KV_FP8=True), 4, 1),
@@ -166,6 +173,19 @@ def compile_variant(
     module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
 ) -> int:
     """Lower one variant to a cubin; returns its size in bytes."""
+    compiled = lower_variant(module, kernel, constexprs, num_warps, num_stages, arch)
+    return len(compiled.asm["cubin"])
+
+
+def lower_variant(
+    module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
+) -> Any:
+    """Compile one variant; returns Triton's compiled kernel (`.asm["ptx"]`, `["cubin"]`).
+
+    Pointers and `stride_*` arguments get the 16-divisibility a launch at Llama sizes gives
+    them (torch allocations are 16-byte aligned, head and row strides multiples of 16), except
+    those the kernel keeps unspecialized: without it the compiler cannot prove 16-byte
+    vector loads and lowers a different (scalar, unpipelined) kernel than the GPU runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -185,16 +205,22 @@ def compile_variant(
             signature[p] = pointers.get(p, "*bf16")
         else:
             signature[p] = "fp32" if p in FLOAT_SCALARS else "i32"
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
+    aligned = [
+        i for i, p in enumerate(params)
+        if signature[p] != "constexpr" and p not in unspecialized
+        and (p.endswith("_ptr") or p.startswith("stride_"))
+    ]  # fmt: skip
     src = ASTSource(
         fn=fn,
         signature=signature,
         constexprs={(params.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     target = GPUTarget("cuda", arch, 32)
-    compiled = triton.compile(
+    return triton.compile(
         src, target=target, options={"num_warps": num_warps, "num_stages": num_stages}
     )
-    return len(compiled.asm["cubin"])
 
 
 def main() -> int:
