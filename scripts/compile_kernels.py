@@ -12,6 +12,7 @@ with Triton's bundled ptxas, so a kernel change that would not build on an H200 
   python scripts/compile_kernels.py --only quant # the int4/int8 matmuls only
   python scripts/compile_kernels.py --only fp8   # the FP8 kernels only
   python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
+  python scripts/compile_kernels.py --only prefill --asm-stats  # registers, spills, wgmma
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -169,14 +170,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
 ]  # fmt: skip
 
 
-def compile_variant(
-    module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
-) -> int:
-    """Lower one variant to a cubin; returns its size in bytes."""
-    compiled = lower_variant(module, kernel, constexprs, num_warps, num_stages, arch)
-    return len(compiled.asm["cubin"])
-
-
 def lower_variant(
     module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
 ) -> Any:
@@ -223,12 +216,45 @@ def lower_variant(
     )
 
 
+def asm_stats(compiled: Any) -> dict[str, int]:
+    """What the machine code of a compiled variant uses, read with the tools Triton bundles:
+    registers and local-memory (spill) bytes per thread, spill instructions (LDL/STL),
+    tensor-core instructions (HGMMA = wgmma; HMMA = the older mma.sync) and asynchronous
+    global-to-shared copies (LDGSTS = cp.async)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run(
+            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
+        ).stdout
+    stats = {}
+    for key, name in (("REG", "regs"), ("LOCAL", "local_bytes")):
+        found = re.search(rf"\b{key}:(\d+)", usage)
+        stats[name] = int(found.group(1)) if found else -1
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    for op in ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL"):
+        stats[op] = ops.count(op)
+    return stats
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     ap.add_argument("--only", help="compile only the variants of kernels whose module contains "
                     "this, e.g. quant")  # fmt: skip
     ap.add_argument("--fp8-kv", action="store_true", help="only the FP8 KV-cache variants")
+    ap.add_argument("--asm-stats", action="store_true", help="also report registers, spills, "
+                    "tensor-core and async-copy instructions of each variant")  # fmt: skip
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
@@ -241,8 +267,10 @@ def main() -> int:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()
         try:
-            size = compile_variant(module, kernel, constexprs, warps, stages, args.arch)
-            row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": size}
+            compiled = lower_variant(module, kernel, constexprs, warps, stages, args.arch)
+            row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": len(compiled.asm["cubin"])}
+            if args.asm_stats:
+                row.update(asm_stats(compiled))
         except Exception as exc:  # report every variant, then fail
             failed += 1
             row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
