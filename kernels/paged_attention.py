@@ -14,7 +14,9 @@ Three implementations share the signature:
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
   (flash-decoding: several programs per row block, each over a segment of the keys, merged by
   a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
-  constants only, so the decode path can be captured in a CUDA graph.
+  constants only, so the decode path can be captured in a CUDA graph. Sequences with at
+  least `PREFILL_TILE_MIN_QUERY_LEN` query tokens go to the sm_90-shaped prefill kernel
+  (`kernels.prefill_attention`) instead, in a second launch of the same step.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
 
 An FP8 cache (e4m3, `kernels.kv_cache_write`) comes with K and V scales per KV head. The
