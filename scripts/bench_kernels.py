@@ -248,6 +248,8 @@ def bench_prefill(sweep: bool) -> None:
         if not sweep:
             continue
         for bm, tile, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+            if warps == 4 and bm * tile > 64 * 64:
+                continue  # spills at head_dim 128 (compile_kernels --asm-stats)
             cfg = {"BLOCK_M": bm, "TILE": tile, "num_warps": warps, "num_stages": stages}
             for name in PREFILL_SWEEP_CASES:
                 q_lens, seq_lens = PREFILL_CASES[name]
