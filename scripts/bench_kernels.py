@@ -210,7 +210,8 @@ def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict
 
 
 def sweep_prefill() -> None:
-    """Large-tile configs for causal prefill (8 x 512 and 1 x 4096 tokens)."""
+    """Prefill-launch configs (`kernels.prefill_attention`) for causal prefill (8 x 512 and
+    1 x 4096 tokens); `--only prefill` runs the narrower sweep at 2k-8k tokens."""
     for wl, heads in WORKLOADS.items():
         for (num, qlen), bm, tile, warps, stages in itertools.product(
             ((8, 512), (1, 4096)), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
