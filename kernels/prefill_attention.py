@@ -41,6 +41,7 @@ from collections.abc import Mapping
 import torch
 
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton
+from kernels.kv_cache_write import check_kv_scales, is_fp8_kv
 from kernels.paged_attention import _find_seq_idx
 
 __all__ = ["prefill_attention_launch", "prefill_tile_config"]
@@ -292,7 +293,8 @@ def prefill_attention_launch(
     cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
     if cfg["BLOCK_Q"] < 1:
         raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} holds fewer rows than the {group} heads")
-    kv_fp8 = k_scale is not None
+    kv_fp8 = is_fp8_kv(k_cache)
+    check_kv_scales(k_cache, k_scale, v_scale)
     scales = (k_scale, v_scale) if kv_fp8 else (q, q)  # unused unless KV_FP8
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _prefill_attention_kernel[grid](
