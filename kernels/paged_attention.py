@@ -14,7 +14,9 @@ Three implementations share the signature:
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
   (flash-decoding: several programs per row block, each over a segment of the keys, merged by
   a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
-  constants only, so the decode path can be captured in a CUDA graph.
+  constants only, so the decode path can be captured in a CUDA graph. Sequences with at
+  least `PREFILL_TILE_MIN_QUERY_LEN` query tokens go to the sm_90-shaped prefill kernel
+  (`kernels.prefill_attention`) instead, in a second launch of the same step.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
 
 An FP8 cache (e4m3, `kernels.kv_cache_write`) comes with K and V scales per KV head. The
@@ -763,7 +765,8 @@ def _reduce_segments_kernel(
 # Host side
 # --------------------------------------------------------------------------------------------
 
-# Sequences with at least this many query tokens go to the large-tile (prefill) launch.
+# Sequences with at least this many query tokens go to the large-tile (prefill) launch
+# (`kernels.prefill_attention`).
 PREFILL_TILE_MIN_QUERY_LEN = 64
 # Split-KV decode aims at this many programs per multiprocessor after the split.
 SPLIT_KV_PROGRAMS_PER_SM = 4
@@ -795,8 +798,9 @@ def _small_tile_config(group: int, elem_size: int, split: bool = False) -> dict[
 
 
 def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:
-    """Prefill tiles. Measured on an H200 (bf16, D 128, causal 8x512 and 1x4096): 64 rows x
-    64 keys, 4 warps, 2 stages was best or within 3 % of the best of 72 configs."""
+    """Prefill tiles of the unified kernel (`prefill_kernel=False`). Measured on an H200
+    (bf16, D 128, causal 8x512 and 1x4096): 64 rows x 64 keys, 4 warps,
+    2 stages was best or within 3 % of the best of 72 configs."""
     block_m = max(64, next_power_of_2(group))
     big = head_dim_pad <= 128 and elem_size <= 2
     return {
@@ -884,6 +888,7 @@ def paged_attention_triton(
     large_tiles: Mapping[str, int] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    prefill_kernel: bool = True,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref` (an FP8 cache takes
     `k_scale` / `v_scale`, float32 [Hkv] device tensors read by the kernel).
@@ -898,7 +903,10 @@ def paged_attention_triton(
 
     For tests and tuning: `pdl=False` launches without programmatic dependent launch where
     the device would use it; `small_tiles` / `large_tiles` override entries of the decode /
-    short-query and the prefill launch configurations.
+    short-query and the prefill launch configurations. Sequences with at least
+    `PREFILL_TILE_MIN_QUERY_LEN` query tokens run the sm_90-shaped prefill kernel
+    (`kernels.prefill_attention`); `prefill_kernel=False` runs them on this module's
+    unified kernel with large tiles instead (kept for comparison in benchmarks).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -991,6 +999,16 @@ def paged_attention_triton(
         launch(small, 0, 2**31 - 1, 1, no_bufs, decode_only)
         return out
     launch(small, 0, threshold - 1, 1, no_bufs, False)
+    if prefill_kernel:
+        # Imported here: the prefill module builds on this module's kernel helpers.
+        from kernels.prefill_attention import prefill_attention_launch
+
+        prefill_attention_launch(
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale_log2,
+            threshold, *(scales if kv_fp8 else (None, None)), dot_fp32=dot_fp32, pdl=pdl,
+            overrides=large_tiles,
+        )  # fmt: skip
+        return out
     large = _with_overrides(_large_tile_config(group, d_pad, elem), large_tiles, group)
     launch(large, threshold, 2**31 - 1, 1, no_bufs, False)
     return out

@@ -6,6 +6,8 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
 
     python scripts/bench_kernels.py            # all kernels
     python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
+    python scripts/bench_kernels.py --only prefill # causal prefill 2k-8k: old vs new kernel,
+                                                   # and the new kernel's config sweep
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
@@ -242,7 +244,8 @@ def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict
 
 
 def sweep_prefill() -> None:
-    """Large-tile configs for causal prefill (8 x 512 and 1 x 4096 tokens)."""
+    """Prefill-launch configs (`kernels.prefill_attention`) for causal prefill (8 x 512 and
+    1 x 4096 tokens); `--only prefill` runs the narrower sweep at 2k-8k tokens."""
     for wl, heads in WORKLOADS.items():
         for (num, qlen), bm, tile, warps, stages in itertools.product(
             ((8, 512), (1, 4096)), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
@@ -250,6 +253,47 @@ def sweep_prefill() -> None:
             cfg = {"BLOCK_M": bm, "TILE": tile, "num_warps": warps, "num_stages": stages}
             shape = {"workload": wl, "mode": "prefill_sweep", "batch": num, "q_len": qlen, **cfg}
             run_case("paged_attention", shape, _prefill_sweep_case, heads=heads, cfg=cfg)
+
+
+# Causal prefill cases of `--only prefill`: (query lengths, context lengths) per sequence.
+PREFILL_CASES = {
+    "1x2048": ([2048], [2048]),
+    "1x4096": ([4096], [4096]),
+    "1x8192": ([8192], [8192]),
+    "4x2048": ([2048] * 4, [2048] * 4),
+    "chunk2048+prefix2048": ([2048], [4096]),
+}
+PREFILL_SWEEP_CASES = ("1x4096", "chunk2048+prefix2048")
+
+
+def bench_prefill(sweep: bool) -> None:
+    """Causal prefill at 2k-8k tokens: the unified kernel's large tiles (the old path) beside
+    the sm_90 prefill kernel at its default configuration, then (with `sweep`) the prefill
+    kernel over BLOCK_M x TILE x warps x stages on two of the cases, so one GPU run picks
+    its configuration. TFLOP/s count 4 * Hq * D per visible (query, key) pair."""
+    for wl, heads in WORKLOADS.items():
+        for name, (q_lens, seq_lens) in PREFILL_CASES.items():
+            for impl, kwargs in (("unified_large", {"prefill_kernel": False}), ("prefill", {})):
+                shape = {"workload": wl, "mode": "prefill", "case": name, "impl": impl}
+                run_case(
+                    "paged_attention", shape, _attention_case, q_lens=q_lens,
+                    seq_lens=seq_lens, heads=heads, causal_flops=True,
+                    max_query_len=max(q_lens), **kwargs,
+                )  # fmt: skip
+        if not sweep:
+            continue
+        for bm, tile, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+            if warps == 4 and bm * tile > 64 * 64:
+                continue  # spills at head_dim 128 (compile_kernels --asm-stats)
+            cfg = {"BLOCK_M": bm, "TILE": tile, "num_warps": warps, "num_stages": stages}
+            for name in PREFILL_SWEEP_CASES:
+                q_lens, seq_lens = PREFILL_CASES[name]
+                shape = {"workload": wl, "mode": "prefill_sweep", "case": name, **cfg}
+                run_case(
+                    "paged_attention", shape, _attention_case, q_lens=q_lens,
+                    seq_lens=seq_lens, heads=heads, causal_flops=True,
+                    max_query_len=max(q_lens), large_tiles=cfg,
+                )  # fmt: skip
 
 
 def _norm_case(shape: dict[str, Any], tokens: int) -> None:
@@ -490,13 +534,16 @@ def main() -> None:
     parser.add_argument(
         "--only",
         choices=[
-            "attention", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8", "kvfp8"
+            "attention", "prefill", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8",
+            "kvfp8",
         ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
     parser.add_argument("--sweep-batches", default="1,4,8,16,32,64", help="decode sweep batches")
     parser.add_argument("--sweep-contexts", default="640,2000", help="decode sweep lengths")
-    parser.add_argument("--no-prefill-sweep", action="store_true")
+    parser.add_argument(
+        "--no-prefill-sweep", action="store_true", help="skip the prefill config sweeps"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: the kernels are benchmarked on a GPU"}))
@@ -504,6 +551,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.only in (None, "attention"):
         bench_attention()
+    if args.only == "prefill":
+        bench_prefill(sweep=not args.no_prefill_sweep)
     if args.sweep or args.only == "sweep":
         sweep_decode(
             [int(b) for b in args.sweep_batches.split(",")],

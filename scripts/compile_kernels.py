@@ -2,17 +2,17 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, each also over an FP8 (e4m3) KV cache, the tiled and whole-row GEMV forms,
-the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and activation quantization, the
-norm, rotary, KV-write and merge kernels) to a
-cubin for sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
-H200 fails here.
+prefill tiles, the sm_90 prefill kernel, each also over an FP8 (e4m3) KV cache, the tiled
+and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and
+activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90
+with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
   python scripts/compile_kernels.py --only quant # the int4/int8 matmuls only
   python scripts/compile_kernels.py --only fp8   # the FP8 kernels only
   python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
+  python scripts/compile_kernels.py --only prefill --asm-stats  # registers, spills, wgmma
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -61,6 +61,8 @@ FLOAT_SCALARS = {"eps", "scale_log2"}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
+PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=False, USE_PDL=True,
+               BLOCK_M=128, TILE=64)  # fmt: skip
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
@@ -78,6 +80,10 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=64, BLOCK_Q=64, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False), 4, 2),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=4, BLOCK_Q=32), 8, 3),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=1, BLOCK_Q=128), 8, 3),
     ("kernels.paged_attention", "_reduce_segments_kernel",
      dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SEGMENTS=16, USE_PDL=True), 4, 1),
     ("kernels.gemv", "_gemv_kernel",
@@ -154,6 +160,8 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=64, BLOCK_Q=16, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
+    ("kernels.prefill_attention", "_prefill_attention_kernel",
+     dict(PREFILL, GROUP=4, BLOCK_Q=32, KV_FP8=True), 8, 3),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True, KV_FP8=True), 4, 1),
@@ -162,10 +170,15 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
 ]  # fmt: skip
 
 
-def compile_variant(
+def lower_variant(
     module: str, kernel: str, constexprs: dict[str, Any], num_warps: int, num_stages: int, arch: int
-) -> int:
-    """Lower one variant to a cubin; returns its size in bytes."""
+) -> Any:
+    """Compile one variant; returns Triton's compiled kernel (`.asm["ptx"]`, `["cubin"]`).
+
+    Pointers and `stride_*` arguments get the 16-divisibility a launch at Llama sizes gives
+    them (torch allocations are 16-byte aligned, head and row strides multiples of 16), except
+    those the kernel keeps unspecialized: without it the compiler cannot prove 16-byte
+    vector loads and lowers a different (scalar, unpipelined) kernel than the GPU runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -185,16 +198,53 @@ def compile_variant(
             signature[p] = pointers.get(p, "*bf16")
         else:
             signature[p] = "fp32" if p in FLOAT_SCALARS else "i32"
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
+    aligned = [
+        i for i, p in enumerate(params)
+        if signature[p] != "constexpr" and p not in unspecialized
+        and (p.endswith("_ptr") or p.startswith("stride_"))
+    ]  # fmt: skip
     src = ASTSource(
         fn=fn,
         signature=signature,
         constexprs={(params.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     target = GPUTarget("cuda", arch, 32)
-    compiled = triton.compile(
+    return triton.compile(
         src, target=target, options={"num_warps": num_warps, "num_stages": num_stages}
     )
-    return len(compiled.asm["cubin"])
+
+
+def asm_stats(compiled: Any) -> dict[str, int]:
+    """What the machine code of a compiled variant uses, read with the tools Triton bundles:
+    registers and local-memory (spill) bytes per thread, spill instructions (LDL/STL),
+    tensor-core instructions (HGMMA = wgmma; HMMA = the older mma.sync) and asynchronous
+    global-to-shared copies (LDGSTS = cp.async)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run(
+            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
+        ).stdout
+    stats = {}
+    for key, name in (("REG", "regs"), ("LOCAL", "local_bytes")):
+        found = re.search(rf"\b{key}:(\d+)", usage)
+        stats[name] = int(found.group(1)) if found else -1
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    for op in ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL"):
+        stats[op] = ops.count(op)
+    return stats
 
 
 def main() -> int:
@@ -203,6 +253,8 @@ def main() -> int:
     ap.add_argument("--only", help="compile only the variants of kernels whose module contains "
                     "this, e.g. quant")  # fmt: skip
     ap.add_argument("--fp8-kv", action="store_true", help="only the FP8 KV-cache variants")
+    ap.add_argument("--asm-stats", action="store_true", help="also report registers, spills, "
+                    "tensor-core and async-copy instructions of each variant")  # fmt: skip
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
@@ -215,8 +267,10 @@ def main() -> int:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()
         try:
-            size = compile_variant(module, kernel, constexprs, warps, stages, args.arch)
-            row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": size}
+            compiled = lower_variant(module, kernel, constexprs, warps, stages, args.arch)
+            row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": len(compiled.asm["cubin"])}
+            if args.asm_stats:
+                row.update(asm_stats(compiled))
         except Exception as exc:  # report every variant, then fail
             failed += 1
             row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
