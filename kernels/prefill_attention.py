@@ -200,10 +200,12 @@ def _prefill_attention_kernel(
 
     # Causal pruning: the block sees keys 0 .. ctx_len + its last query position; the first
     # `num_full` tiles are visible to every row of the block.
+    # Clamped at 0: a sequence whose seq_len is below its q_len (the start-up profile pass
+    # runs seq_len 0) has no key, and a negative count would walk the block table backwards.
     last_q = tl.minimum(q_block_start + BLOCK_Q, q_len) - 1
-    num_keys = ctx_len + last_q + 1
+    num_keys = tl.maximum(ctx_len + last_q + 1, 0)
     num_tiles = tl.cdiv(num_keys, TILE)
-    num_full = (ctx_len + q_block_start + 1) // TILE
+    num_full = tl.maximum(ctx_len + q_block_start + 1, 0) // TILE
 
     bt_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh

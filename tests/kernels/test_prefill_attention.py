@@ -166,3 +166,21 @@ def test_gpu_prefill_long_prompts(
     _check(batch, atol=2e-2)
     _check(batch, atol=2e-2, max_query_len=2048)
     _check(batch, atol=2e-2, prefill_kernel=False)
+
+
+def test_sequence_with_no_keys_gives_zeros() -> None:
+    """The start-up profile pass runs q_len tokens over seq_len 0 and a one-block table:
+    every row sees no key, so the output is zeros and no tile is visited (a negative key
+    count would walk the block table backwards)."""
+    torch.manual_seed(12)
+    q_len, heads, kv_heads, head_dim = 100, 8, 2, 32
+    q = torch.randn(q_len, heads, head_dim)
+    cache = torch.full((1, 16, kv_heads, head_dim), float("nan"))
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([0], dtype=torch.int32)
+    out = paged_attention_triton(
+        q, cache, cache, tables, qsl, lens, head_dim**-0.5, max_query_len=q_len,
+        large_tiles=SMALL,
+    )  # fmt: skip
+    assert torch.equal(out, torch.zeros_like(out))
