@@ -15,6 +15,7 @@
 #   bash scripts/gpu_check.sh w2 [SEQS]    # W2 with FP8 weights and KV (max_num_seqs SEQS), then bf16
 #   bash scripts/gpu_check.sh fp8speed [SEQS] # FP8 KV: attention GPU tests, decode sweep, W1, W2
 #   bash scripts/gpu_check.sh attn [SEQS]  # attention GPU tests, prefill kernel bench, W1 (FP8 KV, bf16)
+#   bash scripts/gpu_check.sh kvw [SEQS]   # W1 FP8 KV and W2 FP8 weights + KV, each beside bf16
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -114,6 +115,11 @@ elif [ "$phase" = attn ]; then  # attention kernels: GPU tests, prefill bench, W
     | tail -n 3
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
   bench --workload w1 --system engine
+elif [ "$phase" = kvw ]; then  # W1 with FP8 KV beside bf16, W2 with FP8 weights + KV beside bf16
+  bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
+  bench --workload w1 --system engine
+  bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
+  bench --workload w2 --system engine
 elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
   bench --workload w2 --system engine
@@ -122,7 +128,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, w2, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
