@@ -1,12 +1,22 @@
-"""CUDA graphs for decode-only steps: captured once per padded batch size, replayed with
-static input buffers. Prefill and mixed steps run eagerly.
+"""CUDA graphs for decode steps and for small prefill and mixed steps, captured once per
+padded shape and replayed with static input buffers.
 
-A decode step of B requests is padded up to the nearest captured size; padding rows write
+Decode: a step of B requests is padded up to the nearest captured size; padding rows write
 to slot -1 (skipped) and have a context length of 0 (attention returns zeros for them).
 Grids inside the graph depend only on the padded size and on the step's `DecodePlan`
 (split-KV segments, rotary fused or not), which the model runner decides for the padded
 size: each size gets one graph per plan it can have (`decode_plans`), and one capture serves
 every step of that size and plan whatever the context lengths.
+
+Prefill and mixed steps of up to `PREFILL_TOKEN_SIZES[-1]` tokens and `PREFILL_SEQ_SIZES[-1]`
+sequences: eager, such a step is as long as the host takes to launch its few hundred kernels
+(a 512-token prompt on a 7B model: about 30 ms of launches for 10 ms of GPU work). They
+replay at (tokens, sequences) padded up to captured sizes. The padding tokens form one extra
+sequence with no keys (seq_len 0, slot -1: attention gives it zeros and writes nothing);
+padding sequences after it hold no tokens. Attention is captured without the host's
+`max_query_len` hint, so both its short-query and prefill launches run and each takes the
+sequences it serves, whatever the lengths. Larger steps keep the GPU busy for longer than
+their launches take and run eagerly.
 """
 
 from __future__ import annotations
@@ -85,7 +95,10 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self) -> tuple | None:
+        """Capture every decode graph; returns their memory pool, which the prefill graphs
+        share (one step's graph runs at a time, and its output is copied out before the
+        next replay is enqueued)."""
         t0 = time.monotonic()
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
@@ -104,6 +117,7 @@ class DecodeGraphs:
         logger.info(
             "captured %d decode CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
         )
+        return pool
 
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
@@ -128,3 +142,112 @@ class DecodeGraphs:
         key = (padded, meta.decode_plan)
         self.graphs[key].replay()
         return self.outputs[key][:b]
+
+
+# Captured prefill shapes: tokens per step and sequences per step (one of them the padding).
+# Every token size exceeds every sequence size: attention reads a step with as many tokens as
+# sequences as a decode step.
+PREFILL_TOKEN_SIZES = (64, 128, 256, 512, 1024)
+PREFILL_SEQ_SIZES = (2, 4, 8, 16)
+
+
+class PrefillGraphs:
+    """Graphs of prefill and mixed steps at (tokens, sequences) padded up to captured sizes."""
+
+    def __init__(self, model: nn.Module, device: torch.device, max_blocks: int) -> None:
+        self.model = model
+        self.device = device
+        self.max_blocks = max_blocks
+        t, b = PREFILL_TOKEN_SIZES[-1], PREFILL_SEQ_SIZES[-1]
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = 0  # steps run through a graph
+
+    def graph_shape(
+        self, num_tokens: int, num_seqs: int, table_width: int
+    ) -> tuple[int, int] | None:
+        """(tokens, sequences) a step replays at, or None when no graph fits it. A step
+        padded with tokens needs one more sequence to hold them."""
+        if table_width > self.max_blocks or num_tokens > PREFILL_TOKEN_SIZES[-1]:
+            return None
+        t = PREFILL_TOKEN_SIZES[bisect.bisect_left(PREFILL_TOKEN_SIZES, num_tokens)]
+        need = num_seqs + (t > num_tokens)
+        if need > PREFILL_SEQ_SIZES[-1]:
+            return None
+        return t, PREFILL_SEQ_SIZES[bisect.bisect_left(PREFILL_SEQ_SIZES, need)]
+
+    def meta(self, t: int, b: int) -> AttentionMetadata:
+        """The static buffers as the metadata of a (t, b) step. No `max_query_len` hint: the
+        captured attention serves any split of the t tokens among the b sequences."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+        )
+
+    @torch.inference_mode()
+    def capture(self, pool: tuple | None = None) -> None:
+        t0 = time.monotonic()
+        todo = [(t, b) for t in reversed(PREFILL_TOKEN_SIZES) for b in reversed(PREFILL_SEQ_SIZES)]
+        # Capture inputs: every token in sequence 0, no keys, no cache writes.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        for t, b in tqdm(todo, desc="Capturing prefill CUDA graphs", unit="graph"):
+            self.query_start_loc.fill_(t)
+            self.query_start_loc[0] = 0
+            with set_forward_context(self.meta(t, b)):
+                self.model(self.input_ids[:t], self.positions[:t])  # compiles before capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(self.input_ids[:t], self.positions[:t])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[t, b], self.outputs[t, b] = graph, out
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d prefill CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
+        )
+
+    def shape_of(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The padded shape a step replays at; None for decode steps and steps too large."""
+        meta = inputs.meta
+        if meta.decode_only:
+            return None
+        b, width = meta.block_tables.shape
+        return self.graph_shape(inputs.input_ids.shape[0], b, width)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return self.shape_of(inputs) is not None
+
+    def stage(self, inputs: StepInputs, t: int, b: int) -> None:
+        """Copy the step into the static buffers, padded to (t, b)."""
+        meta = inputs.meta
+        n = inputs.input_ids.shape[0]
+        seqs, width = meta.block_tables.shape
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.input_ids[n:t].zero_()
+        self.positions[n:t].zero_()
+        self.slot_mapping[n:t].fill_(-1)
+        self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[seqs + 1 : b + 1].fill_(t)  # the padding sequence ends at t
+        self.seq_lens[:seqs].copy_(meta.seq_lens)
+        self.seq_lens[seqs:b].zero_()
+        self.block_tables[:seqs, :width].copy_(meta.block_tables)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the graph of the step's padded shape (`shape_of` is not None)."""
+        shape = self.shape_of(inputs)
+        assert shape is not None
+        self.stage(inputs, *shape)
+        self.graphs[shape].replay()
+        self.replays += 1
+        return self.outputs[shape][: inputs.input_ids.shape[0]]

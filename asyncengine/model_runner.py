@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_decode_gemvs
+
+if TYPE_CHECKING:
+    from asyncengine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +233,8 @@ class ModelRunner:
         attn = model.attention_layers()  # type: ignore[operator]
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.last_step_decode_only = False
         # Two pinned staging buffers used in turn: step N+1 is prepared while step N's copy
         # may still be queued behind step N-1.
@@ -316,8 +321,9 @@ class ModelRunner:
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
     ) -> None:
         """Set-up after the KV cache exists: batch-1 GEMV choice and CUDA graphs for decode
-        steps on the GPU."""
+        and small prefill steps on the GPU."""
         self.graphs = None
+        self.prefill_graphs = None
         if self.device.type == "cuda":
             tune_decode_gemvs(self.model)
             for line in describe_matmul_plans(self.model):
@@ -329,13 +335,15 @@ class ModelRunner:
                     blas, packed,
                 )  # fmt: skip
         if self.device.type == "cuda" and not enforce_eager:
-            from asyncengine.cuda_graphs import DecodeGraphs
+            from asyncengine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
             self.graphs = DecodeGraphs(
                 self.model, self.device, max_num_seqs, max_blocks_per_seq,
                 fuse_rotary=self.fuse_decode_rotary,
             )  # fmt: skip
-            self.graphs.capture()
+            pool = self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)
+            self.prefill_graphs.capture(pool)
 
     # --------------------------------------------------------------- a step
     def prepare_inputs(
@@ -469,6 +477,8 @@ class ModelRunner:
         """Hidden states of the rows that need logits."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs).index_select(0, inputs.logits_indices)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):
+            return self.prefill_graphs.run(inputs).index_select(0, inputs.logits_indices)
         with set_forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden.index_select(0, inputs.logits_indices)

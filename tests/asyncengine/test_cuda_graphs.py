@@ -1,15 +1,26 @@
-"""Decode CUDA graphs: which graphs a padded size needs and which one a step replays (the
-capture and replay themselves run in the GPU engine tests)."""
+"""CUDA graphs: which graphs a padded decode size needs and which one a step replays; the
+padded shape of a prefill step, and that attention over its padded static buffers gives the
+step's own rows unchanged (the capture and replay themselves run in the GPU engine tests)."""
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
-from asyncengine.cuda_graphs import DecodeGraphs, capture_sizes
-from kernels.paged_attention import DecodePlan
+from asyncengine.cuda_graphs import (
+    PREFILL_SEQ_SIZES,
+    PREFILL_TOKEN_SIZES,
+    DecodeGraphs,
+    PrefillGraphs,
+    capture_sizes,
+)
+from kernels.paged_attention import DecodePlan, paged_attention_triton
+from models.forward_context import AttentionMetadata
+from tests.kernels.kernel_cases import make_paged_batch
 
 
 class _OneKVHeadModel(nn.Module):
@@ -44,3 +55,49 @@ def test_steps_replay_at_the_padded_size_when_a_graph_fits() -> None:
 def test_capture_sizes_stop_at_max_num_seqs() -> None:
     assert capture_sizes(4) == [1, 2, 4]
     assert capture_sizes(20) == [1, 2, 4, 8, 16]
+
+
+def test_prefill_steps_replay_at_padded_tokens_and_sequences() -> None:
+    graphs = PrefillGraphs(_OneKVHeadModel(), torch.device("cpu"), max_blocks=8)
+    assert graphs.graph_shape(64, 3, 8) == (64, 4)  # exact tokens: no padding sequence
+    assert graphs.graph_shape(63, 3, 8) == (64, 4)  # 1 padding token: a 4th sequence
+    assert graphs.graph_shape(65, 4, 8) == (128, 8)
+    assert graphs.graph_shape(1000, 1, 8) == (1024, 2)
+    assert graphs.graph_shape(1025, 1, 8) is None  # more tokens than the largest graph
+    assert graphs.graph_shape(100, 16, 8) is None  # no room for the padding sequence
+    assert graphs.graph_shape(64, 16, 8) == (64, 16)
+    assert graphs.graph_shape(100, 2, 9) is None  # a block table wider than the captured one
+    # A padded step never has as many tokens as sequences (attention would read it as decode).
+    assert min(PREFILL_TOKEN_SIZES) > max(PREFILL_SEQ_SIZES)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1, 30, 5, 1], [40, 30, 20, 9]), ([64], [100])])
+def test_prefill_padding_leaves_the_step_rows_unchanged(
+    q_lens: list[int], seq_lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage a step into the static buffers and run attention over the padded (t, b) shape
+    without the host's max_query_len hint, as the graph does: the step's rows equal the
+    unpadded step's, padding rows are zeros and write nowhere."""
+    pa = importlib.import_module("kernels.paged_attention")
+    monkeypatch.setattr(pa, "PREFILL_TILE_MIN_QUERY_LEN", 8)  # the prefill launch runs too
+    small = {"BLOCK_M": 32, "TILE": 16}
+    batch = make_paged_batch(q_lens, seq_lens, 8, 2, head_dim=32, seed=3)
+    n, width = batch.q.shape[0], batch.block_tables.shape[1]
+    graphs = PrefillGraphs(_OneKVHeadModel(), torch.device("cpu"), max_blocks=width)
+    t, b = graphs.graph_shape(n, len(q_lens), width)  # type: ignore[misc]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+    )  # fmt: skip
+    step = SimpleNamespace(input_ids=torch.arange(n), positions=torch.arange(n), meta=meta)
+    graphs.stage(step, t, b)  # type: ignore[arg-type]
+    padded = graphs.meta(t, b)
+    assert torch.equal(padded.slot_mapping[n:], torch.full((t - n,), -1))
+    q = torch.cat([batch.q, torch.randn(t - n, *batch.q.shape[1:])])
+    want = paged_attention_triton(*batch.args(), large_tiles=small)
+    got = paged_attention_triton(
+        q, batch.k_cache, batch.v_cache, padded.block_tables, padded.query_start_loc,
+        padded.seq_lens, batch.scale, large_tiles=small,
+    )  # fmt: skip
+    torch.testing.assert_close(got[:n], want, atol=1e-6, rtol=0)
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))

@@ -54,6 +54,9 @@ def test_gpu_greedy_equals_hf(
     assert engine.pool.prefix_hits > 0
     if not enforce_eager:
         assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+        # Every prefill and mixed step here fits a prefill graph (at most 23 tokens).
+        assert engine.runner.prefill_graphs is not None
+        assert engine.runner.prefill_graphs.replays > 0
     assert_pool_clean(llm)
 
 
