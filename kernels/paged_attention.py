@@ -302,6 +302,58 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _query_block(query_start_loc_ptr, num_seqs, q_len_lo, q_len_hi, BLOCK_Q: tl.constexpr):
+    """This program's block of BLOCK_Q query tokens in a prefill or mixed launch: (sequence,
+    its first token, its query length, the block's first query position, whether the block
+    is this launch's). The grid holds T // BLOCK_Q + B blocks (a host-known bound), taken in
+    reverse so the last blocks of long prompts (the most keys) start first and short ones
+    fill the tail; surplus blocks, and sequences whose query length is outside
+    [q_len_lo, q_len_hi] (the other launch's), are not this launch's."""
+    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q=BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
+    mine = (q_len >= q_len_lo) & (q_len <= q_len_hi) & (q_block_start < q_len)
+    return seq_idx, q_start, q_len, q_block_start, mine
+
+
+@triton.jit
+def _query_rows(
+    q_start, q_block_start, q_len, kv_head, stride_qt, stride_qh,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The block's MMA rows, the G query heads of the program's KV head for each of its
+    tokens: (head_dim offsets, query positions, heads, valid rows, token ids, q offsets and
+    load mask)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q_pos = q_block_start + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_pos < q_len)
+    tok = (q_start + q_pos).to(tl.int64)
+    q_offs = tok[:, None] * stride_qt + (head * stride_qh)[:, None] + offs_d[None, :]
+    q_mask = row_valid[:, None]
+    if D_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    return offs_d, q_pos, head, row_valid, tok, q_offs, q_mask
+
+
+@triton.jit
+def _causal_keys(ctx_len, q_block_start, q_len, BLOCK_Q: tl.constexpr, TILE: tl.constexpr):
+    """Causal pruning: the block sees keys 0 .. ctx_len + its last query position, in
+    `num_tiles` tiles, the first `num_full` of which every row sees (neither causal mask nor
+    bounds checks). Clamped at 0: a sequence with fewer keys than queries (padding, the
+    start-up profile pass) sees none. Returns (num_keys, num_tiles, num_full)."""
+    last_q = tl.minimum(q_block_start + BLOCK_Q, q_len) - 1
+    num_keys = tl.maximum(ctx_len + last_q + 1, 0)
+    num_tiles = tl.cdiv(num_keys, TILE)
+    num_full = tl.maximum(ctx_len + q_block_start + 1, 0) // TILE
+    return num_keys, num_tiles, num_full
+
+
+@triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     # DOT_FP32: the interpreter multiplies bf16 bit patterns in tl.dot, so upcast there.
     if DOT_FP32:
@@ -572,42 +624,24 @@ def _paged_attention_kernel(
         q_len = 1
         q_block_start = 0
     else:
-        # Reversed so the last query blocks of long prompts (the most keys) start first and
-        # the short ones fill the tail of the launch.
-        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-        # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this
-        # block's sequence on device; surplus blocks exit.
-        seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q=BLOCK_Q)
-        q_start = tl.load(query_start_loc_ptr + seq_idx)
-        q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-        if (q_len < q_len_lo) | (q_len > q_len_hi):
-            return  # this sequence belongs to the other launch (small vs large tiles)
-        q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
-        if q_block_start >= q_len:
+        seq_idx, q_start, q_len, q_block_start, mine = _query_block(
+            query_start_loc_ptr, num_seqs, q_len_lo, q_len_hi, BLOCK_Q=BLOCK_Q
+        )
+        if not mine:
             return
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len  # keys before this step's first query (-1 for padding rows)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    q_pos = q_block_start + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_pos < q_len)
-    tok = (q_start + q_pos).to(tl.int64)
-    q_offs = tok[:, None] * stride_qt + (head * stride_qh)[:, None] + offs_d[None, :]
-    q_mask = row_valid[:, None]
-    if D_PAD != HEAD_DIM:
-        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    offs_d, q_pos, head, row_valid, tok, q_offs, q_mask = _query_rows(
+        q_start, q_block_start, q_len, kv_head, stride_qt, stride_qh,
+        BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP, D_PAD=D_PAD, HEAD_DIM=HEAD_DIM,
+    )  # fmt: skip
     if not ROTARY:
         Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(dot_dtype)
     q_abs = ctx_len + q_pos
-
-    # Causal pruning: this block sees keys 0 .. ctx_len + its last query position.
-    last_q = tl.minimum(q_block_start + BLOCK_Q, q_len) - 1
-    num_keys = tl.maximum(ctx_len + last_q + 1, 0)
-    num_tiles = tl.cdiv(num_keys, TILE)
-    # Tiles visible to every row of the block need neither causal mask nor bounds checks.
-    num_full = tl.maximum(ctx_len + q_block_start + 1, 0) // TILE
+    num_keys, num_tiles, num_full = _causal_keys(
+        ctx_len, q_block_start, q_len, BLOCK_Q=BLOCK_Q, TILE=TILE
+    )
     if NUM_SEGMENTS > 1:
         tiles_per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
         tile_lo = segment * tiles_per_seg

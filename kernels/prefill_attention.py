@@ -42,7 +42,7 @@ import torch
 
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton
 from kernels.kv_cache_write import check_kv_scales, is_fp8_kv
-from kernels.paged_attention import _find_seq_idx
+from kernels.paged_attention import _causal_keys, _query_block, _query_rows
 
 __all__ = ["prefill_attention_launch", "prefill_tile_config"]
 
@@ -164,18 +164,11 @@ def _prefill_attention_kernel(
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
-    # Reversed so the last query blocks of long prompts (the most keys) start first and the
-    # short ones fill the tail of the launch.
-    q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    # The grid holds T // BLOCK_Q + B query blocks (a host-known bound): find this block's
-    # sequence on device; surplus blocks and short sequences (the small-tile launch's) exit.
-    seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q=BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq_idx)
-    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    if q_len < q_len_lo:
-        return
-    q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
-    if q_block_start >= q_len:
+    # Sequences below q_len_lo are the small-tile launch's; no upper bound.
+    seq_idx, q_start, q_len, q_block_start, mine = _query_block(
+        query_start_loc_ptr, num_seqs, q_len_lo, 2147483647, BLOCK_Q=BLOCK_Q
+    )
+    if not mine:
         return
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len  # cached keys before this step's first query
@@ -187,25 +180,15 @@ def _prefill_attention_kernel(
         # softmax scale.
         scale = scale * tl.load(k_scale_ptr + kv_head)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    q_pos = q_block_start + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_pos < q_len)
-    tok = (q_start + q_pos).to(tl.int64)
-    q_offs = tok[:, None] * stride_qt + (head * stride_qh)[:, None] + offs_d[None, :]
-    q_mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    offs_d, q_pos, head, _, tok, q_offs, q_mask = _query_rows(
+        q_start, q_block_start, q_len, kv_head, stride_qt, stride_qh,
+        BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP, D_PAD=D_PAD, HEAD_DIM=HEAD_DIM,
+    )  # fmt: skip
     Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     q_abs = ctx_len + q_pos
-
-    # Causal pruning: the block sees keys 0 .. ctx_len + its last query position; the first
-    # `num_full` tiles are visible to every row of the block.
-    # Clamped at 0: a sequence whose seq_len is below its q_len (the start-up profile pass
-    # runs seq_len 0) has no key, and a negative count would walk the block table backwards.
-    last_q = tl.minimum(q_block_start + BLOCK_Q, q_len) - 1
-    num_keys = tl.maximum(ctx_len + last_q + 1, 0)
-    num_tiles = tl.cdiv(num_keys, TILE)
-    num_full = tl.maximum(ctx_len + q_block_start + 1, 0) // TILE
+    num_keys, num_tiles, num_full = _causal_keys(
+        ctx_len, q_block_start, q_len, BLOCK_Q=BLOCK_Q, TILE=TILE
+    )
 
     bt_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
