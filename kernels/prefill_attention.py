@@ -161,6 +161,7 @@ def _prefill_attention_kernel(
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    KV_DOT_F16: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(1)
@@ -173,7 +174,9 @@ def _prefill_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len  # cached keys before this step's first query
 
-    dt = q_ptr.dtype.element_ty
+    # KV_DOT_F16: e4m3 tiles widen to fp16 in one instruction per two values (to bf16 they
+    # go through fp16 and three), so a 16-bit query joins them in fp16 (fp32 accumulation).
+    dt = tl.float16 if KV_DOT_F16 else q_ptr.dtype.element_ty
     scale = scale_log2
     if KV_FP8:
         # Scores are q . (k_scale * code) = k_scale * (q . code): the K scale joins the
@@ -184,7 +187,7 @@ def _prefill_attention_kernel(
         q_start, q_block_start, q_len, kv_head, stride_qt, stride_qh,
         BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP, D_PAD=D_PAD, HEAD_DIM=HEAD_DIM,
     )  # fmt: skip
-    Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    Q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(dt)
     q_abs = ctx_len + q_pos
     num_keys, num_tiles, num_full = _causal_keys(
         ctx_len, q_block_start, q_len, BLOCK_Q=BLOCK_Q, TILE=TILE
@@ -290,5 +293,6 @@ def prefill_attention_launch(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, GROUP=group,
         DOT_FP32=dot_fp32, IEEE=q.dtype == torch.float32 or dot_fp32, USE_PDL=pdl,
-        KV_FP8=kv_fp8, **cfg, **pdl_kwargs(pdl),
+        KV_FP8=kv_fp8, KV_DOT_F16=kv_fp8 and q.dtype != torch.float32, **cfg,
+        **pdl_kwargs(pdl),
     )  # fmt: skip

@@ -161,7 +161,7 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
      dict(ATTENTION, GROUP=4, BLOCK_M=64, BLOCK_Q=16, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
     ("kernels.prefill_attention", "_prefill_attention_kernel",
-     dict(PREFILL, GROUP=4, BLOCK_Q=32, KV_FP8=True), 8, 3),
+     dict(PREFILL, GROUP=4, BLOCK_Q=32, KV_FP8=True, KV_DOT_F16=True), 8, 3),
     ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True, KV_FP8=True), 4, 1),
