@@ -323,11 +323,12 @@ class ModelRunner:
             for line in describe_matmul_plans(self.model):
                 logger.info("matmul plan %s", line)
         else:
-            for (n, k), (blas, packed) in tune_cpu_linears(self.model).items():
-                logger.info(
-                    "CPU linear %dx%d at 32 rows: BLAS %.0f us, oneDNN-packed %.0f us", n, k,
-                    blas, packed,
-                )  # fmt: skip
+            for (n, k), per_rows in tune_cpu_linears(self.model).items():
+                for rows, times in per_rows.items():
+                    paths = ", ".join(f"{name} {us:.0f} us" for name, us in times.items())
+                    logger.info("CPU linear %dx%d at %d rows: %s", n, k, rows, paths)
+            for line in describe_matmul_plans(self.model):
+                logger.info("matmul plan %s", line)
         if self.device.type == "cuda" and not enforce_eager:
             from asyncengine.cuda_graphs import DecodeGraphs
 

@@ -4,7 +4,9 @@
   cuBLAS, in a CUDA graph over the layers' own weights; for a layer whose input needs
   SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
-- CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
+- CPU, small batches: at each of a ladder of row counts, the panel-packed kernel
+  (`kernels.cpu_gemm`) and a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS
+  call; each row range takes the fastest.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
   kinds of the layer's format (`models.quantization.kinds.tuning_kinds`: for integer
   weights the Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; for
@@ -20,6 +22,7 @@ tuning time.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -27,16 +30,13 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.cpu_linear import (
-    PACKED_MAX_ROWS,
-    cpu_packing_available,
-    pack_weight,
-    time_packed_against_blas,
-)
+from kernels.cpu_gemm import gemm_available
+from kernels.cpu_linear import cpu_packing_available
 from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
 from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
     Blas,
+    CpuGemm,
     CpuPacked,
     Epilogue,
     InputTransform,
@@ -50,12 +50,11 @@ from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference
 
 logger = logging.getLogger(__name__)
 
-# The packed CPU path must win by this much: timings on a busy CPU are noisy.
+# A small-batch CPU kind must beat BLAS by this much: timings on a busy CPU are noisy.
 CPU_PACKED_MIN_GAIN = 0.9
-# A shape that loses at 32 rows is timed again at this batch, and may take the packed path
-# for batches up to CPU_PACKED_SMALL_MAX_ROWS.
-CPU_PACKED_SMALL_ROWS = 8
-CPU_PACKED_SMALL_MAX_ROWS = 16
+# Row counts at which CPU linears are timed; each serves the rows above the previous. Decode
+# batches shrink from the number of running requests towards 1 as requests finish.
+CPU_ROW_LADDER = (2, 8, 16, 32, 64)
 # Layers whose packed copy would exceed this many bytes keep the BLAS call alone (the copy
 # doubles the layer's memory).
 CPU_PACKED_MAX_BYTES = 256 * 2**20
@@ -304,17 +303,59 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
     return list(lines.values())
 
 
-def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tuple[float, float]]]:
-    """On the CPU, plan a oneDNN-packed weight for small-batch steps in every linear layer
-    (and the LM head) whose shape runs clearly faster that way: for up to `PACKED_MAX_ROWS`
-    rows where it wins at 32 rows, else for up to `CPU_PACKED_SMALL_MAX_ROWS` where it wins
-    at `CPU_PACKED_SMALL_ROWS` (a wide layer such as the LM head often wins only there, where
-    the BLAS call's per-call weight packing weighs most). Returns the plans per layer and
-    (BLAS, packed) microseconds per shape at 32 rows."""
-    if not cpu_packing_available():
+def _cpu_kinds() -> list[MatmulKind]:
+    """The small-batch CPU kinds this build can run, each timed against the BLAS call."""
+    kinds: list[MatmulKind] = []
+    if gemm_available():
+        kinds.append(CpuGemm())
+    if cpu_packing_available():
+        kinds.append(CpuPacked())
+    return kinds
+
+
+def time_cpu_kinds(
+    weight: torch.Tensor, kinds: Sequence[MatmulKind], rows: int, reps: int = 5
+) -> dict[str, float]:
+    """Median microseconds of the BLAS call and of each kind (by `describe()`) for a
+    [rows, K] input on `weight`. The kinds alternate within each repetition, so a busy spell
+    slows them alike; each runs on its own copy of what it builds from the weight."""
+    holders = []
+    for kind in kinds:
+        holder = nn.Module()
+        holder.weight = weight  # type: ignore[assignment]
+        kind.process_weights_after_loading(holder)
+        holders.append(holder)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    calls = [("BLAS", lambda: torch.nn.functional.linear(x, weight))] + [
+        (kind.describe(), lambda kind=kind, h=h: kind.apply(h, x, None))
+        for kind, h in zip(kinds, holders, strict=True)
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _ in calls}
+    with torch.inference_mode():
+        for _, fn in calls:
+            fn()
+        for _ in range(reps):
+            for name, fn in calls:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def plan_cpu_linears(
+    model: nn.Module, ladder: Sequence[int] = CPU_ROW_LADDER
+) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:
+    """On the CPU, time each float32 linear shape (the first layer of each, and the LM head)
+    at every row count of `ladder` with the BLAS call and each small-batch kind
+    (`CpuGemm`, `CpuPacked`); each row range (up to the ladder's top) takes the fastest kind
+    where it beats BLAS clearly (`CPU_PACKED_MIN_GAIN`), else BLAS, which also serves every
+    batch above the ladder. Returns the plans per layer and, per shape, per row count, the
+    microseconds of each path."""
+    kinds = _cpu_kinds()
+    if not kinds:
         return {}, {}
-    timings: dict[tuple[int, int], tuple[float, float]] = {}
-    small_timings: dict[tuple[int, int], tuple[float, float]] = {}
+    timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    shape_plans: dict[tuple[int, int, InputTransform], MatmulPlan] = {}
     plans: Plans = {}
     for module in model.modules():
         if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
@@ -326,32 +367,43 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
             continue
         shape = (weight.shape[0], weight.shape[1])
         if shape not in timings:  # the first layer of a shape is timed
-            packed_copy = pack_weight(weight)
-            timings[shape] = time_packed_against_blas(weight, packed_copy)
-            if not _clearly_faster(*timings[shape]):
-                small_timings[shape] = time_packed_against_blas(
-                    weight, packed_copy, rows=CPU_PACKED_SMALL_ROWS
-                )
+            timings[shape] = {rows: time_cpu_kinds(weight, kinds, rows) for rows in ladder}
         declared = module.input_transform
-        if _clearly_faster(*timings[shape]):
-            max_rows: int | None = PACKED_MAX_ROWS
-        elif _clearly_faster(*small_timings[shape]):
-            max_rows = CPU_PACKED_SMALL_MAX_ROWS
-        else:
-            max_rows = None
-        if max_rows is not None:
-            packed = PlanEntry(CpuPacked(), max_rows, declared)
-            plans[module] = MatmulPlan((packed, PlanEntry(Blas(), input=declared)))
-        else:
-            plans[module] = MatmulPlan.default(declared)
+        key = (*shape, declared)
+        if key not in shape_plans:
+            shape_plans[key] = _cpu_plan(timings[shape], kinds, declared)
+        plans[module] = shape_plans[key]
     return plans, timings
 
 
-def _clearly_faster(blas_us: float, packed_us: float) -> bool:
-    return packed_us < CPU_PACKED_MIN_GAIN * blas_us
+def _cpu_plan(
+    per_rows: dict[int, dict[str, float]], kinds: Sequence[MatmulKind],
+    declared: InputTransform,
+) -> MatmulPlan:  # fmt: skip
+    """Entries from the timings at each row count: the fastest kind that clearly beats BLAS
+    serves the rows above the previous count; consecutive ranges of one kind merge."""
+    best: list[tuple[int, MatmulKind]] = []
+    for rows, times in sorted(per_rows.items()):
+        blas = times["BLAS"]
+        fastest = min(kinds, key=lambda k: times[k.describe()])
+        best.append((rows, fastest if _clearly_faster(blas, times[fastest.describe()])
+                     else Blas()))  # fmt: skip
+    entries: list[PlanEntry] = []
+    for i, (rows, kind) in enumerate(best):
+        if i + 1 < len(best) and best[i + 1][1] == kind:
+            continue  # the next range runs the same kind: one entry serves both
+        if kind != Blas() or i + 1 < len(best):
+            entries.append(PlanEntry(kind, rows, declared))
+    if entries and entries[-1].kind == Blas():
+        entries.pop()  # the final BLAS entry serves these rows too
+    return MatmulPlan((*entries, PlanEntry(Blas(), input=declared)))
 
 
-def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:
+def _clearly_faster(blas_us: float, other_us: float) -> bool:
+    return other_us < CPU_PACKED_MIN_GAIN * blas_us
+
+
+def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict[int, dict[str, float]]]:
     """`plan_cpu_linears`, and each layer takes its plan; returns the timings."""
     plans, timings = plan_cpu_linears(model)
     for layer, plan in plans.items():
