@@ -53,6 +53,9 @@ _SOURCE = r"""
 #define MR 4
 #endif
 #define NR (VW * NV)
+/* Weight rows (of NR floats) prefetched ahead into L2 by a panel's first row tile: the
+ * hardware prefetcher alone leaves the FMAs waiting on memory at small batches. */
+#define PREFETCH_ROWS 32
 
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 
@@ -74,15 +77,19 @@ void gemm_pack(const float *w, int n, int k, float *out) {
     }
 }
 
-/* ROWS rows of x against one panel; writes `cols` (<= NR) columns of y (+ bias). */
+/* ROWS rows of x against one panel; writes `cols` (<= NR) columns of y (+ bias). The first
+ * tile of a panel (`first`) prefetches the panel for itself and the tiles after it. */
 #define DEFINE_TILE(ROWS)                                                                   \
     static void tile_##ROWS(const float *x, int ldx, const float *wp, int k, float *y,      \
-                            int ldy, int cols, const float *bias) {                         \
+                            int ldy, int cols, const float *bias, int first) {              \
         vf acc[ROWS][NV];                                                                   \
         for (int m = 0; m < ROWS; m++)                                                      \
             for (int v = 0; v < NV; v++) acc[m][v] = (vf){0};                               \
         for (int kk = 0; kk < k; kk++) {                                                    \
             const vf *wk = (const vf *)(wp + (size_t)kk * NR);                              \
+            if (first)                                                                      \
+                for (int l = 0; l < NR; l += 16) /* one 64-byte line per 16 floats */       \
+                    __builtin_prefetch(wp + (size_t)(kk + PREFETCH_ROWS) * NR + l, 0, 2);   \
             vf w[NV];                                                                       \
             for (int v = 0; v < NV; v++) w[v] = wk[v];                                      \
             for (int m = 0; m < ROWS; m++) {                                                \
@@ -111,7 +118,7 @@ DEFINE_TILE(6)
 #endif
 
 typedef void (*tile_fn)(const float *, int, const float *, int, float *, int, int,
-                        const float *);
+                        const float *, int);
 
 static const tile_fn TILES[MR + 1] = {
     0, tile_1, tile_2, tile_3, tile_4,
@@ -133,7 +140,7 @@ void gemm_packed(const float *x, int m, int ldx, const float *packed, int n, int
         for (int r = 0; r < m; r += MR) {
             int rows = m - r < MR ? m - r : MR;
             TILES[rows](x + (size_t)r * ldx, ldx, wp, k, y + (size_t)r * ldy + col, ldy, cols,
-                        b);
+                        b, r == 0);
         }
     }
 }

@@ -21,6 +21,7 @@ tuning time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -314,21 +315,34 @@ def _cpu_kinds() -> list[MatmulKind]:
 
 
 def time_cpu_kinds(
-    weight: torch.Tensor, kinds: Sequence[MatmulKind], rows: int, reps: int = 5
+    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], rows: int, reps: int = 5
 ) -> dict[str, float]:
-    """Median microseconds of the BLAS call and of each kind (by `describe()`) for a
-    [rows, K] input on `weight`. The kinds alternate within each repetition, so a busy spell
-    slows them alike; each runs on its own copy of what it builds from the weight."""
-    holders = []
+    """Median microseconds per layer of the BLAS call and of each kind (by `describe()`)
+    for a [rows, K] input, over `weights` (the layers of one shape) in turn: as a step runs
+    them, each weight is read from memory, not from a cache that one layer alone would fit.
+    The paths alternate within each repetition, so a busy spell slows them alike; each kind
+    runs on its own copies of what it builds from the weights."""
+    holders: list[list[nn.Module]] = []
     for kind in kinds:
-        holder = nn.Module()
-        holder.weight = weight  # type: ignore[assignment]
-        kind.process_weights_after_loading(holder)
-        holders.append(holder)
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    calls = [("BLAS", lambda: torch.nn.functional.linear(x, weight))] + [
-        (kind.describe(), lambda kind=kind, h=h: kind.apply(h, x, None))
-        for kind, h in zip(kinds, holders, strict=True)
+        holders.append([])
+        for weight in weights:
+            holder = nn.Module()
+            holder.weight = weight  # type: ignore[assignment]
+            kind.process_weights_after_loading(holder)
+            holders[-1].append(holder)
+    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+
+    def blas() -> None:
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+
+    def run(kind: MatmulKind, layers: list[nn.Module]) -> None:
+        for layer in layers:
+            kind.apply(layer, x, None)
+
+    calls = [("BLAS", blas)] + [
+        (kind.describe(), functools.partial(run, kind, layers))
+        for kind, layers in zip(kinds, holders, strict=True)
     ]
     times: dict[str, list[float]] = {name: [] for name, _ in calls}
     with torch.inference_mode():
@@ -338,14 +352,14 @@ def time_cpu_kinds(
             for name, fn in calls:
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((time.perf_counter() - t0) / len(weights))
     return {name: 1e6 * sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def plan_cpu_linears(
     model: nn.Module, ladder: Sequence[int] = CPU_ROW_LADDER
 ) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:
-    """On the CPU, time each float32 linear shape (the first layer of each, and the LM head)
+    """On the CPU, time each float32 linear shape (over its layers; the LM head is one)
     at every row count of `ladder` with the BLAS call and each small-batch kind
     (`CpuGemm`, `CpuPacked`); each row range (up to the ladder's top) takes the fastest kind
     where it beats BLAS clearly (`CPU_PACKED_MIN_GAIN`), else BLAS, which also serves every
@@ -354,9 +368,7 @@ def plan_cpu_linears(
     kinds = _cpu_kinds()
     if not kinds:
         return {}, {}
-    timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    shape_plans: dict[tuple[int, int, InputTransform], MatmulPlan] = {}
-    plans: Plans = {}
+    groups: dict[tuple[int, int], list[nn.Module]] = {}
     for module in model.modules():
         if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
             continue
@@ -365,14 +377,14 @@ def plan_cpu_linears(
             continue
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
             continue
-        shape = (weight.shape[0], weight.shape[1])
-        if shape not in timings:  # the first layer of a shape is timed
-            timings[shape] = {rows: time_cpu_kinds(weight, kinds, rows) for rows in ladder}
-        declared = module.input_transform
-        key = (*shape, declared)
-        if key not in shape_plans:
-            shape_plans[key] = _cpu_plan(timings[shape], kinds, declared)
-        plans[module] = shape_plans[key]
+        groups.setdefault((weight.shape[0], weight.shape[1]), []).append(module)
+    timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    plans: Plans = {}
+    for shape, layers in groups.items():
+        weights = [m.weight for m in layers]
+        timings[shape] = {rows: time_cpu_kinds(weights, kinds, rows) for rows in ladder}
+        for m in layers:
+            plans[m] = _cpu_plan(timings[shape], kinds, m.input_transform)
     return plans, timings
 
 
