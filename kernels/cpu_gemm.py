@@ -7,36 +7,22 @@ output columns stored k-major ([panel][K][NR]): a thread streams a panel once an
 cache for the row tiles after the first, with each tile's accumulators in vector registers.
 Panels are split between the OpenMP threads of the runtime torch itself loaded.
 
-The kernel is C, compiled on first use with the system C compiler (`-O3 -march=native`; the
-vector width follows the CPU) into the engine's cache directory, keyed by the source, the
-compiler and the CPU, so later start-ups load it without compiling. Without a compiler, or
-if the build fails, `load_cpu_gemm` returns None after one log line and the layers keep the
-BLAS call. Results equal `F.linear` up to summation order (float32 rounding).
+The kernel is C, compiled on first use by `kernels.cpu_native` (the vector width follows the
+CPU). Without a compiler, or if the build fails, `load_cpu_gemm` returns None after one log
+line and the layers keep the BLAS call. Results equal `F.linear` up to summation order
+(float32 rounding).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from asyncengine.envs import cache_dir
+from kernels.cpu_native import native_library
 
-__all__ = ["CpuGemmLib", "gemm_available", "gemm_linear", "load_cpu_gemm",
-           "pack_gemm_weight", "time_gemm_against_blas"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["CpuGemmLib", "gemm_available", "gemm_linear", "load_cpu_gemm", "pack_gemm_weight"]
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -146,14 +132,10 @@ void gemm_packed(const float *x, int m, int ldx, const float *packed, int n, int
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
 class CpuGemmLib:
     """The compiled kernel, called through ctypes."""
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.gemm_packed_floats.restype = ctypes.c_size_t
         lib.gemm_packed_floats.argtypes = [i, i]
@@ -174,6 +156,8 @@ class CpuGemmLib:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        if x.dtype != torch.float32:
+            raise TypeError(f"the CPU GEMM takes float32 input, got {x.dtype}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -183,58 +167,12 @@ class CpuGemmLib:
         return y
 
 
-def _cpu_fingerprint() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    return cc if cc and shutil.which(cc) else (shutil.which("gcc") or shutil.which("cc"))
-
-
-def _build(cc: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "cpu_gemm.c"
-        src.write_text(_SOURCE)
-        lib = Path(tmp) / out.name
-        subprocess.run([cc, *_FLAGS, str(src), "-o", str(lib)], check=True,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-        os.replace(lib, out)  # atomic: another process may be building the same file
-
-
 @functools.cache
 def load_cpu_gemm() -> CpuGemmLib | None:
-    """The kernel, compiled on first use (cached on disk); None where it cannot be built or
-    loaded (one log line says why)."""
-    cc = _compiler()
-    if cc is None:
-        logger.info("CPU GEMM: no C compiler found; linear layers keep the BLAS call")
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout  # fmt: skip
-        key = hashlib.sha256(
-            "\0".join((_SOURCE, cc, version, " ".join(_FLAGS), _cpu_fingerprint())).encode()
-        ).hexdigest()[:16]
-        path = cache_dir() / "cpu_gemm" / f"cpu_gemm_{key}.so"
-        if not path.exists():
-            logger.info("CPU GEMM: compiling the small-batch kernel with %s", cc)
-            start = time.perf_counter()
-            _build(cc, path)
-            logger.info("CPU GEMM: compiled in %.1f s (%s)", time.perf_counter() - start, path)
-        return CpuGemmLib(path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or exc
-        logger.warning("CPU GEMM: build or load failed; linear layers keep the BLAS call: %s",
-                       str(detail).strip()[:500])  # fmt: skip
-        return None
+    """The kernel, compiled on first use (`kernels.cpu_native`); None where it cannot be
+    built or loaded (one log line says why: the layers keep the BLAS call)."""
+    lib = native_library("cpu_gemm", _SOURCE)
+    return None if lib is None else CpuGemmLib(lib)
 
 
 def gemm_available() -> bool:
@@ -256,24 +194,3 @@ def gemm_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
     lib = load_cpu_gemm()
     assert lib is not None, "pack_gemm_weight made `packed`, so the kernel is loaded"
     return lib.linear(x, packed, n, bias)
-
-
-def time_gemm_against_blas(
-    weight: torch.Tensor, packed: torch.Tensor, rows: int, reps: int = 7
-) -> tuple[float, float]:
-    """Median microseconds of (BLAS, this kernel) for a [rows, K] input on `weight` and its
-    `pack_gemm_weight` copy. The two alternate, so a busy spell slows both alike."""
-    x = torch.randn(rows, weight.shape[1], dtype=torch.float32)
-    n = weight.shape[0]
-    paths = (lambda: F.linear(x, weight), lambda: gemm_linear(x, packed, n))
-    times: tuple[list[float], list[float]] = ([], [])
-    with torch.inference_mode():
-        for fn in paths:
-            fn()
-        for _ in range(reps):
-            for fn, out in zip(paths, times, strict=True):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    blas_us, gemm_us = (1e6 * sorted(t)[len(t) // 2] for t in times)
-    return blas_us, gemm_us
