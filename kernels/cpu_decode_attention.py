@@ -1,0 +1,184 @@
+"""Paged decode attention on the CPU, reading the KV cache's blocks where they lie.
+
+The torch path (`kernels.paged_attention.decode_rows_attention`) gathers every decode row's
+blocks into a padded copy and runs one masked SDPA over it: the keys and values are read,
+written and read again, and the padding is computed. This C kernel walks each sequence's
+block table instead: per (sequence, KV head) it reads each key once for the query heads that
+share it, takes the softmax, and reads each value once. Tasks are split between the OpenMP
+threads torch uses. The exponential is a vectorized polynomial (about 1 ulp, as the SDPA's
+vectorized one), so results equal the reference up to summation order and rounding.
+
+Float32 caches only; an FP8 cache keeps the torch path. Built by `kernels.cpu_native`;
+`decode_attention_available()` is False where it cannot be, and callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cpu_native import native_library
+
+__all__ = ["decode_attention_available", "paged_decode_attention_cpu"]
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 (Cephes'
+ * minimax polynomial); 0 below the float range. */
+static inline vf exp_nonpos(vf x) {
+    const vf lo = (vf){0} - 87.3f;
+    vi under = x < lo;
+    x = (vf)((vi)x & ~under) + (vf)((vi)lo & under); /* max(x, lo) */
+    vf t = x * 1.44269504088896341f - 0.5f;
+    vi n = __builtin_convertvector(t, vi); /* truncation of a negative: ceil, so round */
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    vf scale = (vf)((n + 127) << 23);
+    return (vf)((vi)(p * scale) & ~under);
+}
+
+/* q [B, Hq, D] (strides q_tok, q_head; unit stride within a head); caches
+ * [blocks, block_size, Hkv, D] contiguous; tables [B, W] int64 (row stride table_stride);
+ * lens [B] int64; out [B, Hq, D] contiguous. Rows with lens 0 give zeros. */
+void paged_decode_attention(const float *q, long q_tok, long q_head, const float *k_cache,
+                            const float *v_cache, int block_size, int num_kv_heads,
+                            int head_dim, const long *tables, long table_stride,
+                            const long *lens, int num_seqs, int num_heads, float scale,
+                            float *out) {
+    const int group = num_heads / num_kv_heads;
+    const long tok_stride = (long)num_kv_heads * head_dim;
+    const long block_stride = (long)block_size * tok_stride;
+#pragma omp parallel
+    {
+        float *scores = NULL;
+        long cap = 0;
+        float *acc = malloc(sizeof(float) * group * head_dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_seqs * num_kv_heads; task++) {
+            const int b = task / num_kv_heads, h = task % num_kv_heads;
+            const long len = lens[b];
+            float *o = out + ((long)b * num_heads + (long)h * group) * head_dim;
+            if (len <= 0) {
+                memset(o, 0, sizeof(float) * group * head_dim);
+                continue;
+            }
+            /* one padded row of scores per query head, VW-aligned for the exponential */
+            const long row = (len + VW - 1) / VW * VW;
+            if (row * group > cap) {
+                free(scores);
+                cap = row * group;
+                scores = malloc(sizeof(float) * cap);
+            }
+            const float *qh = q + (long)b * q_tok + (long)h * group * q_head;
+            const long *table = tables + (long)b * table_stride;
+            for (long t = 0; t < len; t++) {
+                const float *kt = k_cache + table[t / block_size] * block_stride
+                                  + (t % block_size) * tok_stride + (long)h * head_dim;
+                for (int g = 0; g < group; g++) {
+                    const float *qg = qh + g * q_head;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < head_dim; d++) s += qg[d] * kt[d];
+                    scores[g * row + t] = s * scale;
+                }
+            }
+            for (int g = 0; g < group; g++) {
+                float *sg = scores + g * row;
+                float mx = -INFINITY;
+                for (long t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
+                for (long t = len; t < row; t++) sg[t] = -INFINITY;
+                vf sum = (vf){0};
+                for (long t = 0; t < row; t += VW) {
+                    vf e = exp_nonpos(*(vf *)(sg + t) - mx);
+                    *(vf *)(sg + t) = e;
+                    sum += e;
+                }
+                float total = 0.0f;
+                for (int i = 0; i < VW; i++) total += sum[i];
+                const float inv = 1.0f / total;
+                for (long t = 0; t < len; t++) sg[t] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * group * head_dim);
+            for (long t = 0; t < len; t++) {
+                const float *vt = v_cache + table[t / block_size] * block_stride
+                                  + (t % block_size) * tok_stride + (long)h * head_dim;
+                for (int g = 0; g < group; g++) {
+                    const float p = scores[g * row + t];
+                    float *ag = acc + g * head_dim;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) ag[d] += p * vt[d];
+                }
+            }
+            memcpy(o, acc, sizeof(float) * group * head_dim);
+        }
+        free(scores);
+        free(acc);
+    }
+}
+"""
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = native_library("cpu_decode_attention", _SOURCE)
+    if lib is None:
+        return None
+    fn = lib.paged_decode_attention
+    p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    fn.argtypes = [p, lg, lg, p, p, i, i, i, p, lg, p, i, i, ctypes.c_float, p]
+    fn.restype = None
+    return fn
+
+
+def decode_attention_available() -> bool:
+    return _kernel() is not None
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Single-token rows: q [n, Hq, D] float32 (each head's D contiguous) over float32
+    caches [blocks, block_size, Hkv, D]; `block_tables` [n, W] and `lens` [n] int64
+    (contiguous) -> [n, Hq, D] float32; rows of length 0 give zeros."""
+    fn = _kernel()
+    assert fn is not None, "callers check decode_attention_available() first"
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if block_tables.dtype != torch.int64 or lens.dtype != torch.int64:
+        raise TypeError("block_tables and lens must be int64")
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    lens = lens.contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+       block_size, num_kv_heads, head_dim, tables.data_ptr(), tables.stride(0),
+       lens.data_ptr(), n, num_heads, scale, out.data_ptr())  # fmt: skip
+    return out
