@@ -3,8 +3,8 @@
 The torch path (`kernels.paged_attention.decode_rows_attention`) gathers every decode row's
 blocks into a padded copy and runs one masked SDPA over it: the keys and values are read,
 written and read again, and the padding is computed. This C kernel walks each sequence's
-block table instead: per (sequence, KV head) it reads each key once for the query heads that
-share it, takes the softmax, and reads each value once. Tasks are split between the OpenMP
+block table instead: per sequence it reads each token's keys once for all query heads, takes
+the softmax, and reads each token's values once. Sequences are split between the OpenMP
 threads torch uses. The exponential is a vectorized polynomial (about 1 ulp, as the SDPA's
 vectorized one), so results equal the reference up to summation order and rounding.
 
@@ -60,7 +60,9 @@ static inline vf exp_nonpos(vf x) {
 
 /* q [B, Hq, D] (strides q_tok, q_head; unit stride within a head); caches
  * [blocks, block_size, Hkv, D] contiguous; tables [B, W] int64 (row stride table_stride);
- * lens [B] int64; out [B, Hq, D] contiguous. Rows with lens 0 give zeros. */
+ * lens [B] int64; out [B, Hq, D] contiguous. Rows with lens 0 give zeros. One task per
+ * sequence, walking its tokens in order: a token's keys (and values) of all KV heads are
+ * adjacent, so each sequence's blocks stream from memory once. */
 void paged_decode_attention(const float *q, long q_tok, long q_head, const float *k_cache,
                             const float *v_cache, int block_size, int num_kv_heads,
                             int head_dim, const long *tables, long table_stride,
@@ -73,64 +75,65 @@ void paged_decode_attention(const float *q, long q_tok, long q_head, const float
     {
         float *scores = NULL;
         long cap = 0;
-        float *acc = malloc(sizeof(float) * group * head_dim);
+        float *acc = malloc(sizeof(float) * num_heads * head_dim);
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < num_seqs * num_kv_heads; task++) {
-            const int b = task / num_kv_heads, h = task % num_kv_heads;
+        for (int b = 0; b < num_seqs; b++) {
             const long len = lens[b];
-            float *o = out + ((long)b * num_heads + (long)h * group) * head_dim;
+            float *o = out + (long)b * num_heads * head_dim;
             if (len <= 0) {
-                memset(o, 0, sizeof(float) * group * head_dim);
+                memset(o, 0, sizeof(float) * num_heads * head_dim);
                 continue;
             }
             /* one padded row of scores per query head, VW-aligned for the exponential */
             const long row = (len + VW - 1) / VW * VW;
-            if (row * group > cap) {
+            if (row * num_heads > cap) {
                 free(scores);
-                cap = row * group;
+                cap = row * num_heads;
                 scores = malloc(sizeof(float) * cap);
             }
-            const float *qh = q + (long)b * q_tok + (long)h * group * q_head;
+            const float *qb = q + (long)b * q_tok;
             const long *table = tables + (long)b * table_stride;
             for (long t = 0; t < len; t++) {
                 const float *kt = k_cache + table[t / block_size] * block_stride
-                                  + (t % block_size) * tok_stride + (long)h * head_dim;
-                for (int g = 0; g < group; g++) {
-                    const float *qg = qh + g * q_head;
+                                  + (t % block_size) * tok_stride;
+                for (int hq = 0; hq < num_heads; hq++) {
+                    const float *qh = qb + hq * q_head;
+                    const float *kh = kt + (long)(hq / group) * head_dim;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < head_dim; d++) s += qg[d] * kt[d];
-                    scores[g * row + t] = s * scale;
+                    for (int d = 0; d < head_dim; d++) s += qh[d] * kh[d];
+                    scores[hq * row + t] = s * scale;
                 }
             }
-            for (int g = 0; g < group; g++) {
-                float *sg = scores + g * row;
+            for (int hq = 0; hq < num_heads; hq++) {
+                float *sh = scores + hq * row;
                 float mx = -INFINITY;
-                for (long t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-                for (long t = len; t < row; t++) sg[t] = -INFINITY;
+                for (long t = 0; t < len; t++) mx = sh[t] > mx ? sh[t] : mx;
+                for (long t = len; t < row; t++) sh[t] = -INFINITY;
                 vf sum = (vf){0};
                 for (long t = 0; t < row; t += VW) {
-                    vf e = exp_nonpos(*(vf *)(sg + t) - mx);
-                    *(vf *)(sg + t) = e;
+                    vf e = exp_nonpos(*(vf *)(sh + t) - mx);
+                    *(vf *)(sh + t) = e;
                     sum += e;
                 }
                 float total = 0.0f;
                 for (int i = 0; i < VW; i++) total += sum[i];
                 const float inv = 1.0f / total;
-                for (long t = 0; t < len; t++) sg[t] *= inv;
+                for (long t = 0; t < len; t++) sh[t] *= inv;
             }
-            memset(acc, 0, sizeof(float) * group * head_dim);
+            memset(acc, 0, sizeof(float) * num_heads * head_dim);
             for (long t = 0; t < len; t++) {
                 const float *vt = v_cache + table[t / block_size] * block_stride
-                                  + (t % block_size) * tok_stride + (long)h * head_dim;
-                for (int g = 0; g < group; g++) {
-                    const float p = scores[g * row + t];
-                    float *ag = acc + g * head_dim;
+                                  + (t % block_size) * tok_stride;
+                for (int hq = 0; hq < num_heads; hq++) {
+                    const float p = scores[hq * row + t];
+                    const float *vh = vt + (long)(hq / group) * head_dim;
+                    float *ah = acc + hq * head_dim;
 #pragma omp simd
-                    for (int d = 0; d < head_dim; d++) ag[d] += p * vt[d];
+                    for (int d = 0; d < head_dim; d++) ah[d] += p * vh[d];
                 }
             }
-            memcpy(o, acc, sizeof(float) * group * head_dim);
+            memcpy(o, acc, sizeof(float) * num_heads * head_dim);
         }
         free(scores);
         free(acc);
