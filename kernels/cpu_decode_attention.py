@@ -19,44 +19,14 @@ import functools
 
 import torch
 
-from kernels.cpu_native import native_library
+from kernels.cpu_native import VECTOR_EXP_C, native_library
 
 __all__ = ["decode_attention_available", "paged_decode_attention_cpu"]
 
-_SOURCE = r"""
+_SOURCE = VECTOR_EXP_C + r"""
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int vi __attribute__((vector_size(VW * 4), aligned(4)));
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 (Cephes'
- * minimax polynomial); 0 below the float range. */
-static inline vf exp_nonpos(vf x) {
-    const vf lo = (vf){0} - 87.3f;
-    vi under = x < lo;
-    x = (vf)((vi)x & ~under) + (vf)((vi)lo & under); /* max(x, lo) */
-    vf t = x * 1.44269504088896341f - 0.5f;
-    vi n = __builtin_convertvector(t, vi); /* truncation of a negative: ceil, so round */
-    vf nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * 0.693359375f;
-    r = r + nf * 2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * r * r + r + 1.0f;
-    vf scale = (vf)((n + 127) << 23);
-    return (vf)((vi)(p * scale) & ~under);
-}
 
 /* q [B, Hq, D] (strides q_tok, q_head; unit stride within a head); caches
  * [blocks, block_size, Hkv, D] contiguous; tables [B, W] int64 (row stride table_stride);
@@ -112,7 +82,7 @@ void paged_decode_attention(const float *q, long q_tok, long q_head, const float
                 for (long t = len; t < row; t++) sh[t] = -INFINITY;
                 vf sum = (vf){0};
                 for (long t = 0; t < row; t += VW) {
-                    vf e = exp_nonpos(*(vf *)(sh + t) - mx);
+                    vf e = vexp(*(vf *)(sh + t) - mx);
                     *(vf *)(sh + t) = e;
                     sum += e;
                 }

@@ -20,21 +20,21 @@ import functools
 
 import torch
 
-from kernels.cpu_native import native_library
+from kernels.cpu_native import VECTOR_EXP_C, native_library
 
-__all__ = ["CpuGemmLib", "gemm_available", "gemm_linear", "load_cpu_gemm", "pack_gemm_weight"]
+__all__ = ["CpuGemmLib", "gemm_available", "gemm_linear", "gemm_linear_gated",
+           "gemm_linear_normed", "load_cpu_gemm", "pack_gemm_weight"]
 
 _SOURCE = r"""
+#include <math.h>
 #include <stddef.h>
 #include <string.h>
-
+""" + VECTOR_EXP_C + r"""
 /* Row tile MR by NV vectors of VW floats: MR * NV accumulators stay in registers. */
 #if defined(__AVX512F__)
-#define VW 16
 #define NV 4
 #define MR 6
 #else
-#define VW 8
 #define NV 2
 #define MR 4
 #endif
@@ -42,8 +42,6 @@ _SOURCE = r"""
 /* Weight rows (of NR floats) prefetched ahead into L2 by a panel's first row tile: the
  * hardware prefetcher alone leaves the FMAs waiting on memory at small batches. */
 #define PREFETCH_ROWS 32
-
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 
 int gemm_panel_width(void) { return NR; }
 
@@ -113,21 +111,78 @@ static const tile_fn TILES[MR + 1] = {
 #endif
 };
 
+static void panel(int p, const float *x, int m, int ldx, const float *packed, int n, int k,
+                  const float *bias, float *y, int ldy) {
+    int col = p * NR;
+    int cols = n - col < NR ? n - col : NR;
+    const float *wp = packed + (size_t)p * k * NR;
+    const float *b = bias ? bias + col : 0;
+    for (int r = 0; r < m; r += MR) {
+        int rows = m - r < MR ? m - r : MR;
+        TILES[rows](x + (size_t)r * ldx, ldx, wp, k, y + (size_t)r * ldy + col, ldy, cols, b,
+                    r == 0);
+    }
+}
+
 /* x [M, K] (row stride ldx) @ packed^T -> y [M, N] (row stride ldy), + bias [N] if given. */
 void gemm_packed(const float *x, int m, int ldx, const float *packed, int n, int k,
                  const float *bias, float *y, int ldy) {
     int panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        int col = p * NR;
-        int cols = n - col < NR ? n - col : NR;
-        const float *wp = packed + (size_t)p * k * NR;
-        const float *b = bias ? bias + col : 0;
-        for (int r = 0; r < m; r += MR) {
-            int rows = m - r < MR ? m - r : MR;
-            TILES[rows](x + (size_t)r * ldx, ldx, wp, k, y + (size_t)r * ldy + col, ldy, cols,
-                        b, r == 0);
+    for (int p = 0; p < panels; p++) panel(p, x, m, ldx, packed, n, k, bias, y, ldy);
+}
+
+/* silu(g) * u over one row of K: g / (1 + exp(-g)) * u, as torch's silu and mul. */
+static void silu_mul_row(const float *g, const float *u, float *a, int k) {
+    int j = 0;
+    for (; j + VW <= k; j += VW) {
+        vf gv, uv;
+        memcpy(&gv, g + j, sizeof gv);
+        memcpy(&uv, u + j, sizeof uv);
+        vf av = gv / (1.0f + vexp(-gv)) * uv;
+        memcpy(a + j, &av, sizeof av);
+    }
+    for (; j < k; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+/* v = x (+ residual), written to res_out if given; a = w * (v * rsqrt(mean(v^2) + eps)). */
+static void rms_norm_row(const float *x, const float *res, float *res_out, const float *w,
+                         float eps, float *a, int k) {
+    const float *v = x;
+    if (res) {
+        for (int j = 0; j < k; j++) res_out[j] = x[j] + res[j];
+        v = res_out;
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int j = 0; j < k; j++) ss += v[j] * v[j];
+    const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+    for (int j = 0; j < k; j++) a[j] = w[j] * (v[j] * inv);
+}
+
+/* The product on an input formed first, in the same parallel region: mode 1 (SiLU-and-mul):
+ * x [M, 2K] holds [gate, up]; mode 2 (RMSNorm): x [M, K], plus residual [M, K] if given
+ * (x + residual goes to res_out), norm weight w [K]. The formed input goes to scratch
+ * [M, K]; then y = scratch @ packed^T (+ bias). */
+void gemm_packed_fused(int mode, const float *x, int m, int ldx, const float *res, int ldr,
+                       float *res_out, const float *w, float eps, float *scratch,
+                       const float *packed, int n, int k, const float *bias, float *y,
+                       int ldy) {
+    int panels = (n + NR - 1) / NR;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++) {
+            const float *xr = x + (size_t)r * ldx;
+            float *ar = scratch + (size_t)r * k;
+            if (mode == 1)
+                silu_mul_row(xr, xr + k, ar, k);
+            else
+                rms_norm_row(xr, res ? res + (size_t)r * ldr : 0,
+                             res ? res_out + (size_t)r * k : 0, w, eps, ar, k);
         }
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) panel(p, scratch, m, k, packed, n, k, bias, y, ldy);
     }
 }
 """
@@ -143,8 +198,12 @@ class CpuGemmLib:
         lib.gemm_pack.restype = None
         lib.gemm_packed.argtypes = [p, i, i, p, i, i, p, p, i]
         lib.gemm_packed.restype = None
+        f = ctypes.c_float
+        lib.gemm_packed_fused.argtypes = [i, p, i, i, p, i, p, p, f, p, p, i, i, p, p, i]
+        lib.gemm_packed_fused.restype = None
         self._lib = lib
         self._gemm = lib.gemm_packed
+        self._fused = lib.gemm_packed_fused
         self.panel_width: int = lib.gemm_panel_width()
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -156,15 +215,56 @@ class CpuGemmLib:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        if x.dtype != torch.float32:
-            raise TypeError(f"the CPU GEMM takes float32 input, got {x.dtype}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        x = _rows(x)
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
-        b = None if bias is None else bias.contiguous().data_ptr()
-        self._gemm(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, b, y.data_ptr(), n)
+        self._gemm(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, _ptr(bias),
+                   y.data_ptr(), n)  # fmt: skip
         return y
+
+
+    def linear_gated(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """(silu(gate) * up) @ W^T for x [M, 2K] holding [gate, up]."""
+        x = _rows(x)
+        m, k = x.shape[0], x.shape[1] // 2
+        scratch = torch.empty(m, k, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._fused(1, x.data_ptr(), m, x.stride(0), None, 0, None, None, 0.0,
+                    scratch.data_ptr(), packed.data_ptr(), n, k, _ptr(bias), y.data_ptr(),
+                    n)  # fmt: skip
+        return y
+
+    def linear_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+        eps: float, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """rms_norm(x + residual) @ W^T and x + residual (rms_norm(x) and x without one)."""
+        x = _rows(x)
+        m, k = x.shape
+        scratch = torch.empty(m, k, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=torch.float32)
+        if residual is None:
+            res, new_res = None, x
+        else:
+            res = _rows(residual)
+            new_res = torch.empty(m, k, dtype=torch.float32)
+        self._fused(2, x.data_ptr(), m, x.stride(0), _ptr(res), 0 if res is None else
+                    res.stride(0), None if res is None else new_res.data_ptr(),
+                    norm_weight.contiguous().data_ptr(), eps, scratch.data_ptr(),
+                    packed.data_ptr(), n, k, _ptr(bias), y.data_ptr(), n)  # fmt: skip
+        return y, new_res
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows with unit stride within a row (the kernels' input form)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"the CPU GEMM takes float32 input, got {x.dtype}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.contiguous().data_ptr()
 
 
 @functools.cache
@@ -188,9 +288,29 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     return lib.pack(weight.float())
 
 
+def _loaded() -> CpuGemmLib:
+    lib = load_cpu_gemm()
+    assert lib is not None, "pack_gemm_weight made the packed weight, so the kernel is loaded"
+    return lib
+
+
 def gemm_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] float32 @ W^T (+ bias) -> [M, N], W given as `pack_gemm_weight(W)`."""
-    lib = load_cpu_gemm()
-    assert lib is not None, "pack_gemm_weight made `packed`, so the kernel is loaded"
-    return lib.linear(x, packed, n, bias)
+    return _loaded().linear(x, packed, n, bias)
+
+
+def gemm_linear_gated(x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """(silu(gate) * up) @ W^T (+ bias) for x [M, 2K] float32 holding [gate, up]."""
+    return _loaded().linear_gated(x, packed, n, bias)
+
+
+def gemm_linear_normed(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """rms_norm(x + residual) @ W^T (+ bias) and the new residual x + residual, as
+    `kernels.rms_norm.fused_add_rms_norm` then the product (without a residual: rms_norm(x)
+    and x)."""
+    return _loaded().linear_normed(x, residual, norm_weight, eps, packed, n, bias)

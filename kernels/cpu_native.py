@@ -26,9 +26,48 @@ from pathlib import Path
 
 from asyncengine.envs import cache_dir
 
-__all__ = ["native_library"]
+__all__ = ["VECTOR_EXP_C", "native_library"]
 
 logger = logging.getLogger(__name__)
+
+# C for the kernels that need exp: `vf` (VW floats: AVX-512 or AVX2 width) and a vectorized
+# exp(x), 2^n * p(r) with r = x - n ln2 and Cephes' minimax polynomial (about 1 ulp, as the
+# vectorized exp torch's own CPU kernels use); 0 below -87.3, inf above 88.7.
+VECTOR_EXP_C = r"""
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.3f, hi = (vf){0} + 88.7f;
+    const vi under = x < lo;
+    x = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    const vi over = x > hi;
+    x = (vf)(((vi)x & ~over) | ((vi)hi & over));
+    vf t = x * 1.44269504088896341f;
+    /* round half away from zero: truncate t + copysign(0.5, t) */
+    vf half = (vf)(((vi)t & (vi){0} + (int)0x80000000) | (vi)((vf){0} + 0.5f));
+    vi n = __builtin_convertvector(t + half, vi);
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    /* 2^n in two factors, so n = 128 (x near hi) gives inf rather than a wrapped exponent */
+    vi n1 = n >> 1;
+    vf s1 = (vf)((n1 + 127) << 23), s2 = (vf)((n - n1 + 127) << 23);
+    return (vf)((vi)(p * s1 * s2) & ~under);
+}
+"""
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 

@@ -51,8 +51,11 @@ from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference
 
 logger = logging.getLogger(__name__)
 
-# A small-batch CPU kind must beat BLAS by this much: timings on a busy CPU are noisy.
+# A small-batch CPU kind must beat BLAS by this much: timings on a busy CPU are noisy. The
+# oneDNN-packed weight needs a clear win; the CPU GEMM, which also forms the layer's input
+# in the same call, takes any win (a near tie otherwise splits a plan into patches).
 CPU_PACKED_MIN_GAIN = 0.9
+CPU_GEMM_MIN_GAIN = 1.0
 # Row counts at which CPU linears are timed; each serves the rows above the previous. Decode
 # batches shrink from the number of running requests towards 1 as requests finish.
 CPU_ROW_LADDER = (2, 8, 16, 32, 64)
@@ -315,13 +318,15 @@ def _cpu_kinds() -> list[MatmulKind]:
 
 
 def time_cpu_kinds(
-    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], rows: int, reps: int = 5
-) -> dict[str, float]:
-    """Median microseconds per layer of the BLAS call and of each kind (by `describe()`)
-    for a [rows, K] input, over `weights` (the layers of one shape) in turn: as a step runs
-    them, each weight is read from memory, not from a cache that one layer alone would fit.
-    The paths alternate within each repetition, so a busy spell slows them alike; each kind
-    runs on its own copies of what it builds from the weights."""
+    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], rows: int,
+    declared: InputTransform = InputTransform.NONE, reps: int = 5,
+) -> dict[str, float]:  # fmt: skip
+    """Median microseconds per layer of each kind (by `describe()`) for a [rows, K] input,
+    over `weights` (the layers of one shape) in turn: as a step runs them, each weight is
+    read from memory, not from a cache that one layer alone would fit. A layer whose input
+    needs RMSNorm or SiLU-and-mul (`declared`) is timed with it, formed where a plan would
+    form it (`_declared_input`). The kinds alternate within each repetition, so a busy spell
+    slows them alike; each runs on its own copies of what it builds from the weights."""
     holders: list[list[nn.Module]] = []
     for kind in kinds:
         holders.append([])
@@ -331,19 +336,14 @@ def time_cpu_kinds(
             kind.process_weights_after_loading(holder)
             holders[-1].append(holder)
     x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-
-    def blas() -> None:
-        for w in weights:
-            torch.nn.functional.linear(x, w)
+    timed_input = _declared_input(x, declared)
 
     def run(kind: MatmulKind, layers: list[nn.Module]) -> None:
         for layer in layers:
-            kind.apply(layer, x, None)
+            timed_input(kind, layer, None)  # type: ignore[arg-type]
 
-    calls = [("BLAS", blas)] + [
-        (kind.describe(), functools.partial(run, kind, layers))
-        for kind, layers in zip(kinds, holders, strict=True)
-    ]
+    calls = [(kind.describe(), functools.partial(run, kind, layers))
+             for kind, layers in zip(kinds, holders, strict=True)]  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name, _ in calls}
     with torch.inference_mode():
         for _, fn in calls:
@@ -361,14 +361,15 @@ def plan_cpu_linears(
 ) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:
     """On the CPU, time each float32 linear shape (over its layers; the LM head is one)
     at every row count of `ladder` with the BLAS call and each small-batch kind
-    (`CpuGemm`, `CpuPacked`); each row range (up to the ladder's top) takes the fastest kind
-    where it beats BLAS clearly (`CPU_PACKED_MIN_GAIN`), else BLAS, which also serves every
-    batch above the ladder. Returns the plans per layer and, per shape, per row count, the
+    (`CpuGemm`, `CpuPacked`), each with the layer's input transform where it would run;
+    each row range (up to the ladder's top) takes the fastest kind where it beats BLAS (by
+    `CPU_PACKED_MIN_GAIN` or `CPU_GEMM_MIN_GAIN`), else BLAS, which also serves every batch
+    above the ladder. Returns the plans per layer and, per shape, per row count, the
     microseconds of each path."""
     kinds = _cpu_kinds()
     if not kinds:
         return {}, {}
-    groups: dict[tuple[int, int], list[nn.Module]] = {}
+    groups: dict[tuple[int, int, InputTransform], list[nn.Module]] = {}
     for module in model.modules():
         if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
             continue
@@ -377,14 +378,16 @@ def plan_cpu_linears(
             continue
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
             continue
-        groups.setdefault((weight.shape[0], weight.shape[1]), []).append(module)
+        key = (weight.shape[0], weight.shape[1], module.input_transform)
+        groups.setdefault(key, []).append(module)
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
     plans: Plans = {}
-    for shape, layers in groups.items():
+    for (n, k, declared), layers in groups.items():
         weights = [m.weight for m in layers]
-        timings[shape] = {rows: time_cpu_kinds(weights, kinds, rows) for rows in ladder}
-        for m in layers:
-            plans[m] = _cpu_plan(timings[shape], kinds, m.input_transform)
+        per_rows = {rows: time_cpu_kinds(weights, [Blas(), *kinds], rows, declared)
+                    for rows in ladder}  # fmt: skip
+        timings[(n, k)] = per_rows
+        plans.update(dict.fromkeys(layers, _cpu_plan(per_rows, kinds, declared)))
     return plans, timings
 
 
@@ -398,21 +401,19 @@ def _cpu_plan(
     for rows, times in sorted(per_rows.items()):
         blas = times["BLAS"]
         fastest = min(kinds, key=lambda k: times[k.describe()])
-        best.append((rows, fastest if _clearly_faster(blas, times[fastest.describe()])
-                     else Blas()))  # fmt: skip
+        gain = CPU_GEMM_MIN_GAIN if isinstance(fastest, CpuGemm) else CPU_PACKED_MIN_GAIN
+        best.append((rows, fastest if times[fastest.describe()] < gain * blas else Blas()))
     entries: list[PlanEntry] = []
     for i, (rows, kind) in enumerate(best):
         if i + 1 < len(best) and best[i + 1][1] == kind:
             continue  # the next range runs the same kind: one entry serves both
         if kind != Blas() or i + 1 < len(best):
-            entries.append(PlanEntry(kind, rows, declared))
+            # A kind that forms the declared input itself (the CPU GEMM) does, saving ops.
+            fuse = declared in kind.fusable_inputs
+            entries.append(PlanEntry(kind, rows, declared, fuse_input=fuse))
     if entries and entries[-1].kind == Blas():
         entries.pop()  # the final BLAS entry serves these rows too
     return MatmulPlan((*entries, PlanEntry(Blas(), input=declared)))
-
-
-def _clearly_faster(blas_us: float, other_us: float) -> bool:
-    return other_us < CPU_PACKED_MIN_GAIN * blas_us
 
 
 def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict[int, dict[str, float]]]:

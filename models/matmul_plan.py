@@ -38,7 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
-from kernels.cpu_gemm import gemm_linear, pack_gemm_weight
+from kernels.cpu_gemm import (
+    gemm_linear,
+    gemm_linear_gated,
+    gemm_linear_normed,
+    pack_gemm_weight,
+)
 from kernels.cpu_linear import pack_weight, packed_linear
 from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
 
@@ -189,9 +194,13 @@ class CpuPacked(MatmulKind):
 @dataclass(frozen=True)
 class CpuGemm(MatmulKind):
     """The small-batch float32 kernel that reads the weight once (`kernels.cpu_gemm`), on a
-    panel-packed copy kept on the layer as `gemm_weight` beside the dense one."""
+    panel-packed copy kept on the layer as `gemm_weight` beside the dense one. It forms a
+    RMSNorm or SiLU-and-mul input itself, in the same call."""
 
     name: ClassVar[str] = "CPU GEMM"
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL}
+    )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.gemm_weight = pack_gemm_weight(layer.weight)
@@ -203,7 +212,17 @@ class CpuGemm(MatmulKind):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        return gemm_linear(x, layer.gemm_weight, layer.weight.shape[0], bias)
+        n = layer.weight.shape[0]
+        if gated:
+            return gemm_linear_gated(x, layer.gemm_weight, n, bias)
+        return gemm_linear(x, layer.gemm_weight, n, bias)
+
+    def apply_normed(
+        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+        norm: Norm, bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return gemm_linear_normed(x, residual, norm.weight, norm.eps, layer.gemm_weight,
+                                  layer.weight.shape[0], bias)  # fmt: skip
 
 
 @dataclass(frozen=True)
