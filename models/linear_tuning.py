@@ -318,15 +318,16 @@ def _cpu_kinds() -> list[MatmulKind]:
 
 
 def time_cpu_kinds(
-    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], rows: int,
+    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], ladder: Sequence[int],
     declared: InputTransform = InputTransform.NONE, reps: int = 5,
-) -> dict[str, float]:  # fmt: skip
-    """Median microseconds per layer of each kind (by `describe()`) for a [rows, K] input,
-    over `weights` (the layers of one shape) in turn: as a step runs them, each weight is
-    read from memory, not from a cache that one layer alone would fit. A layer whose input
-    needs RMSNorm or SiLU-and-mul (`declared`) is timed with it, formed where a plan would
-    form it (`_declared_input`). The kinds alternate within each repetition, so a busy spell
-    slows them alike; each runs on its own copies of what it builds from the weights."""
+) -> dict[int, dict[str, float]]:  # fmt: skip
+    """Per row count of `ladder`, median microseconds per layer of each kind (by
+    `describe()`) for a [rows, K] input, over `weights` (the layers of one shape) in turn:
+    as a step runs them, each weight is read from memory, not from a cache that one layer
+    alone would fit. A layer whose input needs RMSNorm or SiLU-and-mul (`declared`) is timed
+    with it, formed where a plan would form it (`_declared_input`). The kinds alternate
+    within each repetition, so a busy spell slows them alike; each runs on its own copies of
+    what it builds from the weights, made once for the whole ladder."""
     holders: list[list[nn.Module]] = []
     for kind in kinds:
         holders.append([])
@@ -335,25 +336,29 @@ def time_cpu_kinds(
             holder.weight = weight  # type: ignore[assignment]
             kind.process_weights_after_loading(holder)
             holders[-1].append(holder)
-    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-    timed_input = _declared_input(x, declared)
+    per_rows: dict[int, dict[str, float]] = {}
+    for rows in ladder:
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        timed_input = _declared_input(x, declared)
 
-    def run(kind: MatmulKind, layers: list[nn.Module]) -> None:
-        for layer in layers:
-            timed_input(kind, layer, None)  # type: ignore[arg-type]
+        def run(kind: MatmulKind, layers: list[nn.Module],
+                timed_input: Callable = timed_input) -> None:  # fmt: skip
+            for layer in layers:
+                timed_input(kind, layer, None)
 
-    calls = [(kind.describe(), functools.partial(run, kind, layers))
-             for kind, layers in zip(kinds, holders, strict=True)]  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name, _ in calls}
-    with torch.inference_mode():
-        for _, fn in calls:
-            fn()
-        for _ in range(reps):
-            for name, fn in calls:
-                t0 = time.perf_counter()
+        calls = [(kind.describe(), functools.partial(run, kind, layers))
+                 for kind, layers in zip(kinds, holders, strict=True)]  # fmt: skip
+        times: dict[str, list[float]] = {name: [] for name, _ in calls}
+        with torch.inference_mode():
+            for _, fn in calls:
                 fn()
-                times[name].append((time.perf_counter() - t0) / len(weights))
-    return {name: 1e6 * sorted(t)[len(t) // 2] for name, t in times.items()}
+            for _ in range(reps):
+                for name, fn in calls:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) / len(weights))
+        per_rows[rows] = {name: 1e6 * sorted(t)[len(t) // 2] for name, t in times.items()}
+    return per_rows
 
 
 def plan_cpu_linears(
@@ -384,8 +389,7 @@ def plan_cpu_linears(
     plans: Plans = {}
     for (n, k, declared), layers in groups.items():
         weights = [m.weight for m in layers]
-        per_rows = {rows: time_cpu_kinds(weights, [Blas(), *kinds], rows, declared)
-                    for rows in ladder}  # fmt: skip
+        per_rows = time_cpu_kinds(weights, [Blas(), *kinds], ladder, declared)
         timings[(n, k)] = per_rows
         plans.update(dict.fromkeys(layers, _cpu_plan(per_rows, kinds, declared)))
     return plans, timings
@@ -395,8 +399,9 @@ def _cpu_plan(
     per_rows: dict[int, dict[str, float]], kinds: Sequence[MatmulKind],
     declared: InputTransform,
 ) -> MatmulPlan:  # fmt: skip
-    """Entries from the timings at each row count: the fastest kind that clearly beats BLAS
-    serves the rows above the previous count; consecutive ranges of one kind merge."""
+    """Entries from the timings at each row count: the fastest kind, where it beats BLAS by
+    its margin, serves the rows above the previous count; consecutive ranges of one kind
+    merge."""
     best: list[tuple[int, MatmulKind]] = []
     for rows, times in sorted(per_rows.items()):
         blas = times["BLAS"]

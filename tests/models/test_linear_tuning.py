@@ -48,16 +48,19 @@ def _fake_cpu_timings(winner: str, *, up_to: int | None = None, shape_n: int | N
     `up_to`, for weights of `shape_n` rows, where given), every other path 95 % of it."""
     calls: list[tuple[tuple[int, int], int, InputTransform]] = []
 
-    def fake(weights, kinds, rows, declared=InputTransform.NONE):  # type: ignore[no-untyped-def]
-        calls.append((tuple(weights[0].shape), rows, declared))
-        wins = (up_to is None or rows <= up_to) and (
-            shape_n is None or weights[0].shape[0] == shape_n
-        )  # fmt: skip
-        times = {k.describe(): 95.0 for k in kinds}
-        times["BLAS"] = 100.0
-        if wins and winner in times:
-            times[winner] = 50.0
-        return times
+    def fake(weights, kinds, ladder, declared=InputTransform.NONE):  # type: ignore[no-untyped-def]
+        per_rows = {}
+        for rows in ladder:
+            calls.append((tuple(weights[0].shape), rows, declared))
+            wins = (up_to is None or rows <= up_to) and (
+                shape_n is None or weights[0].shape[0] == shape_n
+            )  # fmt: skip
+            times = {k.describe(): 95.0 for k in kinds}
+            times["BLAS"] = 100.0
+            if wins and winner in times:
+                times[winner] = 50.0
+            per_rows[rows] = times
+        return per_rows
 
     return fake, calls
 
@@ -446,3 +449,16 @@ def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
     torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
     plain = tuning._declared_input(x, InputTransform.NONE)(Fp8DequantMatmul(), layer, None)
     assert not torch.allclose(plain, unfused)
+
+
+@pytest.mark.parametrize("declared", list(InputTransform), ids=lambda t: t.value)
+def test_time_cpu_kinds_times_every_kind_at_every_row_count(declared: InputTransform) -> None:
+    """Real timings over two small weights: every kind this build runs, at every row count,
+    with the layer's input transform (a [gate, up] input is twice as wide)."""
+    kinds = [Blas(), *tuning._cpu_kinds()]
+    weights = [torch.randn(40, 24), torch.randn(40, 24)]
+    per_rows = tuning.time_cpu_kinds(weights, kinds, (1, 5), declared, reps=2)
+    assert set(per_rows) == {1, 5}
+    for times in per_rows.values():
+        assert set(times) == {k.describe() for k in kinds}
+        assert all(t > 0 for t in times.values())
