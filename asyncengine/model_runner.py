@@ -324,9 +324,12 @@ class ModelRunner:
                 logger.info("matmul plan %s", line)
         else:
             for (n, k), per_rows in tune_cpu_linears(self.model).items():
-                for rows, times in per_rows.items():
-                    paths = ", ".join(f"{name} {us:.0f} us" for name, us in times.items())
-                    logger.info("CPU linear %dx%d at %d rows: %s", n, k, rows, paths)
+                names = " / ".join(next(iter(per_rows.values())))
+                at_rows = "; ".join(
+                    f"{rows} rows " + " / ".join(f"{us:.0f}" for us in times.values())
+                    for rows, times in per_rows.items()
+                )  # fmt: skip
+                logger.info("CPU linear %dx%d, us per layer (%s): %s", n, k, names, at_rows)
             for line in describe_matmul_plans(self.model):
                 logger.info("matmul plan %s", line)
         if self.device.type == "cuda" and not enforce_eager:

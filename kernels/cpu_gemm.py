@@ -2,10 +2,13 @@
 
 At decode sizes (1 to a few tens of rows) the product is bound by reading the weight from
 memory. The BLAS call reads a wide weight several times for such shapes, and oneDNN's packed
-path is no better there. Here the weight is repacked once into panels of `panel_width()`
-output columns stored k-major ([panel][K][NR]): a thread streams a panel once and keeps it in
-cache for the row tiles after the first, with each tile's accumulators in vector registers.
-Panels are split between the OpenMP threads of the runtime torch itself loaded.
+path is no better there. Here the weight is repacked once into panels of NR (`panel_width`)
+output columns stored k-major ([panel][K][NR]): a thread streams a panel once (prefetching
+ahead of its first row tile) and keeps it in cache for the row tiles after the first, with
+each tile's accumulators in vector registers. Panels are split between the OpenMP threads of
+the runtime torch itself loaded. A layer whose input is RMSNorm(x + residual) or a [gate, up]
+pair for SiLU-and-mul has it formed in the same call and parallel region (one pass over the
+rows, then the product), instead of several torch ops before it.
 
 The kernel is C, compiled on first use by `kernels.cpu_native` (the vector width follows the
 CPU). Without a compiler, or if the build fails, `load_cpu_gemm` returns None after one log
@@ -117,10 +120,13 @@ static void panel(int p, const float *x, int m, int ldx, const float *packed, in
     int cols = n - col < NR ? n - col : NR;
     const float *wp = packed + (size_t)p * k * NR;
     const float *b = bias ? bias + col : 0;
-    for (int r = 0; r < m; r += MR) {
-        int rows = m - r < MR ? m - r : MR;
+    /* Rows split evenly over the fewest tiles (32 rows: 6,6,5,5,5,5, not five 6s and a 2). */
+    int tiles = (m + MR - 1) / MR;
+    for (int t = 0, r = 0; t < tiles; t++) {
+        int rows = m / tiles + (t < m % tiles);
         TILES[rows](x + (size_t)r * ldx, ldx, wp, k, y + (size_t)r * ldy + col, ldy, cols, b,
-                    r == 0);
+                    t == 0);
+        r += rows;
     }
 }
 
