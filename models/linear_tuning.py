@@ -51,11 +51,12 @@ from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference
 
 logger = logging.getLogger(__name__)
 
-# A small-batch CPU kind must beat BLAS by this much: timings on a busy CPU are noisy. The
-# oneDNN-packed weight needs a clear win; the CPU GEMM, which also forms the layer's input
-# in the same call, takes any win (a near tie otherwise splits a plan into patches).
+# A small-batch CPU kind must beat BLAS by this factor: timings on a busy CPU are noisy. The
+# oneDNN-packed weight needs a clear win. The CPU GEMM is kept unless clearly slower: it
+# reads each weight once, so it is never far behind at decode sizes, and a near tie picked
+# by noise otherwise splits a plan into patches that differ from run to run.
 CPU_PACKED_MIN_GAIN = 0.9
-CPU_GEMM_MIN_GAIN = 1.0
+CPU_GEMM_MIN_GAIN = 1.1
 # Row counts at which CPU linears are timed; each serves the rows above the previous. Decode
 # batches shrink from the number of running requests towards 1 as requests finish.
 CPU_ROW_LADDER = (2, 8, 16, 32, 64)
@@ -399,15 +400,17 @@ def _cpu_plan(
     per_rows: dict[int, dict[str, float]], kinds: Sequence[MatmulKind],
     declared: InputTransform,
 ) -> MatmulPlan:  # fmt: skip
-    """Entries from the timings at each row count: the fastest kind, where it beats BLAS by
-    its margin, serves the rows above the previous count; consecutive ranges of one kind
-    merge."""
+    """Entries from the timings at each row count: the fastest of the kinds within their
+    margin of BLAS (else BLAS) serves the rows above the previous count; consecutive ranges
+    of one kind merge."""
     best: list[tuple[int, MatmulKind]] = []
     for rows, times in sorted(per_rows.items()):
         blas = times["BLAS"]
-        fastest = min(kinds, key=lambda k: times[k.describe()])
-        gain = CPU_GEMM_MIN_GAIN if isinstance(fastest, CpuGemm) else CPU_PACKED_MIN_GAIN
-        best.append((rows, fastest if times[fastest.describe()] < gain * blas else Blas()))
+        within = [k for k in kinds if times[k.describe()] < blas * (
+            CPU_GEMM_MIN_GAIN if isinstance(k, CpuGemm) else CPU_PACKED_MIN_GAIN
+        )]  # fmt: skip
+        fastest = min(within, key=lambda k: times[k.describe()], default=Blas())
+        best.append((rows, fastest))
     entries: list[PlanEntry] = []
     for i, (rows, kind) in enumerate(best):
         if i + 1 < len(best) and best[i + 1][1] == kind:

@@ -136,6 +136,10 @@ class EngineSystem:
         }
         if self.last_timing is not None:
             config["step_timing_s"] = {k: round(v, 3) for k, v in self.last_timing.items()}
+        # What start-up tuning picked per linear layer group (timings vary between runs).
+        from models.linear_tuning import describe_matmul_plans
+
+        config["matmul_plans"] = describe_matmul_plans(engine.runner.model)
         return config
 
     def profile(self, work: Work) -> None:

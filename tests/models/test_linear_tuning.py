@@ -45,7 +45,8 @@ def _model() -> nn.Module:
 
 def _fake_cpu_timings(winner: str, *, up_to: int | None = None, shape_n: int | None = None):
     """A stand-in for `time_cpu_kinds`: `winner` takes half BLAS's time (at rows up to
-    `up_to`, for weights of `shape_n` rows, where given), every other path 95 % of it."""
+    `up_to`, for weights of `shape_n` rows, where given); elsewhere oneDNN-packed takes 95 %
+    (inside its margin) and the CPU GEMM 120 % (clearly slower)."""
     calls: list[tuple[tuple[int, int], int, InputTransform]] = []
 
     def fake(weights, kinds, ladder, declared=InputTransform.NONE):  # type: ignore[no-untyped-def]
@@ -57,6 +58,8 @@ def _fake_cpu_timings(winner: str, *, up_to: int | None = None, shape_n: int | N
             )  # fmt: skip
             times = {k.describe(): 95.0 for k in kinds}
             times["BLAS"] = 100.0
+            if "CPU GEMM" in times:
+                times["CPU GEMM"] = 120.0  # clearly slower than BLAS unless it wins
             if wins and winner in times:
                 times[winner] = 50.0
             per_rows[rows] = times
@@ -131,9 +134,8 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
 def test_a_shape_that_wins_only_at_small_batches_takes_the_kind_for_those(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The GEMM wins for the head up to 8 rows and loses everywhere else (oneDNN inside the
-    margin): the head takes it for 1-8 rows, every other layer keeps BLAS throughout."""
-    monkeypatch.setattr(tuning, "CPU_GEMM_MIN_GAIN", 0.9)
+    """The GEMM wins for the head up to 8 rows and loses clearly everywhere else (oneDNN
+    inside its margin): the head takes it for 1-8 rows, every other layer keeps BLAS."""
     fake, _ = _fake_cpu_timings(CpuGemm().describe(), up_to=8, shape_n=300)
     monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
     model = _model()
