@@ -329,11 +329,15 @@ class ModelRunner:
             for line in describe_matmul_plans(self.model):
                 logger.info("matmul plan %s", line)
         else:
-            for (n, k), (blas, packed) in tune_cpu_linears(self.model).items():
-                logger.info(
-                    "CPU linear %dx%d at 32 rows: BLAS %.0f us, oneDNN-packed %.0f us", n, k,
-                    blas, packed,
+            for (n, k), per_rows in tune_cpu_linears(self.model).items():
+                names = " / ".join(next(iter(per_rows.values())))
+                at_rows = "; ".join(
+                    f"{rows} rows " + " / ".join(f"{us:.0f}" for us in times.values())
+                    for rows, times in per_rows.items()
                 )  # fmt: skip
+                logger.info("CPU linear %dx%d, us per layer (%s): %s", n, k, names, at_rows)
+            for line in describe_matmul_plans(self.model):
+                logger.info("matmul plan %s", line)
         if self.device.type == "cuda" and not enforce_eager:
             from asyncengine.cuda_graphs import DecodeGraphs, PrefillGraphs
 

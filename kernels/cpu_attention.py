@@ -7,8 +7,9 @@ on the step's metadata, read by the rest) holds the slots to write, the rotary f
 step's positions, the decode rows' block gather index and key mask, and the host copy of the
 prefill layout. Per layer that leaves rotary of q and k together in four ops, two
 `index_copy_`s for the cache and the attention itself:
-- decode rows: one gather of their blocks and one masked SDPA (`paged_attention`'s reference
-  does the same, `_decode_rows_ref`);
+- decode rows: with a float32 cache, one C kernel that reads their blocks in place
+  (`kernels.cpu_decode_attention`); else one gather of their blocks and one masked SDPA
+  (`paged_attention`'s reference does the same, `_decode_rows_ref`);
 - a prefill chunk with no cached prefix attends over the step's own fresh k and v, causally,
   one SDPA per sequence, with no gather from the cache and no mask tensor; the query heads of a
   KV head attend over one broadcast view of its keys (no repeated K/V, and the CPU flash kernel
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_attention import decode_attention_available, paged_decode_attention_cpu
 from kernels.kv_cache_write import check_kv_scales, dequantize_kv, is_fp8_kv, quantize_kv
 from kernels.paged_attention import decode_gather_index, decode_rows_attention
 
@@ -79,9 +81,12 @@ class CpuStepIndex:
         self.decode_only = num_tokens == num_seqs and (
             decode_only or bool((query_start_loc.diff() == 1).all())
         )
-        # Decode rows: token rows, their gather index and key mask.
+        # Decode rows: token rows, their block tables and context lengths (for the C kernel,
+        # `kernels.cpu_decode_attention`), and the longest context (for the gather index).
         self.decode_tokens: torch.Tensor | None = None
-        self.decode_gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.decode_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._decode_gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.block_size = block_size
         # Multi-token sequences: (sequence, first token, query length, context length, fresh).
         self.chunks: list[tuple[int, int, int, int, bool]] = []
         if self.decode_only:
@@ -89,7 +94,7 @@ class CpuStepIndex:
                 int(lens.max()) if num_seqs else 0
             )  # fmt: skip
             if max_len > 0:
-                self.decode_gather = decode_gather_index(block_tables, lens, max_len, block_size)
+                self.decode_rows = (block_tables.to(torch.int64), lens, max_len)
             return
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
@@ -99,14 +104,21 @@ class CpuStepIndex:
             max_len = int(d_lens.max())
             if max_len > 0:
                 self.decode_tokens = qsl[decode_idx]
-                self.decode_gather = decode_gather_index(
-                    block_tables[decode_idx], d_lens, max_len, block_size
-                )
+                self.decode_rows = (block_tables[decode_idx].to(torch.int64), d_lens, max_len)
         starts, lens_host = qsl.tolist(), lens.tolist()
         for b in range(num_seqs):
             start, q_len, seq_len = starts[b], starts[b + 1] - starts[b], lens_host[b]
             if q_len > 1 and seq_len > 0:
                 self.chunks.append((b, start, q_len, seq_len, q_len == seq_len))
+
+    @property
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decode rows' gather index and key mask (`decode_gather_index`), built on
+        first use: only the torch path reads it."""
+        if self._decode_gather is None and self.decode_rows is not None:
+            tables, lens, max_len = self.decode_rows
+            self._decode_gather = decode_gather_index(tables, lens, max_len, self.block_size)
+        return self._decode_gather
 
     def rotary(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> _Rotary:
         """The rotary factors read from this table, once per step for layers that share one
@@ -189,6 +201,24 @@ def _cached_chunk(
     return o.transpose(0, 1)
 
 
+def _decode_rows(
+    index: CpuStepIndex, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of the step's decode rows -> [n, Hq, D] float32: the C kernel over the
+    blocks in place where it applies (float32), else the gather and masked SDPA."""
+    assert index.decode_rows is not None
+    tables, lens, _ = index.decode_rows
+    if (
+        q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        and decode_attention_available()
+    ):  # fmt: skip
+        return paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    gather = index.decode_gather
+    assert gather is not None
+    return decode_rows_attention(q, k_cache, v_cache, *gather, scale, k_scale, v_scale)
+
+
 def cpu_attention_step(
     index: CpuStepIndex,
     q: torch.Tensor,
@@ -237,17 +267,13 @@ def cpu_attention_step(
             flat.index_copy_(0, index.write_slots, src.to(cache.dtype))
     scales = (k_scale, v_scale)
     if index.decode_only:
-        if index.decode_gather is None:
+        if index.decode_rows is None:
             return torch.zeros_like(q)
-        return decode_rows_attention(
-            q, k_cache, v_cache, *index.decode_gather, scale, *scales
-        ).to(q.dtype)
+        return _decode_rows(index, q, k_cache, v_cache, scale, *scales).to(q.dtype)
     out = torch.zeros(q.shape, dtype=torch.float32)
-    if index.decode_gather is not None and index.decode_tokens is not None:
+    if index.decode_rows is not None and index.decode_tokens is not None:
         tok = index.decode_tokens
-        out[tok] = decode_rows_attention(
-            q[tok], k_cache, v_cache, *index.decode_gather, scale, *scales
-        )
+        out[tok] = _decode_rows(index, q[tok], k_cache, v_cache, scale, *scales)
     for b, start, q_len, seq_len, fresh in index.chunks:
         end = start + q_len
         if fresh:

@@ -4,7 +4,9 @@
   cuBLAS, in a CUDA graph over the layers' own weights; for a layer whose input needs
   SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
-- CPU, small batches: a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS call.
+- CPU, small batches: at each of a ladder of row counts, the panel-packed kernel
+  (`kernels.cpu_gemm`) and a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS
+  call; each row range takes the fastest.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
   kinds of the layer's format (`models.quantization.kinds.tuning_kinds`: for integer
   weights the Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; for
@@ -19,7 +21,9 @@ tuning time.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -27,16 +31,13 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.cpu_linear import (
-    PACKED_MAX_ROWS,
-    cpu_packing_available,
-    pack_weight,
-    time_packed_against_blas,
-)
+from kernels.cpu_gemm import gemm_available
+from kernels.cpu_linear import cpu_packing_available
 from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
 from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
     Blas,
+    CpuGemm,
     CpuPacked,
     Epilogue,
     InputTransform,
@@ -50,12 +51,15 @@ from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference
 
 logger = logging.getLogger(__name__)
 
-# The packed CPU path must win by this much: timings on a busy CPU are noisy.
+# A small-batch CPU kind must beat BLAS by this factor: timings on a busy CPU are noisy. The
+# oneDNN-packed weight needs a clear win. The CPU GEMM is kept unless clearly slower: it
+# reads each weight once, so it is never far behind at decode sizes, and a near tie picked
+# by noise otherwise splits a plan into patches that differ from run to run.
 CPU_PACKED_MIN_GAIN = 0.9
-# A shape that loses at 32 rows is timed again at this batch, and may take the packed path
-# for batches up to CPU_PACKED_SMALL_MAX_ROWS.
-CPU_PACKED_SMALL_ROWS = 8
-CPU_PACKED_SMALL_MAX_ROWS = 16
+CPU_GEMM_MIN_GAIN = 1.1
+# Row counts at which CPU linears are timed; each serves the rows above the previous. Decode
+# batches shrink from the number of running requests towards 1 as requests finish.
+CPU_ROW_LADDER = (2, 8, 16, 32, 64)
 # Layers whose packed copy would exceed this many bytes keep the BLAS call alone (the copy
 # doubles the layer's memory).
 CPU_PACKED_MAX_BYTES = 256 * 2**20
@@ -304,18 +308,74 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
     return list(lines.values())
 
 
-def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tuple[float, float]]]:
-    """On the CPU, plan a oneDNN-packed weight for small-batch steps in every linear layer
-    (and the LM head) whose shape runs clearly faster that way: for up to `PACKED_MAX_ROWS`
-    rows where it wins at 32 rows, else for up to `CPU_PACKED_SMALL_MAX_ROWS` where it wins
-    at `CPU_PACKED_SMALL_ROWS` (a wide layer such as the LM head often wins only there, where
-    the BLAS call's per-call weight packing weighs most). Returns the plans per layer and
-    (BLAS, packed) microseconds per shape at 32 rows."""
-    if not cpu_packing_available():
+def _cpu_kinds() -> list[MatmulKind]:
+    """The small-batch CPU kinds this build can run, each timed against the BLAS call."""
+    kinds: list[MatmulKind] = []
+    if gemm_available():
+        kinds.append(CpuGemm())
+    if cpu_packing_available():
+        kinds.append(CpuPacked())
+    return kinds
+
+
+def time_cpu_kinds(
+    weights: Sequence[torch.Tensor], kinds: Sequence[MatmulKind], ladder: Sequence[int],
+    declared: InputTransform = InputTransform.NONE, reps: int = 5,
+) -> dict[int, dict[str, float]]:  # fmt: skip
+    """Per row count of `ladder`, median microseconds per layer of each kind (by
+    `describe()`) for a [rows, K] input, over `weights` (the layers of one shape) in turn:
+    as a step runs them, each weight is read from memory, not from a cache that one layer
+    alone would fit. A layer whose input needs RMSNorm or SiLU-and-mul (`declared`) is timed
+    with it, formed where a plan would form it (`_declared_input`). The kinds alternate
+    within each repetition, so a busy spell slows them alike; each runs on its own copies of
+    what it builds from the weights, made once for the whole ladder."""
+    holders: list[list[nn.Module]] = []
+    for kind in kinds:
+        holders.append([])
+        for weight in weights:
+            holder = nn.Module()
+            holder.weight = weight  # type: ignore[assignment]
+            kind.process_weights_after_loading(holder)
+            holders[-1].append(holder)
+    per_rows: dict[int, dict[str, float]] = {}
+    for rows in ladder:
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        timed_input = _declared_input(x, declared)
+
+        def run(kind: MatmulKind, layers: list[nn.Module],
+                timed_input: Callable = timed_input) -> None:  # fmt: skip
+            for layer in layers:
+                timed_input(kind, layer, None)
+
+        calls = [(kind.describe(), functools.partial(run, kind, layers))
+                 for kind, layers in zip(kinds, holders, strict=True)]  # fmt: skip
+        times: dict[str, list[float]] = {name: [] for name, _ in calls}
+        with torch.inference_mode():
+            for _, fn in calls:
+                fn()
+            for _ in range(reps):
+                for name, fn in calls:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) / len(weights))
+        per_rows[rows] = {name: 1e6 * sorted(t)[len(t) // 2] for name, t in times.items()}
+    return per_rows
+
+
+def plan_cpu_linears(
+    model: nn.Module, ladder: Sequence[int] = CPU_ROW_LADDER
+) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:
+    """On the CPU, time each float32 linear shape (over its layers; the LM head is one)
+    at every row count of `ladder` with the BLAS call and each small-batch kind
+    (`CpuGemm`, `CpuPacked`), each with the layer's input transform where it would run;
+    each row range (up to the ladder's top) takes the fastest kind where it beats BLAS (by
+    `CPU_PACKED_MIN_GAIN` or `CPU_GEMM_MIN_GAIN`), else BLAS, which also serves every batch
+    above the ladder. Returns the plans per layer and, per shape, per row count, the
+    microseconds of each path."""
+    kinds = _cpu_kinds()
+    if not kinds:
         return {}, {}
-    timings: dict[tuple[int, int], tuple[float, float]] = {}
-    small_timings: dict[tuple[int, int], tuple[float, float]] = {}
-    plans: Plans = {}
+    groups: dict[tuple[int, int, InputTransform], list[nn.Module]] = {}
     for module in model.modules():
         if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
             continue
@@ -324,34 +384,47 @@ def plan_cpu_linears(model: nn.Module) -> tuple[Plans, dict[tuple[int, int], tup
             continue
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
             continue
-        shape = (weight.shape[0], weight.shape[1])
-        if shape not in timings:  # the first layer of a shape is timed
-            packed_copy = pack_weight(weight)
-            timings[shape] = time_packed_against_blas(weight, packed_copy)
-            if not _clearly_faster(*timings[shape]):
-                small_timings[shape] = time_packed_against_blas(
-                    weight, packed_copy, rows=CPU_PACKED_SMALL_ROWS
-                )
-        declared = module.input_transform
-        if _clearly_faster(*timings[shape]):
-            max_rows: int | None = PACKED_MAX_ROWS
-        elif _clearly_faster(*small_timings[shape]):
-            max_rows = CPU_PACKED_SMALL_MAX_ROWS
-        else:
-            max_rows = None
-        if max_rows is not None:
-            packed = PlanEntry(CpuPacked(), max_rows, declared)
-            plans[module] = MatmulPlan((packed, PlanEntry(Blas(), input=declared)))
-        else:
-            plans[module] = MatmulPlan.default(declared)
+        key = (weight.shape[0], weight.shape[1], module.input_transform)
+        groups.setdefault(key, []).append(module)
+    timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    plans: Plans = {}
+    for (n, k, declared), layers in groups.items():
+        weights = [m.weight for m in layers]
+        per_rows = time_cpu_kinds(weights, [Blas(), *kinds], ladder, declared)
+        timings[(n, k)] = per_rows
+        plans.update(dict.fromkeys(layers, _cpu_plan(per_rows, kinds, declared)))
     return plans, timings
 
 
-def _clearly_faster(blas_us: float, packed_us: float) -> bool:
-    return packed_us < CPU_PACKED_MIN_GAIN * blas_us
+def _cpu_plan(
+    per_rows: dict[int, dict[str, float]], kinds: Sequence[MatmulKind],
+    declared: InputTransform,
+) -> MatmulPlan:  # fmt: skip
+    """Entries from the timings at each row count: the fastest of the kinds within their
+    margin of BLAS (else BLAS) serves the rows above the previous count; consecutive ranges
+    of one kind merge."""
+    best: list[tuple[int, MatmulKind]] = []
+    for rows, times in sorted(per_rows.items()):
+        blas = times["BLAS"]
+        within = [k for k in kinds if times[k.describe()] < blas * (
+            CPU_GEMM_MIN_GAIN if isinstance(k, CpuGemm) else CPU_PACKED_MIN_GAIN
+        )]  # fmt: skip
+        fastest = min(within, key=lambda k: times[k.describe()], default=Blas())
+        best.append((rows, fastest))
+    entries: list[PlanEntry] = []
+    for i, (rows, kind) in enumerate(best):
+        if i + 1 < len(best) and best[i + 1][1] == kind:
+            continue  # the next range runs the same kind: one entry serves both
+        if kind != Blas() or i + 1 < len(best):
+            # A kind that forms the declared input itself (the CPU GEMM) does, saving ops.
+            fuse = declared in kind.fusable_inputs
+            entries.append(PlanEntry(kind, rows, declared, fuse_input=fuse))
+    if entries and entries[-1].kind == Blas():
+        entries.pop()  # the final BLAS entry serves these rows too
+    return MatmulPlan((*entries, PlanEntry(Blas(), input=declared)))
 
 
-def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], tuple[float, float]]:
+def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict[int, dict[str, float]]]:
     """`plan_cpu_linears`, and each layer takes its plan; returns the timings."""
     plans, timings = plan_cpu_linears(model)
     for layer, plan in plans.items():

@@ -11,7 +11,8 @@ A plan is a short list of `PlanEntry`s, each serving batches up to `max_rows` ro
 serves any); the row count of the step picks the entry, and nothing else about the input is
 looked at. An entry names:
 - `kind`, a `MatmulKind` object: `Blas` (F.linear), `TritonGemv` (batch 1; its `GemvConfig`
-  says tiled or whole-row), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches);
+  says tiled or whole-row), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches),
+  `CpuGemm` (`kernels.cpu_gemm`'s panel-packed kernel, small CPU batches);
 - `input`, the transform this entry applies to the layer's input, and `fuse_input`, whether
   the kernel does it in its prologue rather than a kernel of its own before it. A layer
   declared with a [gate, up] input may have `input=NONE` where its producer's entry applies
@@ -37,11 +38,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
+from kernels.cpu_gemm import (
+    gemm_linear,
+    gemm_linear_gated,
+    gemm_linear_normed,
+    pack_gemm_weight,
+)
 from kernels.cpu_linear import pack_weight, packed_linear
 from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
 
 __all__ = [
     "Blas",
+    "CpuGemm",
     "CpuPacked",
     "Epilogue",
     "InputTransform",
@@ -181,6 +189,40 @@ class CpuPacked(MatmulKind):
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         return packed_linear(x, layer.packed_weight, bias)
+
+
+@dataclass(frozen=True)
+class CpuGemm(MatmulKind):
+    """The small-batch float32 kernel that reads the weight once (`kernels.cpu_gemm`), on a
+    panel-packed copy kept on the layer as `gemm_weight` beside the dense one. It forms a
+    RMSNorm or SiLU-and-mul input itself, in the same call."""
+
+    name: ClassVar[str] = "CPU GEMM"
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL}
+    )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.gemm_weight = pack_gemm_weight(layer.weight)
+
+    def release(self, layer: torch.nn.Module) -> None:
+        layer.gemm_weight = None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        n = layer.weight.shape[0]
+        if gated:
+            return gemm_linear_gated(x, layer.gemm_weight, n, bias)
+        return gemm_linear(x, layer.gemm_weight, n, bias)
+
+    def apply_normed(
+        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+        norm: Norm, bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return gemm_linear_normed(x, residual, norm.weight, norm.eps, layer.gemm_weight,
+                                  layer.weight.shape[0], bias)  # fmt: skip
 
 
 @dataclass(frozen=True)

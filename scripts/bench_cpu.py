@@ -18,11 +18,13 @@ step's time splits between the linears, the LM head, attention and the other ops
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +136,10 @@ class EngineSystem:
         }
         if self.last_timing is not None:
             config["step_timing_s"] = {k: round(v, 3) for k, v in self.last_timing.items()}
+        # What start-up tuning picked per linear layer group (timings vary between runs).
+        from models.linear_tuning import describe_matmul_plans
+
+        config["matmul_plans"] = describe_matmul_plans(engine.runner.model)
         return config
 
     def profile(self, work: Work) -> None:
@@ -168,7 +174,7 @@ class EngineSystem:
         for _ in range(steps):
             engine.step()
         wall_ms = 1000 * (time.perf_counter() - start) / steps
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, _labelled_native_kernels():
             for _ in range(steps):
                 engine.step()
         while engine.has_unfinished_requests():
@@ -178,6 +184,11 @@ class EngineSystem:
             "matmul_blas": ("aten::mm", "aten::addmm"),
             "matmul_onednn_packed": ("mkldnn::_linear_pointwise", "aten::mkldnn_linear",
                                      "aten::to_mkldnn", "aten::_to_dense"),
+            # The C kernels (kernels/cpu_gemm.py, kernels/cpu_decode_attention.py), labelled
+            # for the profiler by _labelled_native_kernels; the GEMM includes the RMSNorm or
+            # SiLU-and-mul it forms.
+            "matmul_cpu_gemm": ("cpu_gemm",),
+            "attention_c_decode": ("cpu_decode_attention",),
             "attention_sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
             "kv_gather": ("aten::index_select",),
         }
@@ -189,6 +200,34 @@ class EngineSystem:
         return {"decode_batch": len(work), "step_ms": round(wall_ms, 1)} | {
             k: round(v, 1) for k, v in split.items()
         }
+
+
+@contextlib.contextmanager
+def _labelled_native_kernels() -> Iterator[None]:
+    """Name the C kernels' calls for torch.profiler (ctypes calls are no torch ops)."""
+    from torch.profiler import record_function
+
+    import kernels.cpu_attention as cpu_attention
+    from kernels.cpu_gemm import CpuGemmLib
+
+    def labelled(fn: Any, label: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return call
+
+    targets = [(CpuGemmLib, name, "cpu_gemm")
+               for name in ("linear", "linear_gated", "linear_normed")]  # fmt: skip
+    targets.append((cpu_attention, "paged_decode_attention_cpu", "cpu_decode_attention"))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for owner, name, label in targets:
+        setattr(owner, name, labelled(getattr(owner, name), label))
+    try:
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
 
 
 class HFStaticSystem:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.cpu_attention as cpu_attention
 from kernels.cpu_attention import CpuStepIndex, cpu_attention_step
 from kernels.kv_cache_write import FP8_KV_DTYPE, quantize_kv, write_kv_cache_ref
 from kernels.paged_attention import paged_attention_ref
@@ -57,9 +58,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c-decode", "torch-decode"])
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("case", list(CASES))
-def test_cpu_step_equals_the_reference(case: str, rotary: bool) -> None:
+def test_cpu_step_equals_the_reference(
+    case: str, rotary: bool, c_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode rows through the C kernel (`kernels.cpu_decode_attention`, where it builds) or
+    through the gather and SDPA."""
+    if c_kernel and not cpu_attention.decode_attention_available():
+        pytest.skip("no C compiler for the decode attention kernel")
+    if not c_kernel:
+        monkeypatch.setattr(cpu_attention, "decode_attention_available", lambda: False)
     chunks, pad = CASES[case]
     gen = torch.Generator().manual_seed(1)
     step = _step(chunks, pad, gen)

@@ -9,7 +9,8 @@ from torch import nn
 
 import models.linear_tuning as tuning
 from kernels.activation import silu_and_mul_ref
-from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
+from kernels.cpu_gemm import gemm_available
+from kernels.cpu_linear import cpu_packing_available
 from kernels.gemv import GemvChoice, GemvConfig
 from kernels.rms_norm import fused_add_rms_norm_ref
 from models.layers import (
@@ -21,6 +22,7 @@ from models.layers import (
 )
 from models.matmul_plan import (
     Blas,
+    CpuGemm,
     CpuPacked,
     Epilogue,
     InputTransform,
@@ -41,85 +43,140 @@ def _model() -> nn.Module:
     return model
 
 
-@pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("packed_wins", [True, False])
+def _fake_cpu_timings(winner: str, *, up_to: int | None = None, shape_n: int | None = None):
+    """A stand-in for `time_cpu_kinds`: `winner` takes half BLAS's time (at rows up to
+    `up_to`, for weights of `shape_n` rows, where given); elsewhere oneDNN-packed takes 95 %
+    (inside its margin) and the CPU GEMM 120 % (clearly slower)."""
+    calls: list[tuple[tuple[int, int], int, InputTransform]] = []
+
+    def fake(weights, kinds, ladder, declared=InputTransform.NONE):  # type: ignore[no-untyped-def]
+        per_rows = {}
+        for rows in ladder:
+            calls.append((tuple(weights[0].shape), rows, declared))
+            wins = (up_to is None or rows <= up_to) and (
+                shape_n is None or weights[0].shape[0] == shape_n
+            )  # fmt: skip
+            times = {k.describe(): 95.0 for k in kinds}
+            times["BLAS"] = 100.0
+            if "CPU GEMM" in times:
+                times["CPU GEMM"] = 120.0  # clearly slower than BLAS unless it wins
+            if wins and winner in times:
+                times[winner] = 50.0
+            per_rows[rows] = times
+        return per_rows
+
+    return fake, calls
+
+
+def _check_outputs(model: nn.Module, rows: int) -> None:
+    x = torch.randn(rows, 48)
+    up = model["up"]
+    torch.testing.assert_close(up(x), F.linear(x, up.weight, up.bias), atol=1e-4, rtol=1e-5)
+    head = model["head"]
+    torch.testing.assert_close(
+        head.compute_logits(x), F.linear(x, head.weight)[:, :300], atol=1e-4, rtol=1e-5
+    )
+    h = torch.randn(rows, 96)
+    down = model["down"]
+    torch.testing.assert_close(down(h), F.linear(h, down.weight), atol=1e-4, rtol=1e-5)
+    gated = model["gated"]
+    torch.testing.assert_close(gated(h), F.linear(F.silu(h[:, :48]) * h[:, 48:], gated.weight),
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+
+
+def _winners() -> list[str]:
+    names = ["BLAS"]
+    if gemm_available():
+        names.append(CpuGemm().describe())
+    if cpu_packing_available():
+        names.append(CpuPacked().describe())
+    return names
+
+
+@pytest.mark.parametrize("winner", _winners())
 def test_cpu_layers_take_the_faster_path_and_stay_exact(
-    monkeypatch: pytest.MonkeyPatch, packed_wins: bool
+    monkeypatch: pytest.MonkeyPatch, winner: str
 ) -> None:
-    fake = (100.0, 50.0) if packed_wins else (100.0, 95.0)  # 95: inside the noise margin
-    monkeypatch.setattr(tuning, "time_packed_against_blas", lambda w, packed, rows=32: fake)
+    """The kind that wins at every row count of the ladder serves up to its top, BLAS above;
+    BLAS serves every batch when it wins."""
+    fake, calls = _fake_cpu_timings(winner)
+    monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
     model = _model()
     plans, timings = tuning.plan_cpu_linears(model)
+    if not tuning._cpu_kinds():
+        assert plans == {} and timings == {}
+        return
     assert set(timings) == {(96, 48), (48, 96), (48, 48), (300, 48)}
+    assert all(set(per_rows) == set(tuning.CPU_ROW_LADDER) for per_rows in timings.values())
+    # Each shape is timed once per row count, with its layers' input transform.
+    assert sorted(calls) == sorted(
+        (tuple(m.weight.shape), rows, m.input_transform)
+        for m in model.values() for rows in tuning.CPU_ROW_LADDER
+    )  # fmt: skip
     assert set(plans) == set(model.values())
     assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
-    assert tuning.tune_cpu_linears(model) == timings  # the fake timings: the same plans
+    tuning.tune_cpu_linears(model)
+    top = tuning.CPU_ROW_LADDER[-1]
     for name, m in model.items():
         assert m.plan == plans[m], name
-        small, large = m.plan.entry_for(PACKED_MAX_ROWS), m.plan.entry_for(PACKED_MAX_ROWS + 1)
-        assert small.kind == (CpuPacked() if packed_wins else Blas()) and large.kind == Blas()
+        small, large = m.plan.entry_for(1), m.plan.entry_for(top + 1)
+        assert small.kind.describe() == winner and large.kind == Blas()
+        assert small == m.plan.entry_for(top)  # one entry serves the whole ladder
         assert small.input is large.input is m.input_transform
-        assert (getattr(m, "packed_weight", None) is not None) == packed_wins
-    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # packed, packed, BLAS
-        x = torch.randn(rows, 48)
-        up = model["up"]
-        torch.testing.assert_close(up(x), F.linear(x, up.weight, up.bias), atol=1e-5, rtol=1e-5)
-        head = model["head"]
-        torch.testing.assert_close(
-            head.compute_logits(x), F.linear(x, head.weight)[:, :300], atol=1e-5, rtol=1e-5
-        )
-        h = torch.randn(rows, 96)
-        torch.testing.assert_close(model["down"](h), F.linear(h, model["down"].weight),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
-        gated = model["gated"]
-        torch.testing.assert_close(gated(h), F.linear(F.silu(h[:, :48]) * h[:, 48:],
-                                   gated.weight), atol=1e-5, rtol=1e-5)  # fmt: skip
+        assert small.fuse_input == (m.input_transform in small.kind.fusable_inputs)
+        assert (getattr(m, "gemm_weight", None) is not None) == (winner == "CPU GEMM")
+        assert (getattr(m, "packed_weight", None) is not None) == (winner == "oneDNN-packed")
+    for rows in (1, top, top + 1):
+        _check_outputs(model, rows)
 
 
-@pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
-def test_a_shape_that_wins_only_at_small_batches_packs_for_those(
+@pytest.mark.skipif(not gemm_available(), reason="no C compiler for the CPU GEMM")
+def test_a_shape_that_wins_only_at_small_batches_takes_the_kind_for_those(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Packed loses at 32 rows for every shape but the head's wins at the small batch: the
-    head packs up to CPU_PACKED_SMALL_MAX_ROWS rows, every other layer keeps BLAS."""
-    timed: list[tuple[tuple[int, int], int]] = []
-
-    def fake(w: torch.Tensor, packed: torch.Tensor, rows: int = 32) -> tuple[float, float]:
-        timed.append((tuple(w.shape), rows))
-        wins = rows == tuning.CPU_PACKED_SMALL_ROWS and w.shape[0] == 300
-        return (100.0, 50.0) if wins else (100.0, 95.0)
-
-    monkeypatch.setattr(tuning, "time_packed_against_blas", fake)
+    """The GEMM wins for the head up to 8 rows and loses clearly everywhere else (oneDNN
+    inside its margin): the head takes it for 1-8 rows, every other layer keeps BLAS."""
+    fake, _ = _fake_cpu_timings(CpuGemm().describe(), up_to=8, shape_n=300)
+    monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
     model = _model()
-    plans, timings = tuning.plan_cpu_linears(model)
-    assert all(t == (100.0, 95.0) for t in timings.values())  # the 32-row timings
-    assert sorted(timed) == sorted(
-        [(shape, rows) for shape in timings for rows in (32, tuning.CPU_PACKED_SMALL_ROWS)]
-    )
+    plans, _ = tuning.plan_cpu_linears(model)
     for m, plan in plans.items():
-        small = plan.entry_for(tuning.CPU_PACKED_SMALL_MAX_ROWS)
-        large = plan.entry_for(tuning.CPU_PACKED_SMALL_MAX_ROWS + 1)
-        assert large.kind == Blas()
-        assert small.kind == (CpuPacked() if m is model["head"] else Blas())
+        if m is model["head"]:
+            assert [e.max_rows for e in plan.entries] == [8, None]
+            assert [e.kind for e in plan.entries] == [CpuGemm(), Blas()]
+        else:
+            assert plan == MatmulPlan.default(m.input_transform)
     tuning.tune_cpu_linears(model)
-    head = model["head"]
-    for rows in (1, tuning.CPU_PACKED_SMALL_MAX_ROWS, tuning.CPU_PACKED_SMALL_MAX_ROWS + 1):
-        x = torch.randn(rows, 48)
-        torch.testing.assert_close(
-            head.compute_logits(x), F.linear(x, head.weight)[:, :300], atol=1e-5, rtol=1e-5
-        )
+    for rows in (1, 8, 9):
+        _check_outputs(model, rows)
+
+
+def test_cpu_plan_merges_ranges_of_one_kind() -> None:
+    """Ranges of one kind merge; a BLAS range between two others stays its own entry."""
+    gemm, blas = CpuGemm(), Blas()
+    times = {
+        2: {"BLAS": 100.0, "CPU GEMM": 90.0},
+        8: {"BLAS": 100.0, "CPU GEMM": 80.0},
+        16: {"BLAS": 100.0, "CPU GEMM": 120.0},
+        32: {"BLAS": 100.0, "CPU GEMM": 70.0},
+        64: {"BLAS": 100.0, "CPU GEMM": 130.0},
+    }
+    plan = tuning._cpu_plan(times, [gemm], InputTransform.RMS_NORM)
+    assert [(e.kind, e.max_rows) for e in plan.entries] == [
+        (gemm, 8), (blas, 16), (gemm, 32), (blas, None)
+    ]  # fmt: skip
+    assert [e.fuse_input for e in plan.entries] == [True, False, True, False]
 
 
 def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        tuning, "time_packed_against_blas", lambda w, packed, rows=32: (100.0, 1.0)
-    )
+    fake, calls = _fake_cpu_timings("CPU GEMM")
+    monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
     monkeypatch.setattr(tuning, "CPU_PACKED_MAX_BYTES", 48 * 96 * 4 - 1)
     model = _model()
     model["head"].to(torch.float16)
     model["gated"].to(torch.float16)
     plans, _ = tuning.plan_cpu_linears(model)
-    assert set(plans) == set()
+    assert set(plans) == set() and calls == []
     tuning.tune_cpu_linears(model)
     assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
 
@@ -394,3 +451,16 @@ def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
     torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-4)
     plain = tuning._declared_input(x, InputTransform.NONE)(Fp8DequantMatmul(), layer, None)
     assert not torch.allclose(plain, unfused)
+
+
+@pytest.mark.parametrize("declared", list(InputTransform), ids=lambda t: t.value)
+def test_time_cpu_kinds_times_every_kind_at_every_row_count(declared: InputTransform) -> None:
+    """Real timings over two small weights: every kind this build runs, at every row count,
+    with the layer's input transform (a [gate, up] input is twice as wide)."""
+    kinds = [Blas(), *tuning._cpu_kinds()]
+    weights = [torch.randn(40, 24), torch.randn(40, 24)]
+    per_rows = tuning.time_cpu_kinds(weights, kinds, (1, 5), declared, reps=2)
+    assert set(per_rows) == {1, 5}
+    for times in per_rows.values():
+        assert set(times) == {k.describe() for k in kinds}
+        assert all(t > 0 for t in times.values())

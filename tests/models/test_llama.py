@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_gemm import gemm_available
 from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
 from kernels.gemv import GemvConfig
 from models.config import ModelConfig
@@ -15,6 +16,7 @@ from models.forward_context import AttentionMetadata, set_forward_context
 from models.loader import load_model
 from models.matmul_plan import (
     Blas,
+    CpuGemm,
     CpuPacked,
     Epilogue,
     InputTransform,
@@ -49,12 +51,14 @@ def batch1_gemv_plans(config: GemvConfig, fuse_inputs: bool, glu: bool) -> PlanF
 
 
 def small_batch_plans(kind: MatmulKind, max_rows: int) -> PlanFor:
-    """`kind` for steps of up to `max_rows` rows, the BLAS call above."""
+    """`kind` for steps of up to `max_rows` rows (forming the input itself where it can),
+    the BLAS call above."""
 
     def plan(layer: PlannedMatmul) -> MatmulPlan:
         declared = layer.input_transform
+        fuse = declared in kind.fusable_inputs
         return MatmulPlan((
-            PlanEntry(kind, max_rows, declared), PlanEntry(Blas(), input=declared)
+            PlanEntry(kind, max_rows, declared, fuse), PlanEntry(Blas(), input=declared)
         ))  # fmt: skip
 
     return plan
@@ -141,15 +145,25 @@ def test_batch1_gemv_path_matches_hf(
     assert_close_rel(ours, hf_logits(model_dir, prompt))
 
 
-@pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
+def _small_batch_cpu_kinds() -> list[MatmulKind]:
+    kinds: list[MatmulKind] = []
+    if cpu_packing_available():
+        kinds.append(CpuPacked())
+    if gemm_available():
+        kinds.append(CpuGemm())
+    return kinds
+
+
+@pytest.mark.parametrize("matmul", _small_batch_cpu_kinds(), ids=lambda k: k.describe())
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
-def test_cpu_packed_plans_match_hf(tmp_path: Path, kind: str) -> None:
-    """Every linear layer on the oneDNN-packed weight: a step within its rows (prompts of
-    17 and 1 tokens) and one above them (the BLAS entry) both give HF's logits."""
+def test_cpu_small_batch_plans_match_hf(tmp_path: Path, kind: str, matmul: MatmulKind) -> None:
+    """Every linear layer on the oneDNN-packed weight, or on the CPU GEMM forming its input
+    itself: a step within its rows (prompts of 17 and 1 tokens) and one above them (the
+    BLAS entry) both give HF's logits."""
     model_dir = build_tiny_model_dir(tmp_path, kind)
     gen = torch.Generator().manual_seed(1)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    plans = small_batch_plans(CpuPacked(), PACKED_MAX_ROWS)
+    plans = small_batch_plans(matmul, PACKED_MAX_ROWS)
     for lengths in [(17, 1), (PACKED_MAX_ROWS, 5)]:
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
         for p, logits in zip(prompts, flat_forward(model_dir, prompts, plans), strict=True):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul_ref
+from kernels.cpu_gemm import gemm_available
 from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
 from kernels.gemv import GemvConfig
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -20,6 +21,7 @@ from models.layers import (
 )
 from models.matmul_plan import (
     Blas,
+    CpuGemm,
     CpuPacked,
     Epilogue,
     InputTransform,
@@ -42,6 +44,8 @@ def _kinds() -> list[tuple[MatmulKind, int | None]]:
     ]  # fmt: skip
     if cpu_packing_available():
         kinds.append((CpuPacked(), PACKED_MAX_ROWS))
+    if gemm_available():
+        kinds.append((CpuGemm(), 64))
     return kinds
 
 
