@@ -63,6 +63,9 @@ CPU_ROW_LADDER = (2, 8, 16, 32, 64)
 # Layers whose packed copy would exceed this many bytes keep the BLAS call alone (the copy
 # doubles the layer's memory).
 CPU_PACKED_MAX_BYTES = 256 * 2**20
+# The packed copies of all layers may take at most this share of the host memory available
+# at start-up; a model too large for that keeps the BLAS calls (one log line says so).
+CPU_PACKED_MAX_SHARE_OF_FREE = 0.5
 
 Plans = dict[PlannedMatmul, MatmulPlan]
 
@@ -386,6 +389,14 @@ def plan_cpu_linears(
             continue
         key = (weight.shape[0], weight.shape[1], module.input_transform)
         groups.setdefault(key, []).append(module)
+    copy_bytes = sum(m.weight.numel() * m.weight.element_size() for g in groups.values() for m in g)
+    free = _available_host_bytes()
+    if free is not None and copy_bytes > CPU_PACKED_MAX_SHARE_OF_FREE * free:
+        logger.info(
+            "CPU linears keep BLAS: packed weight copies would take %.1f GiB of %.1f GiB "
+            "available", copy_bytes / 2**30, free / 2**30,
+        )  # fmt: skip
+        return {}, {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
     plans: Plans = {}
     for (n, k, declared), layers in groups.items():
@@ -394,6 +405,16 @@ def plan_cpu_linears(
         timings[(n, k)] = per_rows
         plans.update(dict.fromkeys(layers, _cpu_plan(per_rows, kinds, declared)))
     return plans, timings
+
+
+def _available_host_bytes() -> int | None:
+    """Host memory available now (None where psutil cannot tell)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # an unknown platform: no limit rather than no start-up
+        return None
 
 
 def _cpu_plan(

@@ -130,6 +130,25 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
         _check_outputs(model, rows)
 
 
+def test_cpu_linears_keep_blas_when_the_copies_would_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed copies double a layer's memory: a model whose copies would take more than the
+    allowed share of the free host memory is not timed and keeps BLAS everywhere."""
+    fake, calls = _fake_cpu_timings(CpuGemm().describe())
+    monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
+    model = _model()
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.values())
+    free = int(weight_bytes / tuning.CPU_PACKED_MAX_SHARE_OF_FREE) - 1
+    monkeypatch.setattr(tuning, "_available_host_bytes", lambda: free)
+    assert tuning.plan_cpu_linears(model) == ({}, {})
+    assert calls == []
+    if tuning._cpu_kinds():  # with room for the copies, the same model is tuned
+        monkeypatch.setattr(tuning, "_available_host_bytes", lambda: free + 1)
+        plans, _ = tuning.plan_cpu_linears(model)
+        assert set(plans) == set(model.values()) and calls
+
+
 @pytest.mark.skipif(not gemm_available(), reason="no C compiler for the CPU GEMM")
 def test_a_shape_that_wins_only_at_small_batches_takes_the_kind_for_those(
     monkeypatch: pytest.MonkeyPatch,
