@@ -227,7 +227,9 @@ def sweep_fp8_kv_decode() -> None:
                 configs.append({"KV_DOT_F16": False})
                 configs += [
                     {"TILE": tile, "num_warps": warps, "num_stages": stages}
-                    for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3))
+                    for tile, warps, stages in itertools.product(
+                        (64, 128, 256), (2, 4, 8), (2, 3)
+                    )
                 ]
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
