@@ -31,12 +31,19 @@ def _float(name: str, default: float) -> float:
 
 
 def cache_dir() -> Path:
-    """Where converted models (the embedded GGUF, GGUF checkpoints) are cached."""
+    """Where converted models (the embedded GGUF, GGUF checkpoints) and the CPU path's
+    compiled C kernels are cached."""
     root = _get("CACHE")
     if root is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
         root = os.path.join(base, "asyncengine")
     return Path(root)
+
+
+def c_compiler() -> str | None:
+    """The C compiler named by `$CC` (the build convention, no prefix), if set: the CPU
+    path's C kernels build with it, else with gcc or cc from PATH."""
+    return os.environ.get("CC") or None
 
 
 def tp_timeout_s() -> float:

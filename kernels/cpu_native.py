@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncengine.envs import cache_dir
+from asyncengine.envs import c_compiler, cache_dir
 
 __all__ = ["VECTOR_EXP_C", "native_library"]
 
@@ -83,7 +83,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC")
+    cc = c_compiler()
     return cc if cc and shutil.which(cc) else (shutil.which("gcc") or shutil.which("cc"))
 
 

@@ -50,3 +50,15 @@ def test_every_variable_is_documented() -> None:
     assert names, "no variables found in envs.py"
     for name in names:
         assert f"`{envs.PREFIX}{name}`" in table, name
+
+
+def test_c_compiler_follows_cc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`$CC` is the build convention's name (no prefix); empty or unset means none chosen."""
+    monkeypatch.setenv("CC", "clang")
+    assert envs.c_compiler() == "clang"
+    monkeypatch.setenv("CC", "")
+    assert envs.c_compiler() is None
+    monkeypatch.delenv("CC")
+    assert envs.c_compiler() is None
+    table = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
+    assert "| `CC` |" in table
