@@ -10,43 +10,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# W2's shape, which the long-prompt shape extends.
-LLAMA3_8B: dict[str, Any] = dict(
+# What the Llama-2-7B and Llama-3-8B shapes share.
+_LLAMA_7B_CLASS: dict[str, Any] = dict(
     architectures=["LlamaForCausalLM"],
     model_type="llama",
     hidden_size=4096,
-    intermediate_size=14336,
     num_hidden_layers=32,
     num_attention_heads=32,
+    rms_norm_eps=1e-5,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+)
+# W2's shape, which the long-prompt shape extends.
+LLAMA3_8B: dict[str, Any] = dict(
+    _LLAMA_7B_CLASS,
+    intermediate_size=14336,
     num_key_value_heads=8,
     vocab_size=128256,
     max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
     rope_theta=500000.0,
     bos_token_id=128000,
     eos_token_id=128001,
-    torch_dtype="bfloat16",
-    tie_word_embeddings=False,
 )
 
 SHAPES: dict[str, dict[str, Any]] = {
     # W1 / L1: Llama-2-7B
     "llama2-7b": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_size=4096,
+        _LLAMA_7B_CLASS,
         intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
         num_key_value_heads=32,
         vocab_size=32000,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
         rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
     ),
     # W2: Llama-3-8B
     "llama3-8b": LLAMA3_8B,

@@ -99,9 +99,9 @@ def run_case(kernel: str, shape: dict[str, Any], fn: Callable[..., None], **kwar
 def _attention_inputs(
     q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
     kv_fp8: bool = False,
-) -> tuple[tuple, int]:
-    """Random bf16 batch with shuffled blocks (an e4m3 cache with `kv_fp8`, whose scales are
-    then the last two args); returns (args, bytes of K/V read + q + out)."""
+) -> tuple[tuple, int, dict[str, torch.Tensor]]:
+    """Random bf16 batch with shuffled blocks (an e4m3 cache with `kv_fp8`); returns (args,
+    bytes of K/V read + q + out, the cache's scales as keyword arguments: none for bf16)."""
     dev, dt = "cuda", torch.bfloat16
     blocks = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -121,10 +121,11 @@ def _attention_inputs(
     if kv_fp8:
         k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     args = (q, k_cache, v_cache, tables, qsl.to(dev), lens, HEAD_DIM**-0.5)
+    scales: dict[str, torch.Tensor] = {}
     if kv_fp8:
-        args += (torch.ones(num_kv_heads, device=dev), torch.ones(num_kv_heads, device=dev))
+        scales = {name: torch.ones(num_kv_heads, device=dev) for name in ("k_scale", "v_scale")}
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * HEAD_DIM * k_cache.element_size()
-    return args, kv_bytes + 2 * q.numel() * 2
+    return args, kv_bytes + 2 * q.numel() * 2, scales
 
 
 def _attention_case(
@@ -137,7 +138,7 @@ def _attention_case(
 ) -> None:
     from kernels.paged_attention import paged_attention_triton
 
-    args, nbytes = _attention_inputs(q_lens, seq_lens, *heads)
+    args, nbytes, _ = _attention_inputs(q_lens, seq_lens, *heads)
     out = torch.empty_like(args[0])
     ms = bench(lambda: paged_attention_triton(*args, out=out, **kwargs))
     flops = 0.0
@@ -179,15 +180,15 @@ def bench_attention() -> None:
 
 
 def _sweep_case(
-    shape: dict[str, Any], args: tuple, out: torch.Tensor, nbytes: int, cfg: dict[str, int]
+    shape: dict[str, Any], args: tuple, out: torch.Tensor, nbytes: int, cfg: dict[str, int],
+    scales: dict[str, torch.Tensor] | None = None,
 ) -> None:
     from kernels.paged_attention import paged_attention_triton
 
-    scales = {"k_scale": args[7], "v_scale": args[8]} if len(args) > 7 else {}
     ms = bench(
         lambda: paged_attention_triton(
-            *args[:7], out=out, decode_only=True, num_segments=shape["segments"],
-            small_tiles=cfg, **scales,
+            *args, out=out, decode_only=True, num_segments=shape["segments"],
+            small_tiles=cfg, **(scales or {}),
         ),
         warmup=2,
         iters=5,
@@ -200,7 +201,7 @@ def sweep_decode(batches: list[int], contexts: list[int]) -> None:
     for wl, heads in WORKLOADS.items():
         for ctx in contexts:
             for bsz in batches:
-                args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads)
+                args, nbytes, _ = _attention_inputs([1] * bsz, [ctx] * bsz, *heads)
                 out = torch.empty_like(args[0])
                 configs = itertools.product((32, 64, 128), (2,), (1, 4, 8, 16, 32))
                 for tile, stages, segs in configs:
@@ -219,7 +220,9 @@ def sweep_fp8_kv_decode() -> None:
     for wl, heads in WORKLOADS.items():
         bsz, ctx = cases[wl]
         for kv_fp8 in (False, True):
-            args, nbytes = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8)
+            args, nbytes, scales = _attention_inputs(
+                [1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8
+            )
             out = torch.empty_like(args[0])
             # The 16-bit cache and the bf16-widening dot run their default tiles only.
             configs: list[dict[str, Any]] = [{}]
@@ -235,7 +238,7 @@ def sweep_fp8_kv_decode() -> None:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip
                 run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
-                         nbytes=nbytes, cfg=cfg)  # fmt: skip
+                         nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
 
 
 def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict[str, int]) -> None:
