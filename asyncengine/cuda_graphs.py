@@ -44,6 +44,25 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+def capture_forward(
+    model: nn.Module,
+    meta: AttentionMetadata,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    pool: tuple | None,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One forward pass over static buffers captured as a graph in `pool` (None: a new
+    one); returns the graph and its output buffer. An eager pass first compiles every
+    kernel variant the capture will launch."""
+    with set_forward_context(meta):
+        model(input_ids, positions)
+        torch.cuda.synchronize(input_ids.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = model(input_ids, positions)
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -104,13 +123,9 @@ class DecodeGraphs:
         # Largest first, so smaller graphs reuse the memory pool of the largest.
         todo = [key for b in sorted(self.sizes, reverse=True) for key in self.variants(b)]
         for b, plan in tqdm(todo, desc="Capturing CUDA graphs", unit="graph"):
-            with set_forward_context(self._meta(b, plan)):
-                # Warm-up compiles every kernel variant before capture.
-                self.model(self.input_ids[:b], self.positions[:b])
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(self.input_ids[:b], self.positions[:b])
+            graph, out = capture_forward(
+                self.model, self._meta(b, plan), self.input_ids[:b], self.positions[:b], pool
+            )
             pool = graph.pool() if pool is None else pool
             self.graphs[b, plan], self.outputs[b, plan] = graph, out
         torch.cuda.synchronize(self.device)
@@ -202,12 +217,9 @@ class PrefillGraphs:
         for t, b in tqdm(todo, desc="Capturing prefill CUDA graphs", unit="graph"):
             self.query_start_loc.fill_(t)
             self.query_start_loc[0] = 0
-            with set_forward_context(self.meta(t, b)):
-                self.model(self.input_ids[:t], self.positions[:t])  # compiles before capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(self.input_ids[:t], self.positions[:t])
+            graph, out = capture_forward(
+                self.model, self.meta(t, b), self.input_ids[:t], self.positions[:t], pool
+            )
             pool = graph.pool() if pool is None else pool
             self.graphs[t, b], self.outputs[t, b] = graph, out
         torch.cuda.synchronize(self.device)
