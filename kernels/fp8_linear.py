@@ -30,6 +30,7 @@ import torch
 from kernels._triton_utils import next_power_of_2, tl, triton
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
+from kernels.half_pairs import E4M3_X_SCALE, e4m3_word_dot, pack_f16_pair
 
 __all__ = [
     "FP8_DTYPE",
@@ -292,18 +293,20 @@ def fp8_gemm(
 @dataclass(frozen=True)
 class Fp8GemvConfig:
     """Blocking of `fp8_gemv`: output rows per program, K per step, K splits. One row uses
-    FMA on [block_n, block_k] tiles (as `kernels.gemv`); 2-16 rows use `tl.dot` with the
-    rows padded to 16 and at least 16 output rows per program."""
+    FMA on [block_n, block_k] tiles (as `kernels.gemv`), in float32 or, with `pairs`, on
+    half-precision pairs of whole 4-byte words (`kernels.half_pairs`); 2-16 rows use
+    `tl.dot` with the rows padded to 16 and at least 16 output rows per program."""
 
     block_n: int = 8
     block_k: int = 512
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    pairs: bool = False
 
     def __str__(self) -> str:
         return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}")  # fmt: skip
+                f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
 def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
@@ -316,6 +319,12 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
             # A byte per weight: twice the K of a 16-bit tile for the same bytes in flight.
             Fp8GemvConfig(4, 2048, num_warps=8, num_stages=3),
             Fp8GemvConfig(8, 1024, num_warps=8, num_stages=3),
+            # Pairs: more output rows per thread, so each thread's x pairs serve more rows.
+            Fp8GemvConfig(8, 512, pairs=True), Fp8GemvConfig(16, 512, pairs=True),
+            Fp8GemvConfig(16, 256, pairs=True), Fp8GemvConfig(32, 256, pairs=True),
+            Fp8GemvConfig(16, 1024, num_warps=8, num_stages=3, pairs=True),
+            Fp8GemvConfig(32, 512, num_warps=8, num_stages=3, pairs=True),
+            Fp8GemvConfig(16, 512, split_k=2, pairs=True),
         ]  # fmt: skip
     return [
         Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(32, 128),
@@ -337,11 +346,67 @@ def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k, k_start, k_end, K,
+              EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """One row's products [1, BLOCK_N] with each e4m3 weight widened to float32."""
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
+    acc2 = tl.zeros([w_rows.shape[0], BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # fmt: skip
+        # Columns past this split's end meet zero weights; past K, x is zero.
+        x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                            HAS_RESIDUAL)  # fmt: skip
+        acc2 += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc2, axis=1)[None, :]
+
+
+@triton.jit
+def _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start, k_end,
+                    K, stride_wn, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """One row's products [1, BLOCK_N] from whole 4-byte words of weights (w32_ptr: the
+    weight viewed as int32), two values an instruction (`kernels.half_pairs`)."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 4
+    offs_w = tl.arange(0, BLOCK_W)
+    w_rows = w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
+    acc2 = tl.zeros([offs_n.shape[0], BLOCK_W], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = k0 // 4 + offs_w
+        if EVEN_K:
+            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None], other=0)
+        else:
+            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 4)[None, :],
+                            other=0)  # fmt: skip
+        kk = k0 + offs_w * 4  # each word's first input column
+        x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                             HAS_RESIDUAL)  # fmt: skip
+        x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
+                             HAS_RESIDUAL)  # fmt: skip
+        x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
+                             HAS_RESIDUAL)  # fmt: skip
+        x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
+                             HAS_RESIDUAL)  # fmt: skip
+        x01 = pack_f16_pair(x0, x1, E4M3_X_SCALE)
+        x23 = pack_f16_pair(x2, x3, E4M3_X_SCALE)
+        acc2 += e4m3_word_dot(words, x01[None, :], x23[None, :])
+    return (tl.sum(acc2, axis=1) * E4M3_X_SCALE)[None, :]
+
+
+@triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N, K,
-    stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w8_ptr, w32_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N,
+    K, stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
     once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
@@ -358,20 +423,13 @@ def _fp8_gemv_kernel(
         rstd = 0.0
         if NORM:
             rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + offs_k
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
-            else:
-                k_mask = kk < k_end
-                w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                            other=0.0)  # fmt: skip
-            # Columns past this split's end meet zero weights; past K, x is zero.
-            x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
-                        HAS_RESIDUAL)  # fmt: skip
-            acc2 += w.to(tl.float32) * x[None, :]
-        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+        if PAIRS:
+            acc = _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask,
+                                  k_start, k_end, K, stride_wn, EVEN_K, GATED, NORM,
+                                  HAS_RESIDUAL, BLOCK_K)  # fmt: skip
+        else:
+            acc = _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k,
+                            k_start, k_end, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)  # fmt: skip
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -437,6 +495,9 @@ def _fp8_gemv(
     if qweight.shape[1] != k or x.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError(f"fp8_gemv needs x [M, {qweight.shape[1]}] and a weight with "
                          f"contiguous rows, got x {tuple(x.shape)}")  # fmt: skip
+    pairs = config.pairs and m == 1
+    if pairs:
+        _check_pairs(x, qweight, config)
     block_m = 1 if m == 1 else max(16, next_power_of_2(m))
     block_n = config.block_n if m == 1 else max(16, config.block_n)
     split = max(1, config.split_k)
@@ -451,13 +512,14 @@ def _fp8_gemv(
     fused_bias = bias is not None and split == 1
     norm_w, eps = norm if norm is not None else (out, 0.0)
     _fp8_gemv_kernel[grid](
-        x, qweight, w_scale, bias if fused_bias else out, out,
+        x, qweight, qweight.view(torch.int32) if pairs else qweight, w_scale,
+        bias if fused_bias else out, out,
         residual if residual is not None else x, norm_w, res_out if res_out is not None else x,
         float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, HAS_BIAS=fused_bias,
         EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, PAIRS=pairs, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     if split == 1:
@@ -466,6 +528,17 @@ def _fp8_gemv(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype), res_out
+
+
+def _check_pairs(x: torch.Tensor, qweight: torch.Tensor, config: Fp8GemvConfig) -> None:
+    """The pairs form reads the weight as 4-byte words and rounds x to fp16: it needs
+    word-aligned rows and a 16-bit activation."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
+    if qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
+    if config.block_k % 4:
+        raise ValueError(f"block_k={config.block_k} must be a multiple of 4 for pairs")
 
 
 def fp8_dense_weight(qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype

@@ -24,6 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import tl, triton
+from kernels.half_pairs import (
+    INT4_X_SCALE,
+    INT8_X_SCALE,
+    int4_word_dot,
+    int8_word_dot,
+    pack_f16_pair,
+    zero_pairs,
+)
 
 __all__ = [
     "QuantGemmConfig",
@@ -115,17 +123,19 @@ class QuantGemmConfig:
 
 @dataclass(frozen=True)
 class QuantGemvConfig:
-    """Blocking of `quant_gemv`: output columns per program, K per loop step, K splits."""
+    """Blocking of `quant_gemv`: output columns per program, K per loop step, K splits;
+    `pairs`: products in half-precision pairs (`kernels.half_pairs`) rather than float32."""
 
     block_n: int = 128
     block_k: int = 32
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    pairs: bool = False
 
     def __str__(self) -> str:
         return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}")  # fmt: skip
+                f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
 def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
@@ -142,16 +152,21 @@ def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
 
 
 def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
-    """GEMV blockings the start-up tuner times."""
+    """GEMV blockings the start-up tuner times: float32 products, then half-precision pairs
+    (wider column blocks, so each thread's x pairs serve more columns)."""
     out = []
-    for bn, bk, split, warps in [
-        (32, 128, 1, 4), (64, 128, 1, 4), (64, 128, 2, 4), (128, 128, 2, 4), (64, 128, 4, 4),
-        (128, 128, 4, 4), (128, 64, 8, 4), (256, 64, 4, 8), (64, 64, 8, 4), (128, 128, 8, 8),
-        (32, 256, 2, 4), (64, 256, 4, 4),
+    for bn, bk, split, warps, pairs in [
+        (32, 128, 1, 4, False), (64, 128, 1, 4, False), (64, 128, 2, 4, False),
+        (128, 128, 2, 4, False), (64, 128, 4, 4, False), (128, 128, 4, 4, False),
+        (128, 64, 8, 4, False), (256, 64, 4, 8, False), (64, 64, 8, 4, False),
+        (128, 128, 8, 8, False), (32, 256, 2, 4, False), (64, 256, 4, 4, False),
+        (128, 128, 1, 4, True), (128, 128, 2, 4, True), (128, 128, 4, 4, True),
+        (256, 128, 2, 4, True), (256, 128, 4, 8, True), (256, 64, 4, 4, True),
+        (512, 128, 2, 8, True), (128, 64, 8, 4, True), (256, 128, 8, 8, True),
     ]:  # fmt: skip
         bk = min(bk, group_size)
         if group_size % bk == 0 and k % (bk * split) == 0 and not bk & (bk - 1):
-            out.append(QuantGemvConfig(bn, bk, split, warps))
+            out.append(QuantGemvConfig(bn, bk, split, warps, pairs=pairs))
     return list(dict.fromkeys(out))
 
 
@@ -226,11 +241,28 @@ def quant_gemm(
 
 
 @triton.jit
+def _word_dots(words, xk, z, BITS: tl.constexpr):
+    """(q - zero) . x of each word [BLOCK_W, BLOCK_N] in float32 from half-precision pairs,
+    divided by the x scale; xk: x's addresses of each word's first value [BLOCK_W]."""
+    zb, zh = zero_pairs(z, BITS)
+    if BITS == 4:
+        x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
+        x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
+        x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
+        x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
+        return int4_word_dot(words, x04[:, None], x15[:, None], x26[:, None], x37[:, None],
+                             zb[None, :], zh[None, :], z[None, :])  # fmt: skip
+    x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
+    x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
+    return int8_word_dot(words, x02[:, None], x13[:, None], zb[None, :], z[None, :])
+
+
+@triton.jit
 def _quant_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_ym, K_PER_SPLIT, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     PACK: tl.constexpr = 32 // BITS
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
@@ -249,15 +281,20 @@ def _quant_gemv_kernel(
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
-        part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
-        for i in tl.static_range(PACK):
-            # Word w holds input rows k0 + w * PACK + i, value i at bit i * BITS.
-            bits = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
-            q = bits.to(tl.float32, bitcast=True) - biased_zero[None, :]
-            xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
-            part += q * xi[:, None]
-        acc += part * s[None, :]  # the tile lies inside one group: one scale per column
+        if PAIRS:
+            x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
+            part = _word_dots(words, x_row + k0 + offs_w * PACK, z, BITS)
+            acc += part * (s * x_scale)[None, :]
+        else:
+            biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
+            part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(PACK):
+                # Word w holds input rows k0 + w * PACK + i, value i at bit i * BITS.
+                bits = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
+                q = bits.to(tl.float32, bitcast=True) - biased_zero[None, :]
+                xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
+                part += q * xi[:, None]
+            acc += part * s[None, :]  # the tile lies inside one group: one scale per column
     y = tl.sum(acc, axis=0)
     if SPLIT_K == 1:
         _store_gemv_row(y, b_ptr, y_ptr + row * stride_ym, offs_n, n_mask, HAS_BIAS)
@@ -347,6 +384,8 @@ def quant_gemv(
     block_k = min(config.block_k, group_size)
     m, n, k = _check(x, qweight, bits, group_size, block_k)
     split = config.split_k
+    if config.pairs and x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
     if k % (block_k * split):
         raise ValueError(f"K={k} is not a multiple of BLOCK_K * split_k")
     if split & (split - 1):
@@ -363,6 +402,6 @@ def quant_gemv(
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
         x.stride(0), y.stride(0), k // split, GROUP_SIZE=group_size, BITS=bits,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PAIRS=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_check.sh fp8speed [SEQS] # FP8 KV: attention GPU tests, decode sweep, W1, W2
 #   bash scripts/gpu_check.sh attn [SEQS]  # attention GPU tests, prefill kernel bench, W1 (FP8 KV, bf16)
 #   bash scripts/gpu_check.sh kvw [SEQS]   # W1 FP8 KV and W2 FP8 weights + KV, each beside bf16
+#   bash scripts/gpu_check.sh pairs        # GEMVs in half-precision pairs: GPU tests, kernels, L1
+#                                          # in GPTQ int4/int8 and FP8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -123,12 +125,21 @@ elif [ "$phase" = kvw ]; then  # W1 with FP8 KV beside bf16, W2 with FP8 weights
 elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
   bench --workload w2 --system engine
+elif [ "$phase" = pairs ]; then  # one-row GEMVs in half-precision pairs: GPU tests, kernels, L1
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_half_pairs.py \
+    tests/kernels/test_quant_linear.py tests/kernels/test_fp8_linear.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 150 python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" \
+    | tee "$OUT/quant_kernels.jsonl" | tail -n 3
+  bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
+  bench --workload l1 --system engine --quantization gptq-int8
+  bench --workload l1 --system engine --quantization fp8 --profile-steps 4
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, pairs, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -173,6 +173,32 @@ def test_row_gemv_forms_the_normed_input_as_the_separate_kernels_round_it(dtype:
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+def test_row_gemv_in_half_pairs_is_the_weight_only_product() -> None:
+    """Plain, gated and normed inputs, a K that leaves a partial tile, and two K splits."""
+    _, q, scale = _weight(40, 200)
+    x = torch.randn(1, 200).to(torch.bfloat16)
+    configs = (Fp8GemvConfig(8, 64, pairs=True), Fp8GemvConfig(16, 32, split_k=2, pairs=True))
+    want = fp8_linear_ref(x, q, scale, quantize_input=False).float()
+    for cfg in configs:
+        got = fp8_gemv(x, q, scale, None, cfg).float()
+        torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
+    gated = torch.randn(1, 400).to(torch.bfloat16)
+    want = fp8_linear_ref(silu_and_mul_ref(gated), q, scale, quantize_input=False).float()
+    got = fp8_gemv(gated, q, scale, None, configs[0], gated=True).float()
+    torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
+    norm_w = (torch.rand(200) + 0.5).to(torch.bfloat16)
+    residual = torch.randn(1, 200).to(torch.bfloat16)
+    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    want = fp8_linear_ref(h, q, scale, quantize_input=False).float()
+    got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, configs[1])
+    torch.testing.assert_close(new_residual, want_residual)
+    torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
+    with pytest.raises(ValueError, match="16-bit activations"):
+        fp8_gemv(x.float(), q, scale, None, configs[0])
+    with pytest.raises(ValueError, match="4-byte words"):
+        fp8_gemv(torch.randn(1, 198).to(torch.bfloat16), q[:, :198], scale, None, configs[0])
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize(("n", "k"), LLAMA_SHAPES)

@@ -69,6 +69,21 @@ def test_gemv_matches_reference(n: int, k: int, bits: int, group: int, rows: int
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES[:5])
+def test_gemv_in_half_pairs_matches_reference(n: int, k: int, bits: int, group: int,
+                                              rows: int) -> None:  # fmt: skip
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, group)
+    tol = 1e-2 * float(want.abs().max())
+    for cfg in (QuantGemvConfig(32, 32, 1, pairs=True), QuantGemvConfig(16, 16, 2, pairs=True)):
+        got = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg).float()
+        assert float((got - want).abs().max()) <= tol, cfg
+    with pytest.raises(ValueError, match="16-bit activations"):
+        quant_gemv(x.float(), qweight, scales.float(), zeros.float(), bits, group, None,
+                   QuantGemvConfig(32, 32, 1, pairs=True))  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "k", "bits", "group"), [(48, 128, 4, 32), (40, 128, 8, 64),
                                                        (200, 96, 4, 96), (24, 256, 8, 256)])
 def test_triton_dequantize_equals_reference(n: int, k: int, bits: int, group: int) -> None:
