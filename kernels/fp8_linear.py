@@ -368,35 +368,46 @@ def _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k, k_start,
 
 
 @triton.jit
+def _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, GATED: tl.constexpr, NORM: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The input's f16x2 pairs (x0, x1), (x2, x3) of the words whose first columns are kk."""
+    x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    return pack_f16_pair(x0, x1, E4M3_X_SCALE), pack_f16_pair(x2, x3, E4M3_X_SCALE)
+
+
+@triton.jit
 def _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start, k_end,
-                    K, stride_wn, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+                    K, stride_wn, GATED: tl.constexpr, NORM: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One row's products [1, BLOCK_N] from whole 4-byte words of weights (w32_ptr: the
-    weight viewed as int32), two values an instruction (`kernels.half_pairs`)."""
+    weight viewed as int32), two values an instruction (`kernels.half_pairs`). The next
+    tile's words and x are loaded before the current tile's arithmetic (the compiler
+    pipelines only loads that feed a `tl.dot`), so two tiles per program are in flight."""
     BLOCK_W: tl.constexpr = BLOCK_K // 4
     offs_w = tl.arange(0, BLOCK_W)
     w_rows = w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
     acc2 = tl.zeros([offs_n.shape[0], BLOCK_W], dtype=tl.float32)
+    # Words past this split's end (or K) load as zeros; past K, x is zero.
+    kw = k_start // 4 + offs_w
+    words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 4)[None, :],
+                    other=0)  # fmt: skip
+    x01, x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k_start + offs_w * 4, K, GATED, NORM,
+                        HAS_RESIDUAL)  # fmt: skip
     for k0 in range(k_start, k_end, BLOCK_K):
-        kw = k0 // 4 + offs_w
-        if EVEN_K:
-            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None], other=0)
-        else:
-            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 4)[None, :],
-                            other=0)  # fmt: skip
-        kk = k0 + offs_w * 4  # each word's first input column
-        x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
-                             HAS_RESIDUAL)  # fmt: skip
-        x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
-                             HAS_RESIDUAL)  # fmt: skip
-        x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
-                             HAS_RESIDUAL)  # fmt: skip
-        x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
-                             HAS_RESIDUAL)  # fmt: skip
-        x01 = pack_f16_pair(x0, x1, E4M3_X_SCALE)
-        x23 = pack_f16_pair(x2, x3, E4M3_X_SCALE)
+        nw = (k0 + BLOCK_K) // 4 + offs_w
+        n_words = tl.load(w_rows + nw[None, :],
+                          mask=n_mask[:, None] & (nw < k_end // 4)[None, :], other=0)  # fmt: skip
+        n_x01, n_x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k0 + BLOCK_K + offs_w * 4, K,
+                                GATED, NORM, HAS_RESIDUAL)  # fmt: skip
         acc2 += e4m3_word_dot(words, x01[None, :], x23[None, :])
+        words, x01, x23 = n_words, n_x01, n_x23
     return (tl.sum(acc2, axis=1) * E4M3_X_SCALE)[None, :]
 
 
@@ -425,8 +436,8 @@ def _fp8_gemv_kernel(
             rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
         if PAIRS:
             acc = _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask,
-                                  k_start, k_end, K, stride_wn, EVEN_K, GATED, NORM,
-                                  HAS_RESIDUAL, BLOCK_K)  # fmt: skip
+                                  k_start, k_end, K, stride_wn, GATED, NORM, HAS_RESIDUAL,
+                                  BLOCK_K)  # fmt: skip
         else:
             acc = _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k,
                             k_start, k_end, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)  # fmt: skip

@@ -241,20 +241,62 @@ def quant_gemm(
 
 
 @triton.jit
-def _word_dots(words, xk, z, BITS: tl.constexpr):
-    """(q - zero) . x of each word [BLOCK_W, BLOCK_N] in float32 from half-precision pairs,
-    divided by the x scale; xk: x's addresses of each word's first value [BLOCK_W]."""
-    zb, zh = zero_pairs(z, BITS)
+def _x_pairs(xk, BITS: tl.constexpr):
+    """x as the f16x2 pairs a word's values meet (`kernels.half_pairs`); xk: the addresses of
+    each word's first input value [BLOCK_W]. int4: (0, 4), (1, 5), (2, 6), (3, 7); int8:
+    (0, 2), (1, 3) and the second pair repeated."""
     if BITS == 4:
         x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
         x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
         x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
         x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
-        return int4_word_dot(words, x04[:, None], x15[:, None], x26[:, None], x37[:, None],
-                             zb[None, :], zh[None, :], z[None, :])  # fmt: skip
+        return x04, x15, x26, x37
     x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
     x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
-    return int8_word_dot(words, x02[:, None], x13[:, None], zb[None, :], z[None, :])
+    return x02, x13, x13, x13
+
+
+@triton.jit
+def _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, mask, N, GROUP_SIZE: tl.constexpr,
+                PACK: tl.constexpr):  # fmt: skip
+    """The words [BLOCK_W, BLOCK_N] of input rows k0.. and their group's scales and zeros."""
+    words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :],
+                    mask=mask[None, :], other=0)  # fmt: skip
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_w, offs_n, n_mask, N,
+                    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """The products [BLOCK_W, BLOCK_N] of input rows k_start..k_end in half-precision pairs,
+    times the scales. The loop issues the next tile's loads (words, scales, zeros and x)
+    before the current tile's arithmetic: loads that feed no `tl.dot` are not pipelined by
+    the compiler, and without this one tile per program is in flight."""
+    PACK: tl.constexpr = 32 // BITS
+    x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
+    acc = tl.zeros([offs_w.shape[0], offs_n.shape[0]], dtype=tl.float32)
+    words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k_start, offs_w, offs_n, n_mask, N,
+                              GROUP_SIZE, PACK)  # fmt: skip
+    xa, xb, xc, xd = _x_pairs(x_row + k_start + offs_w * PACK, BITS)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        nk = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile reloads itself
+        n_words, n_s, n_z = _group_tile(qw_ptr, s_ptr, z_ptr, nk, offs_w, offs_n, n_mask, N,
+                                        GROUP_SIZE, PACK)  # fmt: skip
+        n_xa, n_xb, n_xc, n_xd = _x_pairs(x_row + nk + offs_w * PACK, BITS)
+        zb, zh = zero_pairs(z, BITS)
+        if BITS == 4:
+            part = int4_word_dot(words, xa[:, None], xb[:, None], xc[:, None], xd[:, None],
+                                 zb[None, :], zh[None, :], z[None, :])  # fmt: skip
+        else:
+            part = int8_word_dot(words, xa[:, None], xb[:, None], zb[None, :], z[None, :])
+        acc += part * (s * x_scale)[None, :]
+        words, s, z = n_words, n_s, n_z
+        xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
+    return acc
 
 
 @triton.jit
@@ -275,17 +317,13 @@ def _quant_gemv_kernel(
     acc = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
     k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :],
-                        mask=n_mask[None, :], other=0)  # fmt: skip
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if PAIRS:
-            x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
-            part = _word_dots(words, x_row + k0 + offs_w * PACK, z, BITS)
-            acc += part * (s * x_scale)[None, :]
-        else:
+    if PAIRS:
+        acc = _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_start + K_PER_SPLIT,
+                              offs_w, offs_n, n_mask, N, GROUP_SIZE, BITS, BLOCK_K)  # fmt: skip
+    else:
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+            words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, n_mask, N,
+                                      GROUP_SIZE, PACK)  # fmt: skip
             biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
             part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
             for i in tl.static_range(PACK):
