@@ -160,12 +160,16 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
         (128, 128, 2, 4, False), (64, 128, 4, 4, False), (128, 128, 4, 4, False),
         (128, 64, 8, 4, False), (256, 64, 4, 8, False), (64, 64, 8, 4, False),
         (128, 128, 8, 8, False), (32, 256, 2, 4, False), (64, 256, 4, 4, False),
+        (64, 128, 16, 4, False),
         (128, 128, 1, 4, True), (128, 128, 2, 4, True), (128, 128, 4, 4, True),
         (256, 128, 2, 4, True), (256, 128, 4, 8, True), (256, 64, 4, 4, True),
         (512, 128, 2, 8, True), (128, 64, 8, 4, True), (256, 128, 8, 8, True),
+        # Many short splits: each program's tiles are few, so more of them are in flight.
+        (64, 128, 16, 4, True), (128, 128, 16, 4, True), (64, 128, 32, 4, True),
+        (128, 64, 16, 4, True), (256, 128, 16, 8, True), (128, 128, 32, 4, True),
     ]:  # fmt: skip
         bk = min(bk, group_size)
-        if group_size % bk == 0 and k % (bk * split) == 0 and not bk & (bk - 1):
+        if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1) and k // bk >= split:
             out.append(QuantGemvConfig(bn, bk, split, warps, pairs=pairs))
     return list(dict.fromkeys(out))
 
@@ -316,12 +320,14 @@ def _quant_gemv_kernel(
     # the loop, only one per program.
     acc = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
+    # The last split may be shorter (K need not divide into equal splits of whole tiles).
     k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     if PAIRS:
-        acc = _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_start + K_PER_SPLIT,
-                              offs_w, offs_n, n_mask, N, GROUP_SIZE, BITS, BLOCK_K)  # fmt: skip
+        acc = _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_w, offs_n,
+                              n_mask, N, GROUP_SIZE, BITS, BLOCK_K)  # fmt: skip
     else:
-        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, n_mask, N,
                                       GROUP_SIZE, PACK)  # fmt: skip
             biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
@@ -340,14 +346,17 @@ def _quant_gemv_kernel(
         # Each split stores its partial sums; the last of an output block's splits to arrive
         # (counted with one atomic per program) adds them and writes the output, so no
         # second kernel runs. It resets the counter for the next call and graph replay.
+        # SPLIT_K is a power of two at least the grid's splits.
+        n_splits = tl.num_programs(1)
         tl.store(part_ptr + (pid_k * M + row) * N + offs_n, y, mask=n_mask)
         tl.debug_barrier()
         counter = count_ptr + row * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
             tl.debug_barrier()
             splits = tl.arange(0, SPLIT_K)
             parts = tl.load(part_ptr + (splits[:, None] * M + row) * N + offs_n[None, :],
-                            mask=n_mask[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+                            mask=(splits < n_splits)[:, None] & n_mask[None, :], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(counter, 0)
             _store_gemv_row(tl.sum(parts, axis=0), b_ptr, y_ptr + row * stride_ym, offs_n,
                             n_mask, HAS_BIAS)  # fmt: skip
@@ -424,21 +433,22 @@ def quant_gemv(
     split = config.split_k
     if config.pairs and x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
-    if k % (block_k * split):
-        raise ValueError(f"K={k} is not a multiple of BLOCK_K * split_k")
     if split & (split - 1):
         raise ValueError(f"split_k={split} must be a power of two")
+    # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
+    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    splits = triton.cdiv(k, per_split)
     blocks = triton.cdiv(n, config.block_n)
     if counters is None:
         counters = gemv_counters(m, n, x.device)
     elif counters.numel() < m * blocks:
         raise ValueError(f"{counters.numel()} split-K counters; {m} rows need {m * blocks}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32,
+    part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
-    _quant_gemv_kernel[(blocks, split, m)](
+    _quant_gemv_kernel[(blocks, splits, m)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
-        x.stride(0), y.stride(0), k // split, GROUP_SIZE=group_size, BITS=bits,
+        x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n, BLOCK_K=block_k,
         PAIRS=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -210,7 +210,10 @@ def test_gpu_llama_shapes_match_reference(n: int, k: int) -> None:
         want_q, want_s = quantize_rows_ref(x)
         torch.testing.assert_close(xs, want_s)
         assert (xq.float() != want_q.float()).float().mean() < 1e-3
-        want = fp8_linear_ref(x, q, scale).float()
+        # The GEMMs against the product of the activation they are given: where the kernel's
+        # and the reference's e4m3 rounding of x differ (ties, checked above), a K of 11008
+        # or 14336 can move an output by two bf16 steps at the 1 % bound.
+        want = (dequantize_fp8(xq, xs) @ dequantize_fp8(q, scale.reshape(-1, 1)).t()).float()
         tol = 1e-2 * float(want.abs().max())
         got = fp8_scaled_mm(xq, xs, q, scale, None, torch.bfloat16)
         assert float((got.float() - want).abs().max()) <= tol
