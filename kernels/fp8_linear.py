@@ -30,7 +30,7 @@ import torch
 from kernels._triton_utils import next_power_of_2, tl, triton
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
-from kernels.half_pairs import E4M3_X_SCALE, e4m3_word_dot, pack_f16_pair
+from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
 
 __all__ = [
     "FP8_DTYPE",
@@ -383,6 +383,12 @@ def _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, GATED: tl.constexpr, NORM:
 
 
 @triton.jit
+def _word_tile(w_rows, kw, n_mask, end_w):
+    """Words kw of the rows; words at or past end_w (this split's end) load as zeros."""
+    return tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < end_w)[None, :], other=0)
+
+
+@triton.jit
 def _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start, k_end,
                     K, stride_wn, GATED: tl.constexpr, NORM: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -394,16 +400,12 @@ def _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k
     offs_w = tl.arange(0, BLOCK_W)
     w_rows = w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
     acc2 = tl.zeros([offs_n.shape[0], BLOCK_W], dtype=tl.float32)
-    # Words past this split's end (or K) load as zeros; past K, x is zero.
-    kw = k_start // 4 + offs_w
-    words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < k_end // 4)[None, :],
-                    other=0)  # fmt: skip
+    # Past K, x is zero.
+    words = _word_tile(w_rows, k_start // 4 + offs_w, n_mask, k_end // 4)
     x01, x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k_start + offs_w * 4, K, GATED, NORM,
                         HAS_RESIDUAL)  # fmt: skip
     for k0 in range(k_start, k_end, BLOCK_K):
-        nw = (k0 + BLOCK_K) // 4 + offs_w
-        n_words = tl.load(w_rows + nw[None, :],
-                          mask=n_mask[:, None] & (nw < k_end // 4)[None, :], other=0)  # fmt: skip
+        n_words = _word_tile(w_rows, (k0 + BLOCK_K) // 4 + offs_w, n_mask, k_end // 4)
         n_x01, n_x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k0 + BLOCK_K + offs_w * 4, K,
                                 GATED, NORM, HAS_RESIDUAL)  # fmt: skip
         acc2 += e4m3_word_dot(words, x01[None, :], x23[None, :])
@@ -544,8 +546,7 @@ def _fp8_gemv(
 def _check_pairs(x: torch.Tensor, qweight: torch.Tensor, config: Fp8GemvConfig) -> None:
     """The pairs form reads the weight as 4-byte words and rounds x to fp16: it needs
     word-aligned rows and a 16-bit activation."""
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
+    check_pair_activation(x)
     if qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
     if config.block_k % 4:

@@ -24,12 +24,15 @@ from the same pairs and words.
 
 from __future__ import annotations
 
+import torch
+
 from kernels._triton_utils import interpreter_enabled, tl, triton
 
 __all__ = [
     "E4M3_X_SCALE",
     "INT4_X_SCALE",
     "INT8_X_SCALE",
+    "check_pair_activation",
     "e4m3_word_dot",
     "int4_word_dot",
     "int8_word_dot",
@@ -42,6 +45,55 @@ INT4_X_SCALE = tl.constexpr(16.0)
 INT8_X_SCALE = tl.constexpr(256.0)
 E4M3_X_SCALE = tl.constexpr(256.0)
 _IN_PTX = tl.constexpr(not interpreter_enabled())
+
+
+def check_pair_activation(x: torch.Tensor) -> None:
+    """The pairs round x to fp16: a float32 activation would lose precision silently."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
+
+
+def _word_dot_ptx(body: str) -> tl.constexpr:
+    """A word dot's PTX: `body` leaves the word's products in the f16x2 register acc; its two
+    halves are added in fp16 and returned in float32 ($0, as the bits of an int32)."""
+    return tl.constexpr(
+        "{\n.reg .b32 a, b, c, d, w8, s, acc;\n.reg .b16 w01, w23, lo, hi;\n" + body
+        + "\nmov.b32 {lo, hi}, acc;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
+    )  # fmt: skip
+
+
+# $1: the word; int4: $2-$5 the x pairs, $6 (1024 + z) pairs, $7 -(64 + z) pairs.
+_INT4_DOT = _word_dot_ptx("""
+mov.b32 s, 0x2C002C00;
+lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w8, $1, 8;
+lop3.b32 c, w8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 d, w8, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, $6;
+fma.rn.f16x2 b, b, s, $7;
+sub.f16x2 c, c, $6;
+fma.rn.f16x2 d, d, s, $7;
+mul.rn.f16x2 acc, a, $2;
+fma.rn.f16x2 acc, b, $3, acc;
+fma.rn.f16x2 acc, c, $4, acc;
+fma.rn.f16x2 acc, d, $5, acc;""")
+# int8: $2, $3 the x pairs, $4 (1024 + z) pairs.
+_INT8_DOT = _word_dot_ptx("""
+shr.u32 w8, $1, 8;
+lop3.b32 a, $1, 0x00FF00FF, 0x64006400, 0xEA;
+lop3.b32 b, w8, 0x00FF00FF, 0x64006400, 0xEA;
+sub.f16x2 a, a, $4;
+sub.f16x2 b, b, $4;
+mul.rn.f16x2 acc, a, $2;
+fma.rn.f16x2 acc, b, $3, acc;""")
+# e4m3: $2, $3 the x pairs.
+_E4M3_DOT = _word_dot_ptx("""
+mov.b32 {w01, w23}, $1;
+cvt.rn.f16x2.e4m3x2 a, w01;
+cvt.rn.f16x2.e4m3x2 b, w23;
+mul.rn.f16x2 acc, a, $2;
+fma.rn.f16x2 acc, b, $3, acc;""")
 
 
 @triton.jit
@@ -85,27 +137,7 @@ def int4_word_dot(word, x04, x15, x26, x37, z_biased, z_neg_high, z):
     z_neg_high from `zero_pairs(z, 4)`, z itself (float32) for the interpreter's form."""
     if _IN_PTX:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, c, d, w8, s, acc;
-            .reg .b16 lo, hi;
-            mov.b32 s, 0x2C002C00;
-            lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 w8, $1, 8;
-            lop3.b32 c, w8, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 d, w8, 0x00F000F0, 0x64006400, 0xEA;
-            sub.f16x2 a, a, $6;
-            fma.rn.f16x2 b, b, s, $7;
-            sub.f16x2 c, c, $6;
-            fma.rn.f16x2 d, d, s, $7;
-            mul.rn.f16x2 acc, a, $2;
-            fma.rn.f16x2 acc, b, $3, acc;
-            fma.rn.f16x2 acc, c, $4, acc;
-            fma.rn.f16x2 acc, d, $5, acc;
-            mov.b32 {lo, hi}, acc;
-            add.rn.f16 lo, lo, hi;
-            cvt.f32.f16 $0, lo;
-            }""",
+            asm=_INT4_DOT,
             constraints="=r,r,r,r,r,r,r,r",
             args=[word, x04, x15, x26, x37, z_biased, z_neg_high],
             dtype=tl.int32,
@@ -132,20 +164,7 @@ def int8_word_dot(word, x02, x13, z_biased, z):
     x as pairs (x0, x2), (x1, x3); z_biased from `zero_pairs(z, 8)`."""
     if _IN_PTX:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, w8, acc;
-            .reg .b16 lo, hi;
-            shr.u32 w8, $1, 8;
-            lop3.b32 a, $1, 0x00FF00FF, 0x64006400, 0xEA;
-            lop3.b32 b, w8, 0x00FF00FF, 0x64006400, 0xEA;
-            sub.f16x2 a, a, $4;
-            sub.f16x2 b, b, $4;
-            mul.rn.f16x2 acc, a, $2;
-            fma.rn.f16x2 acc, b, $3, acc;
-            mov.b32 {lo, hi}, acc;
-            add.rn.f16 lo, lo, hi;
-            cvt.f32.f16 $0, lo;
-            }""",
+            asm=_INT8_DOT,
             constraints="=r,r,r,r,r",
             args=[word, x02, x13, z_biased],
             dtype=tl.int32,
@@ -176,18 +195,7 @@ def e4m3_word_dot(word, x01, x23):
     (x0, x1), (x2, x3): one `cvt.rn.f16x2.e4m3x2` widens two values."""
     if _IN_PTX:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b, acc;
-            .reg .b16 w01, w23, lo, hi;
-            mov.b32 {w01, w23}, $1;
-            cvt.rn.f16x2.e4m3x2 a, w01;
-            cvt.rn.f16x2.e4m3x2 b, w23;
-            mul.rn.f16x2 acc, a, $2;
-            fma.rn.f16x2 acc, b, $3, acc;
-            mov.b32 {lo, hi}, acc;
-            add.rn.f16 lo, lo, hi;
-            cvt.f32.f16 $0, lo;
-            }""",
+            asm=_E4M3_DOT,
             constraints="=r,r,r,r",
             args=[word, x01, x23],
             dtype=tl.int32,

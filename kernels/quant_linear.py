@@ -27,6 +27,7 @@ from kernels._triton_utils import tl, triton
 from kernels.half_pairs import (
     INT4_X_SCALE,
     INT8_X_SCALE,
+    check_pair_activation,
     int4_word_dot,
     int8_word_dot,
     pack_f16_pair,
@@ -431,8 +432,8 @@ def quant_gemv(
     block_k = min(config.block_k, group_size)
     m, n, k = _check(x, qweight, bits, group_size, block_k)
     split = config.split_k
-    if config.pairs and x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
+    if config.pairs:
+        check_pair_activation(x)
     if split & (split - 1):
         raise ValueError(f"split_k={split} must be a power of two")
     # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.

@@ -311,7 +311,7 @@ def describe_matmul_plans(model: nn.Module) -> list[str]:
     return list(lines.values())
 
 
-def _cpu_kinds() -> list[MatmulKind]:
+def cpu_kinds() -> list[MatmulKind]:
     """The small-batch CPU kinds this build can run, each timed against the BLAS call."""
     kinds: list[MatmulKind] = []
     if gemm_available():
@@ -375,7 +375,7 @@ def plan_cpu_linears(
     `CPU_PACKED_MIN_GAIN` or `CPU_GEMM_MIN_GAIN`), else BLAS, which also serves every batch
     above the ladder. Returns the plans per layer and, per shape, per row count, the
     microseconds of each path."""
-    kinds = _cpu_kinds()
+    kinds = cpu_kinds()
     if not kinds:
         return {}, {}
     groups: dict[tuple[int, int, InputTransform], list[nn.Module]] = {}

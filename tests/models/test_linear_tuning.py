@@ -103,7 +103,7 @@ def test_cpu_layers_take_the_faster_path_and_stay_exact(
     monkeypatch.setattr(tuning, "time_cpu_kinds", fake)
     model = _model()
     plans, timings = tuning.plan_cpu_linears(model)
-    if not tuning._cpu_kinds():
+    if not tuning.cpu_kinds():
         assert plans == {} and timings == {}
         return
     assert set(timings) == {(96, 48), (48, 96), (48, 48), (300, 48)}
@@ -143,7 +143,7 @@ def test_cpu_linears_keep_blas_when_the_copies_would_not_fit(
     monkeypatch.setattr(tuning, "_available_host_bytes", lambda: free)
     assert tuning.plan_cpu_linears(model) == ({}, {})
     assert calls == []
-    if tuning._cpu_kinds():  # with room for the copies, the same model is tuned
+    if tuning.cpu_kinds():  # with room for the copies, the same model is tuned
         monkeypatch.setattr(tuning, "_available_host_bytes", lambda: free + 1)
         plans, _ = tuning.plan_cpu_linears(model)
         assert set(plans) == set(model.values()) and calls
@@ -476,7 +476,7 @@ def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
 def test_time_cpu_kinds_times_every_kind_at_every_row_count(declared: InputTransform) -> None:
     """Real timings over two small weights: every kind this build runs, at every row count,
     with the layer's input transform (a [gate, up] input is twice as wide)."""
-    kinds = [Blas(), *tuning._cpu_kinds()]
+    kinds = [Blas(), *tuning.cpu_kinds()]
     weights = [torch.randn(40, 24), torch.randn(40, 24)]
     per_rows = tuning.time_cpu_kinds(weights, kinds, (1, 5), declared, reps=2)
     assert set(per_rows) == {1, 5}

@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_gemm import gemm_available
-from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
+from kernels.cpu_linear import PACKED_MAX_ROWS
 from kernels.gemv import GemvConfig
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
+from models.linear_tuning import cpu_kinds
 from models.loader import load_model
 from models.matmul_plan import (
     Blas,
-    CpuGemm,
-    CpuPacked,
     Epilogue,
     InputTransform,
     MatmulKind,
@@ -145,16 +143,7 @@ def test_batch1_gemv_path_matches_hf(
     assert_close_rel(ours, hf_logits(model_dir, prompt))
 
 
-def _small_batch_cpu_kinds() -> list[MatmulKind]:
-    kinds: list[MatmulKind] = []
-    if cpu_packing_available():
-        kinds.append(CpuPacked())
-    if gemm_available():
-        kinds.append(CpuGemm())
-    return kinds
-
-
-@pytest.mark.parametrize("matmul", _small_batch_cpu_kinds(), ids=lambda k: k.describe())
+@pytest.mark.parametrize("matmul", cpu_kinds(), ids=lambda k: k.describe())
 @pytest.mark.parametrize("kind", ["llama2", "qwen2"])
 def test_cpu_small_batch_plans_match_hf(tmp_path: Path, kind: str, matmul: MatmulKind) -> None:
     """Every linear layer on the oneDNN-packed weight, or on the CPU GEMM forming its input
