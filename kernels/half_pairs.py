@@ -36,6 +36,7 @@ __all__ = [
     "e4m3_word_dot",
     "int4_word_dot",
     "int8_word_dot",
+    "int_x_pairs",
     "pack_f16_pair",
     "zero_pairs",
 ]
@@ -113,6 +114,23 @@ def zero_pairs(z, BITS: tl.constexpr):
     if BITS == 4:
         return biased, pack_f16_pair(-(z + 64.0), -(z + 64.0), 1.0)
     return biased, biased
+
+
+@triton.jit
+def int_x_pairs(xk, BITS: tl.constexpr):
+    """x as the f16x2 pairs an integer word's values meet in `int4_word_dot` or
+    `int8_word_dot`, loaded from xk (the addresses of each word's first input value). int4:
+    (0, 4), (1, 5), (2, 6), (3, 7); int8: (0, 2), (1, 3), and the second pair twice more, so
+    both widths give four."""
+    if BITS == 4:
+        x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
+        x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
+        x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
+        x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
+        return x04, x15, x26, x37
+    x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
+    x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
+    return x02, x13, x13, x13
 
 
 @triton.jit

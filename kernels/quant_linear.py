@@ -30,7 +30,7 @@ from kernels.half_pairs import (
     check_pair_activation,
     int4_word_dot,
     int8_word_dot,
-    pack_f16_pair,
+    int_x_pairs,
     zero_pairs,
 )
 
@@ -246,22 +246,6 @@ def quant_gemm(
 
 
 @triton.jit
-def _x_pairs(xk, BITS: tl.constexpr):
-    """x as the f16x2 pairs a word's values meet (`kernels.half_pairs`); xk: the addresses of
-    each word's first input value [BLOCK_W]. int4: (0, 4), (1, 5), (2, 6), (3, 7); int8:
-    (0, 2), (1, 3) and the second pair repeated."""
-    if BITS == 4:
-        x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
-        x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
-        x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
-        x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
-        return x04, x15, x26, x37
-    x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
-    x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
-    return x02, x13, x13, x13
-
-
-@triton.jit
 def _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, mask, N, GROUP_SIZE: tl.constexpr,
                 PACK: tl.constexpr):  # fmt: skip
     """The words [BLOCK_W, BLOCK_N] of input rows k0.. and their group's scales and zeros."""
@@ -286,12 +270,12 @@ def _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_w, offs_n,
     acc = tl.zeros([offs_w.shape[0], offs_n.shape[0]], dtype=tl.float32)
     words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k_start, offs_w, offs_n, n_mask, N,
                               GROUP_SIZE, PACK)  # fmt: skip
-    xa, xb, xc, xd = _x_pairs(x_row + k_start + offs_w * PACK, BITS)
+    xa, xb, xc, xd = int_x_pairs(x_row + k_start + offs_w * PACK, BITS)
     for k0 in range(k_start, k_end, BLOCK_K):
         nk = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile reloads itself
         n_words, n_s, n_z = _group_tile(qw_ptr, s_ptr, z_ptr, nk, offs_w, offs_n, n_mask, N,
                                         GROUP_SIZE, PACK)  # fmt: skip
-        n_xa, n_xb, n_xc, n_xd = _x_pairs(x_row + nk + offs_w * PACK, BITS)
+        n_xa, n_xb, n_xc, n_xd = int_x_pairs(x_row + nk + offs_w * PACK, BITS)
         zb, zh = zero_pairs(z, BITS)
         if BITS == 4:
             part = int4_word_dot(words, xa[:, None], xb[:, None], xc[:, None], xd[:, None],

@@ -15,6 +15,7 @@ from kernels.half_pairs import (
     e4m3_word_dot,
     int4_word_dot,
     int8_word_dot,
+    int_x_pairs,
     pack_f16_pair,
     zero_pairs,
 )
@@ -31,18 +32,12 @@ def _word_dots_kernel(w_ptr, x_ptr, z_ptr, out_ptr, KIND: tl.constexpr, WORDS: t
     words = tl.load(w_ptr + offs)
     z = tl.load(z_ptr + offs)
     if KIND == 4:
-        xk = x_ptr + offs * 8
         zb, zh = zero_pairs(z, 4)
-        x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
-        x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
-        x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
-        x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
+        x04, x15, x26, x37 = int_x_pairs(x_ptr + offs * 8, 4)
         out = int4_word_dot(words, x04, x15, x26, x37, zb, zh, z) * INT4_X_SCALE
     elif KIND == 8:
-        xk = x_ptr + offs * 4
         zb, _ = zero_pairs(z, 8)
-        x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
-        x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
+        x02, x13, _, _ = int_x_pairs(x_ptr + offs * 4, 8)
         out = int8_word_dot(words, x02, x13, zb, z) * INT8_X_SCALE
     else:
         xk = x_ptr + offs * 4
