@@ -117,19 +117,28 @@ def zero_pairs(z, BITS: tl.constexpr):
 
 
 @triton.jit
-def int_x_pairs(xk, BITS: tl.constexpr):
+def _x_at(xk, mask):
+    if mask is None:
+        x = tl.load(xk)
+    else:
+        x = tl.load(xk, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def int_x_pairs(xk, BITS: tl.constexpr, mask=None):
     """x as the f16x2 pairs an integer word's values meet in `int4_word_dot` or
-    `int8_word_dot`, loaded from xk (the addresses of each word's first input value). int4:
-    (0, 4), (1, 5), (2, 6), (3, 7); int8: (0, 2), (1, 3), and the second pair twice more, so
-    both widths give four."""
+    `int8_word_dot`, loaded from xk (the addresses of each word's first input value; where
+    `mask` is false, x reads as 0). int4: (0, 4), (1, 5), (2, 6), (3, 7); int8: (0, 2),
+    (1, 3), and the second pair twice more, so both widths give four."""
     if BITS == 4:
-        x04 = pack_f16_pair(tl.load(xk), tl.load(xk + 4), INT4_X_SCALE)
-        x15 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 5), INT4_X_SCALE)
-        x26 = pack_f16_pair(tl.load(xk + 2), tl.load(xk + 6), INT4_X_SCALE)
-        x37 = pack_f16_pair(tl.load(xk + 3), tl.load(xk + 7), INT4_X_SCALE)
+        x04 = pack_f16_pair(_x_at(xk, mask), _x_at(xk + 4, mask), INT4_X_SCALE)
+        x15 = pack_f16_pair(_x_at(xk + 1, mask), _x_at(xk + 5, mask), INT4_X_SCALE)
+        x26 = pack_f16_pair(_x_at(xk + 2, mask), _x_at(xk + 6, mask), INT4_X_SCALE)
+        x37 = pack_f16_pair(_x_at(xk + 3, mask), _x_at(xk + 7, mask), INT4_X_SCALE)
         return x04, x15, x26, x37
-    x02 = pack_f16_pair(tl.load(xk), tl.load(xk + 2), INT8_X_SCALE)
-    x13 = pack_f16_pair(tl.load(xk + 1), tl.load(xk + 3), INT8_X_SCALE)
+    x02 = pack_f16_pair(_x_at(xk, mask), _x_at(xk + 2, mask), INT8_X_SCALE)
+    x13 = pack_f16_pair(_x_at(xk + 1, mask), _x_at(xk + 3, mask), INT8_X_SCALE)
     return x02, x13, x13, x13
 
 

@@ -133,8 +133,14 @@ class QuantGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     pairs: bool = False
+    # > 0: each program loads this many BLOCK_K tiles at once, with no K loop (pairs only),
+    # and the K splits follow from it (split_k is then ignored).
+    tiles: int = 0
 
     def __str__(self) -> str:
+        if self.tiles:
+            return (f"gemv n{self.block_n} k{self.block_k}x{self.tiles} at once "
+                    f"w{self.num_warps} pairs")  # fmt: skip
         return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
@@ -172,6 +178,16 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
         bk = min(bk, group_size)
         if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1) and k // bk >= split:
             out.append(QuantGemvConfig(bn, bk, split, warps, pairs=pairs))
+    # All of a program's tiles loaded at once (values per program, as K_PER below): more
+    # bytes in flight per program than a loop that waits on each tile.
+    for bn, k_per, warps in [
+        (128, 256, 4), (64, 512, 4), (128, 512, 8), (256, 256, 8), (64, 1024, 8),
+        (128, 1024, 8), (32, 1024, 4), (256, 512, 8),
+    ]:  # fmt: skip
+        bk = min(128, group_size)
+        tiles = k_per // bk if group_size % bk == 0 and not bk & (bk - 1) else 0
+        if tiles and k % bk == 0 and k >= k_per and not tiles & (tiles - 1):
+            out.append(QuantGemvConfig(bn, bk, 1, warps, 1, pairs=True, tiles=tiles))
     return list(dict.fromkeys(out))
 
 
@@ -324,7 +340,59 @@ def _quant_gemv_kernel(
                 xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
                 part += q * xi[:, None]
             acc += part * s[None, :]  # the tile lies inside one group: one scale per column
-    y = tl.sum(acc, axis=0)
+    _finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
+                     pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _quant_gemv_at_once_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    stride_ym, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """One row's products over TILES * BLOCK_K input rows per program, in half-precision
+    pairs, every load issued before any arithmetic: a [TILES, BLOCK_W, BLOCK_N] word tile,
+    each tile's scales and zeros (a tile lies inside one group), and x in the layout the
+    dots consume (no K loop, so nothing waits on one tile before the next is asked for)."""
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PACK
+    x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
+    pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_t = tl.arange(0, TILES)
+    k_tile = pid_k * (TILES * BLOCK_K) + offs_t * BLOCK_K  # [TILES] first input row
+    t_mask = k_tile < K  # the last split may hold fewer tiles
+    word_row = k_tile[:, None] // PACK + tl.arange(0, BLOCK_W)[None, :]  # [TILES, BLOCK_W]
+    w_mask = t_mask[:, None, None] & n_mask[None, None, :]
+    words = tl.load(qw_ptr + word_row[:, :, None] * N + offs_n[None, None, :], mask=w_mask,
+                    other=0)  # fmt: skip
+    sz_offs = (k_tile // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+    sz_mask = t_mask[:, None] & n_mask[None, :]
+    s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
+    # Rows past K read x as 0 (their words are 0 too): their products vanish.
+    xa, xb, xc, xd = int_x_pairs(x_ptr + row * stride_xm + word_row * PACK, BITS,
+                                 word_row * PACK < K)  # fmt: skip
+    zb, zh = zero_pairs(z, BITS)
+    if BITS == 4:
+        part = int4_word_dot(words, xa[:, :, None], xb[:, :, None], xc[:, :, None],
+                             xd[:, :, None], zb[:, None, :], zh[:, None, :],
+                             z[:, None, :])  # fmt: skip
+    else:
+        part = int8_word_dot(words, xa[:, :, None], xb[:, :, None], zb[:, None, :],
+                             z[:, None, :])  # fmt: skip
+    y = tl.sum(tl.sum(part, axis=1) * (s * x_scale), axis=0)
+    _finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
+                     stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
+
+
+@triton.jit
+def _finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
+                     stride_ym, offs_n, n_mask, HAS_BIAS: tl.constexpr,
+                     SPLIT_K: tl.constexpr):  # fmt: skip
+    """Store one program's sums y [BLOCK_N]: directly without K splits; with them, as a
+    partial sum that the last of the block's splits adds up."""
     if SPLIT_K == 1:
         _store_gemv_row(y, b_ptr, y_ptr + row * stride_ym, offs_n, n_mask, HAS_BIAS)
     else:
@@ -418,11 +486,19 @@ def quant_gemv(
     split = config.split_k
     if config.pairs:
         check_pair_activation(x)
-    if split & (split - 1):
+    if config.tiles:
+        if not config.pairs or config.tiles & (config.tiles - 1):
+            raise ValueError(f"{config}: loading tiles at once needs pairs and a power-of-two "
+                             "tile count")  # fmt: skip
+        per_split = config.tiles * block_k
+        splits = triton.cdiv(k, per_split)
+        split = triton.next_power_of_2(splits)
+    elif split & (split - 1):
         raise ValueError(f"split_k={split} must be a power of two")
-    # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
-    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    splits = triton.cdiv(k, per_split)
+    else:
+        # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
+        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        splits = triton.cdiv(k, per_split)
     blocks = triton.cdiv(n, config.block_n)
     if counters is None:
         counters = gemv_counters(m, n, x.device)
@@ -431,6 +507,14 @@ def quant_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
+    if config.tiles:
+        _quant_gemv_at_once_kernel[(blocks, splits, m)](
+            x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m,
+            n, k, x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n,
+            BLOCK_K=block_k, TILES=config.tiles, num_warps=config.num_warps, num_stages=1,
+        )  # fmt: skip
+        return y
     _quant_gemv_kernel[(blocks, splits, m)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
         x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,

@@ -416,7 +416,8 @@ def bench_gemv() -> None:
 QUANT_ROWS = (1, 4, 16, 64, 512)
 
 
-def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) -> None:
+def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
+                rows_list: tuple[int, ...] = QUANT_ROWS) -> None:  # fmt: skip
     from kernels.quant_linear import (
         dequantize_weight,
         gemv_counters,
@@ -443,14 +444,14 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int) ->
         turn = itertools.count()
         return lambda: call(*weights[next(turn) % copies])
 
-    for rows in QUANT_ROWS:
+    for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         nbytes = wbytes + 2 * rows * (n + k)
         case = {**shape, "rows": rows}
         ms = bench(lambda x=x: torch.nn.functional.linear(x, dense))
         emit("quant", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k + 2 * rows * (n + k),
              flops=2 * rows * n * k)  # fmt: skip
-        for cfg in quant_gemm_candidates(group, k):
+        for cfg in quant_gemm_candidates(group, k) if rows > 1 else []:
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: quant_gemm(x, w, s, z, bits, group,
                                                                       None, c)))  # fmt: skip
             emit("quant", {**case, "impl": str(cfg)}, ms, nbytes=nbytes, flops=2 * rows * n * k)
@@ -527,11 +528,12 @@ def bench_fp8() -> None:
             run_case("fp8", shape, _fp8_case, n=n, k=k)
 
 
-def bench_quant() -> None:
+def bench_quant(rows: tuple[int, ...] = QUANT_ROWS) -> None:
     for bits in (4, 8):
         for n, k in GEMV_SHAPES["W1"]:
             shape = {"workload": "W1", "n": n, "k": k, "bits": bits, "group": 128}
-            run_case("quant", shape, _quant_case, n=n, k=k, bits=bits, group=128)
+            run_case("quant", shape, _quant_case, n=n, k=k, bits=bits, group=128,
+                     rows_list=rows)  # fmt: skip
 
 
 def main() -> None:
@@ -549,6 +551,8 @@ def main() -> None:
     parser.add_argument(
         "--no-prefill-sweep", action="store_true", help="skip the prefill config sweeps"
     )
+    parser.add_argument("--quant-rows", default=",".join(map(str, QUANT_ROWS)),
+                        help="batch rows of the quantized matmul bench")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: the kernels are benchmarked on a GPU"}))
@@ -574,7 +578,7 @@ def main() -> None:
     if args.only in (None, "gemv"):
         bench_gemv()
     if args.only in (None, "quant"):
-        bench_quant()
+        bench_quant(tuple(int(r) for r in args.quant_rows.split(",")))
     if args.only in (None, "fp8"):
         bench_fp8()
 

@@ -129,6 +129,13 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=True, SPLIT_K=4, BLOCK_N=128, BLOCK_K=128,
           PAIRS=True), 4, 3),
+    # All of a program's tiles loaded at once, no K loop.
+    ("kernels.quant_linear", "_quant_gemv_at_once_kernel",
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=16, BLOCK_N=128, BLOCK_K=128,
+          TILES=4), 8, 1),
+    ("kernels.quant_linear", "_quant_gemv_at_once_kernel",
+     dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=True, SPLIT_K=1, BLOCK_N=64, BLOCK_K=32,
+          TILES=8), 4, 1),
     ("kernels.fp8_linear", "_fp8_gemm_kernel",
      dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8, 3),
     ("kernels.fp8_linear", "_fp8_gemm_kernel",

@@ -18,6 +18,7 @@
 #   bash scripts/gpu_check.sh kvw [SEQS]   # W1 FP8 KV and W2 FP8 weights + KV, each beside bf16
 #   bash scripts/gpu_check.sh pairs        # GEMVs in half-precision pairs: GPU tests, kernels, L1
 #                                          # in GPTQ int4/int8 and FP8
+#   bash scripts/gpu_check.sh gemv [kernels] # one-row int4/int8 GEMVs: GPU tests, kernels, L1
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
@@ -134,12 +135,21 @@ elif [ "$phase" = pairs ]; then  # one-row GEMVs in half-precision pairs: GPU te
   bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
   bench --workload l1 --system engine --quantization gptq-int8
   bench --workload l1 --system engine --quantization fp8 --profile-steps 4
+elif [ "$phase" = gemv ]; then  # one-row quantized GEMVs: GPU tests, kernels (1 row), then L1
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_half_pairs.py \
+    tests/kernels/test_quant_linear.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  python3 scripts/bench_kernels.py --only quant --quant-rows 1 2>>"$OUT/bench.log" \
+    | tee "$OUT/quant_kernels.jsonl" | python3 scripts/best_kernels.py
+  if [ "${2:-}" != kernels ]; then
+    bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
+    bench --workload l1 --system engine --quantization gptq-int8
+  fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, pairs, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, pairs, gemv, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -86,6 +86,29 @@ def test_gemv_in_half_pairs_matches_reference(n: int, k: int, bits: int, group: 
                    QuantGemvConfig(32, 32, 1, pairs=True))  # fmt: skip
 
 
+@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES[:5])
+def test_gemv_with_tiles_at_once_matches_reference(n: int, k: int, bits: int, group: int,
+                                                   rows: int) -> None:  # fmt: skip
+    """Every tile of a program loaded at once, including splits whose last tiles lie past
+    K (masked to nothing) and bias."""
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, group)
+    want += bias.float()
+    tol = 1e-2 * float(want.abs().max())
+    block_k = min(32, group)
+    tiles_past_k = 1 << (k // block_k).bit_length()  # one program, tiles beyond K masked
+    for cfg in (QuantGemvConfig(32, block_k, pairs=True, tiles=1),
+                QuantGemvConfig(16, block_k, pairs=True, tiles=2),
+                QuantGemvConfig(16, block_k, pairs=True, tiles=tiles_past_k)):  # fmt: skip
+        got = quant_gemv(x, qweight, scales, zeros, bits, group, bias, cfg).float()
+        assert float((got - want).abs().max()) <= tol, cfg
+    with pytest.raises(ValueError, match="at once"):
+        quant_gemv(x, qweight, scales, zeros, bits, group, None,
+                   QuantGemvConfig(32, block_k, pairs=False, tiles=2))  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "k", "bits", "group"), [(48, 128, 4, 32), (40, 128, 8, 64),
                                                        (200, 96, 4, 96), (24, 256, 8, 256)])
 def test_triton_dequantize_equals_reference(n: int, k: int, bits: int, group: int) -> None:
