@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton_utils import tl, triton
+from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.half_pairs import (
     INT4_X_SCALE,
     INT8_X_SCALE,
@@ -181,8 +181,8 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
     # All of a program's tiles loaded at once (values per program, as K_PER below): more
     # bytes in flight per program than a loop that waits on each tile.
     for bn, k_per, warps in [
-        (128, 256, 4), (64, 512, 4), (128, 512, 8), (256, 256, 8), (64, 1024, 8),
-        (128, 1024, 8), (32, 1024, 4), (256, 512, 8),
+        (128, 256, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 2048, 4),
+        (32, 2048, 4), (32, 2048, 8), (16, 4096, 8), (64, 2048, 8), (32, 512, 2),
     ]:  # fmt: skip
         bk = min(128, group_size)
         tiles = k_per // bk if group_size % bk == 0 and not bk & (bk - 1) else 0
@@ -349,11 +349,14 @@ def _quant_gemv_at_once_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_ym, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One row's products over TILES * BLOCK_K input rows per program, in half-precision
     pairs, every load issued before any arithmetic: a [TILES, BLOCK_W, BLOCK_N] word tile,
     each tile's scales and zeros (a tile lies inside one group), and x in the layout the
-    dots consume (no K loop, so nothing waits on one tile before the next is asked for)."""
+    dots consume (no K loop, so nothing waits on one tile before the next is asked for).
+    The weights never depend on the previous kernel: under programmatic dependent launch
+    they stream in while it finishes, and only x waits for it."""
     PACK: tl.constexpr = 32 // BITS
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
     x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
@@ -371,6 +374,7 @@ def _quant_gemv_at_once_kernel(
     sz_mask = t_mask[:, None] & n_mask[None, :]
     s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     # Rows past K read x as 0 (their words are 0 too): their products vanish.
     xa, xb, xc, xd = int_x_pairs(x_ptr + row * stride_xm + word_row * PACK, BITS,
                                  word_row * PACK < K)  # fmt: skip
@@ -508,11 +512,13 @@ def quant_gemv(
     part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
     if config.tiles:
+        pdl = use_pdl(x)
         _quant_gemv_at_once_kernel[(blocks, splits, m)](
             x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m,
             n, k, x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits,
             HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n,
-            BLOCK_K=block_k, TILES=config.tiles, num_warps=config.num_warps, num_stages=1,
+            BLOCK_K=block_k, TILES=config.tiles, USE_PDL=pdl, num_warps=config.num_warps,
+            num_stages=1, **pdl_kwargs(pdl),
         )  # fmt: skip
         return y
     _quant_gemv_kernel[(blocks, splits, m)](

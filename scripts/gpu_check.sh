@@ -136,8 +136,8 @@ elif [ "$phase" = pairs ]; then  # one-row GEMVs in half-precision pairs: GPU te
   bench --workload l1 --system engine --quantization gptq-int8
   bench --workload l1 --system engine --quantization fp8 --profile-steps 4
 elif [ "$phase" = gemv ]; then  # one-row quantized GEMVs: GPU tests, kernels (1 row), then L1
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_half_pairs.py \
-    tests/kernels/test_quant_linear.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only quant --quant-rows 1 2>>"$OUT/bench.log" \
     | tee "$OUT/quant_kernels.jsonl" | python3 scripts/best_kernels.py
   if [ "${2:-}" != kernels ]; then
