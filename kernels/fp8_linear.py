@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton_utils import next_power_of_2, tl, triton
+from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
 from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
@@ -389,19 +389,25 @@ def _word_tile(w_rows, kw, n_mask, end_w):
 
 
 @triton.jit
-def _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start, k_end,
-                    K, stride_wn, GATED: tl.constexpr, NORM: tl.constexpr,
+def _pairs_rows(w32_ptr, offs_n, stride_wn):
+    """The rows of the weight viewed as int32 words."""
+    return w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
+
+
+@triton.jit
+def _row_gemv_pairs(x_ptr, w32_ptr, words, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start,
+                    k_end, K, stride_wn, GATED: tl.constexpr, NORM: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One row's products [1, BLOCK_N] from whole 4-byte words of weights (w32_ptr: the
-    weight viewed as int32), two values an instruction (`kernels.half_pairs`). The next
-    tile's words and x are loaded before the current tile's arithmetic (the compiler
-    pipelines only loads that feed a `tl.dot`), so two tiles per program are in flight."""
+    weight viewed as int32; words: the split's first tile, `_word_tile`), two values an
+    instruction (`kernels.half_pairs`). The next tile's words and x are loaded before the
+    current tile's arithmetic (the compiler pipelines only loads that feed a `tl.dot`), so
+    two tiles per program are in flight."""
     BLOCK_W: tl.constexpr = BLOCK_K // 4
     offs_w = tl.arange(0, BLOCK_W)
-    w_rows = w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
+    w_rows = _pairs_rows(w32_ptr, offs_n, stride_wn)
     acc2 = tl.zeros([offs_n.shape[0], BLOCK_W], dtype=tl.float32)
     # Past K, x is zero.
-    words = _word_tile(w_rows, k_start // 4 + offs_w, n_mask, k_end // 4)
     x01, x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k_start + offs_w * 4, K, GATED, NORM,
                         HAS_RESIDUAL)  # fmt: skip
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -419,12 +425,13 @@ def _fp8_gemv_kernel(
     K, stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PAIRS: tl.constexpr = False,
+    PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
     once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
     `kernels.gemv` forms it (SiLU-and-mul, or the residual add and RMSNorm, each program
-    taking the row's rstd itself)."""
+    taking the row's rstd itself). Under programmatic dependent launch the pairs form asks
+    for its first weight tile before waiting on the previous kernel, as `kernels.gemv` does."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -432,14 +439,20 @@ def _fp8_gemv_kernel(
     w_rows = w8_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    words = 0
+    if BLOCK_M == 1 and PAIRS:
+        offs_w = tl.arange(0, BLOCK_K // 4)
+        words = _word_tile(_pairs_rows(w32_ptr, offs_n, stride_wn), k_start // 4 + offs_w,
+                           n_mask, k_end // 4)  # fmt: skip
+    pdl_wait(USE_PDL)
     if BLOCK_M == 1:
         rstd = 0.0
         if NORM:
             rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
         if PAIRS:
-            acc = _row_gemv_pairs(x_ptr, w32_ptr, res_ptr, norm_w_ptr, rstd, offs_n, n_mask,
-                                  k_start, k_end, K, stride_wn, GATED, NORM, HAS_RESIDUAL,
-                                  BLOCK_K)  # fmt: skip
+            acc = _row_gemv_pairs(x_ptr, w32_ptr, words, res_ptr, norm_w_ptr, rstd, offs_n,
+                                  n_mask, k_start, k_end, K, stride_wn, GATED, NORM,
+                                  HAS_RESIDUAL, BLOCK_K)  # fmt: skip
         else:
             acc = _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k,
                             k_start, k_end, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)  # fmt: skip
@@ -524,6 +537,7 @@ def _fp8_gemv(
     grid = (triton.cdiv(n, block_n), split)
     fused_bias = bias is not None and split == 1
     norm_w, eps = norm if norm is not None else (out, 0.0)
+    pdl = use_pdl(x)
     _fp8_gemv_kernel[grid](
         x, qweight, qweight.view(torch.int32) if pairs else qweight, w_scale,
         bias if fused_bias else out, out,
@@ -532,8 +546,8 @@ def _fp8_gemv(
         EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=config.block_k, PAIRS=pairs, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_N=block_n, BLOCK_K=config.block_k, PAIRS=pairs, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kwargs(pdl),
     )  # fmt: skip
     if split == 1:
         return out[0], res_out

@@ -178,11 +178,12 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
         bk = min(bk, group_size)
         if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1) and k // bk >= split:
             out.append(QuantGemvConfig(bn, bk, split, warps, pairs=pairs))
-    # All of a program's tiles loaded at once (values per program, as K_PER below): more
-    # bytes in flight per program than a loop that waits on each tile.
+    # All of a program's tiles loaded at once (input rows per program): more bytes in
+    # flight per program than a loop that waits on each tile. On the H200, many small
+    # programs of 32 int4 words a thread came out best at one row.
     for bn, k_per, warps in [
-        (128, 256, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 2048, 4),
-        (32, 2048, 4), (32, 2048, 8), (16, 4096, 8), (64, 2048, 8), (32, 512, 2),
+        (32, 512, 2), (32, 1024, 4), (32, 2048, 4), (128, 256, 4), (64, 512, 4),
+        (64, 1024, 8), (32, 256, 1), (32, 256, 2), (64, 256, 2), (32, 512, 1),
     ]:  # fmt: skip
         bk = min(128, group_size)
         tiles = k_per // bk if group_size % bk == 0 and not bk & (bk - 1) else 0

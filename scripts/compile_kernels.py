@@ -154,7 +154,7 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
           BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024), 4, 3),
     ("kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, K_PAD=4096,
-          BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, PAIRS=True), 4, 4),
+          BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, PAIRS=True, USE_PDL=True), 4, 4),
     ("kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=False, GATED=True, NORM=False, HAS_RESIDUAL=False, K_PAD=1,
           BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, PAIRS=True), 4, 3),
