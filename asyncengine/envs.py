@@ -31,8 +31,8 @@ def _float(name: str, default: float) -> float:
 
 
 def cache_dir() -> Path:
-    """Where converted models (the embedded GGUF, GGUF checkpoints) and the CPU path's
-    compiled C kernels are cached."""
+    """Where converted models (the embedded GGUF, GGUF checkpoints), the CPU path's
+    compiled C kernels and the quantized layers' tuned matmul plans are cached."""
     root = _get("CACHE")
     if root is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")

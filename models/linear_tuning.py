@@ -47,6 +47,7 @@ from models.matmul_plan import (
     PlannedMatmul,
     TritonGemv,
 )
+from models.plan_cache import PlanCache, device_identity, plan_key, source_digest
 from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference, tuning_kinds
 
 logger = logging.getLogger(__name__)
@@ -171,12 +172,13 @@ QUANT_ROW_LADDER = (1, 2, 4, 8, 16, 64, 256, 1024)  # ends above QUANT_GEMV_MAX_
 
 def plan_quantized_linears(
     model: nn.Module, ladder: Sequence[int] = QUANT_ROW_LADDER, reps: int = 5,
-    device_type: str = "cuda",
+    device_type: str = "cuda", cache: PlanCache | None = None,
 ) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:  # fmt: skip
     """Time every kind that reads the quantized layout at each row count of `ladder`, over
     the same-shape CUDA layers of the model (in a CUDA graph, as decode runs them), and plan
     the fastest per row range. Returns the plans and, per weight shape, per row count, the
-    milliseconds of each kind."""
+    milliseconds of each kind (none for a shape whose choices came from `cache`, which
+    also keeps the new ones: `models.plan_cache`)."""
     if ladder[-1] <= QUANT_GEMV_MAX_ROWS:
         raise ValueError("the ladder must reach past the GEMV's rows: its top serves any batch")
     groups: dict[tuple, list[LinearBase]] = {}
@@ -189,20 +191,29 @@ def plan_quantized_linears(
             groups.setdefault(key, []).append(m)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    for (n, k, _, _, has_bias, declared, _), layers in groups.items():
+    for group, layers in groups.items():
+        n, k, _, _, has_bias, declared, _ = group
         first = layers[0]
         pairs = [(m, m.bias if has_bias else None) for m in layers]
-        best: list[MatmulKind] = []
-        for i, rows in enumerate(ladder):
-            low_rows = ladder[i - 1] + 1 if i else 1
-            x = torch.randn(rows, k, device=first.qweight.device, dtype=first.params_dtype)
-            kinds = tuning_kinds(first, rows)
-            row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
-            # No kind agreeing (a non-finite reference) leaves the reference planned.
-            fastest = (min(row_times, key=row_times.__getitem__) if row_times
-                       else kinds[0].describe())  # fmt: skip
-            best.append(next(kind for kind in kinds if kind.describe() == fastest))
-            timings.setdefault((n, k), {})[rows] = row_times
+        candidates = [tuning_kinds(first, rows) for rows in ladder]
+        key = plan_key([
+            *device_identity(first.qweight.device), source_digest(), *group,
+            first.params_dtype, *ladder, *([k.describe() for k in c] for c in candidates),
+        ])  # fmt: skip
+        best = _cached_choice(cache, key, candidates, ladder, pairs, first, declared)
+        if best is None:
+            best = []
+            for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
+                low_rows = ladder[i - 1] + 1 if i else 1
+                x = torch.randn(rows, k, device=first.qweight.device, dtype=first.params_dtype)
+                row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
+                # No kind agreeing (a non-finite reference) leaves the reference planned.
+                fastest = (min(row_times, key=row_times.__getitem__) if row_times
+                           else kinds[0].describe())  # fmt: skip
+                best.append(next(kind for kind in kinds if kind.describe() == fastest))
+                timings.setdefault((n, k), {})[rows] = row_times
+            if cache is not None:
+                cache.store(key, [kind.describe() for kind in best], about=f"{n}x{k} {group}")
         entries: list[PlanEntry] = []
         for i, (rows, kind) in enumerate(zip(ladder, best, strict=True)):
             if i + 1 < len(best) and best[i + 1] == kind:
@@ -213,6 +224,40 @@ def plan_quantized_linears(
                                      fuse_input=declared in kind.fusable_inputs))  # fmt: skip
         plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
     return plans, timings
+
+
+def _cached_choice(
+    cache: PlanCache | None, key: str, candidates: Sequence[Sequence[MatmulKind]],
+    ladder: Sequence[int], pairs: list[tuple[LinearBase, torch.Tensor | None]],
+    first: LinearBase, declared: InputTransform,
+) -> list[MatmulKind] | None:  # fmt: skip
+    """The kinds `cache` holds for `key`, one per row count, if each is still a candidate
+    there and agrees with the reference on every layer at that row count and the fewest rows
+    it serves; else None (the caller times them)."""
+    names = cache.load(key) if cache is not None else None
+    if names is None or len(names) != len(ladder):
+        return None
+    best: list[MatmulKind] = []
+    for i, (rows, kinds, name) in enumerate(zip(ladder, candidates, names, strict=True)):
+        kind = next((kind for kind in kinds if kind.describe() == name), None)
+        if kind is None:
+            return None
+        low_rows = ladder[i - 1] + 1 if i else 1
+        x = torch.randn(rows, first.in_features, device=first.qweight.device,
+                        dtype=first.params_dtype)  # fmt: skip
+        checks = [x] if low_rows >= rows else [x, x[:low_rows]]
+        try:
+            agrees = all(agrees_with_reference(kind, m, xs, b) for m, b in pairs for xs in checks)
+        except Exception:  # a kind this GPU can no longer run: time them all again
+            agrees = False
+        if not agrees:
+            logger.warning("cached matmul plan %s disagrees with the reference at %d rows; "
+                           "tuning again", name, rows)  # fmt: skip
+            return None
+        best.append(kind)
+    logger.info("quantized %dx%d: matmul plan read from %s", first.out_features,
+                first.in_features, cache.root if cache is not None else "")  # fmt: skip
+    return best
 
 
 def _time_kinds(
@@ -282,7 +327,7 @@ def tune_decode_gemvs(
     """`plan_decode_gemvs` and, for quantized layers, `plan_quantized_linears`; each layer
     takes its plan. Returns the 16-bit layers' timings."""
     plans, timings = plan_decode_gemvs(model, configs)
-    quant_plans, quant_timings = plan_quantized_linears(model)
+    quant_plans, quant_timings = plan_quantized_linears(model, cache=PlanCache.default())
     for (n, k), per_rows in quant_timings.items():
         for rows, row_times in per_rows.items():
             if row_times:

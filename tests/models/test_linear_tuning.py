@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -342,6 +344,44 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     # The 16-bit tuners leave quantized layers alone, and they are described by shape.
     assert tuning.plan_cpu_linears(model)[0] == {}
     assert tuning.describe_matmul_plans(model)[0].startswith("a 64x128: 1+ rows: dequantize")
+
+
+def test_quantized_plans_are_read_back_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # fmt: skip
+    """A second start with the same layers plans from the cache without timing; a cached
+    kind that disagrees with the reference, or is no longer a candidate, is timed again."""
+    from models.plan_cache import PlanCache
+    from models.quantization.kinds import QuantTritonGemm
+
+    timed: list[int] = []
+
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
+        timed.append(x.shape[0])
+        return {k.describe(): (1.0 if isinstance(k, QuantTritonGemm) else 2.0) for k in kinds}
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    model = _quantized_model("cpu", torch.float32)
+    cache = PlanCache(tmp_path)
+    plans, timings = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)  # two shapes, each rung timed
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    timed.clear()
+    again, timings = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert timed == [] and timings == {}
+    assert again == plans
+    # A cached choice that no longer agrees with the reference is timed anew.
+    monkeypatch.setattr(tuning, "agrees_with_reference", lambda *a: False)
+    tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)
+    monkeypatch.undo()
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    # So is one the candidates no longer hold (the entry names a kind that is gone).
+    for path in tmp_path.glob("*.json"):
+        path.write_text(path.read_text().replace("gemm", "retired"))
+    timed.clear()
+    tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)
 
 
 @pytest.mark.gpu
