@@ -20,12 +20,27 @@
 #                                          # in GPTQ int4/int8 and FP8
 #   bash scripts/gpu_check.sh gemv [kernels] # one-row int4/int8 GEMVs: GPU tests, kernels, L1
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
+# To reuse one call's compiled kernels and tuned plans in the next, copy its caches.tgz.*
+# files into .device_cache/ here and carry that folder (with .whl).
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 ASYNCENGINE_CACHE=/tmp/asyncengine-cache
+export PYTHONUNBUFFERED=1 ASYNCENGINE_CACHE=/tmp/asyncengine-cache TRITON_CACHE_DIR=/tmp/triton-cache
+# Compiled Triton kernels and tuned matmul plans from an earlier call, if carried
+# (.device_cache/, the caches.tgz.* parts of that call's $OUT): both are keyed by their
+# sources, so only what still matches is used, and a call spends its time timing rather
+# than compiling.
+if ls .device_cache/caches.tgz.* >/dev/null 2>&1; then
+  cat .device_cache/caches.tgz.* | tar -xzf - -C /tmp
+fi
+save_caches() {  # on exit: the caches back to $OUT in parts a call returns (3 x 15 MB at most)
+  tar -czf - -C /tmp triton-cache asyncengine-cache/matmul_plans 2>/dev/null \
+    | split -b 15000000 -d - "$OUT/caches.tgz."
+  if [ -e "$OUT/caches.tgz.03" ]; then rm -f "$OUT"/caches.tgz.*; fi
+}
+trap save_caches EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
