@@ -60,7 +60,9 @@ class BlockPool:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------- allocation
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
+        """One block for a new owner (ref count 1): a plain free block, else the least
+        recently freed cached one, whose hash is dropped."""
         if self._free_plain:
             block = self._free_plain.pop()
         else:
@@ -76,7 +78,8 @@ class BlockPool:
         self.block_hash[block] = None
         self.block_tokens[block] = None
 
-    def _ref(self, block: int) -> None:
+    def add_ref(self, block: int) -> None:
+        """One more owner of `block` (a free cached block leaves the LRU)."""
         if self.ref_counts[block] == 0:
             del self._free_cached[block]  # a free block with a hash is always in the LRU
         self.ref_counts[block] += 1
@@ -165,7 +168,7 @@ class BlockPool:
         if max(need, 0) + revive + cow > self.num_free_blocks:
             return None
         for block in cached_blocks:
-            self._ref(block)
+            self.add_ref(block)
             table.append(block)
         if cached_blocks:
             request.num_computed_tokens += len(cached_blocks) * self.block_size
@@ -173,7 +176,7 @@ class BlockPool:
         copies: list[tuple[int, int]] = []
         write = request.num_computed_tokens // self.block_size
         if cow:
-            src, dst = table[write], self._take_free_block()
+            src, dst = table[write], self.take_free_block()
             self._unref(src)
             table[write] = dst
             copies.append((src, dst))
@@ -182,7 +185,7 @@ class BlockPool:
             # tokens overwrite the block, which no longer holds what its hash says.
             self._drop_hash(table[write])
         for _ in range(max(need, 0)):
-            table.append(self._take_free_block())
+            table.append(self.take_free_block())
         return copies
 
     def _write_block(self, request: Request) -> int | None:
@@ -220,7 +223,7 @@ class BlockPool:
             )
         shared = parent.block_table[: self.blocks_needed(num_tokens)]
         for block in shared:
-            self._ref(block)
+            self.add_ref(block)
         child.block_table = list(shared)
         child.num_computed_tokens = num_tokens
         child.num_hashed_blocks = min(parent.num_hashed_blocks, num_tokens // self.block_size)
@@ -332,9 +335,9 @@ class SwapSpace:
             for c in self.tables.pop(req):
                 gpu = cpu_to_gpu.get(c)
                 if gpu is None:
-                    gpu = cpu_to_gpu[c] = pool._take_free_block()
+                    gpu = cpu_to_gpu[c] = pool.take_free_block()
                 else:
-                    pool._ref(gpu)
+                    pool.add_ref(gpu)
                 table.append(gpu)
                 self._unref(c)
             req.block_table = table

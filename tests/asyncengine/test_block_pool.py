@@ -322,7 +322,7 @@ def test_check_integrity_refuses_a_shared_block_written_next() -> None:
     child.block_table = list(parent.block_table)  # shares the reserved block: a bug
     child.num_computed_tokens = 4
     for b in child.block_table:
-        pool._ref(b)
+        pool.add_ref(b)
     with pytest.raises(AssertionError, match="writes into it next"):
         pool.check_integrity([parent, child])
     pool._unref(child.block_table[1])
