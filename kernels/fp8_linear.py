@@ -30,6 +30,7 @@ import torch
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
+from kernels.gemv_split_k import finish_gemv_row
 from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
 MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
 # The GEMV serves at most this many rows (one weight tile per program serves them all).
 FP8_GEMV_MAX_ROWS = 16
+# The narrowest output block a one-row GEMV config takes (sizes its split-K counters).
+FP8_GEMV_MIN_BLOCK_N = 4
 
 
 # ----------------------------------------------------------------------------- references
@@ -329,6 +332,13 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
             Fp8GemvConfig(16, 1024, num_warps=8, num_stages=3, pairs=True),
             Fp8GemvConfig(32, 512, num_warps=8, num_stages=3, pairs=True),
             Fp8GemvConfig(16, 512, split_k=2, pairs=True),
+            # K splits that add up in the kernel: with 512-value tiles a program issues one
+            # or two tiles before it waits, and many programs are in flight.
+            Fp8GemvConfig(16, 512, split_k=4, pairs=True),
+            Fp8GemvConfig(16, 512, split_k=8, pairs=True),
+            Fp8GemvConfig(8, 512, split_k=8, pairs=True),
+            Fp8GemvConfig(32, 256, split_k=8, pairs=True),
+            Fp8GemvConfig(16, 256, split_k=16, pairs=True),
         ]  # fmt: skip
     return [
         Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(32, 128),
@@ -426,16 +436,19 @@ def _row_gemv_pairs(x_ptr, w32_ptr, words, res_ptr, norm_w_ptr, rstd, offs_n, n_
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w8_ptr, w32_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N,
-    K, stride_xm, stride_wn, K_PER_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PAIRS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    K, stride_xm, stride_wn, K_PER_SPLIT, part_ptr, count_ptr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 0,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
     once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
     `kernels.gemv` forms it (SiLU-and-mul, or the residual add and RMSNorm, each program
     taking the row's rstd itself). Under programmatic dependent launch the pairs form asks
-    for its first weight tile before waiting on the previous kernel, as `kernels.gemv` does."""
+    for its first weight tile before waiting on the previous kernel, as `kernels.gemv` does.
+    SPLIT_K > 0 (one row only): the K splits add up in the kernel (`finish_gemv_row`, into
+    y_ptr through part_ptr and count_ptr; SPLIT_K a power of two at least the splits)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -474,39 +487,45 @@ def _fp8_gemv_kernel(
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     offs_m = tl.arange(0, BLOCK_M)
     acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + ((pid_k * M + offs_m.to(tl.int64)) * N)[:, None] + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+    if SPLIT_K > 0:
+        finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, 0, pid_n,
+                        pid_k, 1, N, N, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + ((pid_k * M + offs_m.to(tl.int64)) * N)[:, None] + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & n_mask[None, :])  # fmt: skip
 
 
 def fp8_gemv(
     x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None = None, config: Fp8GemvConfig = Fp8GemvConfig(),
-    *, gated: bool = False,
+    *, gated: bool = False, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= 16, K] (16-bit) -> x W^T (+ b) [M, N] in x's dtype, the weight-only
     `fp8_linear_ref(..., quantize_input=False)`. gated: x is [M, 2K] holding [gate, up], and
     the product is taken with silu(gate) * up (the MLP's down projection, without a separate
-    activation kernel)."""
-    return _fp8_gemv(x, qweight, w_scale, bias, config, gated=gated)[0]
+    activation kernel). counters (`kernels.gemv_split_k.gemv_counters`): one row's K splits
+    add up in the kernel rather than in a torch sum after it."""
+    return _fp8_gemv(x, qweight, w_scale, bias, config, gated=gated, counters=counters)[0]
 
 
 def fp8_rms_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-    config: Fp8GemvConfig = Fp8GemvConfig(),
+    config: Fp8GemvConfig = Fp8GemvConfig(), counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """rms_norm(x + residual) W^T (+ b) for one row x [1, K] in one kernel, rounded as the
     separate `fused_add_rms_norm` then `fp8_gemv` would round it. Returns (y [1, N], the new
-    residual x + residual, or x itself without a residual)."""
+    residual x + residual, or x itself without a residual). counters: as `fp8_gemv`."""
     k = qweight.shape[1]
     if x.shape != (1, k) or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"fp8_rms_norm_gemv needs x [1, {k}] and a [{k}] norm weight in "
                          f"x's dtype, got x {tuple(x.shape)}")  # fmt: skip
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("the residual must match x in shape and dtype")
-    y, res_out = _fp8_gemv(x, qweight, w_scale, bias, config,
+    y, res_out = _fp8_gemv(x, qweight, w_scale, bias, config, counters=counters,
                            norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
     return y, res_out if res_out is not None else x
 
@@ -515,6 +534,7 @@ def _fp8_gemv(
     x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
     config: Fp8GemvConfig, *, gated: bool = False,
     norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[0]
@@ -533,27 +553,38 @@ def _fp8_gemv(
     split = max(1, config.split_k)
     per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     split = triton.cdiv(k, per_split)
-    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype,
+    blocks = triton.cdiv(n, block_n)
+    # One row's splits may add up in the kernel (the counters given); otherwise each split
+    # writes its own float32 rows and torch sums them.
+    in_kernel = split > 1 and m == 1 and counters is not None
+    if in_kernel and counters is not None and counters.numel() < blocks:
+        raise ValueError(f"{counters.numel()} split-K counters; {blocks} blocks need as many")
+    out = torch.empty((1 if in_kernel else split, m, n),
+                      dtype=torch.float32 if split > 1 and not in_kernel else x.dtype,
                       device=x.device)  # fmt: skip
+    part = (torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if in_kernel
+            else out)  # fmt: skip
     res_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
         return out[0], res_out
-    grid = (triton.cdiv(n, block_n), split)
-    fused_bias = bias is not None and split == 1
+    grid = (blocks, split)
+    fused_bias = bias is not None and (split == 1 or in_kernel)
     norm_w, eps = norm if norm is not None else (out, 0.0)
     pdl = use_pdl(x)
     _fp8_gemv_kernel[grid](
         x, qweight, qweight.view(torch.int32) if pairs else qweight, w_scale,
         bias if fused_bias else out, out,
         residual if residual is not None else x, norm_w, res_out if res_out is not None else x,
-        float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, HAS_BIAS=fused_bias,
+        float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, part,
+        counters if in_kernel else out, HAS_BIAS=fused_bias,
         EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=config.block_k, PAIRS=pairs, USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kwargs(pdl),
+        SPLIT_K=next_power_of_2(split) if in_kernel else 0, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_kwargs(pdl),
     )  # fmt: skip
-    if split == 1:
+    if split == 1 or in_kernel:
         return out[0], res_out
     y = out.sum(0)
     if bias is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
+from kernels.gemv_split_k import finish_gemv_row, gemv_counters
 from kernels.half_pairs import (
     INT4_X_SCALE,
     INT8_X_SCALE,
@@ -39,7 +40,6 @@ __all__ = [
     "QuantGemvConfig",
     "dequantize_weight",
     "dequantize_weight_triton",
-    "gemv_counters",
     "pack_int_weight",
     "quant_gemm",
     "quant_gemm_candidates",
@@ -341,7 +341,7 @@ def _quant_gemv_kernel(
                 xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
                 part += q * xi[:, None]
             acc += part * s[None, :]  # the tile lies inside one group: one scale per column
-    _finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
+    finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
                      pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)
 
 
@@ -388,43 +388,8 @@ def _quant_gemv_at_once_kernel(
         part = int8_word_dot(words, xa[:, :, None], xb[:, :, None], zb[:, None, :],
                              z[:, None, :])  # fmt: skip
     y = tl.sum(tl.sum(part, axis=1) * (s * x_scale), axis=0)
-    _finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
+    finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
                      stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
-
-
-@triton.jit
-def _finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
-                     stride_ym, offs_n, n_mask, HAS_BIAS: tl.constexpr,
-                     SPLIT_K: tl.constexpr):  # fmt: skip
-    """Store one program's sums y [BLOCK_N]: directly without K splits; with them, as a
-    partial sum that the last of the block's splits adds up."""
-    if SPLIT_K == 1:
-        _store_gemv_row(y, b_ptr, y_ptr + row * stride_ym, offs_n, n_mask, HAS_BIAS)
-    else:
-        # Each split stores its partial sums; the last of an output block's splits to arrive
-        # (counted with one atomic per program) adds them and writes the output, so no
-        # second kernel runs. It resets the counter for the next call and graph replay.
-        # SPLIT_K is a power of two at least the grid's splits.
-        n_splits = tl.num_programs(1)
-        tl.store(part_ptr + (pid_k * M + row) * N + offs_n, y, mask=n_mask)
-        tl.debug_barrier()
-        counter = count_ptr + row * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-            tl.debug_barrier()
-            splits = tl.arange(0, SPLIT_K)
-            parts = tl.load(part_ptr + (splits[:, None] * M + row) * N + offs_n[None, :],
-                            mask=(splits < n_splits)[:, None] & n_mask[None, :], other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            tl.atomic_xchg(counter, 0)
-            _store_gemv_row(tl.sum(parts, axis=0), b_ptr, y_ptr + row * stride_ym, offs_n,
-                            n_mask, HAS_BIAS)  # fmt: skip
-
-
-@triton.jit
-def _store_gemv_row(y, b_ptr, y_row, offs_n, n_mask, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_row + offs_n, y.to(y_row.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -468,13 +433,6 @@ def dequantize_weight_triton(
     _dequantize_kernel[grid](qweight, scales, zeros, w_t, n, GROUP_SIZE=group_size, BITS=bits,
                              BLOCK_K=block_k, BLOCK_N=128, num_warps=4)  # fmt: skip
     return w_t
-
-
-def gemv_counters(rows: int, n: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed split-K arrival counters for `quant_gemv` on up to `rows` rows and N = n (every
-    block size the tuner tries); the kernel leaves them zeroed, so a layer allocates them
-    once and every call and graph replay reuses them."""
-    return torch.zeros(rows * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
 def quant_gemv(

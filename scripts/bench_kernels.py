@@ -418,9 +418,9 @@ QUANT_ROWS = (1, 4, 16, 64, 512)
 
 def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
                 rows_list: tuple[int, ...] = QUANT_ROWS) -> None:  # fmt: skip
+    from kernels.gemv_split_k import gemv_counters
     from kernels.quant_linear import (
         dequantize_weight,
-        gemv_counters,
         pack_int_weight,
         quant_gemm,
         quant_gemm_candidates,
@@ -468,6 +468,7 @@ FP8_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 
 def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
     from kernels.fp8_linear import (
+        FP8_GEMV_MIN_BLOCK_N,
         fp8_gemm,
         fp8_gemm_candidates,
         fp8_gemv,
@@ -476,6 +477,7 @@ def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
         quantize_rows,
         quantize_weight_per_channel,
     )
+    from kernels.gemv_split_k import gemv_counters
 
     wbytes = n * k + 4 * n
     # Enough distinct weights (as the layers are) that L2 serves none of the reads.
@@ -516,8 +518,10 @@ def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
             ms = bench(cycling(call))
             row(case, f"triton {cfg}", ms, w8a8_bytes, flops, quant_ms=round(quant_ms, 4))
         if rows <= 16:
+            cnt = gemv_counters(1, n, "cuda", FP8_GEMV_MIN_BLOCK_N)
             for gcfg in fp8_gemv_candidates(rows):
-                ms = bench(cycling(lambda w, s, x=x, c=gcfg: fp8_gemv(x, w, s, None, c)))
+                ms = bench(cycling(lambda w, s, x=x, c=gcfg, cnt=cnt: fp8_gemv(
+                    x, w, s, None, c, counters=cnt)))
                 row(case, f"triton {gcfg}", ms, nbytes, flops)
 
 

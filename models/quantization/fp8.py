@@ -30,6 +30,7 @@ from torch import nn
 from kernels.fp8_linear import (
     FP8_DTYPE,
     FP8_GEMV_MAX_ROWS,
+    FP8_GEMV_MIN_BLOCK_N,
     Fp8GemmConfig,
     Fp8GemvConfig,
     fp8_gemm,
@@ -42,6 +43,7 @@ from kernels.fp8_linear import (
     quantize_rows,
     scaled_mm_fits,
 )
+from kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import QuantConfig
 
@@ -86,6 +88,9 @@ def process_fp8_linear(layer: nn.Module) -> None:
     layer.register_buffer("scales", layer.weight_scale.data.reshape(-1).contiguous(), False)
     layer.weight = None
     del layer.weight_scale
+    # The one-row GEMV's split-K arrival counters: allocated once, outside any graph capture.
+    layer.register_buffer("gemv_counters", gemv_counters(
+        1, layer.qweight.shape[0], layer.qweight.device, FP8_GEMV_MIN_BLOCK_N), False)
     layer.set_plan(default_fp8_plan(layer))
 
 
@@ -240,7 +245,7 @@ class Fp8Gemv(MatmulKind):
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         return fp8_gemv(x.contiguous(), layer.qweight, layer.scales, bias, self.config,
-                        gated=gated)  # fmt: skip
+                        gated=gated, counters=layer.gemv_counters)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"
@@ -263,4 +268,5 @@ class Fp8RowGemv(Fp8Gemv):
         bias: torch.Tensor | None, *, glu: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         return fp8_rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
-                                 layer.scales, bias, self.config)  # fmt: skip
+                                 layer.scales, bias, self.config,
+                                 layer.gemv_counters)  # fmt: skip

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import QuantGemmConfig, gemv_counters, pack_int_weight
+from kernels.gemv_split_k import gemv_counters
+from kernels.quant_linear import QuantGemmConfig, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
 from models.quantization.fp8 import check_fp8_device, create_fp8_weights, process_fp8_linear

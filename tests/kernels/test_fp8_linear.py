@@ -12,6 +12,7 @@ from kernels.activation import silu_and_mul_ref
 from kernels.fp8_linear import (
     FP8_DTYPE,
     FP8_E4M3_MAX,
+    FP8_GEMV_MIN_BLOCK_N,
     Fp8GemmConfig,
     Fp8GemvConfig,
     dequantize_fp8,
@@ -26,6 +27,7 @@ from kernels.fp8_linear import (
     quantize_rows_ref,
     quantize_weight_per_channel,
 )
+from kernels.gemv_split_k import gemv_counters
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -197,6 +199,43 @@ def test_row_gemv_in_half_pairs_is_the_weight_only_product() -> None:
         fp8_gemv(x.float(), q, scale, None, configs[0])
     with pytest.raises(ValueError, match="4-byte words"):
         fp8_gemv(torch.randn(1, 198).to(torch.bfloat16), q[:, :198], scale, None, configs[0])
+
+
+def test_row_gemv_splits_add_up_in_the_kernel_with_counters() -> None:
+    """One row's K splits summed by the last split of each block (bias once, gated and
+    normed inputs, a K that leaves a partial tile); the counters are left zeroed for the
+    next call, and too few of them are refused."""
+    _, q, scale = _weight(40, 200)
+    counters = gemv_counters(1, 40, "cpu", FP8_GEMV_MIN_BLOCK_N)
+    x = torch.randn(1, 200).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    want = fp8_linear_ref(x, q, scale, bias, quantize_input=False).float()
+    for cfg in (Fp8GemvConfig(8, 32, split_k=4, pairs=True), Fp8GemvConfig(4, 64, split_k=2),
+                Fp8GemvConfig(16, 32, split_k=8, pairs=True)):  # fmt: skip
+        got = fp8_gemv(x, q, scale, bias, cfg, counters=counters).float()
+        _assert_pairs_close(got, want)
+        assert not counters.any()
+    cfg = Fp8GemvConfig(8, 32, split_k=4, pairs=True)
+    gated = torch.randn(1, 400).to(torch.bfloat16)
+    want = fp8_linear_ref(silu_and_mul_ref(gated), q, scale, quantize_input=False).float()
+    got = fp8_gemv(gated, q, scale, None, cfg, gated=True, counters=counters).float()
+    _assert_pairs_close(got, want)
+    norm_w = (torch.rand(200) + 0.5).to(torch.bfloat16)
+    residual = torch.randn(1, 200).to(torch.bfloat16)
+    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    want = fp8_linear_ref(h, q, scale, quantize_input=False).float()
+    got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, cfg,
+                                          counters)  # fmt: skip
+    torch.testing.assert_close(new_residual, want_residual)
+    _assert_pairs_close(got.float(), want)
+    assert not counters.any()
+    with pytest.raises(ValueError, match="split-K counters"):
+        fp8_gemv(x, q, scale, None, cfg, counters=counters[:2])
+
+
+def _assert_pairs_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The bound of the other pairs tests: x rounded to fp16 pairs, a bf16 output."""
+    torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
 
 
 @pytest.mark.gpu
