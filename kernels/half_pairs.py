@@ -117,7 +117,7 @@ def zero_pairs(z, BITS: tl.constexpr):
 
 
 @triton.jit
-def _x_at(xk, mask):
+def _load_x(xk, mask):
     if mask is None:
         x = tl.load(xk)
     else:
@@ -126,19 +126,38 @@ def _x_at(xk, mask):
 
 
 @triton.jit
-def int_x_pairs(xk, BITS: tl.constexpr, mask=None):
+def _x_at(xk, mask, up_offset):
+    """x at xk; with `up_offset`, xk is a gate and x is silu(gate) * up (up at xk +
+    up_offset), rounded to x's dtype as `kernels.activation.silu_and_mul` rounds it."""
+    x = _load_x(xk, mask)
+    if up_offset is not None:
+        gate = x.to(tl.float32)
+        up = _load_x(xk + up_offset, mask).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(xk.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def int_x_pairs(xk, BITS: tl.constexpr, mask=None, up_offset=None):
     """x as the f16x2 pairs an integer word's values meet in `int4_word_dot` or
     `int8_word_dot`, loaded from xk (the addresses of each word's first input value; where
-    `mask` is false, x reads as 0). int4: (0, 4), (1, 5), (2, 6), (3, 7); int8: (0, 2),
-    (1, 3), and the second pair twice more, so both widths give four."""
+    `mask` is false, x reads as 0; with `up_offset`, x is formed from [gate, up] as
+    `_x_at` says). int4: (0, 4), (1, 5), (2, 6), (3, 7); int8: (0, 2), (1, 3), and the
+    second pair twice more, so both widths give four."""
     if BITS == 4:
-        x04 = pack_f16_pair(_x_at(xk, mask), _x_at(xk + 4, mask), INT4_X_SCALE)
-        x15 = pack_f16_pair(_x_at(xk + 1, mask), _x_at(xk + 5, mask), INT4_X_SCALE)
-        x26 = pack_f16_pair(_x_at(xk + 2, mask), _x_at(xk + 6, mask), INT4_X_SCALE)
-        x37 = pack_f16_pair(_x_at(xk + 3, mask), _x_at(xk + 7, mask), INT4_X_SCALE)
+        x04 = pack_f16_pair(_x_at(xk, mask, up_offset), _x_at(xk + 4, mask, up_offset),
+                            INT4_X_SCALE)  # fmt: skip
+        x15 = pack_f16_pair(_x_at(xk + 1, mask, up_offset), _x_at(xk + 5, mask, up_offset),
+                            INT4_X_SCALE)  # fmt: skip
+        x26 = pack_f16_pair(_x_at(xk + 2, mask, up_offset), _x_at(xk + 6, mask, up_offset),
+                            INT4_X_SCALE)  # fmt: skip
+        x37 = pack_f16_pair(_x_at(xk + 3, mask, up_offset), _x_at(xk + 7, mask, up_offset),
+                            INT4_X_SCALE)  # fmt: skip
         return x04, x15, x26, x37
-    x02 = pack_f16_pair(_x_at(xk, mask), _x_at(xk + 2, mask), INT8_X_SCALE)
-    x13 = pack_f16_pair(_x_at(xk + 1, mask), _x_at(xk + 3, mask), INT8_X_SCALE)
+    x02 = pack_f16_pair(_x_at(xk, mask, up_offset), _x_at(xk + 2, mask, up_offset),
+                        INT8_X_SCALE)  # fmt: skip
+    x13 = pack_f16_pair(_x_at(xk + 1, mask, up_offset), _x_at(xk + 3, mask, up_offset),
+                        INT8_X_SCALE)  # fmt: skip
     return x02, x13, x13, x13
 
 

@@ -92,9 +92,11 @@ def quant_matmul_ref(
     return y if bias is None else y + bias
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, block_k: int
-           ) -> tuple[int, int, int]:  # fmt: skip
-    m, k = x.shape
+def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, block_k: int,
+           gated: bool = False) -> tuple[int, int, int]:  # fmt: skip
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    if gated and x.shape[1] % 2:
+        raise ValueError(f"a gated input holds [gate, up]: an even width, got {x.shape[1]}")
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"x has {k} columns; the {bits}-bit weight has {qweight.shape[0]} words")
@@ -350,14 +352,16 @@ def _quant_gemv_at_once_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_ym, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, GATED: tl.constexpr = False,
 ):  # fmt: skip
     """One row's products over TILES * BLOCK_K input rows per program, in half-precision
     pairs, every load issued before any arithmetic: a [TILES, BLOCK_W, BLOCK_N] word tile,
     each tile's scales and zeros (a tile lies inside one group), and x in the layout the
     dots consume (no K loop, so nothing waits on one tile before the next is asked for).
     The weights never depend on the previous kernel: under programmatic dependent launch
-    they stream in while it finishes, and only x waits for it."""
+    they stream in while it finishes, and only x waits for it. GATED: x holds [gate, up]
+    (2K wide) and the product is taken with silu(gate) * up, formed as `silu_and_mul`
+    rounds it (each thread forms only the x of its own word rows)."""
     PACK: tl.constexpr = 32 // BITS
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
     x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
@@ -377,8 +381,11 @@ def _quant_gemv_at_once_kernel(
     z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     # Rows past K read x as 0 (their words are 0 too): their products vanish.
-    xa, xb, xc, xd = int_x_pairs(x_ptr + row * stride_xm + word_row * PACK, BITS,
-                                 word_row * PACK < K)  # fmt: skip
+    xk = x_ptr + row * stride_xm + word_row * PACK
+    if GATED:
+        xa, xb, xc, xd = int_x_pairs(xk, BITS, word_row * PACK < K, K)
+    else:
+        xa, xb, xc, xd = int_x_pairs(xk, BITS, word_row * PACK < K)
     zb, zh = zero_pairs(z, BITS)
     if BITS == 4:
         part = int4_word_dot(words, xa[:, :, None], xb[:, :, None], xc[:, :, None],
@@ -439,13 +446,17 @@ def quant_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None = None,
     config: QuantGemvConfig = QuantGemvConfig(), counters: torch.Tensor | None = None,
+    *, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`quant_matmul_ref` for a few rows: each program reads one output block's weights
     once per row and K split (later rows find them in L2), dequantization fused; with K
     splits, the last split of a block adds the others' fp32 partial sums. `counters`: from
-    `gemv_counters` (default: fresh ones)."""
+    `gemv_counters` (default: fresh ones). gated (configs with `tiles` only): x is [M, 2K]
+    holding [gate, up] and the product is taken with silu(gate) * up."""
     block_k = min(config.block_k, group_size)
-    m, n, k = _check(x, qweight, bits, group_size, block_k)
+    m, n, k = _check(x, qweight, bits, group_size, block_k, gated)
+    if gated and not config.tiles:
+        raise ValueError(f"{config}: only the at-once form takes a gated input")
     split = config.split_k
     if config.pairs:
         check_pair_activation(x)
@@ -476,8 +487,8 @@ def quant_gemv(
             x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m,
             n, k, x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits,
             HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n,
-            BLOCK_K=block_k, TILES=config.tiles, USE_PDL=pdl, num_warps=config.num_warps,
-            num_stages=1, **pdl_kwargs(pdl),
+            BLOCK_K=block_k, TILES=config.tiles, USE_PDL=pdl, GATED=gated,
+            num_warps=config.num_warps, num_stages=1, **pdl_kwargs(pdl),
         )  # fmt: skip
         return y
     _quant_gemv_kernel[(blocks, splits, m)](

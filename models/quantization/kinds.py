@@ -7,7 +7,9 @@ All four read the layer's one internal layout (`kernels.quant_linear`: `qweight`
 load, so switching between them stores nothing: `DequantMatmul` (dequantize with torch ops,
 then the library's matmul: the CPU path and the oracle), `TritonDequantMatmul` (the same
 with one Triton dequantization pass: on the GPU, a choice for large batches),
-`QuantTritonGemm` (prefill and mixed steps) and `QuantTritonGemv` (a few rows).
+`QuantTritonGemm` (prefill and mixed steps) and `QuantTritonGemv` (a few rows;
+`QuantTritonGemvAtOnce`, its form without a K loop, can also take a [gate, up] input and
+apply SiLU-and-mul itself).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from kernels.activation import silu_and_mul
 from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
@@ -27,7 +30,7 @@ from kernels.quant_linear import (
     quant_gemv_candidates,
     quant_matmul_ref,
 )
-from models.matmul_plan import MatmulKind
+from models.matmul_plan import InputTransform, MatmulKind
 from models.quantization import fp8
 
 # The most rows the GEMV serves: it reads each weight block once per row (from L2 after the
@@ -67,7 +70,8 @@ def tuning_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
         kinds.append(TritonDequantMatmul())
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
-        kinds += [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
+        kinds += [QuantTritonGemvAtOnce(c) if c.tiles else QuantTritonGemv(c)
+                  for c in quant_gemv_candidates(group, k)]  # fmt: skip
     return kinds
 
 
@@ -146,3 +150,27 @@ class QuantTritonGemv(MatmulKind):
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class QuantTritonGemvAtOnce(QuantTritonGemv):
+    """`QuantTritonGemv` with all of a program's tiles loaded at once (`QuantGemvConfig.tiles`),
+    which can also form a SiLU-and-mul input as it loads x: the down projection of a decode
+    step then runs no activation kernel before it."""
+
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL}
+    )
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        if gated and layer.input_perm is not None:
+            # Act-order gathers the input's columns: they are gathered from the activation.
+            x, gated = silu_and_mul(x), False
+        if not gated:
+            return super().apply(layer, x, bias)
+        bits, group = layer.quant_config.bits, layer.group_size
+        return quant_gemv(x.contiguous(), layer.qweight, layer.scales, layer.zeros, bits, group,
+                          bias, self.config, layer.gemv_counters, gated=True)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.activation import silu_and_mul_ref
 from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
@@ -109,6 +110,31 @@ def test_gemv_with_tiles_at_once_matches_reference(n: int, k: int, bits: int, gr
                    QuantGemvConfig(32, block_k, pairs=False, tiles=2))  # fmt: skip
 
 
+@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES[:4])
+def test_gemv_at_once_forms_a_gated_input(n: int, k: int, bits: int, group: int,
+                                          rows: int) -> None:  # fmt: skip
+    """x as [gate, up]: the product with silu(gate) * up, as the separate kernel forms it:
+    the unfused GEMV's result on the activated input, and within the pairs' bound of the
+    float reference."""
+    _, qweight, scales, zeros = _case(n, k, bits, group, torch.bfloat16)
+    pair = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(k + rows))
+    pair = pair.to(torch.bfloat16)
+    x = silu_and_mul_ref(pair.float()).to(torch.bfloat16)
+    want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, group)
+    cfg = QuantGemvConfig(16, min(32, group), pairs=True, tiles=2)
+    got = quant_gemv(pair, qweight, scales, zeros, bits, group, None, cfg, gated=True).float()
+    unfused = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg).float()
+    scale = float(want.abs().max())
+    # The activated values round to bf16 on the GPU; the interpreter keeps bf16 in float32,
+    # so there they differ slightly: the outputs stay within one bf16 rounding step.
+    one_step = torch.finfo(torch.bfloat16).eps * 2 * scale
+    assert float((got - unfused).abs().max()) <= one_step
+    assert float((got - want).abs().max()) <= 2e-2 * scale
+    with pytest.raises(ValueError, match="only the at-once form"):
+        quant_gemv(pair, qweight, scales, zeros, bits, group, None,
+                   QuantGemvConfig(16, 32, pairs=True), gated=True)  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "k", "bits", "group"), [(48, 128, 4, 32), (40, 128, 8, 64),
                                                        (200, 96, 4, 96), (24, 256, 8, 256)])
 def test_triton_dequantize_equals_reference(n: int, k: int, bits: int, group: int) -> None:
@@ -199,3 +225,25 @@ def test_gpu_llama_shapes_match_reference(n: int, k: int, bits: int) -> None:
             for gcfg in quant_gemv_candidates(128, k):
                 got = quant_gemv(x, qweight, scales, zeros, bits, 128, None, gcfg)
                 assert float((got.float() - want).abs().max()) <= tol, gcfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_gated_gemv_at_once_equals_silu_and_mul_then_gemv(bits: int) -> None:
+    """Llama-2-7B's down projection: SiLU-and-mul formed while loading x gives what the
+    activation kernel followed by the same GEMV gives (both round the activation to bf16)."""
+    from kernels.activation import silu_and_mul
+
+    n, k = 4096, 11008
+    _, qweight, scales, zeros = _case(n, k, bits, 128, torch.bfloat16, "cuda")
+    scales = scales / 4
+    pair = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) / 2
+    x = silu_and_mul(pair)
+    for cfg in [c for c in quant_gemv_candidates(128, k) if c.tiles]:
+        got = quant_gemv(pair, qweight, scales, zeros, bits, 128, None, cfg, gated=True)
+        unfused = quant_gemv(x, qweight, scales, zeros, bits, 128, None, cfg)
+        scale = float(unfused.float().abs().max())
+        step = torch.finfo(torch.bfloat16).eps * 2 * scale
+        assert float((got.float() - unfused.float()).abs().max()) <= step, cfg
+        assert float((got != unfused).float().mean()) <= 0.01, cfg

@@ -18,7 +18,9 @@ from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
     QuantTritonGemv,
+    QuantTritonGemvAtOnce,
     agrees_with_reference,
+    tuning_kinds,
 )
 from tests.quant_writers import Scheme
 
@@ -56,3 +58,25 @@ def test_the_triton_kinds_agree_and_a_corrupted_one_does_not(quantized: Make) ->
     assert agrees_with_reference(_Corrupted(0.001 * scale), layer, x, None)
     assert not agrees_with_reference(_Corrupted(0.5 * scale), layer, x, None)
     assert not agrees_with_reference(_Corrupted(float("nan")), layer, x, None)
+
+
+def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
+    """The down projection's [gate, up] input: the at-once GEMV fused, as the reference
+    takes the activated input; the tuner offers it with the fusion declared."""
+    from kernels.activation import silu_and_mul
+    from models.matmul_plan import InputTransform
+
+    layer = _down_proj(quantized, Scheme("gptq", 4, 32, sym=True))
+    pair = torch.randn(1, 2 * layer.in_features, generator=torch.Generator().manual_seed(1))
+    pair = pair.to(torch.bfloat16)
+    layer.scales.data = layer.scales.data.to(torch.bfloat16)
+    layer.zeros.data = layer.zeros.data.to(torch.bfloat16)
+    kind = QuantTritonGemvAtOnce(QuantGemvConfig(32, 32, pairs=True, tiles=2))
+    assert InputTransform.SILU_AND_MUL in kind.fusable_inputs
+    want = DequantMatmul().apply(layer, silu_and_mul(pair).float(), None)
+    got = kind.apply(layer, pair, None, gated=True).float()
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+    # Every at-once config the tuner times is offered as the kind that can fuse.
+    gemvs = [k for k in tuning_kinds(layer, 1) if isinstance(k, QuantTritonGemv)]
+    assert gemvs
+    assert all(isinstance(k, QuantTritonGemvAtOnce) == bool(k.config.tiles) for k in gemvs)
