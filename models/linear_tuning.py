@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from kernels.activation import silu_and_mul
 from kernels.cpu_gemm import gemm_available
@@ -191,17 +192,23 @@ def plan_quantized_linears(
             groups.setdefault(key, []).append(m)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    # Timing every kind compiles and runs each: a minute or more for a 7B model on a GPU.
+    bar = tqdm(total=len(groups) * len(ladder), desc="Tuning quantized matmuls",
+               unit="step", disable=not groups)  # fmt: skip
     for group, layers in groups.items():
         n, k, _, _, has_bias, declared, _ = group
+        bar.set_postfix_str(f"{n}x{k}")
         first = layers[0]
         pairs = [(m, m.bias if has_bias else None) for m in layers]
         candidates = [tuning_kinds(first, rows) for rows in ladder]
         key = plan_key([
             *device_identity(first.qweight.device), source_digest(), *group,
-            first.params_dtype, *ladder, *([k.describe() for k in c] for c in candidates),
+            first.params_dtype, *ladder, *([kind.describe() for kind in c] for c in candidates),
         ])  # fmt: skip
         best = _cached_choice(cache, key, candidates, ladder, pairs, first, declared)
-        if best is None:
+        if best is not None:
+            bar.update(len(ladder))
+        else:
             best = []
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
                 low_rows = ladder[i - 1] + 1 if i else 1
@@ -212,6 +219,7 @@ def plan_quantized_linears(
                            else kinds[0].describe())  # fmt: skip
                 best.append(next(kind for kind in kinds if kind.describe() == fastest))
                 timings.setdefault((n, k), {})[rows] = row_times
+                bar.update()
             if cache is not None:
                 cache.store(key, [kind.describe() for kind in best], about=f"{n}x{k} {group}")
         entries: list[PlanEntry] = []
@@ -219,10 +227,12 @@ def plan_quantized_linears(
             if i + 1 < len(best) and best[i + 1] == kind:
                 continue  # the next row range runs the same kernel: one entry serves both
             # A kind that can form the declared input itself (FP8's activation quantization
-            # with RMSNorm or SiLU-and-mul) does, saving a kernel.
+            # with RMSNorm or SiLU-and-mul, the at-once GEMV's SiLU-and-mul) does, saving a
+            # kernel.
             entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared,
                                      fuse_input=declared in kind.fusable_inputs))  # fmt: skip
         plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
+    bar.close()
     return plans, timings
 
 
