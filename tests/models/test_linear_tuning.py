@@ -400,6 +400,21 @@ def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
         torch.testing.assert_close(layer(x).float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantized_plans_round_trip_through_the_cache(tmp_path: Path) -> None:
+    """The real kinds' descriptions name them again on the next start: the same plans,
+    and nothing timed."""
+    from models.plan_cache import PlanCache
+
+    model = _quantized_model("cuda", torch.bfloat16)
+    cache = PlanCache(tmp_path)
+    plans, timings = tuning.plan_quantized_linears(model, cache=cache)
+    assert timings and len(list(tmp_path.glob("*.json"))) == 2
+    again, timings = tuning.plan_quantized_linears(model, cache=cache)
+    assert timings == {} and again == plans
+
+
 def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
     """FP8 layers quantized at load from random 16-bit weights (dynamic activations)."""
     from kernels.fp8_linear import quantize_weight_per_channel
