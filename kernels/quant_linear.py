@@ -396,7 +396,7 @@ def _quant_gemv_at_once_kernel(
                              z[:, None, :])  # fmt: skip
     y = tl.sum(tl.sum(part, axis=1) * (s * x_scale), axis=0)
     finish_gemv_row(y, b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n, pid_k, M, N,
-                     stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
+                    stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
