@@ -344,7 +344,7 @@ def _quant_gemv_kernel(
                 part += q * xi[:, None]
             acc += part * s[None, :]  # the tile lies inside one group: one scale per column
     finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
-                     pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)
+                    pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
