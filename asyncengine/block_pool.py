@@ -52,6 +52,11 @@ class BlockPool:
     def num_cached_free_blocks(self) -> int:
         return len(self._free_cached)
 
+    def cached_free_blocks(self) -> Iterable[int]:
+        """Free blocks still holding a reusable prefix (every free block with a hash),
+        least recently freed first."""
+        return self._free_cached.keys()
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks

@@ -21,6 +21,8 @@ from hypothesis.stateful import (
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.request import Request
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.stats_collect import block_map
+from asyncengine.stats_schema import BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED
 
 BS = 4  # block size used throughout: small, so a few tokens span several blocks
 
@@ -773,6 +775,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert req.block_table == []
             self.kv.check_cpu(req, self.swap.tables[req])
         assert set(self.swap.tables) == set(self.swapped)
+
+    @invariant()
+    def block_map_shows_each_block_state(self) -> None:
+        """The dashboard's map (array operations over the ref counts and the cached-free
+        LRU) equals a per-block reading of ref counts and hashes."""
+        pool = self.pool
+        want = "".join(
+            BLOCK_SHARED if pool.ref_counts[b] > 1 else BLOCK_USED if pool.ref_counts[b] == 1
+            else BLOCK_CACHED if pool.block_hash[b] is not None else BLOCK_FREE
+            for b in range(pool.num_blocks)
+        )  # fmt: skip
+        assert block_map(pool) == want
 
     def teardown(self) -> None:
         for req in self.on_gpu:

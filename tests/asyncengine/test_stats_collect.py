@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.stats_collect import LatencyWindow, RateMeter, decode_rate, percentiles
+from asyncengine.block_pool import BlockPool
+from asyncengine.request import Request
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.stats_collect import (
+    LatencyWindow,
+    RateMeter,
+    block_map,
+    decode_rate,
+    percentiles,
+)
 from asyncengine.stats_schema import LatencySummary
 
 
@@ -45,3 +54,23 @@ def test_rate_meter_counts_a_window() -> None:
     assert meter.total == 30
     assert meter.rate(now=4.0) == pytest.approx(30 / 4.0)
     assert meter.rate(now=20.0) == 0.0
+
+
+def test_block_map_downsamples_to_each_groups_busiest_state() -> None:
+    """A pool larger than the map: each cell shows the highest of shared, used, cached and
+    free in its group, and the last, shorter group counts as much as its blocks."""
+    pool = BlockPool(4096 * 3 + 2, 16)  # groups of 4 blocks, the last of 2
+    req = Request("r", None, list(range(16)), SamplingParams(), 8)
+    assert pool.allocate_slots(req, 16) is not None
+    req.num_computed_tokens = 16
+    pool.cache_full_blocks(req)
+    pool.free(req)  # its one full block stays cached
+    (cached,) = pool.cached_free_blocks()
+    cells = {cached // 4: "c"}
+    for block, ref, cell in ((4 * 700, 1, "u"), (4 * 900 + 3, 2, "s"), (4 * 900, 1, "s"),
+                             (4 * 3072 + 1, 1, "u")):  # fmt: skip
+        pool.ref_counts[block] = ref
+        cells[block // 4] = cell
+    m = block_map(pool)
+    assert len(m) == 3073
+    assert {i: c for i, c in enumerate(m) if c != "."} == cells
