@@ -30,7 +30,7 @@ import torch
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import load_gemv_input, row_rstd
-from kernels.gemv_split_k import finish_gemv_row
+from kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
 from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
 
 __all__ = [
@@ -557,8 +557,8 @@ def _fp8_gemv(
     # One row's splits may add up in the kernel (the counters given); otherwise each split
     # writes its own float32 rows and torch sums them.
     in_kernel = split > 1 and m == 1 and counters is not None
-    if in_kernel and counters is not None and counters.numel() < blocks:
-        raise ValueError(f"{counters.numel()} split-K counters; {blocks} blocks need as many")
+    if in_kernel and counters is not None:
+        check_gemv_counters(counters, 1, blocks)
     out = torch.empty((1 if in_kernel else split, m, n),
                       dtype=torch.float32 if split > 1 and not in_kernel else x.dtype,
                       device=x.device)  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 from kernels._triton_utils import tl, triton
 
-__all__ = ["finish_gemv_row", "gemv_counters", "store_gemv_row"]
+__all__ = ["check_gemv_counters", "finish_gemv_row", "gemv_counters", "store_gemv_row"]
 
 
 def gemv_counters(rows: int, n: int, device: torch.device | str,
@@ -20,6 +20,13 @@ def gemv_counters(rows: int, n: int, device: torch.device | str,
     and N = n, for output blocks of at least `min_block_n` columns; the kernel leaves them
     zeroed, so a layer allocates them once and every call and graph replay reuses them."""
     return torch.zeros(rows * triton.cdiv(n, min_block_n), dtype=torch.int32, device=device)
+
+
+def check_gemv_counters(counters: torch.Tensor, rows: int, blocks: int) -> None:
+    """`counters` cover `rows` rows of `blocks` output blocks (one counter each)."""
+    if counters.numel() < rows * blocks:
+        raise ValueError(f"{counters.numel()} split-K counters; {rows} rows of {blocks} "
+                         f"output blocks need {rows * blocks}")  # fmt: skip
 
 
 @triton.jit

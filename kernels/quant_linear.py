@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
-from kernels.gemv_split_k import finish_gemv_row, gemv_counters
+from kernels.gemv_split_k import check_gemv_counters, finish_gemv_row, gemv_counters
 from kernels.half_pairs import (
     INT4_X_SCALE,
     INT8_X_SCALE,
@@ -476,8 +476,7 @@ def quant_gemv(
     blocks = triton.cdiv(n, config.block_n)
     if counters is None:
         counters = gemv_counters(m, n, x.device)
-    elif counters.numel() < m * blocks:
-        raise ValueError(f"{counters.numel()} split-K counters; {m} rows need {m * blocks}")
+    check_gemv_counters(counters, m, blocks)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip

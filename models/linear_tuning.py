@@ -255,9 +255,8 @@ def _cached_choice(
         low_rows = ladder[i - 1] + 1 if i else 1
         x = torch.randn(rows, first.in_features, device=first.qweight.device,
                         dtype=first.params_dtype)  # fmt: skip
-        checks = [x] if low_rows >= rows else [x, x[:low_rows]]
         try:
-            agrees = all(agrees_with_reference(kind, m, xs, b) for m, b in pairs for xs in checks)
+            agrees = _agrees_over_range(kind, pairs, x, low_rows)
         except Exception:  # a kind this GPU can no longer run: time them all again
             agrees = False
         if not agrees:
@@ -270,24 +269,32 @@ def _cached_choice(
     return best
 
 
+def _agrees_over_range(
+    kind: MatmulKind, pairs: list[tuple[LinearBase, torch.Tensor | None]], x: torch.Tensor,
+    low_rows: int,
+) -> bool:  # fmt: skip
+    """Whether `kind` agrees with the dequantize-then-matmul reference on every layer of
+    `pairs` (layer, bias), at x's rows and at `low_rows` (the fewest rows of the range it
+    would serve: a partial tile there can fail where a full one does not)."""
+    checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
+    return all(agrees_with_reference(kind, m, xs, b) for m, b in pairs for xs in checks)
+
+
 def _time_kinds(
     kinds: Sequence[MatmulKind], x: torch.Tensor,
     pairs: list[tuple[LinearBase, torch.Tensor | None]], reps: int,
     low_rows: int = 1, *, declared: InputTransform = InputTransform.NONE,
 ) -> dict[str, float]:  # fmt: skip
     """Milliseconds per layer of each kind over `pairs` (layer, bias) at input x; a kind
-    counts only if it agrees with the dequantize-then-matmul reference on every layer, at
-    x's rows and at `low_rows` (the fewest rows of the range it would serve: a partial
-    tile there can fail where a full one does not). A layer whose input needs RMSNorm or
-    SiLU-and-mul (`declared`) is timed with it: inside the kind where the kind forms it,
-    else as its own kernel before, as the plan will run it."""
+    counts only if it agrees with the reference over its row range (`_agrees_over_range`).
+    A layer whose input needs RMSNorm or SiLU-and-mul (`declared`) is timed with it: inside
+    the kind where the kind forms it, else as its own kernel before, as the plan will run
+    it."""
     times: dict[str, float] = {}
-    checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
     timed_input = _declared_input(x, declared)
     for kind in kinds:
         try:
-            if not all(agrees_with_reference(kind, m, xs, b) for m, b in pairs
-                       for xs in checks):  # fmt: skip
+            if not _agrees_over_range(kind, pairs, x, low_rows):
                 logger.warning("quantized %s disagrees with the reference at %d rows; "
                                "not planned", kind.describe(), x.shape[0])  # fmt: skip
                 continue
