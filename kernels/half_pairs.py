@@ -98,6 +98,20 @@ fma.rn.f16x2 acc, b, $3, acc;""")
 
 
 @triton.jit
+def _word_dot_asm(ASM: tl.constexpr, args):
+    """Run a word dot's PTX (`_word_dot_ptx`) on `args` (the word first), one output
+    register: the float32 sum, as int32 bits."""
+    return tl.inline_asm_elementwise(
+        asm=ASM,
+        constraints="=r" + ",r" * len(args),
+        args=args,
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    ).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pack_f16_pair(lo, hi, SCALE: tl.constexpr):
     """Two float tensors -> int32 holding (lo, hi) / SCALE as fp16 (lo in bits 0-15)."""
     lo16 = (lo.to(tl.float32) / SCALE).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
@@ -182,14 +196,7 @@ def int4_word_dot(word, x04, x15, x26, x37, z_biased, z_neg_high, z):
     x as pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7) from `pack_f16_pair`; z_biased and
     z_neg_high from `zero_pairs(z, 4)`, z itself (float32) for the interpreter's form."""
     if _IN_PTX:
-        return tl.inline_asm_elementwise(
-            asm=_INT4_DOT,
-            constraints="=r,r,r,r,r,r,r,r",
-            args=[word, x04, x15, x26, x37, z_biased, z_neg_high],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
+        return _word_dot_asm(_INT4_DOT, (word, x04, x15, x26, x37, z_biased, z_neg_high))
     else:
         return (
             (_nibble(word, 0) - z) * _f16_lo(x04) + (_nibble(word, 4) - z) * _f16_hi(x04)
@@ -209,14 +216,7 @@ def int8_word_dot(word, x02, x13, z_biased, z):
     """sum_i (q_i - z) x_i over a word of four 8-bit values (value i in bits 8i..8i+7), with
     x as pairs (x0, x2), (x1, x3); z_biased from `zero_pairs(z, 8)`."""
     if _IN_PTX:
-        return tl.inline_asm_elementwise(
-            asm=_INT8_DOT,
-            constraints="=r,r,r,r,r",
-            args=[word, x02, x13, z_biased],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
+        return _word_dot_asm(_INT8_DOT, (word, x02, x13, z_biased))
     else:
         return (
             (_byte(word, 0).to(tl.float32) - z) * _f16_lo(x02)
@@ -240,14 +240,7 @@ def e4m3_word_dot(word, x01, x23):
     """sum_i w_i x_i over a word of four e4m3 values (value i in byte i), with x as pairs
     (x0, x1), (x2, x3): one `cvt.rn.f16x2.e4m3x2` widens two values."""
     if _IN_PTX:
-        return tl.inline_asm_elementwise(
-            asm=_E4M3_DOT,
-            constraints="=r,r,r,r",
-            args=[word, x01, x23],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        ).to(tl.float32, bitcast=True)
+        return _word_dot_asm(_E4M3_DOT, (word, x01, x23))
     else:
         return (
             _e4m3_value(_byte(word, 0)) * _f16_lo(x01) + _e4m3_value(_byte(word, 1)) * _f16_hi(x01)
