@@ -14,6 +14,8 @@ Each kernel sits beside its torch reference, which is the CPU path and the test 
 matmul, cast):
 - `fp8_scaled_mm`: torch's `_scaled_mm` (cuBLASLt) with row-wise scales in its epilogue;
 - `fp8_gemm`: a Triton `tl.dot` GEMM on the two fp8 operands with the same epilogue;
+- `kernels.gemv`'s one-row GEMV (tiled or persistent whole-row) reads the e4m3 rows too,
+  with the row scales in its epilogue (`FP8_WHOLE_ROW_CONFIGS`);
 - `fp8_gemv`: weight-only (W8A16) for 1-16 rows: e4m3 weights converted to the activation
   dtype in registers, fp32 sums, the row scale in the epilogue; no activation rounding,
   which is both cheaper at these sizes and more accurate. It can take a [gate, up] input
@@ -29,12 +31,13 @@ import torch
 
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
-from kernels.gemv import load_gemv_input, row_rstd
+from kernels.gemv import GemvConfig, load_gemv_input, row_rstd
 from kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
 from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
 
 __all__ = [
     "FP8_DTYPE",
+    "FP8_WHOLE_ROW_CONFIGS",
     "Fp8GemmConfig",
     "Fp8GemvConfig",
     "dequantize_fp8",
@@ -58,6 +61,17 @@ MIN_SCALE = 1.0 / (FP8_E4M3_MAX * 512.0)
 FP8_GEMV_MAX_ROWS = 16
 # The narrowest output block a one-row GEMV config takes (sizes its split-K counters).
 FP8_GEMV_MIN_BLOCK_N = 4
+# One row on `kernels.gemv`'s persistent whole-row GEMV, which reads e4m3 rows with their
+# scales (`gemv_triton(..., scale=)`): each program forms the input once, its RMSNorm
+# included, and streams whole rows against it. A byte per weight: more rows per block than
+# its 16-bit configs for the same bytes in flight.
+FP8_WHOLE_ROW_CONFIGS: list[GemvConfig] = [
+    GemvConfig.whole_row(2, 4, 3, programs_per_sm=4),
+    GemvConfig.whole_row(2, 4, 4, programs_per_sm=8),
+    GemvConfig.whole_row(4, 4, 3, programs_per_sm=4),
+    GemvConfig.whole_row(4, 8, 2, programs_per_sm=2),
+    GemvConfig.whole_row(8, 8, 2, programs_per_sm=2),
+]
 
 
 # ----------------------------------------------------------------------------- references

@@ -19,6 +19,10 @@ launches a few programs per multiprocessor; each forms the whole input row once 
 whole row blocks of W against it, so the input transform is not repeated per row block. The
 tuner times it beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long
 (`gemv_candidates`); a caller that wants only some forms passes `configs=` to `tune_gemv`.
+
+Both forms also read e4m3 weight rows with one float32 scale per row (`scale=`, the layout of
+`kernels.fp8_linear`), applied to each row's sum before the bias: an FP8 layer's decode
+step then gets the same fused input transforms as a 16-bit one.
 """
 
 from __future__ import annotations
@@ -175,16 +179,21 @@ def row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD: tl.constexpr,
 
 
 @triton.jit
-def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, HAS_BIAS: tl.constexpr,
-                GLU: tl.constexpr):  # fmt: skip
-    """Reduce the [BLOCK_N, BLOCK_K] products to the rows' outputs, add the bias and, for a
-    GLU output, apply SiLU-and-mul; store them."""
+def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
+    """Reduce the [BLOCK_N, BLOCK_K] products to the rows' outputs, apply the rows' weight
+    scales (HAS_SCALE: an e4m3 weight), add the bias and, for a GLU output, apply
+    SiLU-and-mul; store them."""
     y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if GLU:
         # Rounded as the plain GEMV's [gate, up] output, then as `silu_and_mul` rounds.
         up = tl.sum(acc_up, axis=1)
+        if HAS_SCALE:
+            up = up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -195,10 +204,10 @@ def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, HAS_BIAS: tl.const
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -234,7 +243,7 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
         if GLU:
             acc_up += w_up.to(tl.float32) * x[None, :]
-    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)
+    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)
 
 
 @triton.jit
@@ -253,10 +262,10 @@ def _load_row_block(w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _gemv_rows_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     """The persistent whole-row form: a grid of a few programs per multiprocessor, each of
     which forms the input row once (its norm or activation included) and then streams whole
@@ -273,13 +282,13 @@ def _gemv_rows_kernel(
     x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM,
                         HAS_RESIDUAL)  # fmt: skip
     _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
-                n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)  # fmt: skip
+                n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
     for rb in range(pid + tl.num_programs(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         w, w_up, offs_n, n_mask = _load_row_block(
             w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N, GLU
         )
         _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
-                    n_mask, N, b_ptr, y_ptr, HAS_BIAS, GLU)  # fmt: skip
+                    n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int, what: str) -> None:
@@ -299,8 +308,13 @@ def _launch(
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
     glu: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError(f"the weight scales must be float32 [{n}], one per weight row")
+    if scale is None and weight.dtype == torch.float8_e4m3fn:
+        raise ValueError("an e4m3 weight needs its row scales")
     if glu:
         if n % 2:
             raise ValueError(f"a GLU output needs [gate; up] weight rows, got {n} rows")
@@ -310,11 +324,13 @@ def _launch(
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = use_pdl(x)
     args = (
-        x, weight, bias if bias is not None else y, y, residual if residual is not None else y,
+        x, weight, bias if bias is not None else y, scale if scale is not None else y, y,
+        residual if residual is not None else y,
         norm_weight, res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
     )  # fmt: skip
     flags = {
-        "HAS_BIAS": bias is not None, "GATED": gated, "NORM": norm is not None,
+        "HAS_BIAS": bias is not None, "HAS_SCALE": scale is not None, "GATED": gated,
+        "NORM": norm is not None,
         "HAS_RESIDUAL": residual is not None, "GLU": glu, "USE_PDL": pdl,
         "BLOCK_N": config.block_n, "num_warps": config.num_warps,
         "num_stages": config.num_stages, **pdl_kwargs(pdl),
@@ -368,8 +384,12 @@ def gemv_triton(
     *,
     gated: bool = False,
     glu: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] (or [K]); weight [N, K] with contiguous rows; returns [1, N] in x.dtype.
+
+    scale: float32 [N], one per weight row: the weight is stored scaled (an e4m3 `weight`,
+    `kernels.fp8_linear`'s layout) and the row's sum is multiplied by it before the bias.
 
     gated: x is [1, 2K] holding [gate, up], and the product is taken with silu(gate) * up
     (the MLP's down projection, without a separate activation kernel).
@@ -377,7 +397,7 @@ def gemv_triton(
     gate/up projection with the activation in its epilogue)."""
     k = weight.shape[1]
     _check(x, weight, 2 * k if gated else k, f"2 * {k}" if gated else str(k))
-    return _launch(x, weight, bias, config, gated=gated, glu=glu)[0]
+    return _launch(x, weight, bias, config, gated=gated, glu=glu, scale=scale)[0]
 
 
 def rms_norm_gemv(
@@ -390,11 +410,13 @@ def rms_norm_gemv(
     config: GemvConfig = DEFAULT_GEMV_CONFIG,
     *,
     glu: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x + residual) @ weight^T (+ bias) at batch 1 in one kernel, rounded as the
     separate `fused_add_rms_norm` then GEMV would round it (with `glu`, then SiLU-and-mul of
-    the [gate, up] product, as in `gemv_triton`). Returns (y [1, N], the new residual
-    x + residual, or x itself without a residual)."""
+    the [gate, up] product, and with `scale`, an e4m3 weight's row scales, as in
+    `gemv_triton`). Returns (y [1, N], the new residual x + residual, or x itself without a
+    residual)."""
     k = weight.shape[1]
     _check(x, weight, k, str(k))
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
@@ -402,7 +424,8 @@ def rms_norm_gemv(
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("the residual must match x in shape and dtype")
     y, res_out = _launch(
-        x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual, glu=glu
+        x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual, glu=glu,
+        scale=scale,
     )
     return y, res_out if res_out is not None else x
 

@@ -55,9 +55,11 @@ POINTER_TYPES = {
     "xs_ptr": "*fp32",
     "ws_ptr": "*fp32",
     "in_scale_ptr": "*fp32",
+    "s_ptr": "*fp32",
 }
-# Variants with KV_FP8 on read and write an e4m3 cache.
+# Variants with KV_FP8 on read and write an e4m3 cache; GEMVs with HAS_SCALE read e4m3 rows.
 FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+FP8_WEIGHT_POINTERS = {"w_ptr": "*fp8e4nv"}
 FLOAT_SCALARS = {"eps", "scale_log2"}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
@@ -108,6 +110,13 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, GATED=True, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=8192,
           USE_PDL=True, BLOCK_N=1), 4, 4),
+    # FP8 layers' one-row whole-row GEMV: e4m3 rows, the norm fused (q/k/v, gate/up).
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
+          GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=4), 4, 3),
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
+          GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=8), 8, 2),
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
@@ -217,7 +226,8 @@ def lower_variant(
     defaults = {p: v.default for p, v in sig.items() if v.default is not inspect.Parameter.empty}
     constexprs = {**defaults, **constexprs}
     signature = {}
-    pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {})}
+    pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),
+                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}
     for p in params:
         if p in constexprs:
             signature[p] = "constexpr"

@@ -16,7 +16,8 @@ only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quanti
 token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
 RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows; it
 forms a SiLU-and-mul input itself) with `Fp8RowGemv`, its one-row form that also forms an
-RMSNorm input.
+RMSNorm input, and `Fp8WholeRowGemv` (one row on `kernels.gemv`'s persistent form, which
+forms either input once per program).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kernels.fp8_linear import (
     FP8_DTYPE,
     FP8_GEMV_MAX_ROWS,
     FP8_GEMV_MIN_BLOCK_N,
+    FP8_WHOLE_ROW_CONFIGS,
     Fp8GemmConfig,
     Fp8GemvConfig,
     fp8_gemm,
@@ -43,6 +45,7 @@ from kernels.fp8_linear import (
     quantize_rows,
     scaled_mm_fits,
 )
+from kernels.gemv import PERSISTENT_GEMV_MAX_K, GemvConfig, gemv_triton, rms_norm_gemv
 from kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import QuantConfig
@@ -145,6 +148,9 @@ def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
         # The row GEMV forms a normed input in every program; with many programs (gate/up)
         # a norm kernel of its own before the plain GEMV can cost less, so both are timed.
         kinds += [Fp8RowGemv(c) for c in fp8_gemv_candidates(1)]
+        # The whole-row GEMV forms it once per program (a few per multiprocessor).
+        if layer.in_features <= PERSISTENT_GEMV_MAX_K:
+            kinds += [Fp8WholeRowGemv(c) for c in FP8_WHOLE_ROW_CONFIGS]
     if rows <= FP8_GEMV_MAX_ROWS:
         kinds += [Fp8Gemv(c) for c in fp8_gemv_candidates(rows)]
     return kinds
@@ -270,3 +276,40 @@ class Fp8RowGemv(Fp8Gemv):
         return fp8_rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
                                  layer.scales, bias, self.config,
                                  layer.gemv_counters)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fp8WholeRowGemv(MatmulKind):
+    """One row (weight-only, W8A16) on `kernels.gemv`'s persistent whole-row GEMV: a few
+    programs per multiprocessor each form the input once, its RMSNorm or SiLU-and-mul
+    included, and stream whole e4m3 rows against it, the row scales applied in the epilogue.
+    A fused norm then costs once per program, not once per row block as in `Fp8RowGemv`."""
+
+    config: GemvConfig
+    name: ClassVar[str] = "fp8 Triton whole-row GEMV (W8A16)"
+    max_rows: ClassVar[int | None] = 1
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.SILU_AND_MUL, InputTransform.RMS_NORM}
+    )
+    reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=False)
+
+    def __post_init__(self) -> None:
+        if self.config.kind != "whole_row":
+            raise ValueError(f"{self.name} takes a whole-row config, got {self.config}")
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        return gemv_triton(x.contiguous(), layer.qweight, bias, self.config, gated=gated,
+                           scale=layer.scales)  # fmt: skip
+
+    def apply_normed(
+        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm,
+        bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
+                             bias, self.config, scale=layer.scales)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"

@@ -142,6 +142,57 @@ def test_whole_row_rms_norm_gemv_with_glu_equals_the_tiled_kernel(with_residual:
     torch.testing.assert_close(whole[1], tiled[1], atol=0, rtol=0)
 
 
+def _e4m3_case(n: int, k: int, dtype: torch.dtype):
+    """An e4m3 weight with float32 row scales (`kernels.fp8_linear`'s layout), its dense
+    float32 equivalent, and an input in `dtype`."""
+    from kernels.fp8_linear import quantize_weight_per_channel
+
+    x, w, b = _case(n, k, torch.float32, True)
+    q, scale = quantize_weight_per_channel(w)
+    return x.to(dtype), q, scale.reshape(-1), q.float() * scale, b.to(dtype)
+
+
+# float16 rather than bfloat16: the interpreter rounds bfloat16 casts differently.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [TILED[0], *WHOLE_ROW])
+def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
+    dtype: torch.dtype, config: GemvConfig
+) -> None:
+    """An FP8 layer's one-row product: e4m3 rows, each row's sum times its scale, then the
+    bias; plain, gated, with a fused norm, and with a GLU output (whose up half has its own
+    scales)."""
+    n, k = 24, 64
+    x, q, scale, dense, b = _e4m3_case(2 * n, k, dtype)
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    got = gemv_triton(x, q, b, config, scale=scale)
+    torch.testing.assert_close(got.float(), gemv_ref(x.float(), dense, b.float()),
+                               atol=tol, rtol=tol)  # fmt: skip
+    glu = gemv_triton(x, q, b, config, glu=True, scale=scale)
+    want_glu = silu_and_mul_ref(gemv_ref(x.float(), dense, b.float()))
+    torch.testing.assert_close(glu.float(), want_glu, atol=tol, rtol=tol)
+    gate_up = torch.cat([x, 2 * x.flip(-1)], dim=-1)
+    gated = gemv_triton(gate_up, q, None, config, gated=True, scale=scale)
+    want_gated = gemv_ref(silu_and_mul_ref(gate_up.float()).to(dtype).float(), dense)
+    torch.testing.assert_close(gated.float(), want_gated, atol=tol, rtol=tol)
+    norm_w = torch.linspace(0.5, 1.5, k).to(dtype)
+    residual = x.flip(-1)
+    y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, q, b, config, scale=scale)
+    normed, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
+    torch.testing.assert_close(y.float(), gemv_ref(normed.float(), dense, b.float()),
+                               atol=tol, rtol=tol)  # fmt: skip
+
+
+def test_e4m3_weight_needs_float32_row_scales() -> None:
+    x, q, scale, _, _ = _e4m3_case(8, 16, torch.float32)
+    with pytest.raises(ValueError, match="needs its row scales"):
+        gemv_triton(x, q)
+    with pytest.raises(ValueError, match=r"float32 \[8\]"):
+        gemv_triton(x, q, scale=scale[:4])
+    with pytest.raises(ValueError, match=r"float32 \[8\]"):
+        gemv_triton(x, q, scale=scale.double())
+
+
 def test_config_names_its_kind() -> None:
     tiled, whole = GemvConfig.tiled(8, 512, 4, 4), GemvConfig.whole_row(2, 4, 3, 4)
     assert (tiled.kind, tiled.block_k) == ("tiled", 512)
@@ -254,6 +305,27 @@ def test_gpu_rms_norm_gemv_at_llama_sizes(n: int) -> None:
         y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, config)
         assert torch.equal(new_residual, want_residual)
         torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("n", [12288, 22016])
+def test_gpu_e4m3_whole_row_gemv_at_llama_sizes(n: int) -> None:
+    """The FP8 layers' one-row whole-row GEMV (norm fused) at the q/k/v and gate/up shapes,
+    every config the tuner times, against the dense product of the same e4m3 rows."""
+    from kernels.fp8_linear import FP8_WHOLE_ROW_CONFIGS, quantize_weight_per_channel
+
+    x, w, _ = _case(n, 4096, torch.bfloat16, False, device="cuda")
+    q, scale = quantize_weight_per_channel(w)
+    residual = torch.randn_like(x)
+    norm_w = (1 + 0.1 * torch.randn(4096, device="cuda")).bfloat16()
+    normed, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
+    want = gemv_ref(normed.float(), q.float() * scale)
+    for config in FP8_WHOLE_ROW_CONFIGS:
+        y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, q, None, config,
+                                        scale=scale.reshape(-1))  # fmt: skip
+        assert torch.equal(new_residual, want_residual)
+        torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu

@@ -359,6 +359,41 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
     torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
 
 
+def test_the_whole_row_gemv_forms_a_normed_or_gated_row_itself(quantized: Make) -> None:
+    """`Fp8WholeRowGemv`: one row on `kernels.gemv`'s persistent form over the e4m3 rows,
+    timed at one row where the row fits, equal to the weight-only reference with the norm
+    or the activation formed in the kernel."""
+    from kernels.gemv import GemvConfig
+
+    layers = _layers(quantized)
+    qkv, norm, down = layers["qkv"], layers["norm"], layers["down"]
+    whole = fp8.Fp8WholeRowGemv(GemvConfig.whole_row(2, 4, 1, 2))
+    assert InputTransform.RMS_NORM in whole.fusable_inputs
+    assert any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fp8.tuning_kinds(qkv, 1))
+    assert not any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fp8.tuning_kinds(qkv, 2))
+    with pytest.raises(ValueError, match="whole-row config"):
+        fp8.Fp8WholeRowGemv(GemvConfig.tiled(8, 32, 4, 1))
+    gen = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    assert agrees_with_reference(whole, qkv, x, None)
+    qkv.set_plan(MatmulPlan((fp8_entry(whole, 1, InputTransform.RMS_NORM),
+                             fp8_entry(Fp8DequantMatmul(False), None,
+                                       InputTransform.RMS_NORM))))  # fmt: skip
+    assert qkv.plan.entries[0].fuse_input
+    got, new_residual = qkv.forward_normed(x, residual, norm)
+    h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, norm.eps)
+    torch.testing.assert_close(new_residual, want_residual)
+    torch.testing.assert_close(got, Fp8DequantMatmul(False).apply(qkv, h, None),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    gated = torch.randn(1, 2 * down.in_features, generator=gen)
+    down.set_plan(MatmulPlan((fp8_entry(whole, 1, InputTransform.SILU_AND_MUL),
+                              fp8_entry(Fp8DequantMatmul(False), None,
+                                        InputTransform.SILU_AND_MUL))))  # fmt: skip
+    assert down.plan.entries[0].fuse_input
+    want = MatmulPlan((PlanEntry(Fp8DequantMatmul(False), input=InputTransform.SILU_AND_MUL),))
+    torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
