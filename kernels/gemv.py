@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from kernels._triton_utils import num_sms, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
+from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
 from kernels.rms_norm import fused_add_rms_norm
 
 __all__ = [
@@ -65,6 +66,8 @@ class GemvConfig:
     num_stages: int
     block_k: int = 0  # tiled only
     programs_per_sm: int = 0  # whole-row only
+    # Whole-row only, e4m3 weights: products in half-precision pairs (`kernels.half_pairs`).
+    pairs: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tiled", "whole_row"):
@@ -73,6 +76,8 @@ class GemvConfig:
             raise ValueError("a tiled GEMV config needs block_k > 0")
         if self.kind == "whole_row" and self.programs_per_sm <= 0:
             raise ValueError("a whole-row GEMV config needs programs_per_sm > 0")
+        if self.pairs and self.kind != "whole_row":
+            raise ValueError("half-precision pairs are a whole-row GEMV option")
 
     @classmethod
     def tiled(cls, block_n: int, block_k: int, num_warps: int, num_stages: int) -> GemvConfig:
@@ -80,15 +85,18 @@ class GemvConfig:
 
     @classmethod
     def whole_row(
-        cls, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int
-    ) -> GemvConfig:
-        return cls("whole_row", block_n, num_warps, num_stages, programs_per_sm=programs_per_sm)
+        cls, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
+        pairs: bool = False,
+    ) -> GemvConfig:  # fmt: skip
+        return cls("whole_row", block_n, num_warps, num_stages, programs_per_sm=programs_per_sm,
+                   pairs=pairs)  # fmt: skip
 
     def __str__(self) -> str:
         """Short and unique, as timing tables and logs name it: kind[block_n, block_k or
         programs per multiprocessor, num_warps, num_stages]."""
         second = self.block_k if self.kind == "tiled" else self.programs_per_sm
-        return f"{self.kind}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
+        name = f"{self.kind}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
+        return name + (" pairs" if self.pairs else "")
 
 
 # Few rows per program for the small-N shapes (enough programs to keep every multiprocessor
@@ -179,12 +187,16 @@ def row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD: tl.constexpr,
 
 
 @triton.jit
-def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
+def _store_rows(
+    acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, GLU: tl.constexpr, PAIRS: tl.constexpr = False,
+):  # fmt: skip
     """Reduce the [BLOCK_N, BLOCK_K] products to the rows' outputs, apply the rows' weight
-    scales (HAS_SCALE: an e4m3 weight), add the bias and, for a GLU output, apply
-    SiLU-and-mul; store them."""
+    scales (HAS_SCALE: an e4m3 weight; PAIRS: products in units of 1 / E4M3_X_SCALE), add
+    the bias and, for a GLU output, apply SiLU-and-mul; store them."""
     y = tl.sum(acc, axis=1)
+    if PAIRS:
+        y = y * E4M3_X_SCALE
     if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -192,6 +204,8 @@ def _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS: t
     if GLU:
         # Rounded as the plain GEMV's [gate, up] output, then as `silu_and_mul` rounds.
         up = tl.sum(acc_up, axis=1)
+        if PAIRS:
+            up = up * E4M3_X_SCALE
         if HAS_SCALE:
             up = up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
         if HAS_BIAS:
@@ -261,34 +275,78 @@ def _load_row_block(w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_w, K, GATED: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The formed input as the f16x2 pairs (x0, x1), (x2, x3) of each 4-byte weight word
+    (`kernels.half_pairs.e4m3_word_dot`), words `offs_w`; zero past K."""
+    kk = offs_w * 4
+    x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
+                         HAS_RESIDUAL)  # fmt: skip
+    return pack_f16_pair(x0, x1, E4M3_X_SCALE), pack_f16_pair(x2, x3, E4M3_X_SCALE)
+
+
+@triton.jit
+def _row_block_products(w, w_up, x, x01, x23, PAIRS: tl.constexpr):
+    """A row block's products with the input: per value in float32, or with PAIRS (w, w_up
+    as e4m3 words) per word in half-precision pairs, in units of 1 / E4M3_X_SCALE."""
+    if PAIRS:
+        return e4m3_word_dot(w, x01[None, :], x23[None, :]), e4m3_word_dot(
+            w_up, x01[None, :], x23[None, :]
+        )
+    return w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :]
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """The persistent whole-row form: a grid of a few programs per multiprocessor, each of
     which forms the input row once (its norm or activation included) and then streams whole
     row blocks pid, pid + G, ... of W against it. The input's transform and the row's rstd
-    are paid once per program rather than once per row block and K tile."""
+    are paid once per program rather than once per row block and K tile.
+
+    PAIRS (e4m3 weights, HAS_SCALE): w_ptr is the weight viewed as int32 words (stride_wn
+    in words) and the products run in half-precision pairs, two values an instruction; at a
+    byte per weight the float32 form issues about twice the instructions per byte of the
+    16-bit weights' form."""
     pid = tl.program_id(0)
-    offs_k = tl.arange(0, K_PAD)
+    offs_k = tl.arange(0, K_PAD // 4 if PAIRS else K_PAD)
+    # Words past K read as zero: the pairs compare word starts with K.
+    k_cols = K // 4 if PAIRS else K
     # As in `_gemv_kernel`, the first weights are requested before waiting.
-    w, w_up, offs_n, n_mask = _load_row_block(w_ptr, pid, N, K, stride_wn, offs_k, BLOCK_N, GLU)
+    w, w_up, offs_n, n_mask = _load_row_block(w_ptr, pid, N, k_cols, stride_wn, offs_k, BLOCK_N,
+                                              GLU)  # fmt: skip
     pdl_wait(USE_PDL)
     rstd = 0.0
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
-    x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM,
-                        HAS_RESIDUAL)  # fmt: skip
-    _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
-                n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
+    if PAIRS:
+        x01, x23 = _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, GATED, NORM,
+                                HAS_RESIDUAL)  # fmt: skip
+        x = x01
+    else:
+        x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, False, GATED, NORM,
+                            HAS_RESIDUAL)  # fmt: skip
+        x01, x23 = x, x
+    acc, acc_up = _row_block_products(w, w_up, x, x01, x23, PAIRS)
+    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU,
+                PAIRS)  # fmt: skip
     for rb in range(pid + tl.num_programs(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         w, w_up, offs_n, n_mask = _load_row_block(
-            w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N, GLU
+            w_ptr, rb, N, k_cols, stride_wn, offs_k, BLOCK_N, GLU
         )
-        _store_rows(w.to(tl.float32) * x[None, :], w_up.to(tl.float32) * x[None, :], offs_n,
-                    n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
+        acc, acc_up = _row_block_products(w, w_up, x, x01, x23, PAIRS)
+        _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE,
+                    GLU, PAIRS)  # fmt: skip
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int, what: str) -> None:
@@ -315,6 +373,8 @@ def _launch(
         raise ValueError(f"the weight scales must be float32 [{n}], one per weight row")
     if scale is None and weight.dtype == torch.float8_e4m3fn:
         raise ValueError("an e4m3 weight needs its row scales")
+    if config.pairs:
+        _check_pairs(x, weight)
     if glu:
         if n % 2:
             raise ValueError(f"a GLU output needs [gate; up] weight rows, got {n} rows")
@@ -323,10 +383,13 @@ def _launch(
     res_out = torch.empty_like(x) if residual is not None else None
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = use_pdl(x)
+    # Pairs read the e4m3 rows as int32 words.
+    w_arg, stride_wn = (weight.view(torch.int32), weight.stride(0) // 4) if config.pairs else (
+        weight, weight.stride(0))  # fmt: skip
     args = (
-        x, weight, bias if bias is not None else y, scale if scale is not None else y, y,
+        x, w_arg, bias if bias is not None else y, scale if scale is not None else y, y,
         residual if residual is not None else y,
-        norm_weight, res_out if res_out is not None else y, float(eps), n, k, weight.stride(0),
+        norm_weight, res_out if res_out is not None else y, float(eps), n, k, stride_wn,
     )  # fmt: skip
     flags = {
         "HAS_BIAS": bias is not None, "HAS_SCALE": scale is not None, "GATED": gated,
@@ -339,6 +402,7 @@ def _launch(
         if k > PERSISTENT_GEMV_MAX_K:
             raise ValueError(f"the whole-row GEMV takes rows up to {PERSISTENT_GEMV_MAX_K} long")
         flags["K_PAD"] = triton.next_power_of_2(k)
+        flags["PAIRS"] = config.pairs
         per_sm = config.programs_per_sm
         if x.is_cuda:
             # No more programs than stay resident at once: a second wave would be a tail.
@@ -352,6 +416,15 @@ def _launch(
         BLOCK_K=config.block_k, **flags,
     )  # fmt: skip
     return y, res_out
+
+
+def _check_pairs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Pairs take e4m3 rows of whole, aligned 4-byte words and a 16-bit activation."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"half-precision pairs read e4m3 weights, got {weight.dtype}")
+    check_pair_activation(x)
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
+        raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
 
 
 _resident: dict[tuple, int] = {}

@@ -117,6 +117,9 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
           GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=8), 8, 2),
+    ("kernels.gemv", "_gemv_rows_kernel",
+     dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
+          GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=4, PAIRS=True), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
@@ -228,6 +231,8 @@ def lower_variant(
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),
                 **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}
+    if constexprs.get("PAIRS") and kernel == "_gemv_rows_kernel":
+        pointers["w_ptr"] = "*i32"  # e4m3 rows read as 4-byte words
     for p in params:
         if p in constexprs:
             signature[p] = "constexpr"

@@ -152,9 +152,16 @@ def _e4m3_case(n: int, k: int, dtype: torch.dtype):
     return x.to(dtype), q, scale.reshape(-1), q.float() * scale, b.to(dtype)
 
 
-# float16 rather than bfloat16: the interpreter rounds bfloat16 casts differently.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [TILED[0], *WHOLE_ROW])
+# float16 rather than bfloat16: the interpreter rounds bfloat16 casts differently. Pairs
+# take 16-bit activations only (their refusal of float32 is tested below).
+E4M3_CASES = [
+    *((dtype, config) for dtype in (torch.float32, torch.float16)
+      for config in (TILED[0], *WHOLE_ROW)),
+    (torch.float16, GemvConfig.whole_row(2, 4, 1, 2, pairs=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,config", E4M3_CASES)
 def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
     dtype: torch.dtype, config: GemvConfig
 ) -> None:
@@ -163,7 +170,8 @@ def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
     scales)."""
     n, k = 24, 64
     x, q, scale, dense, b = _e4m3_case(2 * n, k, dtype)
-    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    # Pairs round x to fp16 and sum each word's four products in fp16.
+    tol = 1e-4 if dtype == torch.float32 else (8e-3 if config.pairs else 4e-3)
     got = gemv_triton(x, q, b, config, scale=scale)
     torch.testing.assert_close(got.float(), gemv_ref(x.float(), dense, b.float()),
                                atol=tol, rtol=tol)  # fmt: skip
@@ -181,6 +189,20 @@ def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
     torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
     torch.testing.assert_close(y.float(), gemv_ref(normed.float(), dense, b.float()),
                                atol=tol, rtol=tol)  # fmt: skip
+
+
+def test_pairs_are_a_whole_row_option_for_e4m3_rows_and_16_bit_inputs() -> None:
+    pairs = GemvConfig.whole_row(2, 4, 1, 2, pairs=True)
+    assert str(pairs) == "whole_row[2, 2, 4, 1] pairs"
+    with pytest.raises(ValueError, match="whole-row GEMV option"):
+        GemvConfig("tiled", 8, 4, 1, block_k=32, pairs=True)
+    x, q, scale, _, _ = _e4m3_case(8, 16, torch.float16)
+    with pytest.raises(ValueError, match="16-bit activations"):
+        gemv_triton(x.float(), q, scale=scale, config=pairs)
+    with pytest.raises(ValueError, match="read e4m3 weights"):
+        gemv_triton(x, q.half(), config=pairs)
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        gemv_triton(x[:, :14], q[:, :14].contiguous(), scale=scale, config=pairs)
 
 
 def test_e4m3_weight_needs_float32_row_scales() -> None:
