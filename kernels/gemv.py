@@ -275,19 +275,17 @@ def _load_row_block(w_ptr, rb, N, K, stride_wn, offs_k, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_w, K, GATED: tl.constexpr,
+def _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, K, K_PAD: tl.constexpr, GATED: tl.constexpr,
                  NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
     """The formed input as the f16x2 pairs (x0, x1), (x2, x3) of each 4-byte weight word
-    (`kernels.half_pairs.e4m3_word_dot`), words `offs_w`; zero past K."""
-    kk = offs_w * 4
-    x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
+    (`kernels.half_pairs.e4m3_word_dot`); zero past K. It is formed in one contiguous pass,
+    as the float32 form forms it, and split into the four values of each word after."""
+    x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, tl.arange(0, K_PAD), K, False, GATED,
+                        NORM, HAS_RESIDUAL)  # fmt: skip
+    # [K / 4, 2, 2]: (word, a, b) holds value 4 word + 2 a + b.
+    lo, hi = tl.split(tl.reshape(x, (K_PAD // 4, 2, 2)))
+    x0, x2 = tl.split(lo)
+    x1, x3 = tl.split(hi)
     return pack_f16_pair(x0, x1, E4M3_X_SCALE), pack_f16_pair(x2, x3, E4M3_X_SCALE)
 
 
@@ -330,7 +328,7 @@ def _gemv_rows_kernel(
     if NORM:
         rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
     if PAIRS:
-        x01, x23 = _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, K, GATED, NORM,
+        x01, x23 = _pairs_input(x_ptr, res_ptr, norm_w_ptr, rstd, K, K_PAD, GATED, NORM,
                                 HAS_RESIDUAL)  # fmt: skip
         x = x01
     else:

@@ -154,21 +154,23 @@ def _e4m3_case(n: int, k: int, dtype: torch.dtype):
 
 # float16 rather than bfloat16: the interpreter rounds bfloat16 casts differently. Pairs
 # take 16-bit activations only (their refusal of float32 is tested below).
+# (dtype, config, K): K = 48 leaves the padded row's last words past K.
 E4M3_CASES = [
-    *((dtype, config) for dtype in (torch.float32, torch.float16)
+    *((dtype, config, 64) for dtype in (torch.float32, torch.float16)
       for config in (TILED[0], *WHOLE_ROW)),
-    (torch.float16, GemvConfig.whole_row(2, 4, 1, 2, pairs=True)),
+    (torch.float16, GemvConfig.whole_row(2, 4, 1, 2, pairs=True), 64),
+    (torch.float16, GemvConfig.whole_row(4, 4, 1, 2, pairs=True), 48),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype,config", E4M3_CASES)
+@pytest.mark.parametrize("dtype,config,k", E4M3_CASES)
 def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
-    dtype: torch.dtype, config: GemvConfig
+    dtype: torch.dtype, config: GemvConfig, k: int
 ) -> None:
     """An FP8 layer's one-row product: e4m3 rows, each row's sum times its scale, then the
     bias; plain, gated, with a fused norm, and with a GLU output (whose up half has its own
     scales)."""
-    n, k = 24, 64
+    n = 24
     x, q, scale, dense, b = _e4m3_case(2 * n, k, dtype)
     # Pairs round x to fp16 and sum each word's four products in fp16.
     tol = 1e-4 if dtype == torch.float32 else (8e-3 if config.pairs else 4e-3)
