@@ -10,6 +10,7 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
                                                    # and the new kernel's config sweep
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
+    python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
 
 Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes. FP8
@@ -525,6 +526,84 @@ def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
                 row(case, f"triton {gcfg}", ms, nbytes, flops)
 
 
+def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None:
+    """One row through every FP8 one-row form, with the layer's input transform where a
+    decode step runs it: "norm" (q/k/v, gate/up: the residual add and RMSNorm, in the kernel
+    where it can form it, else the norm kernel first), "gated" (down: SiLU-and-mul of
+    [gate, up]) or "plain" (o). The bf16 whole-row GEMV with the same transform is the
+    16-bit reference."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_linear import (
+        FP8_GEMV_MIN_BLOCK_N,
+        FP8_WHOLE_ROW_CONFIGS,
+        fp8_gemv,
+        fp8_gemv_candidates,
+        fp8_rms_norm_gemv,
+        quantize_weight_per_channel,
+    )
+    from kernels.gemv import PERSISTENT_GEMV_CONFIGS, GemvConfig, gemv_triton, rms_norm_gemv
+    from kernels.gemv_split_k import gemv_counters
+    from kernels.rms_norm import fused_add_rms_norm
+
+    copies = max(4, math.ceil(512 * 2**20 / (n * k)))
+    weights = []
+    for _ in range(copies):
+        q, scale = quantize_weight_per_channel(
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        )
+        weights.append((q, scale.view(-1)))
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(max(4, copies // 2))]  # fmt: skip
+    x = torch.randn(1, 2 * k if transform == "gated" else k, device="cuda", dtype=torch.bfloat16)
+    residual, norm_w = torch.randn(1, k, device="cuda", dtype=torch.bfloat16), torch.ones(
+        k, device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    counters = gemv_counters(1, n, "cuda", FP8_GEMV_MIN_BLOCK_N)
+    turn = itertools.count()
+
+    def timed(impl: str, call: Callable[[torch.Tensor, torch.Tensor | None], Any],
+              pool: list, bytes_per: int) -> None:  # fmt: skip
+        ms = bench(lambda: call(*pool[next(turn) % len(pool)]))
+        emit("fp8row", {**shape, "rows": 1, "transform": transform, "impl": impl}, ms,
+             nbytes=bytes_per)  # fmt: skip
+
+    def whole_row(cfg: GemvConfig, w: torch.Tensor, s: torch.Tensor | None) -> Any:
+        if transform == "norm":
+            return rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, cfg, scale=s)
+        return gemv_triton(x, w, None, cfg, gated=transform == "gated", scale=s)
+
+    def normed_input() -> torch.Tensor:
+        return fused_add_rms_norm(x, residual, norm_w, 1e-5)[0]
+
+    dense_pool = [(w, None) for w in dense]
+    if k <= 8192:
+        for cfg in PERSISTENT_GEMV_CONFIGS:
+            timed(f"bf16 {cfg}", lambda w, s, c=cfg: whole_row(c, w, s), dense_pool, 2 * n * k)
+        for cfg in FP8_WHOLE_ROW_CONFIGS:
+            timed(f"fp8 {cfg}", lambda w, s, c=cfg: whole_row(c, w, s), weights, n * k + 4 * n)
+    for cfg in fp8_gemv_candidates(1):
+        if transform == "norm":
+            timed(f"fp8 row {cfg}", lambda w, s, c=cfg: fp8_rms_norm_gemv(
+                x, residual, norm_w, 1e-5, w, s, None, c, counters), weights, n * k + 4 * n)
+            timed(f"fp8 norm kernel + {cfg}", lambda w, s, c=cfg: fp8_gemv(
+                normed_input(), w, s, None, c, counters=counters), weights, n * k + 4 * n)
+        else:
+            timed(f"fp8 {cfg}", lambda w, s, c=cfg: fp8_gemv(
+                x, w, s, None, c, gated=transform == "gated", counters=counters), weights,
+                n * k + 4 * n)  # fmt: skip
+    if transform == "gated":  # the activation kernel, then the plain GEMV
+        timed("fp8 silu kernel + default", lambda w, s: fp8_gemv(
+            silu_and_mul(x), w, s, None, counters=counters), weights, n * k + 4 * n)
+
+
+def bench_fp8_row() -> None:
+    """FP8 one-row decode GEMVs at the W1 shapes with their input transforms."""
+    transforms = {(12288, 4096): "norm", (4096, 4096): "plain", (22016, 4096): "norm",
+                  (4096, 11008): "gated"}  # fmt: skip
+    for n, k in GEMV_SHAPES["W1"]:
+        shape = {"workload": "W1", "n": n, "k": k}
+        run_case("fp8row", shape, _fp8_row_case, n=n, k=k, transform=transforms[(n, k)])
+
+
 def bench_fp8() -> None:
     for wl in ("W1", "W2"):
         for n, k in GEMV_SHAPES[wl]:
@@ -546,7 +625,7 @@ def main() -> None:
         "--only",
         choices=[
             "attention", "prefill", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8",
-            "kvfp8",
+            "fp8row", "kvfp8",
         ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
@@ -585,6 +664,8 @@ def main() -> None:
         bench_quant(tuple(int(r) for r in args.quant_rows.split(",")))
     if args.only in (None, "fp8"):
         bench_fp8()
+    if args.only in (None, "fp8row"):
+        bench_fp8_row()
 
 
 if __name__ == "__main__":
