@@ -33,7 +33,13 @@ from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, tri
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from kernels.gemv import GemvConfig, load_gemv_input, row_rstd
 from kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
-from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
+from kernels.half_pairs import (
+    E4M3_X_SCALE,
+    check_pair_activation,
+    check_pair_words,
+    e4m3_word_dot,
+    pack_f16_pair,
+)
 
 __all__ = [
     "FP8_DTYPE",
@@ -615,8 +621,7 @@ def _check_pairs(x: torch.Tensor, qweight: torch.Tensor, config: Fp8GemvConfig) 
     """The pairs form reads the weight as 4-byte words and rounds x to fp16: it needs
     word-aligned rows and a 16-bit activation."""
     check_pair_activation(x)
-    if qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
-        raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
+    check_pair_words(qweight)
     if config.block_k % 4:
         raise ValueError(f"block_k={config.block_k} must be a multiple of 4 for pairs")
 

@@ -36,7 +36,13 @@ import torch.nn.functional as F
 
 from kernels._triton_utils import num_sms, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
-from kernels.half_pairs import E4M3_X_SCALE, check_pair_activation, e4m3_word_dot, pack_f16_pair
+from kernels.half_pairs import (
+    E4M3_X_SCALE,
+    check_pair_activation,
+    check_pair_words,
+    e4m3_word_dot,
+    pack_f16_pair,
+)
 from kernels.rms_norm import fused_add_rms_norm
 
 __all__ = [
@@ -318,7 +324,7 @@ def _gemv_rows_kernel(
     16-bit weights' form."""
     pid = tl.program_id(0)
     offs_k = tl.arange(0, K_PAD // 4 if PAIRS else K_PAD)
-    # Words past K read as zero: the pairs compare word starts with K.
+    # The columns a row block masks against: words with PAIRS (K is a multiple of 4).
     k_cols = K // 4 if PAIRS else K
     # As in `_gemv_kernel`, the first weights are requested before waiting.
     w, w_up, offs_n, n_mask = _load_row_block(w_ptr, pid, N, k_cols, stride_wn, offs_k, BLOCK_N,
@@ -421,8 +427,7 @@ def _check_pairs(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"half-precision pairs read e4m3 weights, got {weight.dtype}")
     check_pair_activation(x)
-    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
-        raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
+    check_pair_words(weight)
 
 
 _resident: dict[tuple, int] = {}

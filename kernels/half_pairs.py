@@ -33,6 +33,7 @@ __all__ = [
     "INT4_X_SCALE",
     "INT8_X_SCALE",
     "check_pair_activation",
+    "check_pair_words",
     "e4m3_word_dot",
     "int4_word_dot",
     "int8_word_dot",
@@ -52,6 +53,12 @@ def check_pair_activation(x: torch.Tensor) -> None:
     """The pairs round x to fp16: a float32 activation would lose precision silently."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"half-precision pairs take 16-bit activations, got {x.dtype}")
+
+
+def check_pair_words(weight: torch.Tensor) -> None:
+    """An e4m3 weight read as 4-byte words needs rows of whole, aligned words."""
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.data_ptr() % 4:
+        raise ValueError("half-precision pairs need weight rows of whole 4-byte words")
 
 
 def _word_dot_ptx(body: str) -> tl.constexpr:
