@@ -55,6 +55,7 @@ __all__ = [
     "gemv_triton",
     "rms_norm_gemv",
     "tune_gemv",
+    "whole_row_max_k",
 ]
 
 @dataclass(frozen=True)
@@ -119,12 +120,20 @@ GEMV_CONFIGS: list[GemvConfig] = [
 DEFAULT_GEMV_CONFIG = GemvConfig.tiled(8, 512, 4, 4)
 # The whole-row kernel holds the input row in registers: only for rows up to this long.
 PERSISTENT_GEMV_MAX_K = 8192
+# In half-precision pairs it holds the row as f16x2 words, half the registers of float32
+# values: rows twice as long fit (an FP8 down projection's 11,008 or 14,336).
+PERSISTENT_PAIRS_GEMV_MAX_K = 16384
 PERSISTENT_GEMV_CONFIGS: list[GemvConfig] = [
     GemvConfig.whole_row(1, 4, 4, programs_per_sm=8),
     GemvConfig.whole_row(2, 4, 3, programs_per_sm=4),
     GemvConfig.whole_row(2, 8, 3, programs_per_sm=4),
     GemvConfig.whole_row(4, 8, 2, programs_per_sm=2),
 ]
+
+
+def whole_row_max_k(config: GemvConfig) -> int:
+    """The longest input row a whole-row config holds (a tiled one takes any length)."""
+    return PERSISTENT_PAIRS_GEMV_MAX_K if config.pairs else PERSISTENT_GEMV_MAX_K
 
 
 def gemv_candidates(k: int) -> list[GemvConfig]:
@@ -403,8 +412,9 @@ def _launch(
         "num_stages": config.num_stages, **pdl_kwargs(pdl),
     }  # fmt: skip
     if config.kind == "whole_row":
-        if k > PERSISTENT_GEMV_MAX_K:
-            raise ValueError(f"the whole-row GEMV takes rows up to {PERSISTENT_GEMV_MAX_K} long")
+        if k > whole_row_max_k(config):
+            raise ValueError(f"the whole-row GEMV {config} takes rows up to "
+                             f"{whole_row_max_k(config)} long")  # fmt: skip
         flags["K_PAD"] = triton.next_power_of_2(k)
         flags["PAIRS"] = config.pairs
         per_sm = config.programs_per_sm
@@ -591,7 +601,7 @@ def tune_gemv(
 
     candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
     tried = gemv_candidates(k) if configs is None else configs
-    fits = [c for c in tried if c.kind == "tiled" or k <= PERSISTENT_GEMV_MAX_K]
+    fits = [c for c in tried if c.kind == "tiled" or k <= whole_row_max_k(c)]
     for cfg in fits:
         candidates.append((str(cfg), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
         if transformed:

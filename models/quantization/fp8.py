@@ -45,7 +45,7 @@ from kernels.fp8_linear import (
     quantize_rows,
     scaled_mm_fits,
 )
-from kernels.gemv import PERSISTENT_GEMV_MAX_K, GemvConfig, gemv_triton, rms_norm_gemv
+from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
 from kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import QuantConfig
@@ -149,8 +149,8 @@ def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
         # a norm kernel of its own before the plain GEMV can cost less, so both are timed.
         kinds += [Fp8RowGemv(c) for c in fp8_gemv_candidates(1)]
         # The whole-row GEMV forms it once per program (a few per multiprocessor).
-        if layer.in_features <= PERSISTENT_GEMV_MAX_K:
-            kinds += [Fp8WholeRowGemv(c) for c in FP8_WHOLE_ROW_CONFIGS]
+        kinds += [Fp8WholeRowGemv(c) for c in FP8_WHOLE_ROW_CONFIGS
+                  if layer.in_features <= whole_row_max_k(c)]  # fmt: skip
     if rows <= FP8_GEMV_MAX_ROWS:
         kinds += [Fp8Gemv(c) for c in fp8_gemv_candidates(rows)]
     return kinds

@@ -15,6 +15,7 @@ from kernels.gemv import (
     gemv_triton,
     rms_norm_gemv,
     tune_gemv,
+    whole_row_max_k,
 )
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from models.layers import MergedColumnParallelLinear, RowParallelLinear
@@ -160,6 +161,8 @@ E4M3_CASES = [
       for config in (TILED[0], *WHOLE_ROW)),
     (torch.float16, GemvConfig.whole_row(2, 4, 1, 2, pairs=True), 64),
     (torch.float16, GemvConfig.whole_row(4, 4, 1, 2, pairs=True), 48),
+    # Longer than a float32 row may be (the pairs hold up to PERSISTENT_PAIRS_GEMV_MAX_K).
+    (torch.float16, GemvConfig.whole_row(1, 4, 1, 2, pairs=True), 8192 + 96),
 ]  # fmt: skip
 
 
@@ -205,6 +208,17 @@ def test_pairs_are_a_whole_row_option_for_e4m3_rows_and_16_bit_inputs() -> None:
         gemv_triton(x, q.half(), config=pairs)
     with pytest.raises(ValueError, match="whole 4-byte words"):
         gemv_triton(x[:, :14], q[:, :14].contiguous(), scale=scale, config=pairs)
+
+
+def test_whole_row_rows_may_be_longer_in_pairs_than_in_float32() -> None:
+    """The pairs hold the input row in half the registers, so they take rows up to twice as
+    long; a float32 whole-row config refuses such a row rather than spill."""
+    floats, pairs = GemvConfig.whole_row(1, 4, 1, 2), GemvConfig.whole_row(1, 4, 1, 2, pairs=True)
+    assert whole_row_max_k(pairs) == 2 * whole_row_max_k(floats) == 16384
+    k = whole_row_max_k(floats) + 96
+    x, q, scale, _, _ = _e4m3_case(4, k, torch.float16)
+    with pytest.raises(ValueError, match="rows up to 8192 long"):
+        gemv_triton(x, q, scale=scale, config=floats)
 
 
 def test_e4m3_weight_needs_float32_row_scales() -> None:
@@ -349,6 +363,25 @@ def test_gpu_e4m3_whole_row_gemv_at_llama_sizes(n: int) -> None:
         y, new_residual = rms_norm_gemv(x, residual, norm_w, 1e-5, q, None, config,
                                         scale=scale.reshape(-1))  # fmt: skip
         assert torch.equal(new_residual, want_residual)
+        torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_e4m3_whole_row_pairs_gemv_at_the_down_projection() -> None:
+    """The down projection's 11,008-long rows (Llama-2-7B) in the pairs whole-row configs,
+    with SiLU-and-mul formed in the kernel, against the dense product of the same rows."""
+    from kernels.fp8_linear import FP8_WHOLE_ROW_CONFIGS, quantize_weight_per_channel
+
+    k = 11008
+    x, w, _ = _case(4096, k, torch.bfloat16, False, device="cuda")
+    q, scale = quantize_weight_per_channel(w)
+    gate_up = torch.cat([x, x.flip(-1)], dim=-1)
+    want = gemv_ref(silu_and_mul_ref(gate_up.float()).bfloat16().float(), q.float() * scale)
+    configs = [c for c in FP8_WHOLE_ROW_CONFIGS if k <= whole_row_max_k(c)]
+    assert configs and all(c.pairs for c in configs)
+    for config in configs:
+        y = gemv_triton(gate_up, q, None, config, gated=True, scale=scale.reshape(-1))
         torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
 
 

@@ -393,6 +393,20 @@ def test_the_whole_row_gemv_forms_a_normed_or_gated_row_itself(quantized: Make) 
     want = MatmulPlan((PlanEntry(Fp8DequantMatmul(False), input=InputTransform.SILU_AND_MUL),))
     torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
 
+def test_rows_too_long_for_float32_get_the_whole_row_gemv_in_pairs() -> None:
+    """A down projection's 11,008-long rows exceed what the float32 whole-row form holds in
+    registers, not what its pairs form holds: only the pairs configs are timed there."""
+    from types import SimpleNamespace
+
+    def whole_row(in_features: int) -> list[fp8.Fp8WholeRowGemv]:
+        layer = SimpleNamespace(in_features=in_features)
+        return [k for k in fp8.tuning_kinds(layer, 1) if isinstance(k, fp8.Fp8WholeRowGemv)]
+
+    assert {k.config.pairs for k in whole_row(4096)} == {False, True}
+    assert {k.config.pairs for k in whole_row(11008)} == {True}
+    assert whole_row(32768) == []
+
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
