@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -49,7 +51,13 @@ from models.matmul_plan import (
     TritonGemv,
 )
 from models.plan_cache import PlanCache, device_identity, plan_key, source_digest
-from models.quantization.kinds import QUANT_GEMV_MAX_ROWS, agrees_with_reference, tuning_kinds
+from models.quantization.kinds import (
+    QUANT_GEMV_MAX_ROWS,
+    agrees_with_reference,
+    reference_of,
+    reference_output,
+    tuning_kinds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +76,10 @@ CPU_PACKED_MAX_BYTES = 256 * 2**20
 # The packed copies of all layers may take at most this share of the host memory available
 # at start-up; a model too large for that keeps the BLAS calls (one log line says so).
 CPU_PACKED_MAX_SHARE_OF_FREE = 0.5
+
+# Threads that compile the quantized kinds' Triton kernels side by side before they are
+# timed (`_compile_ahead`); 1 compiles each on its first run instead.
+COMPILE_AHEAD_THREADS = min(16, os.cpu_count() or 1)
 
 Plans = dict[PlannedMatmul, MatmulPlan]
 
@@ -273,11 +285,72 @@ def _agrees_over_range(
     kind: MatmulKind, pairs: list[tuple[LinearBase, torch.Tensor | None]], x: torch.Tensor,
     low_rows: int,
 ) -> bool:  # fmt: skip
-    """Whether `kind` agrees with the dequantize-then-matmul reference on every layer of
-    `pairs` (layer, bias), at x's rows and at `low_rows` (the fewest rows of the range it
-    would serve: a partial tile there can fail where a full one does not)."""
+    """Whether `kind` agrees with its reference on every layer of `pairs` (layer, bias), at
+    x's rows and at `low_rows` (`_agreeing_kinds`)."""
+    return bool(_agreeing_kinds([kind], pairs, x, low_rows))
+
+
+def _agreeing_kinds(
+    kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
+    x: torch.Tensor, low_rows: int,
+) -> list[MatmulKind]:  # fmt: skip
+    """The kinds that agree with their reference (`agrees_with_reference`) on every layer of
+    `pairs` (layer, bias), at x's rows and at `low_rows` (the fewest rows of the range they
+    would serve: a partial tile there can fail where a full one does not). A kind that
+    raises (a config this GPU cannot run) drops out silently, one that disagrees with a
+    warning. Layer by layer, each reference output is computed once for all the kinds
+    rather than once per kind: with some fifty kinds and 32 layers, the references were
+    most of the start-up tuning's time."""
     checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
-    return all(agrees_with_reference(kind, m, xs, b) for m, b in pairs for xs in checks)
+    dropped: set[int] = set()
+    for m, b in pairs:
+        for xs in checks:
+            wants: dict[MatmulKind, torch.Tensor] = {}
+            for kind in kinds:
+                if id(kind) in dropped:
+                    continue
+                try:
+                    reference = reference_of(kind)
+                    if reference not in wants:
+                        wants[reference] = reference_output(reference, m, xs, b)
+                    agrees = agrees_with_reference(kind, m, xs, b, wants[reference])
+                except Exception:
+                    dropped.add(id(kind))
+                    continue
+                if not agrees:
+                    logger.warning("quantized %s disagrees with the reference at %d rows; "
+                                   "not planned", kind.describe(), xs.shape[0])  # fmt: skip
+                    dropped.add(id(kind))
+    return [kind for kind in kinds if id(kind) not in dropped]
+
+
+def _compile_ahead(
+    kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
+    x: torch.Tensor, low_rows: int, timed_input: Callable,
+) -> None:
+    """Run each kind once, as the agreement check and the timing will, from a pool of
+    threads, so that their Triton kernels compile side by side: Triton releases the GIL
+    while it compiles, and a cold start compiles some fifty configs per shape. The kernels
+    run on the caller's stream, one after another as launched; what they return is
+    dropped, and a kind that fails here fails again in the serial pass, which skips it."""
+    if x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2:
+        return
+    layer, bias = pairs[0]
+    stream = torch.cuda.current_stream(x.device)
+    rows = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
+
+    def warm(kind: MatmulKind) -> None:
+        try:
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for xs in rows:
+                    kind.apply(layer, xs, bias)
+                timed_input(kind, layer, bias)
+        except Exception:  # the serial pass reports and skips it
+            pass
+
+    with ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool:
+        list(pool.map(warm, kinds))
+    torch.cuda.synchronize(x.device)
 
 
 def _time_kinds(
@@ -286,18 +359,15 @@ def _time_kinds(
     low_rows: int = 1, *, declared: InputTransform = InputTransform.NONE,
 ) -> dict[str, float]:  # fmt: skip
     """Milliseconds per layer of each kind over `pairs` (layer, bias) at input x; a kind
-    counts only if it agrees with the reference over its row range (`_agrees_over_range`).
+    counts only if it agrees with the reference over its row range (`_agreeing_kinds`).
     A layer whose input needs RMSNorm or SiLU-and-mul (`declared`) is timed with it: inside
     the kind where the kind forms it, else as its own kernel before, as the plan will run
     it."""
     times: dict[str, float] = {}
     timed_input = _declared_input(x, declared)
-    for kind in kinds:
+    _compile_ahead(kinds, pairs, x, low_rows, timed_input)
+    for kind in _agreeing_kinds(kinds, pairs, x, low_rows):
         try:
-            if not _agrees_over_range(kind, pairs, x, low_rows):
-                logger.warning("quantized %s disagrees with the reference at %d rows; "
-                               "not planned", kind.describe(), x.shape[0])  # fmt: skip
-                continue
 
             def call(m: LinearBase, b: torch.Tensor | None, kind: MatmulKind = kind
                      ) -> torch.Tensor:  # fmt: skip

@@ -43,16 +43,31 @@ QUANT_GEMV_MAX_ROWS = 16
 AGREEMENT_RTOL = 0.02
 
 
-def agrees_with_reference(
-    kind: MatmulKind, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-) -> bool:
-    """Whether `kind` computes `layer`'s output on `x` as its reference does (the kind's
-    `reference`, by default `DequantMatmul`): every value finite and within
-    `AGREEMENT_RTOL` of the reference's scale. A NaN compares false with any bound, so the
-    check is written to fail on it rather than pass."""
-    reference = getattr(kind, "reference", None) or DequantMatmul()
+def reference_of(kind: MatmulKind) -> MatmulKind:
+    """The kind `kind` is checked against: its own `reference`, else `DequantMatmul`."""
+    return getattr(kind, "reference", None) or DequantMatmul()
+
+
+def reference_output(
+    reference: MatmulKind, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`reference`'s output for `layer` on `x`, in float32: what `agrees_with_reference`
+    compares against (computed once per layer and input when many kinds are checked)."""
     with torch.inference_mode():
-        want = reference.apply(layer, x, bias).float()
+        return reference.apply(layer, x, bias).float()
+
+
+def agrees_with_reference(
+    kind: MatmulKind, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+    want: torch.Tensor | None = None,
+) -> bool:  # fmt: skip
+    """Whether `kind` computes `layer`'s output on `x` as its reference does (`reference_of`;
+    `want`: that output, if already computed by `reference_output`): every value finite and
+    within `AGREEMENT_RTOL` of the reference's scale. A NaN compares false with any bound,
+    so the check is written to fail on it rather than pass."""
+    if want is None:
+        want = reference_output(reference_of(kind), layer, x, bias)
+    with torch.inference_mode():
         got = kind.apply(layer, x, bias).float()
     if got.shape != want.shape or not bool(torch.isfinite(got).all()):
         return False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -344,6 +346,61 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     # The 16-bit tuners leave quantized layers alone, and they are described by shape.
     assert tuning.plan_cpu_linears(model)[0] == {}
     assert tuning.describe_matmul_plans(model)[0].startswith("a 64x128: 1+ rows: dequantize")
+
+
+class _CountingReference(Blas):
+    """A reference that counts its outputs (x W^T, as the exact kind computes it)."""
+
+    calls: ClassVar[list[int]] = []
+
+    def apply(self, layer, x, bias, *, gated=False, glu=False):  # type: ignore[no-untyped-def]
+        _CountingReference.calls.append(x.shape[0])
+        return super().apply(layer, x, bias)
+
+
+@dataclass(frozen=True)
+class _Scaled(Blas):
+    """x W^T times a factor; raises where the factor is None."""
+
+    factor: float | None = 1.0
+    reference: ClassVar[Blas] = _CountingReference()
+
+    def apply(self, layer, x, bias, *, gated=False, glu=False):  # type: ignore[no-untyped-def]
+        if self.factor is None:
+            raise RuntimeError("out of resources")
+        return self.factor * super().apply(layer, x, bias)
+
+    def describe(self) -> str:
+        return f"scaled {self.factor}"
+
+
+def test_agreement_computes_each_reference_once_per_layer_and_input(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Many kinds checked over many layers: the reference output of each layer and row
+    count is computed once, not once per kind; a kind off by 2x is dropped with a warning,
+    one that raises is dropped silently, and the exact ones stay, in order."""
+    layers = [nn.Linear(8, 4, bias=False) for _ in range(3)]
+    pairs = [(m, None) for m in layers]
+    kinds = [_Scaled(1.0), _Scaled(2.0), _Scaled(None), _Scaled(1.0 + 1e-4)]
+    _CountingReference.calls = []
+    with caplog.at_level("WARNING", logger=tuning.logger.name):
+        alive = tuning._agreeing_kinds(kinds, pairs, torch.randn(4, 8), low_rows=3)
+    assert alive == [kinds[0], kinds[3]]
+    assert sorted(_CountingReference.calls) == [3, 3, 3, 4, 4, 4]  # 3 layers x 2 row counts
+    assert [r.message for r in caplog.records] == [
+        "quantized scaled 2.0 disagrees with the reference at 4 rows; not planned"
+    ]
+    assert tuning._agrees_over_range(kinds[0], pairs, torch.randn(2, 8), low_rows=1)
+    assert not tuning._agrees_over_range(kinds[2], pairs, torch.randn(2, 8), low_rows=1)
+
+
+def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
+    """The threads serve CUDA launches only; on the CPU the serial pass compiles."""
+    _CountingReference.calls = []
+    tuning._compile_ahead([_Scaled(None), _CountingReference()], [(nn.Linear(8, 4), None)],
+                          torch.randn(2, 8), 1, lambda k, m, b: k.apply(m, torch.randn(2, 8), b))
+    assert _CountingReference.calls == []
 
 
 def test_quantized_plans_are_read_back_from_the_cache(
