@@ -332,8 +332,11 @@ def _compile_ahead(
     threads, so that their Triton kernels compile side by side: Triton releases the GIL
     while it compiles, and a cold start compiles some fifty configs per shape. The kernels
     run on the caller's stream, one after another as launched; what they return is
-    dropped, and a kind that fails here fails again in the serial pass, which skips it."""
-    if x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2:
+    dropped, and a kind that fails here fails again in the serial pass, which skips it.
+    Only up to `QUANT_GEMV_MAX_ROWS` rows: every kind of a larger row count is also a
+    candidate at 16 rows, where Triton compiled the same specialization (it specializes a
+    row count only on being 1 or a multiple of 16), and the pool's outputs stay small."""
+    if x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or x.shape[0] > QUANT_GEMV_MAX_ROWS:
         return
     layer, bias = pairs[0]
     stream = torch.cuda.current_stream(x.device)
