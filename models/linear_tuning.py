@@ -223,8 +223,7 @@ def plan_quantized_linears(
         else:
             best = []
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
-                low_rows = ladder[i - 1] + 1 if i else 1
-                x = torch.randn(rows, k, device=first.qweight.device, dtype=first.params_dtype)
+                x, low_rows = _step_input(first, ladder, i)
                 row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
                 # No kind agreeing (a non-finite reference) leaves the reference planned.
                 fastest = (min(row_times, key=row_times.__getitem__) if row_times
@@ -248,6 +247,14 @@ def plan_quantized_linears(
     return plans, timings
 
 
+def _step_input(first: LinearBase, ladder: Sequence[int], i: int) -> tuple[torch.Tensor, int]:
+    """A random input of ladder step i's rows for `first`'s group, and the fewest rows that
+    step serves (one more than the previous step's)."""
+    x = torch.randn(ladder[i], first.in_features, device=first.qweight.device,
+                    dtype=first.params_dtype)  # fmt: skip
+    return x, ladder[i - 1] + 1 if i else 1
+
+
 def _cached_choice(
     cache: PlanCache | None, key: str, candidates: Sequence[Sequence[MatmulKind]],
     ladder: Sequence[int], pairs: list[tuple[LinearBase, torch.Tensor | None]],
@@ -264,9 +271,7 @@ def _cached_choice(
         kind = next((kind for kind in kinds if kind.describe() == name), None)
         if kind is None:
             return None
-        low_rows = ladder[i - 1] + 1 if i else 1
-        x = torch.randn(rows, first.in_features, device=first.qweight.device,
-                        dtype=first.params_dtype)  # fmt: skip
+        x, low_rows = _step_input(first, ladder, i)
         try:
             agrees = _agrees_over_range(kind, pairs, x, low_rows)
         except Exception:  # a kind this GPU can no longer run: time them all again
@@ -290,6 +295,12 @@ def _agrees_over_range(
     return bool(_agreeing_kinds([kind], pairs, x, low_rows))
 
 
+def _range_inputs(x: torch.Tensor, low_rows: int) -> list[torch.Tensor]:
+    """The inputs a kind serving rows low_rows..x's rows is checked on: x, and its first
+    `low_rows` rows where that is fewer (a partial tile can fail where a full one does not)."""
+    return [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
+
+
 def _agreeing_kinds(
     kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
     x: torch.Tensor, low_rows: int,
@@ -301,10 +312,9 @@ def _agreeing_kinds(
     warning. Layer by layer, each reference output is computed once for all the kinds
     rather than once per kind: with some fifty kinds over 32 layers, a dequantize-then-
     matmul per kind and layer is a large share of a cold start's tuning."""
-    checks = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
     dropped: set[int] = set()
     for m, b in pairs:
-        for xs in checks:
+        for xs in _range_inputs(x, low_rows):
             wants: dict[MatmulKind, torch.Tensor] = {}
             for kind in kinds:
                 if id(kind) in dropped:
@@ -340,12 +350,11 @@ def _compile_ahead(
         return
     layer, bias = pairs[0]
     stream = torch.cuda.current_stream(x.device)
-    rows = [x] if low_rows >= x.shape[0] else [x, x[:low_rows]]
 
     def warm(kind: MatmulKind) -> None:
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
-                for xs in rows:
+                for xs in _range_inputs(x, low_rows):
                     kind.apply(layer, xs, bias)
                 timed_input(kind, layer, bias)
         except Exception:  # the serial pass reports and skips it
