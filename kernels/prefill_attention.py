@@ -36,6 +36,7 @@ K scale joins the softmax scale and its V scale multiplies the output, once per 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -44,7 +45,11 @@ from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, tri
 from kernels.kv_cache_write import check_kv_scales, is_fp8_kv
 from kernels.paged_attention import _causal_keys, _query_block, _query_rows
 
-__all__ = ["prefill_attention_launch", "prefill_tile_config"]
+__all__ = ["HOPPER_PREFILL", "prefill_attention_launch", "prefill_tile_config"]
+
+# The warp-specialized Gluon kernel (`kernels.prefill_attention_hopper`) serves what it
+# supports on sm_90 unless ASYNCENGINE_HOPPER_PREFILL=0 (benchmarks flip this to compare).
+HOPPER_PREFILL = os.environ.get("ASYNCENGINE_HOPPER_PREFILL", "1") != "0"
 
 
 def prefill_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:
@@ -271,7 +276,17 @@ def prefill_attention_launch(
     """Attention of every sequence with at least `min_query_len` query tokens into `out`
     (the rows of the other sequences are left as they are). `scale_log2` is the softmax
     scale times log2(e); an FP8 cache comes with `k_scale` / `v_scale` (float32 [Hkv]).
-    `overrides` replaces entries of `prefill_tile_config` (BLOCK_Q follows BLOCK_M)."""
+    `overrides` replaces entries of `prefill_tile_config` (BLOCK_Q follows BLOCK_M); with
+    none, a launch the Hopper kernel supports runs there (`HOPPER_PREFILL`)."""
+    if HOPPER_PREFILL and not overrides and not dot_fp32:
+        from kernels import prefill_attention_hopper as hopper
+
+        if hopper.supported(q, k_cache, v_cache):
+            hopper.hopper_prefill_launch(
+                q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale_log2,
+                min_query_len,
+            )  # fmt: skip
+            return
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]

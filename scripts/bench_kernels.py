@@ -6,8 +6,8 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
 
     python scripts/bench_kernels.py            # all kernels
     python scripts/bench_kernels.py --only sweep   # decode tile/split sweep only
-    python scripts/bench_kernels.py --only prefill # causal prefill 2k-8k: old vs new kernel,
-                                                   # and the new kernel's config sweep
+    python scripts/bench_kernels.py --only prefill # causal prefill 2k-8k: unified, Triton
+                                                   # and Gluon prefill kernels, config sweeps
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
@@ -272,19 +272,59 @@ PREFILL_CASES = {
 PREFILL_SWEEP_CASES = ("1x4096", "chunk2048+prefix2048")
 
 
+def _prefill_impl_case(
+    shape: dict[str, Any], q_lens: list[int], seq_lens: list[int], heads: tuple[int, int],
+    hopper: bool, hopper_cfg: dict[str, int] | None = None, **kwargs: Any,
+) -> None:
+    """One causal prefill case with the Gluon Hopper kernel on or off (and its config)."""
+    import kernels.prefill_attention as pf
+    import kernels.prefill_attention_hopper as hp
+
+    saved = (pf.HOPPER_PREFILL, dict(hp.HOPPER_PREFILL_CONFIG))
+    pf.HOPPER_PREFILL = hopper
+    hp.HOPPER_PREFILL_CONFIG.update(hopper_cfg or {})
+    try:
+        _attention_case(
+            shape, q_lens, seq_lens, heads, causal_flops=True, max_query_len=max(q_lens),
+            **kwargs,
+        )  # fmt: skip
+    finally:
+        pf.HOPPER_PREFILL = saved[0]
+        hp.HOPPER_PREFILL_CONFIG.clear()
+        hp.HOPPER_PREFILL_CONFIG.update(saved[1])
+
+
+# The Gluon kernel's configurations swept by `--only prefill` (128 KB or less of stages).
+HOPPER_SWEEP = ({"TILE": 64, "NUM_STAGES": 2}, {"TILE": 64, "NUM_STAGES": 3},
+                {"TILE": 64, "NUM_STAGES": 4}, {"TILE": 128, "NUM_STAGES": 2})  # fmt: skip
+
+
 def bench_prefill(sweep: bool) -> None:
-    """Causal prefill at 2k-8k tokens: the unified kernel's large tiles (the old path) beside
-    the sm_90 prefill kernel at its default configuration, then (with `sweep`) the prefill
-    kernel over BLOCK_M x TILE x warps x stages on two of the cases, so one GPU run picks
-    its configuration. TFLOP/s count 4 * Hq * D per visible (query, key) pair."""
+    """Causal prefill at 2k-8k tokens: the unified kernel's large tiles (the oldest path), the
+    Triton sm_90 prefill kernel and the warp-specialized Gluon kernel
+    (`kernels.prefill_attention_hopper`), each at its default configuration; the Gluon
+    kernel's tile and stage counts on every case; then (with `sweep`) the Triton prefill
+    kernel over BLOCK_M x TILE x warps x stages on two of them. TFLOP/s count 4 * Hq * D per
+    visible (query, key) pair."""
+    impls = (
+        ("unified_large", False, {"prefill_kernel": False}),
+        ("prefill", False, {}),
+        ("hopper", True, {}),
+    )
     for wl, heads in WORKLOADS.items():
         for name, (q_lens, seq_lens) in PREFILL_CASES.items():
-            for impl, kwargs in (("unified_large", {"prefill_kernel": False}), ("prefill", {})):
+            for impl, hopper, kwargs in impls:
                 shape = {"workload": wl, "mode": "prefill", "case": name, "impl": impl}
                 run_case(
-                    "paged_attention", shape, _attention_case, q_lens=q_lens,
-                    seq_lens=seq_lens, heads=heads, causal_flops=True,
-                    max_query_len=max(q_lens), **kwargs,
+                    "paged_attention", shape, _prefill_impl_case, q_lens=q_lens,
+                    seq_lens=seq_lens, heads=heads, hopper=hopper, **kwargs,
+                )  # fmt: skip
+        for cfg in HOPPER_SWEEP:
+            for name, (q_lens, seq_lens) in PREFILL_CASES.items():
+                shape = {"workload": wl, "mode": "hopper_sweep", "case": name, **cfg}
+                run_case(
+                    "paged_attention", shape, _prefill_impl_case, q_lens=q_lens,
+                    seq_lens=seq_lens, heads=heads, hopper=True, hopper_cfg=cfg,
                 )  # fmt: skip
         if not sweep:
             continue

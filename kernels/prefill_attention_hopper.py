@@ -1,0 +1,445 @@
+"""Prefill attention for Hopper (sm_90) in Gluon: warp-specialized, fed by the tensor copy engine.
+
+The Triton prefill kernel (`kernels.prefill_attention`) runs both warpgroups of a program in
+lockstep: they meet at a barrier every key tile (for the shared-memory pipeline), so the
+tensor cores idle while both compute the softmax's exponentials. This kernel splits the
+work by role, as FlashAttention-3 does, in Triton's lower-level Gluon language, which exposes
+warp specialization, `wgmma`, mbarriers and TMA on sm_90:
+- a producer warp walks the block table and copies each key tile's K and V from the paged
+  cache with the tensor memory accelerator (TMA), one 16-row cache block per copy, into a
+  ring of `NUM_STAGES` shared-memory stages, each completing on an mbarrier;
+- two consumer warpgroups each own 64 of the program's 128 query rows and run their own
+  online softmax; neither waits for the other, so one's exponentials run under the other's
+  matrix products (the stage ring frees a stage once both have read it).
+
+Same contract as `prefill_attention_launch` (and so as `paged_attention_ref`) for the
+sequences it covers, for 16-bit caches with head_dim 128: rows of GQA heads packed into the
+128-row tile (`GROUP` heads of one KV head per query token), K and V read from the paged
+cache (the step's own keys included), causal masking only on the diagonal tiles.
+
+Cache slots past a sequence's end may hold anything (NaN in the tests), and 0 * NaN would
+poison P @ V: a consumer copies the V tile of each diagonal tile into its own buffer with
+those rows zeroed before multiplying. K needs nothing (masked scores are replaced by -inf).
+
+head_dim 128 is split into two 64-wide halves (two TMA descriptors' boxes, two `wgmma`s):
+a 64-element bf16 row is exactly the 128-byte swizzle span, so a 16-row cache block lands
+in a stage as a contiguous, swizzle-aligned slice.
+
+`available()` says whether this Triton build has Gluon's Hopper module; `supported()` whether
+a launch qualifies. Otherwise the Triton kernel serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # Gluon ships with Triton 3.5+; older builds and CPU-only installs fall back.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON = True
+except Exception:
+    _GLUON = False
+
+__all__ = [
+    "HOPPER_PREFILL_CONFIG",
+    "available",
+    "hopper_prefill_launch",
+    "supported",
+]
+
+# Launch shape: 128 query rows per program (two consumer warpgroups of 64), key tiles of
+# `TILE` keys in `NUM_STAGES` shared-memory stages. 128-key tiles with two stages take
+# 128 KB of stages plus 64 KB of the consumers' masked-V buffers.
+HOPPER_PREFILL_CONFIG: dict[str, int] = {"TILE": 128, "NUM_STAGES": 2}
+_ROWS = 128  # query rows per program
+_HALF_ROWS = 64  # per consumer warpgroup (wgmma's 64-row minimum)
+_HALF_D = 64  # head_dim is handled in two halves of 64 (one 128-byte swizzle row)
+_HEAD_DIM = 128
+# Registers per thread: the kernel starts at MAXNREG for its 12 warps (the producer's warp
+# rounds up to a warpgroup), then the consumers grow to CONSUMER_REGS and the producer
+# shrinks to PRODUCER_REGS (setmaxnreg); 168 x 12 warps fits 64K registers.
+_MAXNREG = 168
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+
+
+def available() -> bool:
+    """Whether this Triton build has Gluon's Hopper module."""
+    return _GLUON
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `hopper_prefill_launch` serves these tensors: an sm_90 GPU, 16-bit q and cache
+    of one dtype, head_dim 128, GQA groups that divide 64 rows, contiguous caches whose
+    blocks are whole multiples of 8 rows that divide the key tile."""
+    if not (_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
+        and head_dim == _HEAD_DIM
+        and q.stride(2) == 1
+        and _HALF_ROWS % group == 0
+        and block_size % 8 == 0
+        and HOPPER_PREFILL_CONFIG["TILE"] % block_size == 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+if _GLUON:
+    # Gluon kernels read module globals only as constexprs.
+    HALF_D = gl.constexpr(_HALF_D)
+    HALF_ROWS = gl.constexpr(_HALF_ROWS)
+    CONSUMER_REGS = gl.constexpr(_CONSUMER_REGS)
+    PRODUCER_REGS = gl.constexpr(_PRODUCER_REGS)
+
+    @gluon.jit
+    def _owning_sequence(query_start_loc_ptr, target, num_seqs, BLOCK_Q: gl.constexpr):
+        """Largest b with qsl[b] // BLOCK_Q + b <= target (as `paged_attention._find_seq_idx`)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            val = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if val <= target:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @gluon.jit
+    def _produce(
+        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
+        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp: each key tile's K and V halves, one cache block per TMA copy."""
+        col = kv_head * (2 * HALF_D)
+        tile_bytes: gl.constexpr = 4 * TILE * HALF_D * k_desc.dtype.primitive_bitwidth // 8
+        for t in range(num_tiles):
+            stage = t % NUM_STAGES
+            # A stage is free once both consumers have released its previous tile; the
+            # first pass over the ring waits on the barrier's initial (completed) phase.
+            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, tile_bytes)
+            for i in gl.static_range(TILE // BLOCK_SIZE):
+                key0 = t * TILE + i * BLOCK_SIZE
+                # Blocks wholly past the keys are never used: copy block 0 in their place
+                # (the consumers mask those rows) so every stage receives the same bytes.
+                blk = gl.load(bt_row_ptr + key0 // BLOCK_SIZE, mask=key0 < num_keys, other=0)
+                row = gl.maximum(blk, 0) * BLOCK_SIZE
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, col], bar, k_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE)
+                )
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, col + HALF_D], bar,
+                    k_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                )  # fmt: skip
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, col], bar, v_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE)
+                )
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, col + HALF_D], bar,
+                    v_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                )  # fmt: skip
+
+    @gluon.jit
+    def _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout: gl.constexpr, TILE: gl.constexpr):
+        """Q @ K^T of one stage: [64, TILE] fp32, over both head_dim halves."""
+        zero = gl.zeros([HALF_ROWS, TILE], gl.float32, s_layout)
+        k_t = k_lo.index(stage).permute((1, 0))
+        s = warpgroup_mma(q_lo, k_t, zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_hi, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    @gluon.jit
+    def _accumulate(p, v_lo, v_hi, acc_lo, acc_hi):
+        """acc += P @ V over both head_dim halves (v_lo / v_hi: [TILE, 64] shared tiles)."""
+        acc_lo = warpgroup_mma(p, v_lo, acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(p, v_hi, acc_hi, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+
+    @gluon.jit
+    def _consume(
+        q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+        kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        HALF: gl.constexpr, GROUP: gl.constexpr, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """A consumer warpgroup: online softmax over the key tiles for 64 of the 128 rows."""
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16]
+        )
+        q_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        p_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # 16-byte rows of 8 values, a warp over 4 rows x 64 columns.
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ROWS_Q: gl.constexpr = HALF_ROWS // GROUP  # query tokens of this half
+
+        # Row r of this half: token q_block_start + HALF * ROWS_Q + r // GROUP, query head
+        # kv_head * GROUP + r % GROUP.
+        FIRST_ROW_Q: gl.constexpr = HALF * ROWS_Q
+        first_q = q_block_start + FIRST_ROW_Q
+        r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, ld_layout))
+        q_pos = first_q + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        tok = (q_start + q_pos).to(gl.int64)
+        q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(d, 0)
+        q_mask = gl.expand_dims(q_pos < q_len, 1) & gl.expand_dims(d < HALF_D, 0)
+        q_lo = gl.convert_layout(gl.load(q_ptr + q_offs, mask=q_mask, other=0.0), q_dot)
+        q_hi = gl.convert_layout(gl.load(q_ptr + q_offs + HALF_D, mask=q_mask, other=0.0), q_dot)
+
+        # Causal pruning for this half: every row sees the first `full` tiles whole; the
+        # diagonal tiles up to `tiles` are masked; the block's later tiles are only released.
+        last_q = gl.minimum(first_q + ROWS_Q, q_len) - 1
+        my_keys = gl.maximum(ctx_len + last_q + 1, 0)
+        tiles = gl.cdiv(my_keys, TILE)
+        full = gl.minimum(gl.maximum(ctx_len + first_q + 1, 0) // TILE, tiles)
+        if first_q >= q_len:  # the block's last rows, past the sequence: nothing to compute
+            tiles = 0
+            full = 0
+
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([HALF_ROWS], gl.float32, row_s)
+        acc_lo = gl.zeros([HALF_ROWS, HALF_D], gl.float32, o_layout)
+        acc_hi = gl.zeros([HALF_ROWS, HALF_D], gl.float32, o_layout)
+
+        for t in range(0, full):
+            stage = t % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+            p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p16 = gl.convert_layout(p.to(dtype), p_dot)
+            acc_lo, acc_hi = _accumulate(
+                p16, v_lo.index(stage), v_hi.index(stage), acc_lo * alpha_o, acc_hi * alpha_o
+            )
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # The diagonal: causal mask and bounds; V rows past the keys zeroed in this
+        # warpgroup's own buffer (unwritten slots may hold NaN).
+        q_abs = ctx_len + first_q + gl.arange(0, HALF_ROWS, layout=row_s) // GROUP
+        vm_lo_mine = vm_lo.index(HALF)
+        vm_hi_mine = vm_hi.index(HALF)
+        v_rows_layout: gl.constexpr = gl.SliceLayout(1, ld_layout)
+        for t in range(full, tiles):
+            stage = t % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
+            keys = t * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+            visible = (gl.expand_dims(keys, 0) <= gl.expand_dims(q_abs, 1)) & gl.expand_dims(
+                keys < my_keys, 0
+            )
+            s = gl.where(visible, s * scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            v_rows = t * TILE + gl.arange(0, TILE, layout=v_rows_layout)
+            v_keep = gl.expand_dims(v_rows < my_keys, 1)
+            vm_lo_mine.store(gl.where(v_keep, v_lo.index(stage).load(ld_layout), 0.0))
+            vm_hi_mine.store(gl.where(v_keep, v_hi.index(stage).load(ld_layout), 0.0))
+            fence_async_shared()
+            gl.thread_barrier()  # the whole warpgroup's rows are in place before its wgmma
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p16 = gl.convert_layout(p.to(dtype), p_dot)
+            acc_lo, acc_hi = _accumulate(
+                p16, vm_lo_mine, vm_hi_mine, acc_lo * alpha_o, acc_hi * alpha_o
+            )
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # Tiles only the other half sees: release them as they arrive.
+        for t in range(tiles, num_tiles):
+            stage = t % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        l_o = gl.convert_layout(l_i, row_o)
+        inv = gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)  # no keys: zeros
+        r_o = gl.arange(0, HALF_ROWS, layout=row_o)
+        d_o = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, o_layout))
+        q_pos_o = first_q + r_o // GROUP
+        tok_o = (q_start + q_pos_o).to(gl.int64)
+        head_o = kv_head * GROUP + r_o % GROUP
+        o_offs = gl.expand_dims(tok_o * stride_ot + head_o * stride_oh, 1) + gl.expand_dims(d_o, 0)
+        o_mask = gl.expand_dims(q_pos_o < q_len, 1) & gl.expand_dims(d_o < HALF_D, 0)
+        gl.store(out_ptr + o_offs, (acc_lo * inv).to(dtype), mask=o_mask)
+        gl.store(out_ptr + o_offs + HALF_D, (acc_hi * inv).to(dtype), mask=o_mask)
+
+    @gluon.jit
+    def _consume_lower(
+        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
+        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        _consume(
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+            kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            HALF=0, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _consume_upper(
+        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
+        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        _consume(
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
+            kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            HALF=1, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES,
+        )  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["num_seqs", "q_len_lo", "stride_bt"])
+    def _hopper_prefill_kernel(
+        q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        scale_log2, num_seqs, q_len_lo, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        kv_head = gl.program_id(1)
+        # Blocks in reverse, so the last blocks of long prompts (the most keys) start first.
+        q_block_id = gl.num_programs(0) - 1 - gl.program_id(0)
+        seq_idx = _owning_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+        q_start = gl.load(query_start_loc_ptr + seq_idx)
+        q_len = gl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+        q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
+        if (q_len >= q_len_lo) & (q_block_start < q_len):
+            seq_len = gl.load(seq_lens_ptr + seq_idx)
+            ctx_len = seq_len - q_len
+            last_q = gl.minimum(q_block_start + BLOCK_Q, q_len) - 1
+            num_keys = gl.maximum(ctx_len + last_q + 1, 0)
+            num_tiles = gl.cdiv(num_keys, TILE)
+            bt_row_ptr = block_tables_ptr + seq_idx.to(gl.int64) * stride_bt
+
+            shape: gl.constexpr = [NUM_STAGES, TILE, HALF_D]
+            k_lo = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
+            k_hi = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
+            v_lo = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
+            v_hi = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
+            vm_lo = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
+            vm_hi = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=2)  # one release per consumer
+
+            gl.warp_specialize(
+                [
+                    (_consume_lower, (
+                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
+                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
+                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
+                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                    )),
+                    (_consume_upper, (
+                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
+                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
+                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
+                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                    )),
+                    (_produce, (
+                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
+                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
+                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
+                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                    )),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+
+
+# Descriptors by cache tensor: the caches live as long as the engine, and a prefill step
+# launches once per layer.
+_DESCRIPTORS: dict[tuple[int, tuple[int, ...], torch.dtype], Any] = {}
+
+
+def _descriptor(cache: torch.Tensor) -> Any:
+    """TMA descriptor over a [blocks, block_size, Hkv, D] cache as rows of Hkv * D, copying
+    one cache block's 64-wide half row (a [block_size, 64] box) at a time."""
+    key = (cache.data_ptr(), tuple(cache.shape), cache.dtype)
+    if key not in _DESCRIPTORS:
+        if len(_DESCRIPTORS) >= 1024:  # caches reallocated (tests, a new engine)
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = _new_descriptor(cache)
+    return _DESCRIPTORS[key]
+
+
+def _new_descriptor(cache: torch.Tensor) -> Any:
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks * block_size, num_kv_heads * head_dim)
+    elem = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_size, _HALF_D], elem)
+    return TensorDescriptor.from_tensor(rows, [block_size, _HALF_D], layout)
+
+
+def hopper_prefill_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale_log2: float,
+    min_query_len: int,
+    *,
+    overrides: dict[str, int] | None = None,
+) -> None:
+    """Attention of every sequence with at least `min_query_len` query tokens into `out`
+    (the other rows are left as they are); `supported(q, k_cache, v_cache)` must hold.
+    `overrides` replaces entries of `HOPPER_PREFILL_CONFIG` (TILE, NUM_STAGES)."""
+    cfg = {**HOPPER_PREFILL_CONFIG, **(overrides or {})}
+    num_tokens, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_q = _ROWS // group
+    num_seqs = seq_lens.shape[0]
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _hopper_prefill_kernel[grid](
+        q, out, _descriptor(k_cache), _descriptor(v_cache), block_tables, query_start_loc,
+        seq_lens, scale_log2, num_seqs, min_query_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, TILE=cfg["TILE"], BLOCK_SIZE=block_size,
+        NUM_STAGES=cfg["NUM_STAGES"], num_warps=4, maxnreg=_MAXNREG,
+    )  # fmt: skip
