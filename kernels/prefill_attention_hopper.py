@@ -5,12 +5,19 @@ lockstep: they meet at a barrier every key tile (for the shared-memory pipeline)
 tensor cores idle while both compute the softmax's exponentials. This kernel splits the
 work by role, as FlashAttention-3 does, in Triton's lower-level Gluon language, which exposes
 warp specialization, `wgmma`, mbarriers and TMA on sm_90:
-- a producer warp walks the block table and copies each key tile's K and V from the paged
-  cache with the tensor memory accelerator (TMA), one 16-row cache block per copy, into a
-  ring of `NUM_STAGES` shared-memory stages, each completing on an mbarrier;
-- two consumer warpgroups each own 64 of the program's 128 query rows and run their own
-  online softmax; neither waits for the other, so one's exponentials run under the other's
-  matrix products (the stage ring frees a stage once both have read it).
+- a producer warp finds each work item (a block of 128 query rows of one sequence and KV
+  head), hands it to the consumers through a two-slot ring in shared memory, and copies its
+  key tiles' K and V from the paged cache with the tensor memory accelerator (TMA), one
+  16-row cache block per copy, into a ring of `NUM_STAGES` stages, each completing on an
+  mbarrier;
+- two consumer warpgroups each own 64 of the item's 128 query rows and run their own online
+  softmax; neither waits for the other, so one's exponentials run under the other's matrix
+  products (a stage is freed once both have read it).
+
+The grid is persistent (one program per multiprocessor, items dealt round-robin, longest
+first): the producer looks up the next item and starts its copies while the consumers
+finish the current one, so a short item (most of them, for prompts of a few thousand
+tokens) does not pay a launch, a look-up and a first copy's latency of its own.
 
 Same contract as `prefill_attention_launch` (and so as `paged_attention_ref`) for the
 sequences it covers, for 16-bit caches with head_dim 128: rows of GQA heads packed into the
@@ -70,8 +77,8 @@ _HEAD_DIM = 128
 # rounds up to a warpgroup), then the consumers grow to CONSUMER_REGS and the producer
 # shrinks to PRODUCER_REGS (setmaxnreg); 168 x 12 warps fits 64K registers.
 _MAXNREG = 168
-_CONSUMER_REGS = 240
-_PRODUCER_REGS = 24
+_CONSUMER_REGS = 232
+_PRODUCER_REGS = 40
 
 
 def available() -> bool:
@@ -108,6 +115,7 @@ if _GLUON:
     HALF_ROWS = gl.constexpr(_HALF_ROWS)
     CONSUMER_REGS = gl.constexpr(_CONSUMER_REGS)
     PRODUCER_REGS = gl.constexpr(_PRODUCER_REGS)
+    INFO_FIELDS = gl.constexpr(8)
 
     @gluon.jit
     def _owning_sequence(query_start_loc_ptr, target, num_seqs, BLOCK_Q: gl.constexpr):
@@ -124,43 +132,99 @@ if _GLUON:
         return lo - 1
 
     @gluon.jit
+    def _publish(info, info_ready, info_empty, n, kv_head, q_start, q_len, q_block_start,
+                 ctx_len, num_tiles, more):  # fmt: skip
+        """Producer: hand the consumers their n-th item through a two-slot ring."""
+        slot = n % 2
+        mbarrier.wait(info_empty.index(slot), ((n // 2) & 1) ^ 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        f = gl.arange(0, INFO_FIELDS, layout=layout)
+        vals = gl.where(f == 0, kv_head, 0) + gl.where(f == 1, q_start, 0)
+        vals += gl.where(f == 2, q_len, 0) + gl.where(f == 3, q_block_start, 0)
+        vals += gl.where(f == 4, ctx_len, 0) + gl.where(f == 5, num_tiles, 0)
+        vals += gl.where(f == 6, more, 0)
+        info.index(slot).store(vals)
+        gl.thread_barrier()  # every lane's field is written before the release
+        mbarrier.arrive(info_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _field(vals, f, k: gl.constexpr):
+        return gl.sum(gl.where(f == k, vals, 0), axis=0)
+
+    @gluon.jit
     def _produce(
-        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
-        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
+        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """The producer warp: each key tile's K and V halves, one cache block per TMA copy."""
-        col = kv_head * (2 * HALF_D)
+        """The producer warp: finds each of this program's items (a block of query rows of one
+        sequence and KV head), hands it to the consumers, and copies its key tiles' K and V
+        halves into the stage ring, one cache block per TMA copy. It runs ahead of the
+        consumers by the ring's depth, so an item's look-up and first copies happen while
+        the previous item is still being computed."""
         tile_bytes: gl.constexpr = 4 * TILE * HALF_D * k_desc.dtype.primitive_bitwidth // 8
-        for t in range(num_tiles):
-            stage = t % NUM_STAGES
-            # A stage is free once both consumers have released its previous tile; the
-            # first pass over the ring waits on the barrier's initial (completed) phase.
-            mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, tile_bytes)
-            for i in gl.static_range(TILE // BLOCK_SIZE):
-                key0 = t * TILE + i * BLOCK_SIZE
-                # Blocks wholly past the keys are never used: copy block 0 in their place
-                # (the consumers mask those rows) so every stage receives the same bytes.
-                blk = gl.load(bt_row_ptr + key0 // BLOCK_SIZE, mask=key0 < num_keys, other=0)
-                row = gl.maximum(blk, 0) * BLOCK_SIZE
-                tma.async_copy_global_to_shared(
-                    k_desc, [row, col], bar, k_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE)
-                )
-                tma.async_copy_global_to_shared(
-                    k_desc, [row, col + HALF_D], bar,
-                    k_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
-                )  # fmt: skip
-                tma.async_copy_global_to_shared(
-                    v_desc, [row, col], bar, v_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE)
-                )
-                tma.async_copy_global_to_shared(
-                    v_desc, [row, col + HALF_D], bar,
-                    v_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
-                )  # fmt: skip
+        t_all = 0  # tiles issued by this program: the ring's position
+        n_pub = 0
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        for rnd in range(gl.cdiv(num_items, nprog)):
+            # Items are numbered longest first (blocks in reverse, all heads of a block
+            # together) and dealt in a snake: forwards on even rounds, backwards on odd ones,
+            # so every program's total stays near the mean.
+            item = rnd * nprog + pid + (rnd % 2) * (nprog - 1 - 2 * pid)
+            looked_up = gl.minimum(item, num_items - 1)  # the last round may run short
+            kv_head = looked_up % num_kv_heads
+            q_block_id = num_q_blocks - 1 - looked_up // num_kv_heads
+            seq_idx = _owning_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+            q_start = gl.load(query_start_loc_ptr + seq_idx)
+            q_len = gl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+            q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
+            if (item < num_items) & (q_len >= q_len_lo) & (q_block_start < q_len):
+                ctx_len = gl.load(seq_lens_ptr + seq_idx) - q_len
+                last_q = gl.minimum(q_block_start + BLOCK_Q, q_len) - 1
+                num_keys = gl.maximum(ctx_len + last_q + 1, 0)
+                num_tiles = gl.cdiv(num_keys, TILE)
+                _publish(info, info_ready, info_empty, n_pub, kv_head, q_start, q_len,
+                         q_block_start, ctx_len, num_tiles, 1)  # fmt: skip
+                n_pub += 1
+                bt_row_ptr = block_tables_ptr + seq_idx.to(gl.int64) * stride_bt
+                col = kv_head * (2 * HALF_D)
+                for t in range(num_tiles):
+                    stage = t_all % NUM_STAGES
+                    # A stage is free once both consumers have released its previous tile;
+                    # the first pass waits on the barrier's initial (completed) phase.
+                    mbarrier.wait(empty.index(stage), ((t_all // NUM_STAGES) & 1) ^ 1)
+                    bar = ready.index(stage)
+                    mbarrier.expect(bar, tile_bytes)
+                    for i in gl.static_range(TILE // BLOCK_SIZE):
+                        key0 = t * TILE + i * BLOCK_SIZE
+                        # Blocks wholly past the keys are never used: copy block 0 in their
+                        # place (the consumers mask those rows) so every stage gets the
+                        # same bytes.
+                        blk = gl.load(bt_row_ptr + key0 // BLOCK_SIZE, mask=key0 < num_keys,
+                                      other=0)  # fmt: skip
+                        row = gl.maximum(blk, 0) * BLOCK_SIZE
+                        tma.async_copy_global_to_shared(
+                            k_desc, [row, col], bar,
+                            k_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                        )  # fmt: skip
+                        tma.async_copy_global_to_shared(
+                            k_desc, [row, col + HALF_D], bar,
+                            k_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                        )  # fmt: skip
+                        tma.async_copy_global_to_shared(
+                            v_desc, [row, col], bar,
+                            v_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                        )  # fmt: skip
+                        tma.async_copy_global_to_shared(
+                            v_desc, [row, col + HALF_D], bar,
+                            v_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
+                        )  # fmt: skip
+                    t_all += 1
+        _publish(info, info_ready, info_empty, n_pub, 0, 0, 0, 0, 0, 0, 0)  # no more items
 
     @gluon.jit
     def _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout: gl.constexpr, TILE: gl.constexpr):
@@ -178,48 +242,90 @@ if _GLUON:
         acc_hi = warpgroup_mma(p, v_hi, acc_hi, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
 
+    @gluon.constexpr_function
+    def _score_layout(tile):
+        """Scores of a consumer warpgroup: wgmma m64 x tile accumulators."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile, 16]
+        )
+
+    @gluon.constexpr_function
+    def _out_layout():
+        """Output halves of a consumer warpgroup: wgmma m64 x 64 accumulators."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_D, 16]
+        )
+
+    @gluon.constexpr_function
+    def _load_layout():
+        """16-byte loads of 8 values, a warp over 4 rows x 64 columns."""
+        return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
     @gluon.jit
-    def _consume(
-        q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-        kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
-        stride_qt, stride_qh, stride_ot, stride_oh,
+    def _take(info, info_ready, info_empty, n, f):
+        """Consumer: the n-th item the producer handed over, as (more, kv_head, q_start,
+        q_len, q_block_start, ctx_len, num_tiles); more == 0 ends the work."""
+        slot = n % 2
+        mbarrier.wait(info_ready.index(slot), (n // 2) & 1)
+        vals = info.index(slot).load(f.type.layout)
+        fields = (_field(vals, f, 6), _field(vals, f, 0), _field(vals, f, 1),
+                  _field(vals, f, 2), _field(vals, f, 3), _field(vals, f, 4),
+                  _field(vals, f, 5))  # fmt: skip
+        mbarrier.arrive(info_empty.index(slot), count=1)
+        return fields
+
+    @gluon.jit
+    def _rows(kv_head, q_start, q_block_start, layout: gl.constexpr,
+              HALF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+        """This half's 64 rows in `layout`: (query position, token id, query head). Row r is
+        token q_block_start + HALF * 64 // GROUP + r // GROUP, head kv_head * GROUP + r % G."""
+        FIRST_ROW_Q: gl.constexpr = HALF * (HALF_ROWS // GROUP)
+        r = gl.arange(0, HALF_ROWS, layout=layout)
+        q_pos = q_block_start + FIRST_ROW_Q + r // GROUP
+        return q_pos, (q_start + q_pos).to(gl.int64), kv_head * GROUP + r % GROUP
+
+    @gluon.jit
+    def _load_q(q_ptr, kv_head, q_start, q_len, q_block_start, stride_qt, stride_qh,
+                ld_layout: gl.constexpr, HALF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+        """This half's Q rows as two [64, 64] halves, in the load layout (the conversion to
+        the wgmma operand is left to the first use, so the loads' latency can be hidden)."""
+        q_pos, tok, head = _rows(
+            kv_head, q_start, q_block_start, gl.SliceLayout(1, ld_layout), HALF, GROUP
+        )
+        d = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, ld_layout))
+        offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(d, 0)
+        mask = gl.expand_dims(q_pos < q_len, 1) & gl.expand_dims(d < HALF_D, 0)
+        q_lo = gl.load(q_ptr + offs, mask=mask, other=0.0)
+        q_hi = gl.load(q_ptr + offs + HALF_D, mask=mask, other=0.0)
+        return q_lo, q_hi
+
+    @gluon.jit
+    def _attend(
+        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, t_all,
+        q_len, q_block_start, ctx_len, num_tiles, scale_log2,
         HALF: gl.constexpr, GROUP: gl.constexpr, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """A consumer warpgroup: online softmax over the key tiles for 64 of the 128 rows."""
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16]
-        )
+        """One item for one consumer warpgroup: online softmax over the item's key tiles (from
+        ring position `t_all` on) for 64 of its 128 rows; returns (acc_lo, acc_hi, l)."""
+        dtype: gl.constexpr = q_lo.dtype
+        s_layout: gl.constexpr = _score_layout(TILE)
+        o_layout: gl.constexpr = _out_layout()
         q_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         p_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # 16-byte rows of 8 values, a warp over 4 rows x 64 columns.
-        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ld_layout: gl.constexpr = _load_layout()
         ROWS_Q: gl.constexpr = HALF_ROWS // GROUP  # query tokens of this half
-
-        # Row r of this half: token q_block_start + HALF * ROWS_Q + r // GROUP, query head
-        # kv_head * GROUP + r % GROUP.
         FIRST_ROW_Q: gl.constexpr = HALF * ROWS_Q
-        first_q = q_block_start + FIRST_ROW_Q
-        r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, ld_layout))
-        d = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, ld_layout))
-        q_pos = first_q + r // GROUP
-        head = kv_head * GROUP + r % GROUP
-        tok = (q_start + q_pos).to(gl.int64)
-        q_offs = gl.expand_dims(tok * stride_qt + head * stride_qh, 1) + gl.expand_dims(d, 0)
-        q_mask = gl.expand_dims(q_pos < q_len, 1) & gl.expand_dims(d < HALF_D, 0)
-        q_lo = gl.convert_layout(gl.load(q_ptr + q_offs, mask=q_mask, other=0.0), q_dot)
-        q_hi = gl.convert_layout(gl.load(q_ptr + q_offs + HALF_D, mask=q_mask, other=0.0), q_dot)
+        q_lo = gl.convert_layout(q_lo, q_dot)
+        q_hi = gl.convert_layout(q_hi, q_dot)
 
         # Causal pruning for this half: every row sees the first `full` tiles whole; the
-        # diagonal tiles up to `tiles` are masked; the block's later tiles are only released.
+        # diagonal tiles up to `tiles` are masked; the item's later tiles are only released.
+        first_q = q_block_start + FIRST_ROW_Q
         last_q = gl.minimum(first_q + ROWS_Q, q_len) - 1
         my_keys = gl.maximum(ctx_len + last_q + 1, 0)
         tiles = gl.cdiv(my_keys, TILE)
         full = gl.minimum(gl.maximum(ctx_len + first_q + 1, 0) // TILE, tiles)
-        if first_q >= q_len:  # the block's last rows, past the sequence: nothing to compute
+        if first_q >= q_len:  # the item's last rows, past the sequence: nothing to compute
             tiles = 0
             full = 0
 
@@ -231,8 +337,8 @@ if _GLUON:
         acc_hi = gl.zeros([HALF_ROWS, HALF_D], gl.float32, o_layout)
 
         for t in range(0, full):
-            stage = t % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            stage = (t_all + t) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
             s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
             p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
@@ -253,8 +359,8 @@ if _GLUON:
         vm_hi_mine = vm_hi.index(HALF)
         v_rows_layout: gl.constexpr = gl.SliceLayout(1, ld_layout)
         for t in range(full, tiles):
-            stage = t % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            stage = (t_all + t) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
             s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
             keys = t * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
             visible = (gl.expand_dims(keys, 0) <= gl.expand_dims(q_abs, 1)) & gl.expand_dims(
@@ -282,111 +388,150 @@ if _GLUON:
 
         # Tiles only the other half sees: release them as they arrive.
         for t in range(tiles, num_tiles):
-            stage = t % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (t // NUM_STAGES) & 1)
+            stage = (t_all + t) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
             mbarrier.arrive(empty.index(stage), count=1)
+        return acc_lo, acc_hi, l_i
 
+    @gluon.jit
+    def _store_rows(out_ptr, acc_lo, acc_hi, l_i, kv_head, q_start, q_len, q_block_start,
+                    stride_ot, stride_oh, HALF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+        """acc / l into this half's rows of `out` (rows that saw no key get zeros)."""
+        o_layout: gl.constexpr = acc_lo.type.layout
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         l_o = gl.convert_layout(l_i, row_o)
-        inv = gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)  # no keys: zeros
-        r_o = gl.arange(0, HALF_ROWS, layout=row_o)
-        d_o = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, o_layout))
-        q_pos_o = first_q + r_o // GROUP
-        tok_o = (q_start + q_pos_o).to(gl.int64)
-        head_o = kv_head * GROUP + r_o % GROUP
-        o_offs = gl.expand_dims(tok_o * stride_ot + head_o * stride_oh, 1) + gl.expand_dims(d_o, 0)
-        o_mask = gl.expand_dims(q_pos_o < q_len, 1) & gl.expand_dims(d_o < HALF_D, 0)
-        gl.store(out_ptr + o_offs, (acc_lo * inv).to(dtype), mask=o_mask)
-        gl.store(out_ptr + o_offs + HALF_D, (acc_hi * inv).to(dtype), mask=o_mask)
+        inv = gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)
+        q_pos, tok, head = _rows(kv_head, q_start, q_block_start, row_o, HALF, GROUP)
+        d = gl.arange(0, HALF_D, layout=gl.SliceLayout(0, o_layout))
+        offs = gl.expand_dims(tok * stride_ot + head * stride_oh, 1) + gl.expand_dims(d, 0)
+        mask = gl.expand_dims(q_pos < q_len, 1) & gl.expand_dims(d < HALF_D, 0)
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        gl.store(out_ptr + offs, (acc_lo * inv).to(dtype), mask=mask)
+        gl.store(out_ptr + offs + HALF_D, (acc_hi * inv).to(dtype), mask=mask)
+
+    @gluon.jit
+    def _consume(
+        q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready,
+        info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        HALF: gl.constexpr, GROUP: gl.constexpr, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """A consumer warpgroup: the items the producer hands over, until it says no more.
+        The next item's Q rows are loaded before this item's output is written, so their
+        latency hides behind the stores."""
+        ld_layout: gl.constexpr = _load_layout()
+        info_layout: gl.constexpr = gl.BlockedLayout([INFO_FIELDS], [32], [4], [0])
+        f = gl.arange(0, INFO_FIELDS, layout=info_layout)
+        more, kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles = _take(
+            info, info_ready, info_empty, 0, f
+        )
+        q_lo, q_hi = _load_q(q_ptr, kv_head, q_start, q_len, q_block_start, stride_qt,
+                             stride_qh, ld_layout, HALF, GROUP)  # fmt: skip
+        t_all = 0
+        n = 1
+        while more != 0:
+            acc_lo, acc_hi, l_i = _attend(
+                q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, t_all,
+                q_len, q_block_start, ctx_len, num_tiles, scale_log2,
+                HALF=HALF, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES,
+            )  # fmt: skip
+            t_all += num_tiles
+            nxt = _take(info, info_ready, info_empty, n, f)
+            n += 1
+            q_lo, q_hi = _load_q(q_ptr, nxt[1], nxt[2], nxt[3], nxt[4], stride_qt, stride_qh,
+                                 ld_layout, HALF, GROUP)  # fmt: skip
+            _store_rows(out_ptr, acc_lo, acc_hi, l_i, kv_head, q_start, q_len, q_block_start,
+                        stride_ot, stride_oh, HALF, GROUP)  # fmt: skip
+            more, kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles = nxt
 
     @gluon.jit
     def _consume_lower(
-        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
-        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
+        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         _consume(
-            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-            kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
-            stride_qt, stride_qh, stride_ot, stride_oh,
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+            info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
             HALF=0, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES,
         )  # fmt: skip
 
     @gluon.jit
     def _consume_upper(
-        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-        bt_row_ptr, kv_head, q_start, q_len, q_block_start, ctx_len, num_keys, num_tiles,
-        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
+        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         _consume(
-            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty,
-            kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles, scale_log2,
-            stride_qt, stride_qh, stride_ot, stride_oh,
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+            info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
             HALF=1, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES,
         )  # fmt: skip
 
-    @gluon.jit(do_not_specialize=["num_seqs", "q_len_lo", "stride_bt"])
+    @gluon.jit(do_not_specialize=["num_seqs", "q_len_lo", "num_items", "num_q_blocks",
+                                  "stride_bt"])  # fmt: skip
     def _hopper_prefill_kernel(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale_log2, num_seqs, q_len_lo, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        kv_head = gl.program_id(1)
-        # Blocks in reverse, so the last blocks of long prompts (the most keys) start first.
-        q_block_id = gl.num_programs(0) - 1 - gl.program_id(0)
-        seq_idx = _owning_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
-        q_start = gl.load(query_start_loc_ptr + seq_idx)
-        q_len = gl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-        q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
-        if (q_len >= q_len_lo) & (q_block_start < q_len):
-            seq_len = gl.load(seq_lens_ptr + seq_idx)
-            ctx_len = seq_len - q_len
-            last_q = gl.minimum(q_block_start + BLOCK_Q, q_len) - 1
-            num_keys = gl.maximum(ctx_len + last_q + 1, 0)
-            num_tiles = gl.cdiv(num_keys, TILE)
-            bt_row_ptr = block_tables_ptr + seq_idx.to(gl.int64) * stride_bt
+        shape: gl.constexpr = [NUM_STAGES, TILE, HALF_D]
+        k_lo = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
+        k_hi = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
+        v_lo = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
+        v_hi = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
+        vm_lo = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
+        vm_hi = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
+        info = gl.allocate_shared_memory(
+            gl.int32, [2, INFO_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        info_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        info_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one release per consumer
+        for i in gl.static_range(2):
+            mbarrier.init(info_ready.index(i), count=1)
+            mbarrier.init(info_empty.index(i), count=2)
 
-            shape: gl.constexpr = [NUM_STAGES, TILE, HALF_D]
-            k_lo = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
-            k_hi = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
-            v_lo = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
-            v_hi = gl.allocate_shared_memory(v_desc.dtype, shape, v_desc.layout)
-            vm_lo = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
-            vm_hi = gl.allocate_shared_memory(v_desc.dtype, [2, TILE, HALF_D], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=2)  # one release per consumer
-
-            gl.warp_specialize(
-                [
-                    (_consume_lower, (
-                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
-                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
-                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
-                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
-                    )),
-                    (_consume_upper, (
-                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
-                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
-                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
-                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
-                    )),
-                    (_produce, (
-                        q_ptr, out_ptr, k_desc, v_desc, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi,
-                        ready, empty, bt_row_ptr, kv_head, q_start, q_len, q_block_start,
-                        ctx_len, num_keys, num_tiles, scale_log2, stride_qt, stride_qh,
-                        stride_ot, stride_oh, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
-                    )),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
+        # Constexprs reach the partitions only when written in the tuple itself.
+        gl.warp_specialize(
+            [
+                (_consume_lower, (
+                    q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                )),
+                (_consume_upper, (
+                    q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                )),
+                (_produce, (
+                    q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES,
+                )),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # Descriptors by cache tensor: the caches live as long as the engine, and a prefill step
@@ -413,6 +558,10 @@ def _new_descriptor(cache: torch.Tensor) -> Any:
     return TensorDescriptor.from_tensor(rows, [block_size, _HALF_D], layout)
 
 
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def hopper_prefill_launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -428,17 +577,22 @@ def hopper_prefill_launch(
 ) -> None:
     """Attention of every sequence with at least `min_query_len` query tokens into `out`
     (the other rows are left as they are); `supported(q, k_cache, v_cache)` must hold.
-    `overrides` replaces entries of `HOPPER_PREFILL_CONFIG` (TILE, NUM_STAGES)."""
+    `overrides` replaces entries of `HOPPER_PREFILL_CONFIG` (TILE, NUM_STAGES).
+
+    The grid is persistent: one program per multiprocessor (fewer for small launches), each
+    taking every grid-th item of (block of query rows, KV head), longest blocks first."""
     cfg = {**HOPPER_PREFILL_CONFIG, **(overrides or {})}
     num_tokens, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_q = _ROWS // group
     num_seqs = seq_lens.shape[0]
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    num_q_blocks = num_tokens // block_q + num_seqs  # a bound the host knows
+    num_items = num_q_blocks * num_kv_heads
+    grid = (min(num_items, _num_sms(q.device)),)
     _hopper_prefill_kernel[grid](
         q, out, _descriptor(k_cache), _descriptor(v_cache), block_tables, query_start_loc,
-        seq_lens, scale_log2, num_seqs, min_query_len,
+        seq_lens, scale_log2, num_seqs, min_query_len, num_items, num_q_blocks, num_kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, TILE=cfg["TILE"], BLOCK_SIZE=block_size,
         NUM_STAGES=cfg["NUM_STAGES"], num_warps=4, maxnreg=_MAXNREG,
