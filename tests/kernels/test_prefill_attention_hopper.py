@@ -81,7 +81,15 @@ def test_gpu_hopper_matches_reference(
 
 @pytest.mark.gpu
 @requires_sm90
-@pytest.mark.parametrize("cfg", [{"TILE": 64, "NUM_STAGES": 2}, {"TILE": 64, "NUM_STAGES": 3}])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 0},
+        {"TILE": 128, "NUM_STAGES": 2, "PIPELINE": 0},
+        {"TILE": 64, "NUM_STAGES": 3, "PIPELINE": 1},
+        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 1},
+    ],
+)
 def test_gpu_hopper_tile_shapes(cfg: dict[str, int]) -> None:
     batch = _batch(*CASES["mixed"], (32, 8))
     out = torch.full_like(batch.q, 7.0)
