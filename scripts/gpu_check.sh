@@ -15,6 +15,8 @@
 #   bash scripts/gpu_check.sh w2 [SEQS]    # W2 with FP8 weights and KV (max_num_seqs SEQS), then bf16
 #   bash scripts/gpu_check.sh fp8speed [SEQS] # FP8 KV: attention GPU tests, decode sweep, W1, W2
 #   bash scripts/gpu_check.sh attn [SEQS]  # attention GPU tests, prefill kernel bench, W1 (FP8 KV, bf16)
+#   bash scripts/gpu_check.sh prefill      # Gluon prefill kernel: GPU tests with the engine's,
+#                                          # kernel bench, W1 and L1 with it and without, W2
 #   bash scripts/gpu_check.sh kvw [SEQS]   # W1 FP8 KV and W2 FP8 weights + KV, each beside bf16
 #   bash scripts/gpu_check.sh pairs        # GEMVs in half-precision pairs: GPU tests, kernels, L1
 #                                          # in GPTQ int4/int8 and FP8
@@ -135,6 +137,20 @@ elif [ "$phase" = attn ]; then  # attention kernels: GPU tests, prefill bench, W
     | tail -n 3
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
   bench --workload w1 --system engine
+elif [ "$phase" = prefill ]; then  # the Gluon prefill kernel: GPU tests (its own, attention,
+  # engine greedy vs HF, CUDA graphs), the prefill bench, W1 and L1 with it and without, W2
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_prefill_attention_hopper.py \
+    tests/kernels/test_prefill_attention.py tests/kernels/test_paged_attention.py \
+    tests/asyncengine/test_gpu_engine.py tests/asyncengine/test_cuda_graphs.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 6
+  python3 scripts/bench_kernels.py --only prefill --no-prefill-sweep 2>>"$OUT/bench.log" \
+    | tee "$OUT/prefill.jsonl" | tail -n 2
+  for hopper in 1 0; do
+    echo "{\"hopper_prefill\": $hopper}" | tee -a "$OUT/results.jsonl"
+    ASYNCENGINE_HOPPER_PREFILL=$hopper bench --workload w1 --system engine
+    ASYNCENGINE_HOPPER_PREFILL=$hopper bench --workload l1 --system engine --profile-steps 2
+  done
+  bench --workload w2 --system engine
 elif [ "$phase" = kvw ]; then  # W1 with FP8 KV beside bf16, W2 with FP8 weights + KV beside bf16
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
   bench --workload w1 --system engine
@@ -173,7 +189,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, kvw, w2, pairs, gemv, fp8row, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
