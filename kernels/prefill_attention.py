@@ -279,13 +279,12 @@ def prefill_attention_launch(
     `overrides` replaces entries of `prefill_tile_config` (BLOCK_Q follows BLOCK_M); with
     none, a launch the Hopper kernel supports runs there (`HOPPER_PREFILL`)."""
     if HOPPER_PREFILL and not overrides and not dot_fp32:
-        from kernels import prefill_attention_hopper as hopper
+        from kernels.prefill_attention_hopper import try_hopper_prefill
 
-        if hopper.supported(q, k_cache, v_cache):
-            hopper.hopper_prefill_launch(
-                q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale_log2,
-                min_query_len,
-            )  # fmt: skip
+        if try_hopper_prefill(
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale_log2,
+            min_query_len,
+        ):  # fmt: skip
             return
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -39,6 +39,7 @@ a launch qualifies. Otherwise the Triton kernel serves.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -64,7 +65,10 @@ __all__ = [
     "available",
     "hopper_prefill_launch",
     "supported",
+    "try_hopper_prefill",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Launch shape: 128 query rows per program (two consumer warpgroups of 64), key tiles of
 # `TILE` keys in `NUM_STAGES` shared-memory stages (32 KB each at 64 keys, plus 32 KB of the
@@ -85,16 +89,24 @@ _CONSUMER_REGS = 232
 _PRODUCER_REGS = 40
 
 
+# Gluon is experimental and its API moves between Triton releases: the kernel is checked on
+# the GPU with Triton 3.6 and compiled (not run) with 3.9. If it does not build with the
+# installed Triton, the first failure is kept here and prefill stays on the Triton kernel.
+_BUILD_FAILURE: list[str] = []
+_BUILT: set[tuple[Any, ...]] = set()
+
+
 def available() -> bool:
-    """Whether this Triton build has Gluon's Hopper module."""
-    return _GLUON
+    """Whether this Triton build has Gluon's Hopper module (and the kernel has not failed to
+    build with it)."""
+    return _GLUON and not _BUILD_FAILURE
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether `hopper_prefill_launch` serves these tensors: an sm_90 GPU, 16-bit q and cache
     of one dtype, head_dim 128, GQA groups that divide 64 rows, contiguous caches whose
     blocks are whole multiples of 8 rows that divide the key tile."""
-    if not (_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (available() and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -120,6 +132,10 @@ if _GLUON:
     CONSUMER_REGS = gl.constexpr(_CONSUMER_REGS)
     PRODUCER_REGS = gl.constexpr(_PRODUCER_REGS)
     INFO_FIELDS = gl.constexpr(8)
+    # Two builtins were renamed after Triton 3.6: the CTA (partition) barrier and the TMA
+    # load. Same arguments either way.
+    _sync_threads = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
     def _owning_sequence(query_start_loc_ptr, target, num_seqs, BLOCK_Q: gl.constexpr):
@@ -148,7 +164,7 @@ if _GLUON:
         vals += gl.where(f == 4, ctx_len, 0) + gl.where(f == 5, num_tiles, 0)
         vals += gl.where(f == 6, more, 0)
         info.index(slot).store(vals)
-        gl.thread_barrier()  # every lane's field is written before the release
+        _sync_threads()  # every lane's field is written before the release
         mbarrier.arrive(info_ready.index(slot), count=1)
 
     @gluon.jit
@@ -211,19 +227,19 @@ if _GLUON:
                         blk = gl.load(bt_row_ptr + key0 // BLOCK_SIZE, mask=key0 < num_keys,
                                       other=0)  # fmt: skip
                         row = gl.maximum(blk, 0) * BLOCK_SIZE
-                        tma.async_copy_global_to_shared(
+                        _tma_load(
                             k_desc, [row, col], bar,
                             k_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
                         )  # fmt: skip
-                        tma.async_copy_global_to_shared(
+                        _tma_load(
                             k_desc, [row, col + HALF_D], bar,
                             k_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
                         )  # fmt: skip
-                        tma.async_copy_global_to_shared(
+                        _tma_load(
                             v_desc, [row, col], bar,
                             v_lo.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
                         )  # fmt: skip
-                        tma.async_copy_global_to_shared(
+                        _tma_load(
                             v_desc, [row, col + HALF_D], bar,
                             v_hi.index(stage).slice(i * BLOCK_SIZE, BLOCK_SIZE),
                         )  # fmt: skip
@@ -453,7 +469,7 @@ if _GLUON:
                 vm_lo_mine.store(gl.where(v_keep, v_lo.index(stage).load(ld_layout), 0.0))
                 vm_hi_mine.store(gl.where(v_keep, v_hi.index(stage).load(ld_layout), 0.0))
                 fence_async_shared()
-                gl.thread_barrier()  # the whole warpgroup's rows in place before its wgmma
+                _sync_threads()  # the whole warpgroup's rows in place before its wgmma
                 acc_lo, acc_hi = _accumulate(
                     p16, vm_lo_mine, vm_hi_mine, acc_lo * alpha_o, acc_hi * alpha_o
                 )
@@ -677,3 +693,42 @@ def hopper_prefill_launch(
         NUM_STAGES=cfg["NUM_STAGES"], PIPELINE=bool(cfg["PIPELINE"]), num_warps=4,
         maxnreg=_MAXNREG,
     )  # fmt: skip
+
+
+def try_hopper_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale_log2: float,
+    min_query_len: int,
+) -> bool:
+    """`hopper_prefill_launch` if `supported`, returning whether it ran. The first launch of
+    each specialization compiles it; a kernel that does not build with this Triton is
+    reported once and never tried again (the caller then runs the Triton kernel)."""
+    if not supported(q, k_cache, v_cache):
+        return False
+    args = (q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale_log2,
+            min_query_len)  # fmt: skip
+    key = (q.shape[1] // k_cache.shape[2], k_cache.shape[1], q.dtype,
+           tuple(sorted(HOPPER_PREFILL_CONFIG.items())))  # fmt: skip
+    if key in _BUILT:
+        hopper_prefill_launch(*args)
+        return True
+    try:
+        hopper_prefill_launch(*args)
+    except Exception as exc:  # a compiler error from an untested Triton: fall back, once
+        import triton
+
+        _BUILD_FAILURE.append(f"{type(exc).__name__}: {exc}"[:500])
+        logger.warning(
+            "The Gluon prefill attention kernel does not build with Triton %s (%s); prefill "
+            "attention runs the Triton kernel instead.", triton.__version__,
+            _BUILD_FAILURE[0].splitlines()[0],
+        )  # fmt: skip
+        return False
+    _BUILT.add(key)
+    return True

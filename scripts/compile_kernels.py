@@ -2,7 +2,8 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, the sm_90 prefill kernel, each also over an FP8 (e4m3) KV cache, the tiled
+prefill tiles, the sm_90 prefill kernel (Triton, and the warp-specialized Gluon kernel when
+this Triton has Gluon), each also over an FP8 (e4m3) KV cache, the tiled
 and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and
 activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90
 with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
@@ -258,6 +259,44 @@ def lower_variant(
     )
 
 
+# The Gluon Hopper prefill kernel (`kernels.prefill_attention_hopper`): W2's GQA group of 4
+# and W1's 1 at the default tiles, and the 128-key tiles without the overlap.
+GLUON_VARIANTS = [
+    dict(GROUP=4, TILE=64, NUM_STAGES=4, PIPELINE=True),
+    dict(GROUP=1, TILE=64, NUM_STAGES=4, PIPELINE=True),
+    dict(GROUP=8, TILE=128, NUM_STAGES=2, PIPELINE=False),
+]
+
+
+def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
+    """Compile one variant of the Gluon prefill kernel: its K/V arrive as TMA descriptors of
+    [16, 64] bf16 boxes, which the signature names with their shared-memory layout."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import prefill_attention_hopper as hopper
+
+    fn = hopper._hopper_prefill_kernel
+    layout = gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16)
+    desc = f"tensordesc<bf16[16, 64],{layout!r}>"
+    consts = {**constexprs, "BLOCK_Q": 128 // constexprs["GROUP"], "BLOCK_SIZE": 16}
+    signature = {p: "i32" for p in fn.arg_names}
+    signature.update(q_ptr="*bf16", out_ptr="*bf16", k_desc=desc, v_desc=desc,
+                     block_tables_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32",
+                     scale_log2="fp32")  # fmt: skip
+    signature.update({k: "constexpr" for k in consts})
+    src = GluonASTSource(
+        fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={},
+    )  # fmt: skip
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": 4, "maxnreg": hopper._MAXNREG},
+    )  # fmt: skip
+
+
 def asm_stats(compiled: Any) -> dict[str, int]:
     """What the machine code of a compiled variant uses, read with the tools Triton bundles:
     registers and local-memory (spill) bytes per thread, spill instructions (LDL/STL),
@@ -305,12 +344,26 @@ def main() -> int:
     variants = [v for v in VARIANTS if args.only is None or args.only in v[0]]
     if args.fp8_kv:
         variants = [v for v in variants if v[2].get("KV_FP8")]
-    for module, kernel, constexprs, warps, stages in variants:
+    jobs = [
+        (kernel, constexprs, lambda v=(module, kernel, constexprs, warps, stages):
+            lower_variant(*v, args.arch))
+        for module, kernel, constexprs, warps, stages in variants
+    ]  # fmt: skip
+    from kernels import prefill_attention_hopper as hopper
+
+    if hopper.available() and not args.fp8_kv and args.only in (None, "prefill", "hopper"):
+        jobs += [
+            ("_hopper_prefill_kernel", c, lambda c=c: lower_hopper_prefill(c, args.arch))
+            for c in GLUON_VARIANTS
+        ]
+    for kernel, constexprs, lower in jobs:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()
         try:
-            compiled = lower_variant(module, kernel, constexprs, warps, stages, args.arch)
+            compiled = lower()
             row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": len(compiled.asm["cubin"])}
+            if kernel == "_hopper_prefill_kernel":
+                row["config"] = {k: v for k, v in constexprs.items() if not isinstance(v, bool)}
             if args.asm_stats:
                 row.update(asm_stats(compiled))
         except Exception as exc:  # report every variant, then fail
@@ -318,7 +371,7 @@ def main() -> int:
             row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
-    print(json.dumps({"compiled": len(variants) - failed, "failed": failed, "arch": args.arch}))
+    print(json.dumps({"compiled": len(jobs) - failed, "failed": failed, "arch": args.arch}))
     return 1 if failed else 0
 
 

@@ -36,6 +36,32 @@ def test_cpu_tensors_are_not_supported() -> None:
     assert not hopper.supported(q, cache, cache)
 
 
+def test_a_kernel_that_does_not_build_falls_back_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a Triton whose Gluon the kernel does not compile on, the first launch reports
+    it, returns False (the caller runs the Triton kernel), and no later launch tries again."""
+    monkeypatch.setattr(hopper, "_BUILD_FAILURE", [])
+    monkeypatch.setattr(hopper, "_BUILT", set())
+    monkeypatch.setattr(hopper, "_GLUON", True)
+    monkeypatch.setattr(hopper, "supported", lambda *a: hopper.available())
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        raise RuntimeError("async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(hopper, "hopper_prefill_launch", broken)
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
+    args = (q, cache, cache, q, None, None, None, 0.1, 64)
+    with caplog.at_level("WARNING", logger=hopper.__name__):
+        assert hopper.try_hopper_prefill(*args) is False
+        assert hopper.try_hopper_prefill(*args) is False
+    assert len(calls) == 1 and not hopper.available()
+    assert "does not build" in caplog.text and "has been removed" in caplog.text
+
+
 @pytest.mark.gpu
 @requires_sm90
 def test_gpu_supported_shapes() -> None:
