@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 # own P @ V of the previous one, which keeps two score tiles live and so needs 64-key
 # tiles (128-key tiles spill). Chosen by `scripts/bench_kernels.py --only prefill` on an
 # H200: 4-7 % faster than 128-key tiles without the overlap at 2k-4k tokens, level at 8k.
-HOPPER_PREFILL_CONFIG: dict[str, int] = {"TILE": 64, "NUM_STAGES": 4, "PIPELINE": 1}
+HOPPER_PREFILL_CONFIG: dict[str, int] = {"TILE": 64, "NUM_STAGES": 4, "PIPELINE": 1, "PINGPONG": 0}
 _ROWS = 128  # query rows per program
 _HALF_ROWS = 64  # per consumer warpgroup (wgmma's 64-row minimum)
 _HALF_D = 64  # head_dim is handled in two halves of 64 (one 128-byte swizzle row)
@@ -85,8 +85,8 @@ _HEAD_DIM = 128
 # rounds up to a warpgroup), then the consumers grow to CONSUMER_REGS and the producer
 # shrinks to PRODUCER_REGS (setmaxnreg); 168 x 12 warps fits 64K registers.
 _MAXNREG = 168
-_CONSUMER_REGS = 232
-_PRODUCER_REGS = 40
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 32
 
 
 # Gluon is experimental and its API moves between Triton releases: the kernel is checked on
@@ -174,11 +174,12 @@ if _GLUON:
     @gluon.jit
     def _produce(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
-        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info, info_ready,
+        info_empty, scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: finds each of this program's items (a block of query rows of one
         sequence and KV head), hands it to the consumers, and copies its key tiles' K and V
@@ -320,6 +321,19 @@ if _GLUON:
         return q_lo, q_hi
 
     @gluon.jit
+    def _take_turn(turns, k, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other consumer has issued its matrix products for tile
+        k - 1 (tile k of consumer 0 goes first), so one's products run while the other
+        computes its softmax (FlashAttention-3's inter-warpgroup schedule)."""
+        if PINGPONG:
+            mbarrier.wait(turns.index(HALF), (k & 1) ^ (1 - HALF))
+
+    @gluon.jit
+    def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - HALF), count=1)
+
+    @gluon.jit
     def _softmax_step(s, m_i, l_i, scale_log2, p_dot: gl.constexpr, dtype: gl.constexpr):
         """Online softmax over one unmasked score tile: (P as the PV operand, the factor that
         rescales the earlier sums, new max, new sum)."""
@@ -331,8 +345,9 @@ if _GLUON:
 
     @gluon.jit
     def _full_tiles_pipelined(
-        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, t_all, full, scale_log2,
-        m_i, l_i, acc_lo, acc_hi, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
+        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, turns, t_all, full, scale_log2,
+        m_i, l_i, acc_lo, acc_hi, HALF: gl.constexpr, TILE: gl.constexpr,
+        NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """The unmasked tiles (full >= 1), with tile t's softmax running while tile t-1's
         P @ V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap): the next
@@ -347,18 +362,22 @@ if _GLUON:
 
         stage = t_all % NUM_STAGES
         mbarrier.wait(ready.index(stage), (t_all // NUM_STAGES) & 1)
+        _take_turn(turns, t_all, HALF, PINGPONG)
         s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
+        _pass_turn(turns, HALF, PINGPONG)
         p16, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2, p_dot, dtype)
         for t in range(1, full):
             prev = stage
             stage = (t_all + t) % NUM_STAGES
             mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            _take_turn(turns, t_all + t, HALF, PINGPONG)
             s_lo = warpgroup_mma(q_lo, k_lo.index(stage).permute((1, 0)), zero, use_acc=False,
                                  is_async=True)  # fmt: skip
             s = warpgroup_mma(q_hi, k_hi.index(stage).permute((1, 0)), s_lo, is_async=True)
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             acc_lo = warpgroup_mma(p16, v_lo.index(prev), acc_lo * alpha_o, is_async=True)
             acc_hi = warpgroup_mma(p16, v_hi.index(prev), acc_hi * alpha_o, is_async=True)
+            _pass_turn(turns, HALF, PINGPONG)
             # Groups complete in order: two outstanding means the scores are done.
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
             p16_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2, p_dot, dtype)
@@ -377,10 +396,10 @@ if _GLUON:
 
     @gluon.jit
     def _attend(
-        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, t_all,
+        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, t_all,
         q_len, q_block_start, ctx_len, num_tiles, scale_log2,
         HALF: gl.constexpr, GROUP: gl.constexpr, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PIPELINE: gl.constexpr,
+        PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """One item for one consumer warpgroup: online softmax over the item's key tiles (from
         ring position `t_all` on) for 64 of its 128 rows; returns (acc_lo, acc_hi, l)."""
@@ -416,14 +435,17 @@ if _GLUON:
         if PIPELINE:
             if full > 0:
                 m_i, l_i, acc_lo, acc_hi = _full_tiles_pipelined(
-                    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, t_all, full, scale_log2,
-                    m_i, l_i, acc_lo, acc_hi, TILE=TILE, NUM_STAGES=NUM_STAGES,
+                    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ready, empty, turns, t_all, full,
+                    scale_log2, m_i, l_i, acc_lo, acc_hi, HALF=HALF, TILE=TILE,
+                    NUM_STAGES=NUM_STAGES, PINGPONG=PINGPONG,
                 )  # fmt: skip
         else:
             for t in range(0, full):
                 stage = (t_all + t) % NUM_STAGES
                 mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+                _take_turn(turns, t_all + t, HALF, PINGPONG)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
+                _pass_turn(turns, HALF, PINGPONG)
                 m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
                 p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
                 alpha = gl.exp2(m_i - m_new)
@@ -448,7 +470,9 @@ if _GLUON:
         for t in range(full, tiles):
             stage = (t_all + t) % NUM_STAGES
             mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            _take_turn(turns, t_all + t, HALF, PINGPONG)
             s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
+            _pass_turn(turns, HALF, PINGPONG)
             keys = t * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
             visible = (gl.expand_dims(keys, 0) <= gl.expand_dims(q_abs, 1)) & gl.expand_dims(
                 keys < my_keys, 0
@@ -480,10 +504,13 @@ if _GLUON:
                 )  # fmt: skip
             mbarrier.arrive(empty.index(stage), count=1)
 
-        # Tiles only the other half sees: release them as they arrive.
+        # Tiles only the other half sees: release them as they arrive (and pass the turn:
+        # both consumers take one per tile).
         for t in range(tiles, num_tiles):
             stage = (t_all + t) % NUM_STAGES
             mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            _take_turn(turns, t_all + t, HALF, PINGPONG)
+            _pass_turn(turns, HALF, PINGPONG)
             mbarrier.arrive(empty.index(stage), count=1)
         return acc_lo, acc_hi, l_i
 
@@ -505,10 +532,10 @@ if _GLUON:
 
     @gluon.jit
     def _consume(
-        q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready,
-        info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info,
+        info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
         HALF: gl.constexpr, GROUP: gl.constexpr, TILE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PIPELINE: gl.constexpr,
+        PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """A consumer warpgroup: the items the producer hands over, until it says no more.
         The next item's Q rows are loaded before this item's output is written, so their
@@ -525,9 +552,10 @@ if _GLUON:
         n = 1
         while more != 0:
             acc_lo, acc_hi, l_i = _attend(
-                q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, t_all,
+                q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, t_all,
                 q_len, q_block_start, ctx_len, num_tiles, scale_log2,
                 HALF=HALF, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
+                PINGPONG=PINGPONG,
             )  # fmt: skip
             t_all += num_tiles
             nxt = _take(info, info_ready, info_empty, n, f)
@@ -541,31 +569,35 @@ if _GLUON:
     @gluon.jit
     def _consume_lower(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
-        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info, info_ready,
+        info_empty, scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         _consume(
-            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info,
             info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
             HALF=0, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
+            PINGPONG=PINGPONG,
         )  # fmt: skip
 
     @gluon.jit
     def _consume_upper(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info, info_ready, info_empty,
-        scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
+        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info, info_ready,
+        info_empty, scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         _consume(
-            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
+            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info,
             info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
             HALF=1, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
+            PINGPONG=PINGPONG,
         )  # fmt: skip
 
     @gluon.jit(do_not_specialize=["num_seqs", "q_len_lo", "num_items", "num_q_blocks",
@@ -576,6 +608,7 @@ if _GLUON:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         shape: gl.constexpr = [NUM_STAGES, TILE, HALF_D]
         k_lo = gl.allocate_shared_memory(k_desc.dtype, shape, k_desc.layout)
@@ -592,36 +625,41 @@ if _GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         info_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         info_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one release per consumer
         for i in gl.static_range(2):
             mbarrier.init(info_ready.index(i), count=1)
             mbarrier.init(info_empty.index(i), count=2)
+            mbarrier.init(turns.index(i), count=1)
 
         # Constexprs reach the partitions only when written in the tuple itself.
         gl.warp_specialize(
             [
                 (_consume_lower, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
-                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
-                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns,
+                    info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
+                    PINGPONG,
                 )),
                 (_consume_upper, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
-                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
-                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns,
+                    info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
+                    PINGPONG,
                 )),
                 (_produce, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
-                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, info,
-                    info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
+                    seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns,
+                    info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
+                    PINGPONG,
                 )),
             ],
             [4, 1],
@@ -690,7 +728,8 @@ def hopper_prefill_launch(
         seq_lens, scale_log2, num_seqs, min_query_len, num_items, num_q_blocks, num_kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, TILE=cfg["TILE"], BLOCK_SIZE=block_size,
-        NUM_STAGES=cfg["NUM_STAGES"], PIPELINE=bool(cfg["PIPELINE"]), num_warps=4,
+        NUM_STAGES=cfg["NUM_STAGES"], PIPELINE=bool(cfg["PIPELINE"]),
+        PINGPONG=bool(cfg["PINGPONG"]), num_warps=4,
         maxnreg=_MAXNREG,
     )  # fmt: skip
 

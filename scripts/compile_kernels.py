@@ -260,11 +260,12 @@ def lower_variant(
 
 
 # The Gluon Hopper prefill kernel (`kernels.prefill_attention_hopper`): W2's GQA group of 4
-# and W1's 1 at the default tiles, and the 128-key tiles without the overlap.
+# and W1's 1 at the default tiles (with and without ping-pong), and 128-key tiles without
+# the overlap.
 GLUON_VARIANTS = [
-    dict(GROUP=4, TILE=64, NUM_STAGES=4, PIPELINE=True),
-    dict(GROUP=1, TILE=64, NUM_STAGES=4, PIPELINE=True),
-    dict(GROUP=8, TILE=128, NUM_STAGES=2, PIPELINE=False),
+    dict(GROUP=4, TILE=64, NUM_STAGES=4, PIPELINE=True, PINGPONG=False),
+    dict(GROUP=1, TILE=64, NUM_STAGES=4, PIPELINE=True, PINGPONG=True),
+    dict(GROUP=8, TILE=128, NUM_STAGES=2, PIPELINE=False, PINGPONG=False),
 ]
 
 

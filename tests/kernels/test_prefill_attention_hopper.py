@@ -110,10 +110,12 @@ def test_gpu_hopper_matches_reference(
 @pytest.mark.parametrize(
     "cfg",
     [
-        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 0},
-        {"TILE": 128, "NUM_STAGES": 2, "PIPELINE": 0},
-        {"TILE": 64, "NUM_STAGES": 3, "PIPELINE": 1},
-        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 1},
+        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 0, "PINGPONG": 0},
+        {"TILE": 128, "NUM_STAGES": 2, "PIPELINE": 0, "PINGPONG": 1},
+        {"TILE": 64, "NUM_STAGES": 2, "PIPELINE": 1, "PINGPONG": 0},
+        {"TILE": 64, "NUM_STAGES": 4, "PIPELINE": 1, "PINGPONG": 1},
+        {"TILE": 128, "NUM_STAGES": 2, "PIPELINE": 1, "PINGPONG": 0},
+        {"TILE": 128, "NUM_STAGES": 2, "PIPELINE": 1, "PINGPONG": 1},
     ],
 )
 def test_gpu_hopper_tile_shapes(cfg: dict[str, int]) -> None:
