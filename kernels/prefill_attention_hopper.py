@@ -72,10 +72,12 @@ logger = logging.getLogger(__name__)
 
 # Launch shape: 128 query rows per program (two consumer warpgroups of 64), key tiles of
 # `TILE` keys in `NUM_STAGES` shared-memory stages (32 KB each at 64 keys, plus 32 KB of the
-# consumers' masked-V buffers), PIPELINE: each consumer's softmax of a tile overlapping its
-# own P @ V of the previous one, which keeps two score tiles live and so needs 64-key
-# tiles (128-key tiles spill). Chosen by `scripts/bench_kernels.py --only prefill` on an
-# H200: 4-7 % faster than 128-key tiles without the overlap at 2k-4k tokens, level at 8k.
+# consumers' masked-V buffers). PIPELINE: each consumer's softmax of a tile overlaps its own
+# P @ V of the previous one; PINGPONG: the two consumers' matrix products take turns.
+# Chosen by `scripts/bench_kernels.py --only prefill` on an H200: the overlap on 64-key
+# tiles is 4-7 % faster than 128-key tiles without it at 2k-4k tokens and level at 8k (on
+# 128-key tiles it ran 20 % slower: two score tiles crowd the registers); ping-pong
+# measured between 5 % slower and 4 % faster, so it is off.
 HOPPER_PREFILL_CONFIG: dict[str, int] = {"TILE": 64, "NUM_STAGES": 4, "PIPELINE": 1, "PINGPONG": 0}
 _ROWS = 128  # query rows per program
 _HALF_ROWS = 64  # per consumer warpgroup (wgmma's 64-row minimum)
@@ -171,6 +173,8 @@ if _GLUON:
     def _field(vals, f, k: gl.constexpr):
         return gl.sum(gl.where(f == k, vals, 0), axis=0)
 
+    # The three partitions take one argument list (Gluon requires it of worker
+    # partitions), so each receives arguments only the others use.
     @gluon.jit
     def _produce(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,

@@ -138,6 +138,24 @@ def test_gpu_hopper_tile_shapes(cfg: dict[str, int]) -> None:
 
 @pytest.mark.gpu
 @requires_sm90
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_gpu_hopper_other_cache_block_sizes(
+    block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight 8-slot blocks or two 32-slot blocks per 64-key tile (one TMA copy per block)."""
+    monkeypatch.setattr(pa, "PREFILL_TILE_MIN_QUERY_LEN", 64)
+    batch = make_paged_batch(
+        *CASES["mixed"], 32, 8, head_dim=128, block_size=block_size, dtype=torch.bfloat16,
+        device="cuda", seed=22, extra_blocks=8,
+    )  # fmt: skip
+    assert hopper.supported(batch.q, batch.k_cache, batch.v_cache)
+    ref = paged_attention_ref(*batch.args())
+    out = paged_attention_triton(*batch.args())
+    assert (out.float() - ref.float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.gpu
+@requires_sm90
 def test_gpu_hopper_agrees_with_the_triton_prefill_kernel() -> None:
     """Same sums in a different order: the two kernels agree to bf16 rounding."""
     batch = _batch([4096, 512], [4096, 2560], (32, 8))
