@@ -183,7 +183,7 @@ if _GLUON:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, HALF: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: finds each of this program's items (a block of query rows of one
         sequence and KV head), hands it to the consumers, and copies its key tiles' K and V
@@ -571,36 +571,20 @@ if _GLUON:
             more, kv_head, q_start, q_len, q_block_start, ctx_len, num_tiles = nxt
 
     @gluon.jit
-    def _consume_lower(
+    def _consumer(
         q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info, info_ready,
         info_empty, scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, HALF: gl.constexpr,
     ):  # fmt: skip
+        """A consumer partition (HALF 0: the default partition, 1: a worker)."""
         _consume(
             q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info,
             info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-            HALF=0, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
-            PINGPONG=PINGPONG,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _consume_upper(
-        q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info, info_ready,
-        info_empty, scale_log2, num_seqs, q_len_lo, num_items, num_q_blocks, num_kv_heads,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, PIPELINE: gl.constexpr,
-        PINGPONG: gl.constexpr,
-    ):  # fmt: skip
-        _consume(
-            q_ptr, out_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns, info,
-            info_ready, info_empty, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
-            HALF=1, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
+            HALF=HALF, GROUP=GROUP, TILE=TILE, NUM_STAGES=NUM_STAGES, PIPELINE=PIPELINE,
             PINGPONG=PINGPONG,
         )  # fmt: skip
 
@@ -641,21 +625,21 @@ if _GLUON:
         # Constexprs reach the partitions only when written in the tuple itself.
         gl.warp_specialize(
             [
-                (_consume_lower, (
+                (_consumer, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
                     seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns,
                     info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
-                    PINGPONG,
+                    PINGPONG, 0,
                 )),
-                (_consume_upper, (
+                (_consumer, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
                     seq_lens_ptr, k_lo, k_hi, v_lo, v_hi, vm_lo, vm_hi, ready, empty, turns,
                     info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
-                    PINGPONG,
+                    PINGPONG, 1,
                 )),
                 (_produce, (
                     q_ptr, out_ptr, k_desc, v_desc, block_tables_ptr, query_start_loc_ptr,
@@ -663,7 +647,7 @@ if _GLUON:
                     info, info_ready, info_empty, scale_log2, num_seqs, q_len_lo, num_items,
                     num_q_blocks, num_kv_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, BLOCK_Q, TILE, BLOCK_SIZE, NUM_STAGES, PIPELINE,
-                    PINGPONG,
+                    PINGPONG, 1,
                 )),
             ],
             [4, 1],
