@@ -144,3 +144,22 @@ def dequantized(batch: PagedBatch) -> PagedBatch:
         k_scale=None,
         v_scale=None,
     )
+
+
+def assert_only_long_rows_written(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    min_query_len: int,
+    fill: float,
+    atol: float,
+) -> None:
+    """A prefill launch's output: the rows of sequences with at least `min_query_len` query
+    tokens match `ref`; the other sequences' rows still hold `fill`."""
+    qsl = query_start_loc.tolist()
+    for b in range(len(qsl) - 1):
+        rows = slice(qsl[b], qsl[b + 1])
+        if qsl[b + 1] - qsl[b] >= min_query_len:
+            torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=atol, rtol=0)
+        else:
+            assert torch.equal(out[rows], torch.full_like(out[rows], fill))

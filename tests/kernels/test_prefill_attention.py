@@ -11,7 +11,13 @@ import torch
 
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.prefill_attention import prefill_attention_launch, prefill_tile_config
-from tests.kernels.kernel_cases import PagedBatch, make_paged_batch, requires_cuda, to_fp8
+from tests.kernels.kernel_cases import (
+    PagedBatch,
+    assert_only_long_rows_written,
+    make_paged_batch,
+    requires_cuda,
+    to_fp8,
+)
 
 pa = importlib.import_module("kernels.paged_attention")
 
@@ -120,13 +126,7 @@ def test_launch_writes_only_long_sequences() -> None:
         overrides=SMALL,
     )  # fmt: skip
     ref = paged_attention_ref(*batch.args())
-    qsl = batch.query_start_loc.tolist()
-    for b in range(len(qsl) - 1):
-        rows = slice(qsl[b], qsl[b + 1])
-        if qsl[b + 1] - qsl[b] >= 8:
-            torch.testing.assert_close(out[rows], ref[rows], atol=2e-5, rtol=0)
-        else:
-            assert torch.equal(out[rows], torch.full_like(out[rows], 7.0))
+    assert_only_long_rows_written(out, ref, batch.query_start_loc, 8, 7.0, atol=2e-5)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8, 256])

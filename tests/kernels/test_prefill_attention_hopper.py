@@ -12,7 +12,12 @@ import torch
 from kernels import prefill_attention_hopper as hopper
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.prefill_attention import prefill_attention_launch
-from tests.kernels.kernel_cases import PagedBatch, make_paged_batch, to_fp8
+from tests.kernels.kernel_cases import (
+    PagedBatch,
+    assert_only_long_rows_written,
+    make_paged_batch,
+    to_fp8,
+)
 
 pa = importlib.import_module("kernels.paged_attention")
 pf = importlib.import_module("kernels.prefill_attention")
@@ -127,13 +132,7 @@ def test_gpu_hopper_tile_shapes(cfg: dict[str, int]) -> None:
         overrides=cfg,
     )  # fmt: skip
     ref = paged_attention_ref(*batch.args())
-    qsl = batch.query_start_loc.tolist()
-    for b in range(len(qsl) - 1):
-        rows = slice(qsl[b], qsl[b + 1])
-        if qsl[b + 1] - qsl[b] >= 64:
-            torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=0)
-        else:  # the small-tile launch's rows are left alone
-            assert torch.equal(out[rows], torch.full_like(out[rows], 7.0))
+    assert_only_long_rows_written(out, ref, batch.query_start_loc, 64, 7.0, atol=2e-2)
 
 
 @pytest.mark.gpu
