@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from kernels.paged_attention import _find_seq_idx
+
 try:  # Gluon ships with Triton 3.5+; older builds and CPU-only installs fall back.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -140,20 +142,6 @@ if _GLUON:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _owning_sequence(query_start_loc_ptr, target, num_seqs, BLOCK_Q: gl.constexpr):
-        """Largest b with qsl[b] // BLOCK_Q + b <= target (as `paged_attention._find_seq_idx`)."""
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            val = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-            if val <= target:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
-
-    @gluon.jit
     def _publish(info, info_ready, info_empty, n, kv_head, q_start, q_len, q_block_start,
                  ctx_len, num_tiles, more):  # fmt: skip
         """Producer: hand the consumers their n-th item through a two-slot ring."""
@@ -203,7 +191,7 @@ if _GLUON:
             looked_up = gl.minimum(item, num_items - 1)  # the last round may run short
             kv_head = looked_up % num_kv_heads
             q_block_id = num_q_blocks - 1 - looked_up // num_kv_heads
-            seq_idx = _owning_sequence(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+            seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
             q_start = gl.load(query_start_loc_ptr + seq_idx)
             q_len = gl.load(query_start_loc_ptr + seq_idx + 1) - q_start
             q_block_start = (q_block_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q
