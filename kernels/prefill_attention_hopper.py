@@ -240,12 +240,27 @@ if _GLUON:
         _publish(info, info_ready, info_empty, n_pub, 0, 0, 0, 0, 0, 0, 0)  # no more items
 
     @gluon.jit
-    def _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout: gl.constexpr, TILE: gl.constexpr):
-        """Q @ K^T of one stage: [64, TILE] fp32, over both head_dim halves."""
+    def _ready_stage(ready, i, NUM_STAGES: gl.constexpr):
+        """Consumer: wait until the ring's i-th tile (counted over this program's items) has
+        landed; returns its stage."""
+        stage = i % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+        return stage
+
+    @gluon.jit
+    def _issue_scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout: gl.constexpr,
+                      TILE: gl.constexpr):  # fmt: skip
+        """Issue Q @ K^T of one stage over both head_dim halves ([64, TILE] fp32): two
+        asynchronous wgmma groups, not waited for."""
         zero = gl.zeros([HALF_ROWS, TILE], gl.float32, s_layout)
-        k_t = k_lo.index(stage).permute((1, 0))
-        s = warpgroup_mma(q_lo, k_t, zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_hi, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lo, k_lo.index(stage).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+        return warpgroup_mma(q_hi, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout: gl.constexpr, TILE: gl.constexpr):
+        """Q @ K^T of one stage, waited for."""
+        s = _issue_scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
@@ -326,14 +341,14 @@ if _GLUON:
             mbarrier.arrive(turns.index(1 - HALF), count=1)
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, scale_log2, p_dot: gl.constexpr, dtype: gl.constexpr):
-        """Online softmax over one unmasked score tile: (P as the PV operand, the factor that
+    def _softmax_step(s, m_i, l_i, scale_log2):
+        """Online softmax over one unmasked score tile: (P in float32, the factor that
         rescales the earlier sums, new max, new sum)."""
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
         p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        return gl.convert_layout(p.to(dtype), p_dot), alpha, m_new, l_i
+        return p, alpha, m_new, l_i
 
     @gluon.jit
     def _full_tiles_pipelined(
@@ -350,29 +365,26 @@ if _GLUON:
         o_layout: gl.constexpr = _out_layout()
         p_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        zero = gl.zeros([HALF_ROWS, TILE], gl.float32, s_layout)
 
-        stage = t_all % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (t_all // NUM_STAGES) & 1)
+        stage = _ready_stage(ready, t_all, NUM_STAGES)
         _take_turn(turns, t_all, HALF, PINGPONG)
         s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
         _pass_turn(turns, HALF, PINGPONG)
-        p16, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2, p_dot, dtype)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2)
+        p16 = gl.convert_layout(p.to(dtype), p_dot)
         for t in range(1, full):
             prev = stage
-            stage = (t_all + t) % NUM_STAGES
-            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            stage = _ready_stage(ready, t_all + t, NUM_STAGES)
             _take_turn(turns, t_all + t, HALF, PINGPONG)
-            s_lo = warpgroup_mma(q_lo, k_lo.index(stage).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)  # fmt: skip
-            s = warpgroup_mma(q_hi, k_hi.index(stage).permute((1, 0)), s_lo, is_async=True)
+            s = _issue_scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
             alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             acc_lo = warpgroup_mma(p16, v_lo.index(prev), acc_lo * alpha_o, is_async=True)
             acc_hi = warpgroup_mma(p16, v_hi.index(prev), acc_hi * alpha_o, is_async=True)
             _pass_turn(turns, HALF, PINGPONG)
             # Groups complete in order: two outstanding means the scores are done.
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
-            p16_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2, p_dot, dtype)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2)
+            p16_next = gl.convert_layout(p.to(dtype), p_dot)
             # p16 stays live until its P @ V has read it.
             acc_lo, acc_hi, p16 = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc_lo, acc_hi, p16)
@@ -433,16 +445,11 @@ if _GLUON:
                 )  # fmt: skip
         else:
             for t in range(0, full):
-                stage = (t_all + t) % NUM_STAGES
-                mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+                stage = _ready_stage(ready, t_all + t, NUM_STAGES)
                 _take_turn(turns, t_all + t, HALF, PINGPONG)
                 s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
                 _pass_turn(turns, HALF, PINGPONG)
-                m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
-                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale_log2)
                 alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p16 = gl.convert_layout(p.to(dtype), p_dot)
                 acc_lo, acc_hi = _accumulate(
@@ -460,8 +467,7 @@ if _GLUON:
         vm_hi_mine = vm_hi.index(HALF)
         v_rows_layout: gl.constexpr = gl.SliceLayout(1, ld_layout)
         for t in range(full, tiles):
-            stage = (t_all + t) % NUM_STAGES
-            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            stage = _ready_stage(ready, t_all + t, NUM_STAGES)
             _take_turn(turns, t_all + t, HALF, PINGPONG)
             s = _scores(q_lo, q_hi, k_lo, k_hi, stage, s_layout, TILE)
             _pass_turn(turns, HALF, PINGPONG)
@@ -499,8 +505,7 @@ if _GLUON:
         # Tiles only the other half sees: release them as they arrive (and pass the turn:
         # both consumers take one per tile).
         for t in range(tiles, num_tiles):
-            stage = (t_all + t) % NUM_STAGES
-            mbarrier.wait(ready.index(stage), ((t_all + t) // NUM_STAGES) & 1)
+            stage = _ready_stage(ready, t_all + t, NUM_STAGES)
             _take_turn(turns, t_all + t, HALF, PINGPONG)
             _pass_turn(turns, HALF, PINGPONG)
             mbarrier.arrive(empty.index(stage), count=1)
