@@ -90,6 +90,22 @@ def make_paged_batch(
     )
 
 
+def llama_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int,
+    block_size: int = 16,
+    device: str | torch.device = "cuda",
+) -> PagedBatch:
+    """A GPU test batch at Llama sizes: head_dim 128, bf16, eight spare (NaN) blocks."""
+    return make_paged_batch(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim=128, block_size=block_size,
+        dtype=torch.bfloat16, device=device, seed=seed, extra_blocks=8,
+    )  # fmt: skip
+
+
 def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:
     """Token-by-token, head-by-head attention in float64 (the oracle of the reference)."""
     q = batch.q.double().cpu()

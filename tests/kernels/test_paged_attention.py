@@ -13,6 +13,7 @@ from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from tests.kernels.kernel_cases import (
     PagedBatch,
     dequantized,
+    llama_paged_batch,
     make_paged_batch,
     naive_paged_attention,
     requires_cuda,
@@ -264,10 +265,7 @@ def test_triton_padding_rows_only() -> None:
 def _gpu_case(
     q_lens: list[int], seq_lens: list[int], num_kv_heads: int, seed: int = 0
 ) -> PagedBatch:
-    return make_paged_batch(
-        q_lens, seq_lens, 32, num_kv_heads, head_dim=128, block_size=16,
-        dtype=torch.bfloat16, device="cuda", seed=seed, extra_blocks=8,
-    )  # fmt: skip
+    return llama_paged_batch(q_lens, seq_lens, 32, num_kv_heads, seed)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from kernels.prefill_attention import prefill_attention_launch, prefill_tile_con
 from tests.kernels.kernel_cases import (
     PagedBatch,
     assert_only_long_rows_written,
+    llama_paged_batch,
     make_paged_batch,
     requires_cuda,
     to_fp8,
@@ -144,10 +145,7 @@ def test_tile_config_fits_the_heads(group: int, head_dim_pad: int, elem: int) ->
 
 
 def _gpu_case(q_lens: list[int], seq_lens: list[int], num_kv_heads: int) -> PagedBatch:
-    return make_paged_batch(
-        q_lens, seq_lens, 32, num_kv_heads, head_dim=128, block_size=16,
-        dtype=torch.bfloat16, device="cuda", seed=12, extra_blocks=8,
-    )  # fmt: skip
+    return llama_paged_batch(q_lens, seq_lens, 32, num_kv_heads, seed=12)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from kernels.prefill_attention import prefill_attention_launch
 from tests.kernels.kernel_cases import (
     PagedBatch,
     assert_only_long_rows_written,
-    make_paged_batch,
+    llama_paged_batch,
     to_fp8,
 )
 
@@ -28,11 +28,14 @@ requires_sm90 = pytest.mark.skipif(
 )
 
 
-def _batch(q_lens: list[int], seq_lens: list[int], heads: tuple[int, int], **kw) -> PagedBatch:
-    return make_paged_batch(
-        q_lens, seq_lens, *heads, head_dim=128, block_size=16, dtype=torch.bfloat16,
-        device="cuda", seed=21, extra_blocks=8, **kw,
-    )  # fmt: skip
+def _batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: tuple[int, int],
+    seed: int = 21,
+    block_size: int = 16,
+) -> PagedBatch:
+    return llama_paged_batch(q_lens, seq_lens, *heads, seed=seed, block_size=block_size)
 
 
 def test_cpu_tensors_are_not_supported() -> None:
@@ -143,10 +146,7 @@ def test_gpu_hopper_other_cache_block_sizes(
 ) -> None:
     """Eight 8-slot blocks or two 32-slot blocks per 64-key tile (one TMA copy per block)."""
     monkeypatch.setattr(pa, "PREFILL_TILE_MIN_QUERY_LEN", 64)
-    batch = make_paged_batch(
-        *CASES["mixed"], 32, 8, head_dim=128, block_size=block_size, dtype=torch.bfloat16,
-        device="cuda", seed=22, extra_blocks=8,
-    )  # fmt: skip
+    batch = _batch(*CASES["mixed"], (32, 8), seed=22, block_size=block_size)
     assert hopper.supported(batch.q, batch.k_cache, batch.v_cache)
     ref = paged_attention_ref(*batch.args())
     out = paged_attention_triton(*batch.args())
