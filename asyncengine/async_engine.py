@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -217,6 +218,18 @@ class AsyncLLMEngine:
         self._auto_ids = itertools.count()
         self._last_arrival = 0.0
         self._stats_requested = True
+        self._next_stats = 0.0
+        self._was_busy = True  # publish one snapshot at start
+        self._consecutive_errors = 0
+        # Dropped without `shutdown()`: the idle step thread wakes, finds its owner gone,
+        # frees the engine's memory and ends.
+        weakref.finalize(self, self._wakeup.set)
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -231,16 +244,21 @@ class AsyncLLMEngine:
 
         built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
         release = threading.Event()
-        owner: list[AsyncLLMEngine] = []
+        # Weakly: the thread must not keep a dropped AsyncLLMEngine (and its memory) alive.
+        owner: list[weakref.ref[AsyncLLMEngine]] = []
 
         def step_thread() -> None:
             try:
-                built.put(LLMEngine.from_engine_args(args))
+                engine = LLMEngine.from_engine_args(args)
             except BaseException as exc:  # handed to the caller, who raises it
                 built.put(exc)
                 return
+            built.put(engine)
             release.wait()
-            owner[0]._run()
+            if owner:
+                _serve_steps(owner[0], engine)
+            else:
+                engine.shutdown()
 
         thread = threading.Thread(target=step_thread, name="asyncengine-step", daemon=True)
         thread.start()
@@ -250,7 +268,8 @@ class AsyncLLMEngine:
             raise result
         self = cls(result, log_requests=log_requests)
         self._thread, self._release_thread = thread, release
-        owner.append(self)
+        owner.append(weakref.ref(self))
+        weakref.finalize(self, release.set)
         return self
 
     # ------------------------------------------------------------------ properties
@@ -458,7 +477,9 @@ class AsyncLLMEngine:
         await self.run_in_engine_thread(lambda e: e.check_integrity())
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step thread; in-flight requests end with `EngineDeadError`."""
+        """Stop the step thread and free the engine's KV pools, CUDA graphs and weights;
+        in-flight requests end with `EngineDeadError`. Also done by `async with`, and, without
+        the wait, when the engine is dropped."""
         if self._shutdown:
             return
         self._shutdown = True
@@ -472,9 +493,9 @@ class AsyncLLMEngine:
             await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
             if thread.is_alive():
                 logger.warning("engine thread did not stop within %.1fs", timeout)
-        stop_workers = getattr(self.engine, "shutdown", None)  # tensor-parallel workers
-        if stop_workers is not None and (thread is None or not thread.is_alive()):
-            stop_workers()
+        free = getattr(self.engine, "shutdown", None)
+        if free is not None and (thread is None or not thread.is_alive()):
+            free()  # never under a step that is still running
         self._fail_all(EngineDeadError("engine was shut down"))
 
     # ------------------------------------------------------------------ loop side
@@ -486,8 +507,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         if self._thread is None:
             self._loop = loop
-            self._thread = threading.Thread(target=self._run, name="asyncengine-step",
-                                            daemon=True)
+            self._thread = threading.Thread(target=_serve_steps, name="asyncengine-step",
+                                            args=(weakref.ref(self), self.engine), daemon=True)
             self._thread.start()
         elif self._loop is None and self._release_thread is not None:
             self._loop = loop
@@ -624,11 +645,10 @@ class AsyncLLMEngine:
             return False
         return True
 
-    def _run(self) -> None:
+    def _run_until_idle(self) -> bool:
+        """Step while there is work; False when idle (the caller waits for `_wakeup`), True
+        when the thread must end (asked to stop, nobody listening, or the engine died)."""
         engine = self.engine
-        next_stats = 0.0
-        was_busy = True  # publish one snapshot at start
-        consecutive_errors = 0
         try:
             while True:
                 self._wakeup.clear()
@@ -639,13 +659,13 @@ class AsyncLLMEngine:
                 if busy and not stop:
                     try:
                         outputs = engine.step()
-                        consecutive_errors = 0
+                        self._consecutive_errors = 0
                     except Exception as exc:
                         # A StepError names the requests it aborted; anything else is fatal.
                         ids = getattr(exc, "request_ids", None)
                         if ids is None:
                             raise
-                        consecutive_errors += 1
+                        self._consecutive_errors += 1
                         logger.error("engine step failed for %d request(s): %r", len(ids), exc)
                         arrivals = getattr(exc, "arrival_times", None) or [None] * len(ids)
                         for rid, arrival in zip(ids, arrivals, strict=True):
@@ -653,28 +673,32 @@ class AsyncLLMEngine:
                                 arrival, RequestFailedError(rid, f"engine step failed: {exc}")
                             )
                         engine.check_integrity()  # an AssertionError here kills the engine
-                        if consecutive_errors >= self.max_consecutive_step_errors:
+                        if self._consecutive_errors >= self.max_consecutive_step_errors:
                             raise RuntimeError(
-                                f"{consecutive_errors} consecutive engine steps failed") from exc
+                                f"{self._consecutive_errors} consecutive engine steps failed"
+                            ) from exc
                     busy = engine.has_unfinished_requests()
                 now = time.monotonic()
                 stats = None
-                if (self._stats_requested and now >= next_stats) or (was_busy and not busy):
+                if (self._stats_requested and now >= self._next_stats) or (
+                    self._was_busy and not busy
+                ):
                     self._stats_requested = False
                     stats = engine.get_stats()
-                    next_stats = now + _STATS_INTERVAL_S
-                was_busy = busy
+                    self._next_stats = now + _STATS_INTERVAL_S
+                self._was_busy = busy
                 if (outputs or failures or stats is not None) and not self._hand_off(
                     self._dispatch, outputs, failures, stats
                 ):
-                    return
+                    return True
                 if stop:
-                    return
+                    return True
                 if not busy:
-                    self._wakeup.wait()
+                    return False
         except BaseException as exc:
             logger.exception("engine step thread died")
             self._hand_off(self._on_dead, exc)
+            return True
 
     def _drain_inbox(
         self, engine: LLMEngine, failures: dict[str, tuple[float | None, BaseException]]
@@ -712,6 +736,21 @@ class AsyncLLMEngine:
                     self._hand_off(_settle, fut, result, None)
             elif kind == "stop":
                 return True
+
+
+def _serve_steps(owner_ref: weakref.ref[AsyncLLMEngine], engine: LLMEngine) -> None:
+    """The step thread's body. It holds its `AsyncLLMEngine` only while there is work, so
+    one that is dropped can be collected: the thread then frees the engine's memory and ends."""
+    while True:
+        owner = owner_ref()
+        if owner is None:
+            engine.shutdown()
+            return
+        wakeup = owner._wakeup
+        if owner._run_until_idle():
+            return
+        del owner
+        wakeup.wait()
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,20 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._ids = itertools.count()
+        # Dropping the `LLM` frees the engine's memory then and there, even if something
+        # still holds the engine object itself.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Free the KV pools, CUDA graphs and weights now; the `LLM` generates no more.
+        Also done when the `LLM` is dropped or leaves a `with` block."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

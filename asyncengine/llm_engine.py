@@ -7,6 +7,7 @@ drive this object.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
@@ -168,6 +169,7 @@ class LLMEngine:
             wanted = self.device.type == "cuda"
         self.async_scheduling = wanted
         self._inflight: InflightStep | None = None
+        self.is_shut_down = False
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "max_model_len %d",
@@ -187,10 +189,24 @@ class LLMEngine:
         return cls(args)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at exit); no steps after."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Give the engine's memory back: the KV pools, CUDA graphs and weights, and stop the
+        tensor-parallel workers, if any. No steps after this; calling it again does nothing.
+
+        Dropping the engine frees the same memory (nothing outside it keeps its tensors); this
+        does it at a known moment and hands the freed blocks back to the device at once."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        self._inflight = None
+        self.runner.shutdown()
+        # A cycle nobody has found yet must not keep gigabytes alive until the next collection.
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("the engine was shut down: build a new one")
 
     # ------------------------------------------------------------ set-up bits
     def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
@@ -299,6 +315,7 @@ class LLMEngine:
     ) -> None:
         """Check and queue a request; a refused one raises a `RequestError` (the content
         errors are ValueErrors) and is never queued."""
+        self._check_open()
         params = params or SamplingParams()
         text: str | None = None
         if prompt_token_ids is None:
@@ -380,6 +397,7 @@ class LLMEngine:
         the previous call, so the host's work here overlaps the device's; otherwise each call
         launches a step and waits for it.
         """
+        self._check_open()
         outputs: list[RequestOutput] = []
         prev = self._inflight
         if prev is not None and not self._can_overlap(prev):

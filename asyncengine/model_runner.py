@@ -349,6 +349,17 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)
             self.prefill_graphs.capture(pool)
 
+    def shutdown(self) -> None:
+        """Let go of everything the runner holds on the device: CUDA graphs (and their memory
+        pool), the KV pools, the staging buffers and the weights. No steps after this."""
+        self.graphs = self.prefill_graphs = None
+        self.kv_cache = self.cpu_cache = None
+        self._staging, self._staging_done = [None, None], [None, None]
+        model, self.model = self.model, None  # type: ignore[assignment]
+        if model is not None:
+            for attn in model.attention_layers():  # type: ignore[operator]
+                attn.k_cache = attn.v_cache = None
+
     # --------------------------------------------------------------- a step
     def prepare_inputs(
         self, sched: SchedulerOutput, prev: InflightStep | None = None

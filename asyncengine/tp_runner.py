@@ -113,6 +113,7 @@ class TensorParallelModelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         self.workers.close()
+        super().shutdown()
 
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:

@@ -21,8 +21,8 @@ import typing
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from asyncengine import envs
 from asyncengine.config import EngineArgs
+from kernels import envs
 
 logger = logging.getLogger("asyncengine.cli")
 

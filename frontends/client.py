@@ -25,10 +25,10 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from asyncengine import envs
 from asyncengine.errors import ErrorCode
 from asyncengine.stats_schema import EngineStats
 from frontends import protocol as p
+from kernels import envs
 
 
 class ServerError(Exception):

@@ -38,7 +38,7 @@ from kernels.kv_cache_write import check_kv_scales, dequantize_kv, is_fp8_kv, qu
 from kernels.paged_attention import decode_gather_index, decode_rows_attention
 
 if TYPE_CHECKING:
-    from models.forward_context import AttentionMetadata
+    from kernels.attention_metadata import AttentionMetadata
 
 __all__ = ["CpuStepIndex", "cpu_attention_step", "step_index"]
 

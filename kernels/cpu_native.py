@@ -3,7 +3,7 @@
 
 A kernel's C source is compiled on first use with the system C compiler (`$CC`, else gcc or
 cc) at `-O3 -march=native` with OpenMP, into the engine's cache directory
-(`asyncengine.envs.cache_dir()`), under a name keyed by the source, the compiler and the
+(`kernels.envs.cache_dir()`), under a name keyed by the source, the compiler and the
 CPU: later start-ups load it without compiling, and a cache shared with another CPU builds
 its own. OpenMP is the runtime torch itself loaded (same soname), so the kernels share its
 threads. Without a compiler, or where the build or the load fails, `native_library` returns
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncengine.envs import c_compiler, cache_dir
+from kernels.envs import c_compiler, cache_dir
 
 __all__ = ["VECTOR_EXP_C", "native_library"]
 

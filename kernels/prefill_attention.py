@@ -36,7 +36,6 @@ K scale joins the softmax scale and its V scale multiplies the output, once per 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
@@ -48,8 +47,9 @@ from kernels.paged_attention import _causal_keys, _query_block, _query_rows
 __all__ = ["HOPPER_PREFILL", "prefill_attention_launch", "prefill_tile_config"]
 
 # The warp-specialized Gluon kernel (`kernels.prefill_attention_hopper`) serves what it
-# supports on sm_90 unless ASYNCENGINE_HOPPER_PREFILL=0 (benchmarks flip this to compare).
-HOPPER_PREFILL = os.environ.get("ASYNCENGINE_HOPPER_PREFILL", "1") != "0"
+# supports on sm_90. Only benchmarks turn it off, to compare (`bench_kernels --only prefill`,
+# `bench_throughput --no-hopper-prefill`); a Triton that cannot build it falls back by itself.
+HOPPER_PREFILL = True
 
 
 def prefill_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:

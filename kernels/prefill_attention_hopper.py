@@ -39,6 +39,7 @@ a launch qualifies. Otherwise the Triton kernel serves.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -648,28 +649,23 @@ if _GLUON:
         )  # fmt: skip
 
 
-# Descriptors by cache tensor: the caches live as long as the engine, and a prefill step
-# launches once per layer.
-_DESCRIPTORS: dict[tuple[int, tuple[int, ...], torch.dtype], Any] = {}
-
-
 def _descriptor(cache: torch.Tensor) -> Any:
     """TMA descriptor over a [blocks, block_size, Hkv, D] cache as rows of Hkv * D, copying
-    one cache block's 64-wide half row (a [block_size, 64] box) at a time."""
-    key = (cache.data_ptr(), tuple(cache.shape), cache.dtype)
-    if key not in _DESCRIPTORS:
-        if len(_DESCRIPTORS) >= 1024:  # caches reallocated (tests, a new engine)
-            _DESCRIPTORS.clear()
-        _DESCRIPTORS[key] = _new_descriptor(cache)
-    return _DESCRIPTORS[key]
+    one cache block's 64-wide half row (a [block_size, 64] box) at a time.
 
-
-def _new_descriptor(cache: torch.Tensor) -> Any:
+    Built at each launch (a few microseconds, against a launch's milliseconds of work) rather
+    than kept: a descriptor holds its tensor, so a cache of them would keep a dropped engine's
+    whole KV pool in memory."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     rows = cache.view(num_blocks * block_size, num_kv_heads * head_dim)
-    elem = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_size, _HALF_D], elem)
+    layout = _box_layout(block_size, cache.dtype)
     return TensorDescriptor.from_tensor(rows, [block_size, _HALF_D], layout)
+
+
+@functools.cache
+def _box_layout(block_size: int, dtype: torch.dtype) -> Any:
+    elem = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_size, _HALF_D], elem)
 
 
 def _num_sms(device: torch.device) -> int:

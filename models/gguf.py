@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from asyncengine import envs
+from kernels import envs
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from models.parallel import (
     local_kv_heads,
 )
 from models.quantization.config import QuantConfig, current_quant_config
+from models.weight_loaders import set_weight_loader
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -73,7 +74,7 @@ class LinearBase(PlannedMatmul, nn.Module):
         self.quant_config: QuantConfig | None = current_quant_config()
         if self.quant_config is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_loader(self.weight, self.weight_loader)
         else:
             from models.quantization.layer import create_quantized_weights
 
@@ -81,7 +82,7 @@ class LinearBase(PlannedMatmul, nn.Module):
             create_quantized_weights(self, self.quant_config, full_in)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
         self.init_plan(input_transform, glu_output)
@@ -235,7 +236,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = math.ceil(num_embeddings / self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None

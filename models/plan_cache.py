@@ -12,7 +12,7 @@ shapes, reads the choices back instead. The key holds everything a choice depend
 
 A different value of any of them is another entry. The tuner still checks the chosen kinds
 against the reference before planning them, and times anew where one disagrees. An entry
-is one small JSON file under `asyncengine.envs.cache_dir() / "matmul_plans"`: deleting the
+is one small JSON file under `kernels.envs.cache_dir() / "matmul_plans"`: deleting the
 folder makes the next start tune again.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from asyncengine import envs
+from kernels import envs
 
 logger = logging.getLogger(__name__)
 

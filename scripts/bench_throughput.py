@@ -203,6 +203,10 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
 
     # Before the engine exists: its CUDA graphs capture the decode attention's launches.
     split_kv = override_split_kv(args.split_kv) if args.split_kv else None
+    if args.no_hopper_prefill:
+        import kernels.prefill_attention as prefill
+
+        prefill.HOPPER_PREFILL = False
     quant = args.quantization
     model_dir = dummy_model_dir(w["shape"]) if quant is None else quantized_model_dir(
         w["shape"], quant
@@ -495,6 +499,8 @@ def main() -> None:
                     help="serve the dummy weights in this weight-only format (engine only)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                     help="KV cache element type (engine only): fp8 stores e4m3")
+    ap.add_argument("--no-hopper-prefill", action="store_true",
+                    help="prefill attention on the Triton kernel, not the Gluon one (A/B)")
     args = ap.parse_args()
     if args.quantization and args.system != "engine":
         ap.error("--quantization runs the engine only")

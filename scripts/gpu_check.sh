@@ -147,8 +147,9 @@ elif [ "$phase" = prefill ]; then  # the Gluon prefill kernel: GPU tests (its ow
     | tee "$OUT/prefill.jsonl" | tail -n 2
   for hopper in 1 0; do
     echo "{\"hopper_prefill\": $hopper}" | tee -a "$OUT/results.jsonl"
-    ASYNCENGINE_HOPPER_PREFILL=$hopper bench --workload w1 --system engine
-    ASYNCENGINE_HOPPER_PREFILL=$hopper bench --workload l1 --system engine --profile-steps 2
+    flag=$([ "$hopper" = 0 ] && echo --no-hopper-prefill)
+    bench --workload w1 --system engine $flag
+    bench --workload l1 --system engine --profile-steps 2 $flag
   done
   bench --workload w2 --system engine
 elif [ "$phase" = kvw ]; then  # W1 with FP8 KV beside bf16, W2 with FP8 weights + KV beside bf16

@@ -49,6 +49,7 @@ from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
 from kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import QuantConfig
+from models.weight_loaders import set_weight_loader
 
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -60,13 +61,13 @@ def create_fp8_weights(layer: nn.Module, qc: QuantConfig) -> None:
     layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
     layer.weight_scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
     for p in (layer.weight, layer.weight_scale):
-        p.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(p, layer.weight_loader)
         # A channel's scale covers its whole row: a row-parallel shard takes all of them.
         p.row_replicated = p is layer.weight_scale  # type: ignore[attr-defined]
     if qc.activation == "static":
         layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32),
                                          requires_grad=False)  # fmt: skip
-        layer.input_scale.weight_loader = load_input_scale  # type: ignore[attr-defined]
+        set_weight_loader(layer.input_scale, load_input_scale)
     else:
         layer.input_scale = None
     layer.group_size, layer.input_perm = k, None

@@ -27,6 +27,7 @@ from models.quantization.kinds import (
     QuantTritonGemm,
     TritonDequantMatmul,
 )
+from models.weight_loaders import set_weight_loader
 
 # Rows up to which the GPU's plan before tuning runs the Triton GEMM.
 DEFAULT_GEMM_MAX_ROWS = 64
@@ -61,13 +62,13 @@ def create_quantized_weights(layer: nn.Module, qc: QuantConfig, full_in: int) ->
     layer.weight_zero = nn.Parameter(torch.empty(n, groups, dtype=torch.int16),
                                      requires_grad=False)  # fmt: skip
     for p in (layer.weight, layer.weight_scale, layer.weight_zero):
-        p.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(p, layer.weight_loader)
         # One group spans a whole row: a row-parallel shard takes all of it.
         p.row_replicated = channel and p is not layer.weight  # type: ignore[attr-defined]
     layer.input_perm = None
     if qc.desc_act:
         layer.weight_perm = nn.Parameter(torch.empty(k, dtype=torch.int64), requires_grad=False)
-        layer.weight_perm.weight_loader = layer.load_input_perm  # type: ignore[attr-defined]
+        set_weight_loader(layer.weight_perm, layer.load_input_perm)
 
 
 def load_input_perm(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,

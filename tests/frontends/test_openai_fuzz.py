@@ -27,10 +27,10 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.llm_engine import LLMEngine
 from frontends.openai_api import OpenAIConfig, OpenAIServer, serve_openai
+from kernels import envs
 
 from .conftest import UNIT, all_blocks_free, engine_args, offline_greedy
 

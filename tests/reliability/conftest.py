@@ -26,12 +26,12 @@ import pytest
 import torch
 from websockets.asyncio.client import ClientConnection
 
-from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineArgs
 from asyncengine.llm_engine import LLMEngine
 from asyncengine.sampling_params import SamplingParams
 from frontends.server import EngineServer, ServerConfig, serve_engine
+from kernels import envs
 from tests.frontends.conftest import wait_idle as _wait_idle
 
 UNIT = envs.test_timeout_factor()  # seconds

@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from asyncengine import envs
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.errors import ErrorCode
 from frontends import protocol as p
 from frontends.server import EngineServer
+from kernels import envs
 
 from .conftest import (
     UNIT,

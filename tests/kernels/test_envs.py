@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine import envs
+from kernels import envs
 
 
 def test_defaults_when_unset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
