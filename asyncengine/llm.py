@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,14 +28,12 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._ids = itertools.count()
-        # Dropping the `LLM` frees the engine's memory then and there, even if something
-        # still holds the engine object itself.
-        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
     def shutdown(self) -> None:
         """Free the KV pools, CUDA graphs and weights now; the `LLM` generates no more.
-        Also done when the `LLM` is dropped or leaves a `with` block."""
-        self._finalizer()
+        Also done on leaving a `with` block. Dropping the `LLM` frees the same memory at once
+        (no reference cycle holds it), unless its `llm_engine` is still held elsewhere."""
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self

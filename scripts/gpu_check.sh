@@ -4,6 +4,8 @@
 #   bash scripts/gpu_check.sh bench        # L1 and W1 twice each with their HF peers, then W2
 #   bash scripts/gpu_check.sh compare DIR  # L1 and W1 (two passes each) from another tree DIR
 #                                          # (e.g. the last release) and from this one, one machine
+#   bash scripts/gpu_check.sh house DIR    # engine memory given back, two 7B engines in turn;
+#                                          # Gluon prefill tests; then compare DIR
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
 #   bash scripts/gpu_check.sh longmix [BUDGETS] # prompts 32-8192, outputs 32-1024 over the OpenAI
 #                                          # API at 6 and 12 req/s, once per chunked-prefill budget
@@ -85,6 +87,11 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
         | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
     done
   done
+elif [ "$phase" = house ]; then  # an engine gives its memory back (two 7B engines in one
+  # process), the Gluon prefill tests, then L1/W1 from another tree DIR and from this one
+  python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/asyncengine/test_engine_shutdown.py \
+    tests/kernels/test_prefill_attention_hopper.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
+  bash "$0" compare "${2:?usage: gpu_check.sh house DIR}"
 elif [ "$phase" = serving ]; then  # H1 (OpenAI HTTP) and S1 (WebSocket) at saturation
   serving --api openai --rates inf --num-requests 256
   serving --api websocket --rates inf --num-requests 256 --skip-offline
