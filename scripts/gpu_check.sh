@@ -6,6 +6,8 @@
 #                                          # (e.g. the last release) and from this one, one machine
 #   bash scripts/gpu_check.sh house DIR    # engine memory given back, two 7B engines in turn;
 #                                          # Gluon prefill tests; then compare DIR
+#   bash scripts/gpu_check.sh bigbatch ["SEQS..."] # decode graphs past 512 sequences: W2 FP8
+#                                          # weights + KV at each max_num_seqs (512 1024)
 #   bash scripts/gpu_check.sh serving      # H1 over the OpenAI API and S1 over WebSocket, W1 shape
 #   bash scripts/gpu_check.sh longmix [BUDGETS] # prompts 32-8192, outputs 32-1024 over the OpenAI
 #                                          # API at 6 and 12 req/s, once per chunked-prefill budget
@@ -164,6 +166,13 @@ elif [ "$phase" = kvw ]; then  # W1 with FP8 KV beside bf16, W2 with FP8 weights
   bench --workload w1 --system engine
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
   bench --workload w2 --system engine
+elif [ "$phase" = bigbatch ]; then  # decode graphs past 512 sequences: GPU tests, then W2 with
+  # FP8 weights and KV at each max_num_seqs given (default 512 1024), 1000 requests
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_cuda_graphs.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 4
+  for seqs in ${2:-512 1024}; do
+    bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "$seqs"
+  done
 elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
   bench --workload w2 --system engine

@@ -54,7 +54,12 @@ def test_steps_replay_at_the_padded_size_when_a_graph_fits() -> None:
 
 def test_capture_sizes_stop_at_max_num_seqs() -> None:
     assert capture_sizes(4) == [1, 2, 4]
-    assert capture_sizes(20) == [1, 2, 4, 8, 16]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # a full batch never runs eagerly
+    assert capture_sizes(1) == [1]
+    large = capture_sizes(1024)
+    assert large[-1] == 1024 and 512 in large and large == sorted(set(large))
+    assert capture_sizes(600)[-2:] == [576, 600]
+    assert capture_sizes(10_000)[-1] == 2048
 
 
 def test_prefill_steps_replay_at_padded_tokens_and_sequences() -> None:
