@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncengine import envs
 from asyncengine.config import EngineArgs
+from frontends.fleet import FleetError, add_fleet_args
 
 logger = logging.getLogger("asyncengine.cli")
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the terminal dashboard in this process")
     net.add_argument("--demo-load", action="store_true",
                      help="keep a few demo generations running against the server")
+    add_fleet_args(serve)
 
     chat = sub.add_parser("chat", help="interactive chat with a running server")
     chat.add_argument("--url", default=DEFAULT_URL)
@@ -180,6 +182,15 @@ def _import_run_monitor() -> Any:
         raise SystemExit(f"the dashboard is not available ({exc}); "
                          "run `asyncengine serve` without --dashboard") from exc
     return run_monitor
+
+
+def _import_run_fleet_monitor() -> Any:
+    try:
+        from frontends.dashboard import run_fleet_monitor
+    except ImportError as exc:
+        raise SystemExit(f"the dashboard is not available ({exc}); "
+                         "run `asyncengine serve` without --dashboard") from exc
+    return run_fleet_monitor
 
 
 async def serve(ns: argparse.Namespace) -> None:
@@ -302,7 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("websockets").setLevel(logging.WARNING)
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
     try:
-        if ns.command == "serve":
+        if ns.command == "serve" and ns.data_parallel_size != 1:
+            from frontends.fleet import serve_fleet
+
+            run_monitor = _import_run_fleet_monitor() if ns.dashboard else None
+            run_async(serve_fleet(ns, run_monitor))
+        elif ns.command == "serve":
             run_async(serve(ns))
         elif ns.command == "generate":
             generate(ns)
@@ -330,7 +346,7 @@ def _report(exc: Exception, *, debug: bool) -> int:
         traceback.print_exc()
     # A ValueError or an OSError (missing path, refused connection) says it all; anything
     # else is unexpected, so its type is part of the line.
-    if isinstance(exc, ValueError | OSError):
+    if isinstance(exc, ValueError | OSError | FleetError):
         line = str(exc)
     else:
         line = f"{type(exc).__name__}: {exc}"
