@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
 
     mon = sub.add_parser("monitor", help="terminal dashboard of a running server")
-    mon.add_argument("--url", default=DEFAULT_URL)
+    mon.add_argument("--url", nargs="+", default=[DEFAULT_URL],
+                     help="WebSocket URL of the server; several (a fleet's replicas): one "
+                          "row each beside their totals")
     _add_api_key(mon)
     mon.add_argument("--interval", type=float, default=1.0)
     return parser
@@ -331,8 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OSError as exc:
                 raise OSError(f"cannot talk to the server at {ns.url}: {exc}") from exc
         elif ns.command == "monitor":
-            run_monitor = _import_run_monitor()
-            run_async(run_monitor(ns.url, ns.api_key, interval=ns.interval))
+            if len(ns.url) > 1:
+                run_async(_import_run_fleet_monitor()(ns.url, ns.api_key,
+                                                      interval=ns.interval))
+            else:
+                run_async(_import_run_monitor()(ns.url[0], ns.api_key, interval=ns.interval))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
