@@ -518,7 +518,7 @@ async def serve_fleet(ns: argparse.Namespace,
         await fleet.start()
         tasks = [asyncio.create_task(fleet.supervise()), asyncio.create_task(stop.wait())]
         if run_monitor is not None:
-            tasks.append(asyncio.create_task(run_monitor(fleet.config.ws_urls, ns.api_key)))
+            tasks.append(asyncio.create_task(_dashboard(run_monitor, fleet, ns.api_key)))
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
@@ -531,3 +531,12 @@ async def serve_fleet(ns: argparse.Namespace,
                 loop.remove_signal_handler(sig)
         await fleet.stop(ns.drain_timeout)
         logger.info("fleet stopped")
+
+
+async def _dashboard(run_monitor: Callable[..., Any], fleet: Fleet, api_key: str | None
+                     ) -> None:
+    """The fleet dashboard, owning the terminal: log lines go to Textual's log meanwhile."""
+    from frontends.cli import _logs_to_textual
+
+    with _logs_to_textual():
+        await run_monitor(fleet.config.ws_urls, api_key)
