@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncengine.config import EngineArgs
-from asyncengine.errors import RequestError
+from asyncengine.errors import InvalidRequestError, RequestError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.request_check import QueueLimits, QueueState, check_request_id
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -321,6 +321,48 @@ class AsyncLLMEngine:
     def num_queued_prompt_tokens(self) -> int:
         """Prompt tokens of `num_queued_requests` (known once the engine reports them)."""
         return self._num_queued_prompt_tokens
+
+    @property
+    def load(self) -> int:
+        """Requests accepted and not finished (running, waiting or swapped): what a load
+        balancer weighs (vllm-router's `/get_load`); exact, unlike a stats snapshot."""
+        return len(self._requests)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (the tokenizer's special tokens, e.g. BOS, when asked)."""
+        return list(self._require_tokenizer("prompt").encode(
+            text, add_special_tokens=add_special_tokens))
+
+    def encode_chat(self, messages: list[dict[str, str]], *,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` under the model's chat template."""
+        if add_generation_prompt:
+            return self.engine.apply_chat_template(messages)
+        tokenizer = self._require_tokenizer("messages")
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens included, as vLLM's `/detokenize`)."""
+        return str(self._require_tokenizer("tokens").decode(token_ids))
+
+    def _require_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this server has no tokenizer (skip_tokenizer_init is set)", field=field)
+        return self.tokenizer
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's free blocks, between two steps; returns how many.
+
+        Blocks held by requests in flight keep their prefixes (see
+        `BlockPool.reset_prefix_cache`), so this is safe while the engine serves."""
+        dropped = await self.run_in_engine_thread(lambda e: e.pool.reset_prefix_cache())
+        self._stats_requested = True
+        return int(dropped)
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         self._stat_loggers.append(stat_logger)

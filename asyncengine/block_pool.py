@@ -152,6 +152,19 @@ class BlockPool:
                 self.hash_to_block[h] = block
         request.num_hashed_blocks = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every free block's cached prefix (vLLM's `reset_prefix_cache`, the
+        router's `/flush_cache`); returns how many blocks were dropped.
+
+        Blocks that requests still hold keep their hashes: their contents are live and
+        correct, and they join the cache as usual when freed. Only call between steps."""
+        dropped = len(self._free_cached)
+        for block in self._free_cached:
+            self._drop_hash(block)
+            self._free_plain.append(block)
+        self._free_cached.clear()
+        return dropped
+
     # ---------------------------------------------------------- request blocks
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()

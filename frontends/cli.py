@@ -22,6 +22,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from asyncengine.config import EngineArgs
+from frontends.fleet import FleetError, add_fleet_args
 from kernels import envs
 
 logger = logging.getLogger("asyncengine.cli")
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the terminal dashboard in this process")
     net.add_argument("--demo-load", action="store_true",
                      help="keep a few demo generations running against the server")
+    add_fleet_args(serve)
 
     chat = sub.add_parser("chat", help="interactive chat with a running server")
     chat.add_argument("--url", default=DEFAULT_URL)
@@ -154,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
 
     mon = sub.add_parser("monitor", help="terminal dashboard of a running server")
-    mon.add_argument("--url", default=DEFAULT_URL)
+    mon.add_argument("--url", nargs="+", default=[DEFAULT_URL],
+                     help="WebSocket URL of the server; several (a fleet's replicas): one "
+                          "row each beside their totals")
     _add_api_key(mon)
     mon.add_argument("--interval", type=float, default=1.0)
     return parser
@@ -180,6 +184,15 @@ def _import_run_monitor() -> Any:
         raise SystemExit(f"the dashboard is not available ({exc}); "
                          "run `asyncengine serve` without --dashboard") from exc
     return run_monitor
+
+
+def _import_run_fleet_monitor() -> Any:
+    try:
+        from frontends.dashboard import run_fleet_monitor
+    except ImportError as exc:
+        raise SystemExit(f"the dashboard is not available ({exc}); "
+                         "run `asyncengine serve` without --dashboard") from exc
+    return run_fleet_monitor
 
 
 async def serve(ns: argparse.Namespace) -> None:
@@ -302,7 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("websockets").setLevel(logging.WARNING)
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
     try:
-        if ns.command == "serve":
+        if ns.command == "serve" and ns.data_parallel_size != 1:
+            from frontends.fleet import serve_fleet
+
+            run_monitor = _import_run_fleet_monitor() if ns.dashboard else None
+            run_async(serve_fleet(ns, run_monitor))
+        elif ns.command == "serve":
             run_async(serve(ns))
         elif ns.command == "generate":
             generate(ns)
@@ -315,8 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OSError as exc:
                 raise OSError(f"cannot talk to the server at {ns.url}: {exc}") from exc
         elif ns.command == "monitor":
-            run_monitor = _import_run_monitor()
-            run_async(run_monitor(ns.url, ns.api_key, interval=ns.interval))
+            if len(ns.url) > 1:
+                run_async(_import_run_fleet_monitor()(ns.url, ns.api_key,
+                                                      interval=ns.interval))
+            else:
+                run_async(_import_run_monitor()(ns.url[0], ns.api_key, interval=ns.interval))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -330,7 +351,7 @@ def _report(exc: Exception, *, debug: bool) -> int:
         traceback.print_exc()
     # A ValueError or an OSError (missing path, refused connection) says it all; anything
     # else is unexpected, so its type is part of the line.
-    if isinstance(exc, ValueError | OSError):
+    if isinstance(exc, ValueError | OSError | FleetError):
         line = str(exc)
     else:
         line = f"{type(exc).__name__}: {exc}"

@@ -26,6 +26,11 @@ a markdown table of TTFT, ITL, throughput and fraction of the floor per budget a
 
   python scripts/bench_serving.py --workload long-mixed --device cuda \
       --max-num-batched-tokens-sweep 2048,4096,8192,16384
+
+`multi-turn` (first argument) is the multi-turn chat benchmark through vllm-router, policy
+against policy on the same conversations (scripts/bench_multiturn.py says more):
+
+  python scripts/bench_serving.py multi-turn --device cpu --data-parallel-size 2
 """
 
 from __future__ import annotations
@@ -552,6 +557,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["multi-turn"]:  # its own mode: conversations through vllm-router
+        from scripts.bench_multiturn import main as multi_turn
+
+        multi_turn(argv[1:])
+        return
     ns = parse_args(argv)
     if ns.max_num_batched_tokens_sweep:
         budgets = [int(b) for b in ns.max_num_batched_tokens_sweep.split(",")]

@@ -28,6 +28,8 @@
 #   bash scripts/gpu_check.sh fp8row       # FP8 one-row GEMVs: GPU tests, kernels with their
 #                                          # input transforms, L1 FP8 (profiled) and bf16
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
+#   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
+#                                          # sharing GPU 0: cache_aware against round_robin
 # To reuse one call's compiled kernels and tuned plans in the next, copy its caches.tgz.*
 # files into .device_cache/ here and carry that folder (with .whl).
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
@@ -102,6 +104,12 @@ elif [ "$phase" = longmix ]; then  # issue #20 item 4: TTFT/ITL per chunked-pref
     --max-num-batched-tokens-sweep "${2:-2048,4096,8192,16384}" 2>>"$OUT/bench.log" \
     | tee "$OUT/longmix.part" | grep '^{' | cut -c1-300
   cat "$OUT/longmix.part" >> "$OUT/longmix.txt"; grep '^{' "$OUT/longmix.part" >> "$OUT/serving.jsonl"
+elif [ "$phase" = router ]; then  # issue #32 item 5: does cache-aware routing pay?
+  python3 scripts/bench_serving.py multi-turn --device cuda --data-parallel-size 2 \
+    --replicas-per-gpu 2 --gpu-memory-utilization 0.45 --num-conversations 64 --turns 6 \
+    --system-prompts 8 --system-len 2000 --user-len 60 --max-tokens 128 --concurrency 32 \
+    2>>"$OUT/bench.log" | tee "$OUT/router.txt" | cut -c1-300
+  grep '^{' "$OUT/router.txt" >> "$OUT/serving.jsonl" || true
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from .app import ConnectionState, MonitorApp
+from .fleet import FleetStats, FleetStatsSource
 from .sources import (
     Connected,
     Connecting,
@@ -23,12 +24,15 @@ __all__ = [
     "Connecting",
     "ConnectionState",
     "Disconnected",
+    "FleetStats",
+    "FleetStatsSource",
     "MonitorApp",
     "Reconnecting",
     "ScriptedStatsSource",
     "SourceEvent",
     "StatsSource",
     "WebSocketStatsSource",
+    "run_fleet_monitor",
     "run_monitor",
 ]
 
@@ -50,3 +54,16 @@ async def run_monitor(
     """
     source = WebSocketStatsSource(url, api_key=api_key, interval=interval)
     await MonitorApp(source, title=title).run_async()
+
+
+async def run_fleet_monitor(
+    urls: list[str],
+    api_key: str | None = None,
+    *,
+    title: str | None = None,
+    interval: float = 1.0,
+) -> None:
+    """Run the dashboard of several servers (a fleet's replicas): the usual panels show
+    their totals, and a table shows each replica. `urls` are their WebSocket URLs."""
+    source = FleetStatsSource(urls, api_key=api_key, interval=interval)
+    await MonitorApp(source, title=title or "asyncengine fleet", fleet=True).run_async()

@@ -24,6 +24,7 @@ from textual.widgets import Footer, Header
 
 from asyncengine.stats_schema import EngineStats
 
+from .fleet import FleetPanel, FleetStats
 from .history import StatsHistory
 from .panels import (
     DevicePanel,
@@ -119,10 +120,17 @@ class MonitorApp(App[None]):
     snapshots_received: reactive[int] = reactive(0)
 
     def __init__(
-        self, source: StatsSource, *, title: str | None = None, history_size: int = 300
+        self,
+        source: StatsSource,
+        *,
+        title: str | None = None,
+        history_size: int = 300,
+        fleet: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
+        # A fleet's source also sends `FleetStats`: a row per replica replaces the requests.
+        self.fleet = fleet
         self.history = StatsHistory(history_size)
         if title:
             self.title = title
@@ -139,7 +147,10 @@ class MonitorApp(App[None]):
             with Horizontal(id="middle-row"):
                 yield KVCachePanel(id="kv-cache")
                 yield LatencyPanel(id="latency")
-            yield RequestsPanel(id="requests")
+            if self.fleet:
+                yield FleetPanel(id="fleet")
+            else:
+                yield RequestsPanel(id="requests")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -164,6 +175,10 @@ class MonitorApp(App[None]):
 
     def handle_event(self, event: SourceEvent) -> None:
         """Apply one event from the source."""
+        if isinstance(event, FleetStats):
+            if self.fleet and not self.paused:
+                self.query_one(FleetPanel).show_fleet(event)
+            return
         if isinstance(event, EngineStats):
             self.history.append(event)
             self.snapshots_received += 1

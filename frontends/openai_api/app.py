@@ -8,7 +8,8 @@ events (`data: {chunk}` then `data: [DONE]`); a failure after the stream began i
 error chunk, then the stream ends. A client that goes away aborts its requests at once:
 Starlette cancels a stream when the connection closes, and a non-streamed request races its
 generation against the connection's `http.disconnect`. `/v1/*` needs the API key, when one
-is set, as `Authorization: Bearer`; `/health` and `/metrics` do not.
+is set, as `Authorization: Bearer`; `/health` and `/metrics` do not. The routes a load
+balancer calls on a worker (`/tokenize`, `/get_load`, ...) are in `worker_routes`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from frontends.openai_api.responses import (
     ModelList,
     new_id,
 )
+from frontends.openai_api.worker_routes import PROTECTED_PATHS, WorkerRoutes
 
 if TYPE_CHECKING:
     from frontends.openai_api.server import OpenAIConfig
@@ -110,7 +112,8 @@ class _RequireKey:
         self.api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in PROTECTED_PATHS) \
                 and not self.api.authorized(scope):
             exc = ApiError.of(ErrorCode.UNAUTHORIZED, "invalid or missing API key")
             self.api.count_refusal(exc)
@@ -153,6 +156,7 @@ class OpenAIApp:
                       methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
+                *WorkerRoutes(self).routes(self._endpoint),
             ],
             middleware=[Middleware(_RequireKey, api=self)],
             exception_handlers={HTTPException: self._http_exception},

@@ -173,6 +173,24 @@ def test_freed_block_is_revived_by_a_hit() -> None:
     pool.check_integrity([again])
 
 
+def test_reset_prefix_cache_drops_free_cached_blocks_only() -> None:
+    pool = BlockPool(8, BS)
+    gone = make_request(list(range(9)))
+    compute(pool, gone)
+    held = make_request([40 + i for i in range(9)])
+    compute(pool, held)
+    pool.free(gone)
+    assert pool.num_cached_free_blocks == 2
+    assert pool.reset_prefix_cache() == 2
+    assert pool.num_cached_free_blocks == 0 and pool.num_free_blocks == 8 - 3
+    assert pool.find_cached_blocks(make_request(list(range(9)))) == []
+    # A block still held keeps its prefix: live and correct, it is found as before.
+    assert pool.find_cached_blocks(make_request([40 + i for i in range(9)])) \
+        == held.block_table[:2]
+    pool.check_integrity([held])
+    assert pool.reset_prefix_cache() == 0
+
+
 def test_plain_free_blocks_are_used_before_cached_ones() -> None:
     pool = BlockPool(4, BS)
     req = make_request(list(range(5)))
@@ -721,6 +739,15 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.on_gpu.remove(req)
         self.pending.pop(req.request_id, None)
         assert req.block_table == []
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        cached = self.pool.num_cached_free_blocks
+        free = self.pool.num_free_blocks
+        assert self.pool.reset_prefix_cache() == cached
+        if cached:
+            event("reset prefix cache: dropped blocks")
+        assert self.pool.num_cached_free_blocks == 0 and self.pool.num_free_blocks == free
 
     @precondition(lambda self: self._to_swap_out())
     @rule(sel=SEL, with_sharers=st.booleans())
