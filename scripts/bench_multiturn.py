@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -131,10 +133,33 @@ async def prefix_counters(urls: list[str]) -> list[tuple[float, float]]:
     return out
 
 
+def shape_with_tokenizer(shape: str, tokenizer_dir: Path) -> Path:
+    """A dummy-weight model directory of `shape` that carries the tokenizer files of
+    `tokenizer_dir`, its vocabulary resized to the tokenizer's (a real model's layers and
+    a real tokenizer on a machine that holds no real weights)."""
+    from transformers import AutoTokenizer
+
+    from scripts.bench_common import SHAPES
+
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    path = Path(tempfile.gettempdir()) / f"asyncengine-dummy-{shape}-{tokenizer_dir.name}"
+    path.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    config = dict(SHAPES[shape], vocab_size=vocab)
+    config.pop("bos_token_id", None)
+    config.pop("eos_token_id", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def serve_flags(ns: argparse.Namespace) -> list[str]:
     flags = ["--device", ns.device, "--served-model-name", "bench"]
     if ns.model:
         flags += ["--model", ns.model]
+    if ns.shape:
+        flags += ["--load-format", "dummy"]
     for name in ("dtype", "max_model_len", "num_kv_blocks", "gpu_memory_utilization",
                  "max_num_seqs"):
         value = getattr(ns, name)
@@ -185,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_serving.py multi-turn", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--shape", default=None,
+                   help="instead of --model: a shape of bench_common (e.g. llama2-7b) with dummy "
+                        "weights and the tokenizer of --tokenizer-dir (its vocabulary size)")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="with --shape: an HF directory whose tokenizer files are used")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -210,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
+    if ns.shape:
+        if not ns.tokenizer_dir:
+            raise SystemExit("--shape needs --tokenizer-dir (chat turns are text)")
+        ns.model = str(shape_with_tokenizer(ns.shape, Path(ns.tokenizer_dir)))
     convs = conversations(ns)
     records = []
     for policy in ns.policies.split(","):

@@ -105,9 +105,12 @@ elif [ "$phase" = longmix ]; then  # issue #20 item 4: TTFT/ITL per chunked-pref
     | tee "$OUT/longmix.part" | grep '^{' | cut -c1-300
   cat "$OUT/longmix.part" >> "$OUT/longmix.txt"; grep '^{' "$OUT/longmix.part" >> "$OUT/serving.jsonl"
 elif [ "$phase" = router ]; then  # issue #32 item 5: does cache-aware routing pay?
+  # The 7B shape with dummy weights and the tokenizer carried in TOKDIR (default .device_tok:
+  # the embedded SmolLM2's tokenizer files; the embedded weights do not travel to the GPU).
   python3 scripts/bench_serving.py multi-turn --device cuda --data-parallel-size 2 \
+    --shape llama2-7b --tokenizer-dir "${2:-.device_tok}" \
     --replicas-per-gpu 2 --gpu-memory-utilization 0.45 --num-conversations 64 --turns 6 \
-    --system-prompts 8 --system-len 2000 --user-len 60 --max-tokens 128 --concurrency 32 \
+    --system-prompts 8 --system-len 1500 --user-len 60 --max-tokens 128 --concurrency 32 \
     2>>"$OUT/bench.log" | tee "$OUT/router.txt" | cut -c1-300
   grep '^{' "$OUT/router.txt" >> "$OUT/serving.jsonl" || true
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
