@@ -177,22 +177,15 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
         return runner.run(coro)
 
 
-def _import_run_monitor() -> Any:
+def _import_dashboard(name: str = "run_monitor") -> Any:
+    """`frontends.dashboard.<name>` (`run_monitor` or `run_fleet_monitor`), or a one-line
+    exit where the dashboard's dependencies are missing."""
     try:
-        from frontends.dashboard import run_monitor
+        import frontends.dashboard as dashboard
     except ImportError as exc:
         raise SystemExit(f"the dashboard is not available ({exc}); "
                          "run `asyncengine serve` without --dashboard") from exc
-    return run_monitor
-
-
-def _import_run_fleet_monitor() -> Any:
-    try:
-        from frontends.dashboard import run_fleet_monitor
-    except ImportError as exc:
-        raise SystemExit(f"the dashboard is not available ({exc}); "
-                         "run `asyncengine serve` without --dashboard") from exc
-    return run_fleet_monitor
+    return getattr(dashboard, name)
 
 
 async def serve(ns: argparse.Namespace) -> None:
@@ -219,7 +212,7 @@ async def serve(ns: argparse.Namespace) -> None:
     config.validate()  # refuse a bad bind before spending time on the model
     if http_config is not None:
         http_config.validate()
-    run_monitor = _import_run_monitor() if ns.dashboard else None
+    run_monitor = _import_dashboard() if ns.dashboard else None
     args = engine_args_from(ns)
     logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
     engine = AsyncLLMEngine.from_engine_args(args)
@@ -318,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "serve" and ns.data_parallel_size != 1:
             from frontends.fleet import serve_fleet
 
-            run_monitor = _import_run_fleet_monitor() if ns.dashboard else None
+            run_monitor = _import_dashboard("run_fleet_monitor") if ns.dashboard else None
             run_async(serve_fleet(ns, run_monitor))
         elif ns.command == "serve":
             run_async(serve(ns))
@@ -334,10 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise OSError(f"cannot talk to the server at {ns.url}: {exc}") from exc
         elif ns.command == "monitor":
             if len(ns.url) > 1:
-                run_async(_import_run_fleet_monitor()(ns.url, ns.api_key,
+                run_async(_import_dashboard("run_fleet_monitor")(ns.url, ns.api_key,
                                                       interval=ns.interval))
             else:
-                run_async(_import_run_monitor()(ns.url[0], ns.api_key, interval=ns.interval))
+                run_async(_import_dashboard()(ns.url[0], ns.api_key, interval=ns.interval))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

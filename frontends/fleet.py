@@ -398,35 +398,12 @@ class Fleet:
                     cfg.policy, cfg.size, cfg.router_url, prometheus)
 
     async def _until_healthy(self, proc: ManagedProcess, url: str) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while True:
-            if not proc.running:
-                raise FleetError(f"{proc.name} exited with status {proc.returncode} "
-                                 f"while starting: {proc.last_words()} "
-                                 f"(log: {proc.log_path})")
-            if await http_status(f"{url}/health") == 200:
-                return
-            if time.monotonic() > deadline:
-                raise FleetError(f"{proc.name} did not answer {url}/health within "
-                                 f"{self.config.startup_timeout_s:.0f} s "
-                                 f"(log: {proc.log_path})")
-            await asyncio.sleep(_POLL_S)
+        await _until_answers(proc, f"{url}/health", self.config.startup_timeout_s)
 
     async def _until_router_ready(self) -> None:
-        router = self.router
-        assert router is not None
-        deadline = time.monotonic() + 60.0
-        while True:
-            if not router.running:
-                raise FleetError(f"vllm-router failed to start (status "
-                                 f"{router.returncode}): {router.last_words()} "
-                                 f"(log: {router.log_path})")
-            if await http_status(f"{self.config.router_url}/readiness") == 200:
-                return
-            if time.monotonic() > deadline:
-                raise FleetError(f"vllm-router was not ready within 60 s "
-                                 f"(log: {router.log_path})")
-            await asyncio.sleep(_POLL_S)
+        assert self.router is not None
+        # The router's /health is 503 while any worker is down: /readiness says it serves.
+        await _until_answers(self.router, f"{self.config.router_url}/readiness", 60.0)
 
     async def supervise(self) -> None:
         """Restart replicas that die; return (raising `FleetError`) if the router dies."""
@@ -540,3 +517,19 @@ async def _dashboard(run_monitor: Callable[..., Any], fleet: Fleet, api_key: str
 
     with _logs_to_textual():
         await run_monitor(fleet.config.ws_urls, api_key)
+
+
+async def _until_answers(proc: ManagedProcess, url: str, timeout_s: float) -> None:
+    """Wait until `url` answers 200, or raise a `FleetError` naming `proc` and its log if it
+    exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not proc.running:
+            raise FleetError(f"{proc.name} exited with status {proc.returncode} while "
+                             f"starting: {proc.last_words()} (log: {proc.log_path})")
+        if await http_status(url) == 200:
+            return
+        if time.monotonic() > deadline:
+            raise FleetError(f"{proc.name} did not answer {url} within {timeout_s:.0f} s "
+                             f"(log: {proc.log_path})")
+        await asyncio.sleep(_POLL_S)
