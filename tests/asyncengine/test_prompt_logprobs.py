@@ -170,3 +170,20 @@ def test_normal_steps_do_no_prompt_work(tiny_llama_dir: Path, monkeypatch) -> No
                         SamplingParams(temperature=0, max_tokens=3, logprobs=2),
                         use_tqdm=False)  # fmt: skip
     assert all(o.prompt_logprobs is None for o in outs)
+
+
+def test_tensor_parallel_ranks_score_the_same_rows(tiny_llama_dir: Path) -> None:
+    """TP=2 (gloo): the workers join each chunk's vocab-parallel gather, rank 0 scores; equal
+    to HF, chunked prefill and decodes in the same steps."""
+    prompts = make_prompts(VOCAB, [37, 9, 60], seed=8)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
+              num_kv_blocks=64, max_num_batched_tokens=19)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=K)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out, ref in zip(prompts, outs, hf_log_softmax(tiny_llama_dir, prompts),
+                                    strict=True):  # fmt: skip
+            assert_matches_hf(prompt, out.prompt_logprobs or [], ref, K)
+        assert_pool_clean(llm)
+    finally:
+        llm.llm_engine.shutdown()
