@@ -270,7 +270,9 @@ class OpenAIApp:
                 if req.echo else None
             mapper = CompletionMapper(new_id("cmpl"), self.model_name,
                                       [len(ids) for ids in prompt_ids], self._token_text,
-                                      params.logprobs, n=params.n, echo=echo)
+                                      params.logprobs, n=params.n, echo=echo,
+                                      echo_only=req.echo_only, prompt_ids=prompt_ids,
+                                      prompt_logprobs=req.prompt_logprobs)
             submitted = self._submit(mapper.id, prompt_ids, params)
         except RequestError as exc:
             raise ApiError.from_request_error(
@@ -288,7 +290,8 @@ class OpenAIApp:
             self._check_serving()
             prompt_ids = [await self._apply_chat_template(messages)]
             mapper = ChatMapper(new_id("chatcmpl"), self.model_name, [len(prompt_ids[0])],
-                                self._token_text, params.logprobs, n=params.n)
+                                self._token_text, params.logprobs, n=params.n,
+                                prompt_ids=prompt_ids, prompt_logprobs=req.prompt_logprobs)
             submitted = self._submit(mapper.id, prompt_ids, params)
         except RequestError as exc:
             raise ApiError.from_request_error(
@@ -410,6 +413,8 @@ class OpenAIApp:
                        submitted: _Submitted) -> None:
         try:
             async for i, out in self._outputs(submitted):
+                if out.prompt_logprobs is not None:
+                    mapper.add_prompt_logprobs(i, out.prompt_logprobs)
                 for comp in out.outputs:
                     mapper.chunk(i * submitted.n + comp.index, comp)
         except RequestError as exc:
@@ -431,6 +436,8 @@ class OpenAIApp:
                 for index in range(len(mapper.choices)):
                     yield sse_event(mapper.role_chunk(index))
             async for i, out in self._outputs(submitted):
+                if out.prompt_logprobs is not None:
+                    mapper.add_prompt_logprobs(i, out.prompt_logprobs)
                 for comp in out.outputs:
                     if comp.text or comp.token_ids or comp.finish_reason is not None:
                         chunk = mapper.chunk(i * submitted.n + comp.index, comp)
