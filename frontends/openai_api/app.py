@@ -7,8 +7,9 @@ limits hold exactly; a refusal is an OpenAI-shaped error (`errors`). Streams are
 events (`data: {chunk}` then `data: [DONE]`); a failure after the stream began is sent as an
 error chunk, then the stream ends. A client that goes away aborts its requests at once:
 Starlette cancels a stream when the connection closes, and a non-streamed request races its
-generation against the connection's `http.disconnect`. `/v1/*` needs the API key, when one
-is set, as `Authorization: Bearer`; `/health` and `/metrics` do not.
+generation against the connection's `http.disconnect`. `/v1/*` and `/generate` (vLLM's simple
+server's endpoint, `simple_generate`) need the API key, when one is set, as
+`Authorization: Bearer`; `/health` and `/metrics` do not.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class _RequireKey:
         self.api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/generate") \
                 and not self.api.authorized(scope):
             exc = ApiError.of(ErrorCode.UNAUTHORIZED, "invalid or missing API key")
             self.api.count_refusal(exc)
@@ -151,6 +153,7 @@ class OpenAIApp:
                 Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions),
                       methods=["POST"]),
+                Route("/generate", self._endpoint(self.generate), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
             ],
@@ -254,6 +257,13 @@ class OpenAIApp:
     async def model(self, request: Request) -> Response:
         self._check_model(request.path_params["model"])
         return json_response(self._card())
+
+    async def generate(self, request: Request) -> Response:
+        """vLLM's simple server's `POST /generate` (`simple_generate`, which builds on this
+        module, hence the late import)."""
+        from frontends.openai_api.simple_generate import generate
+
+        return await generate(self, request)
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
