@@ -187,3 +187,19 @@ def test_tensor_parallel_ranks_score_the_same_rows(tiny_llama_dir: Path) -> None
         assert_pool_clean(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_prompt_logprobs_equal_hf(tiny_llama_dir: Path, enforce_eager: bool) -> None:
+    """On the GPU (CUDA graphs for small prefills and decodes, asynchronous scheduling,
+    chunked prefill): float32 prompt logprobs equal HF's on the CPU."""
+    prompts = make_prompts(VOCAB, [37, 2, 16, 300, 1, 23], seed=3)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda",
+              max_num_batched_tokens=64, enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=K)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, ref in zip(prompts, outs, hf_log_softmax(tiny_llama_dir, prompts),
+                                strict=True):  # fmt: skip
+        assert_matches_hf(prompt, out.prompt_logprobs or [], ref, K)
+    assert_pool_clean(llm)
