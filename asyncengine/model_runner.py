@@ -182,6 +182,9 @@ def _logprob_dicts(
     return result
 
 
+_NONE = np.empty(0, np.int64)  # a step's prompt-logprob rows when nobody asks for them
+
+
 def _plain_greedy(req: Request) -> bool:
     p = req.params
     return p.is_greedy and p.logprobs is None and not req.sampling_needs_history
@@ -451,8 +454,8 @@ class ModelRunner:
             "block_tables": tables,
             "logits_indices": np.asarray(logits_idx, np.int64),
             "fills": np.asarray(fill_dst + fill_src, np.int64),
-            "prompt_rows": np.asarray(prompt_plan.rows if prompt_plan else [], np.int64),
-            "prompt_targets": np.asarray(prompt_plan.targets if prompt_plan else [], np.int64),
+            "prompt_rows": np.asarray(prompt_plan.rows, np.int64) if prompt_plan else _NONE,
+            "prompt_targets": np.asarray(prompt_plan.targets, np.int64) if prompt_plan else _NONE,
         }
         buffer = self._to_device(pack(header, arrays))
         parts = unpack(header, buffer)
