@@ -190,6 +190,7 @@ def test_tensor_parallel_ranks_score_the_same_rows(tiny_llama_dir: Path) -> None
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_gpu_prompt_logprobs_equal_hf(tiny_llama_dir: Path, enforce_eager: bool) -> None:
     """On the GPU (CUDA graphs for small prefills and decodes, asynchronous scheduling,
