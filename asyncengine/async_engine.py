@@ -120,7 +120,11 @@ def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
             logprobs = (a.logprobs or []) + (b.logprobs or [])
         merged[b.index] = dataclasses.replace(
             b, text=a.text + b.text, token_ids=[*a.token_ids, *b.token_ids], logprobs=logprobs)
-    return dataclasses.replace(new, outputs=[merged[i] for i in sorted(merged)])
+    # A DELTA output carries the prompt logprobs once: keep them through a merge.
+    prompt_logprobs = new.prompt_logprobs if new.prompt_logprobs is not None \
+        else old.prompt_logprobs
+    return dataclasses.replace(new, outputs=[merged[i] for i in sorted(merged)],
+                               prompt_logprobs=prompt_logprobs)
 
 
 @dataclasses.dataclass(slots=True)

@@ -28,7 +28,8 @@ from asyncengine.kv_calibration import (
     should_calibrate,
 )
 from asyncengine.model_runner import InflightStep, ModelRunner
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from asyncengine.prompt_logprobs import PromptLogprobPlan, ScoredRows, to_dicts
 from asyncengine.request import ParentRequest, Request, RequestStatus
 from asyncengine.request_check import QueueState, RequestLimits, check_request
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -372,6 +373,8 @@ class LLMEngine:
             )
         if params.logprobs is not None:
             req.logprobs = []
+        if params.prompt_logprobs is not None and index == 0:
+            req.prompt_logprobs = [None]  # nothing predicts the first prompt token
         return req
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -464,6 +467,8 @@ class LLMEngine:
         for req in step.scheduled:
             if req.status == RequestStatus.RUNNING:
                 self.pool.cache_full_blocks(req)
+        if result.prompt_logprobs is not None:
+            self._add_prompt_logprobs(*result.prompt_logprobs)
         touched: dict[int, list[Request]] = {}  # request -> its sequences with a new token
         generated = 0
         for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
@@ -490,6 +495,16 @@ class LLMEngine:
         timing["wait_s"] += t1 - t0
         timing["postprocess_s"] += time.perf_counter() - t1
         return outputs
+
+    def _add_prompt_logprobs(self, scored: ScoredRows, plan: PromptLogprobPlan) -> None:
+        tok = self.tokenizer
+        decode = None
+        if tok is not None:
+            def decode(ids: list[int]) -> list[str]:
+                return list(tok.batch_decode([[t] for t in ids]))
+        for req, entries in to_dicts(scored, plan, decode):
+            if req.prompt_logprobs is not None and not req.is_finished:
+                req.prompt_logprobs.extend(entries)
 
     def _step_failed(self, requests: list[Request], cause: Exception) -> StepError:
         """Abort the requests a failed step held (each once) and describe the failure."""
@@ -567,6 +582,7 @@ class LLMEngine:
             return None
         shown = touched if kind == RequestOutputKind.DELTA else seqs
         return RequestOutput(
+            prompt_logprobs=self._prompt_logprobs_of(seqs[0], kind),
             request_id=first.request_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
@@ -575,6 +591,15 @@ class LLMEngine:
             metrics=seqs[0].metrics,
             error=next((s.error for s in seqs if s.error is not None), None),
         )
+
+    @staticmethod
+    def _prompt_logprobs_of(first: Request, kind: RequestOutputKind) -> PromptLogprobs | None:
+        """The request's prompt logprobs for this output: whole, and once for DELTA."""
+        lps = first.prompt_logprobs
+        if lps is None or (kind == RequestOutputKind.DELTA and first.prompt_logprobs_sent):
+            return None
+        first.prompt_logprobs_sent = True
+        return lps if kind == RequestOutputKind.FINAL_ONLY else list(lps)
 
     @staticmethod
     def _completion(req: Request, kind: RequestOutputKind) -> CompletionOutput:

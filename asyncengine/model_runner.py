@@ -26,6 +26,14 @@ import torch
 from torch import nn
 
 from asyncengine.kv_calibration import KVScales, calibrate_kv_scales, set_kv_scales
+from asyncengine.prompt_logprobs import (
+    PromptLogprobPlan,
+    ScoredRows,
+    chunk_rows,
+    lm_head_chunks,
+    score_rows,
+    wants_prompt_logprobs,
+)
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
@@ -51,6 +59,10 @@ class StepInputs:
     sampling_requests: list[Request]
     header: StepHeader
     buffer: torch.Tensor  # the packed step on the device; the tensors above are views of it
+    prompt_rows: torch.Tensor  # rows scored for prompt logprobs, and their target tokens
+    prompt_targets: torch.Tensor
+    prompt_plan: PromptLogprobPlan | None = None  # rank 0's host side of those rows
+    prompt_hidden: torch.Tensor | None = None  # their hidden states, set by `run_model`
 
 
 def step_inputs(
@@ -79,6 +91,8 @@ def step_inputs(
         sampling_requests=sampling_requests,
         header=header,
         buffer=buffer,
+        prompt_rows=parts["prompt_rows"],
+        prompt_targets=parts["prompt_targets"],
     )
 
 
@@ -89,6 +103,8 @@ class StepResult:
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
+    # Prompt logprobs scored by the step (host tensors) and the rows' plan, when any.
+    prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None
 
 
 class InflightStep:
@@ -101,6 +117,7 @@ class InflightStep:
         token_ids: torch.Tensor | None,
         logprobs: tuple[torch.Tensor, torch.Tensor] | None,
         scheduled: list[Request],
+        prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None,
     ) -> None:
         self.requests = requests
         self.scheduled = scheduled
@@ -108,13 +125,20 @@ class InflightStep:
         self.rows = {id(r): i for i, r in enumerate(requests)}
         self._host_ids = token_ids
         self._host_logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._done: torch.cuda.Event | None = None
         self._result: StepResult | None = None
         # Wraps the wait in `result()`: tensor parallelism turns a failed collective of this
         # step into an error naming the dead worker there.
         self.guard: Callable[[], AbstractContextManager[object]] = nullcontext
-        if token_ids is not None and token_ids.is_cuda:
-            self._host_ids = token_ids.to("cpu", non_blocking=True)
+        on_gpu = token_ids is not None and token_ids.is_cuda
+        if prompt_logprobs is not None and prompt_logprobs[0].logprobs.is_cuda:
+            on_gpu = True
+            scored, plan = prompt_logprobs
+            self._prompt_logprobs = (scored.to("cpu", non_blocking=True), plan)
+        if on_gpu:
+            if token_ids is not None:
+                self._host_ids = token_ids.to("cpu", non_blocking=True)
             if logprobs is not None:
                 ids, lps = logprobs
                 self._host_logprobs = (
@@ -131,13 +155,13 @@ class InflightStep:
             with self.guard():
                 self._done.synchronize()
         if self._host_ids is None:
-            self._result = StepResult([], [], None)
+            self._result = StepResult([], [], None, self._prompt_logprobs)
             return self._result
         token_ids = self._host_ids.tolist()
         logprobs = None
         if self._host_logprobs is not None:
             logprobs = _logprob_dicts(*self._host_logprobs, self.requests)
-        self._result = StepResult(self.requests, token_ids, logprobs)
+        self._result = StepResult(self.requests, token_ids, logprobs, self._prompt_logprobs)
         return self._result
 
 
@@ -156,6 +180,9 @@ def _logprob_dicts(
             entry.setdefault(tok, lp)
         result.append(entry)
     return result
+
+
+_NONE = np.empty(0, np.int64)  # a step's prompt-logprob rows when nobody asks for them
 
 
 def _plain_greedy(req: Request) -> bool:
@@ -386,6 +413,7 @@ class ModelRunner:
         logits_idx: list[int] = []
         fill_dst: list[int] = []
         fill_src: list[int] = []
+        prompt_plan: PromptLogprobPlan | None = None
         for i, s in enumerate(scheduled):
             req = s.request
             table = req.block_table
@@ -404,6 +432,9 @@ class ModelRunner:
             if s.needs_logits:
                 logits_idx.append(lo + n - 1)
                 sampling.append(req)
+            if req.params.prompt_logprobs is not None and wants_prompt_logprobs(req):
+                prompt_plan = prompt_plan or PromptLogprobPlan()
+                prompt_plan.add(req, lo, start, n)
         # Token i of request r sits at position starts[r] + (i - qsl[r]).
         owner = np.repeat(np.arange(b), lens)
         positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
@@ -423,6 +454,7 @@ class ModelRunner:
             num_swap_out=len(sched.blocks_to_swap_out),
             num_swap_in=len(sched.blocks_to_swap_in),
             num_copy=len(sched.blocks_to_copy),
+            num_prompt_rows=len(prompt_plan.rows) if prompt_plan is not None else 0,
         )
         arrays = {
             "input_ids": input_ids,
@@ -433,6 +465,8 @@ class ModelRunner:
             "block_tables": tables,
             "logits_indices": np.asarray(logits_idx, np.int64),
             "fills": np.asarray(fill_dst + fill_src, np.int64),
+            "prompt_rows": np.asarray(prompt_plan.rows, np.int64) if prompt_plan else _NONE,
+            "prompt_targets": np.asarray(prompt_plan.targets, np.int64) if prompt_plan else _NONE,
         }
         buffer = self._to_device(pack(header, arrays))
         parts = unpack(header, buffer)
@@ -440,7 +474,9 @@ class ModelRunner:
             assert prev is not None and prev.token_ids is not None
             fills, nf = parts["fills"], len(fill_dst)
             parts["input_ids"][fills[:nf]] = prev.token_ids[fills[nf:]]
-        return step_inputs(header, buffer, parts, sampling)
+        inputs = step_inputs(header, buffer, parts, sampling)
+        inputs.prompt_plan = prompt_plan
+        return inputs
 
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int) -> DecodePlan:
         """The plan of a decode-only step, for the batch its kernels will see: a step that
@@ -489,14 +525,36 @@ class ModelRunner:
         copy_blocks(self.kv_cache, self.kv_cache, sched.blocks_to_copy)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the rows that need logits."""
+        """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of
+        the rows scored for prompt logprobs)."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs).index_select(0, inputs.logits_indices)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):
-            return self.prefill_graphs.run(inputs).index_select(0, inputs.logits_indices)
-        with set_forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.graphs.run(inputs)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):
+            hidden = self.prefill_graphs.run(inputs)
+        else:
+            with set_forward_context(inputs.meta):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+        if inputs.header.num_prompt_rows:
+            inputs.prompt_hidden = hidden.index_select(0, inputs.prompt_rows)
         return hidden.index_select(0, inputs.logits_indices)
+
+    def prompt_lm_head(self, inputs: StepInputs) -> None:
+        """A tensor-parallel worker's share of scoring prompt rows: the LM head's gathers,
+        chunk by chunk as rank 0 runs them (`score_prompt_rows`)."""
+        assert inputs.prompt_hidden is not None
+        rows = chunk_rows(self.cfg.vocab_size)
+        for _ in lm_head_chunks(self.model.compute_logits, inputs.prompt_hidden, rows):  # type: ignore[arg-type]
+            pass
+
+    def score_prompt_rows(self, inputs: StepInputs) -> tuple[ScoredRows, PromptLogprobPlan]:
+        """Prompt logprobs of the step's planned rows, on the device."""
+        assert inputs.prompt_hidden is not None and inputs.prompt_plan is not None
+        scored = score_rows(
+            self.model.compute_logits,  # type: ignore[arg-type]
+            inputs.prompt_hidden, inputs.prompt_targets, inputs.prompt_plan.max_k,
+            chunk_rows(self.cfg.vocab_size),
+        )  # fmt: skip
+        return scored, inputs.prompt_plan
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
@@ -511,12 +569,14 @@ class ModelRunner:
         reqs = inputs.sampling_requests
         scheduled = [s.request for s in sched.scheduled]
         hidden = self.run_model(inputs)
+        # Before the sampling rows' LM head: tensor-parallel workers gather in this order.
+        prompt = self.score_prompt_rows(inputs) if inputs.header.num_prompt_rows else None
         if not reqs:
-            return InflightStep([], None, None, scheduled)
+            return InflightStep([], None, None, scheduled, prompt)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         if all(_plain_greedy(r) for r in reqs):
             # Nothing to filter or penalize: skip building the sampler's per-row tensors.
-            return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled)
+            return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled, prompt)
         meta = SamplingMetadata.build(
             [r.params for r in reqs],
             [r.prompt_token_ids for r in reqs],
@@ -530,4 +590,4 @@ class ModelRunner:
         logprobs = None
         if out.logprob_token_ids is not None and out.logprobs is not None:
             logprobs = (out.logprob_token_ids, out.logprobs)
-        return InflightStep(reqs, out.sampled_token_ids, logprobs, scheduled)
+        return InflightStep(reqs, out.sampled_token_ids, logprobs, scheduled, prompt)

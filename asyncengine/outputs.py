@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability at a position, as vLLM's `Logprob`: `rank` counts the
+    vocabulary's tokens at least as likely (1 = the most likely), `decoded_token` is its text
+    (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first (nothing predicts it), then {token id: Logprob} holding
+# the prompt's own token and the top-k alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request: `index` tells the request's n samples apart
     (0..n-1), each with its own finish reason.
@@ -44,7 +60,9 @@ class RequestOutput:
     """The state of one request after a step (cumulative, delta or final, per its params).
 
     `outputs` holds a `CompletionOutput` per sample (DELTA: only the samples with news);
-    `finished` once every sample has finished.
+    `finished` once every sample has finished. `prompt_logprobs` (with
+    `SamplingParams.prompt_logprobs`) comes whole: in every CUMULATIVE output, in the first
+    DELTA output, in the FINAL_ONLY output.
     """
 
     request_id: str
@@ -54,3 +72,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from asyncengine.outputs import RequestMetrics
+from asyncengine.outputs import PromptLogprobs, RequestMetrics
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +67,11 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    # Prompt logprobs (first sequence only; see `asyncengine.prompt_logprobs`): the entries
+    # so far, the next prompt position to score, and whether a DELTA output carried them.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprob_pos: int = 0
+    prompt_logprobs_sent: bool = False
     metrics: RequestMetrics = field(init=False)
     error: str | None = None
     # What was already handed out, for DELTA outputs.

@@ -20,7 +20,7 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # a single output when the request finishes
 
 
-_MAX_LOGPROBS = 20
+_MAX_LOGPROBS = 20  # vLLM's default max_logprobs, for `logprobs` and `prompt_logprobs`
 
 
 @dataclass
@@ -29,7 +29,9 @@ class SamplingParams:
     `InvalidRequestError` (a ValueError).
 
     `n` > 1 samples n sequences from one prompt (its KV computed once and shared); with a
-    `seed`, sample i uses `seed + i`, as in vLLM.
+    `seed`, sample i uses `seed + i`, as in vLLM. `prompt_logprobs=k` scores every prompt
+    token after the first: its logprob and the top-k alternatives
+    (`RequestOutput.prompt_logprobs`).
     """
 
     n: int = 1
@@ -47,6 +49,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -124,6 +127,10 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
             fail("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")

@@ -245,7 +245,9 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                cached = self.pool.find_cached_blocks(req) if req.num_computed_tokens == 0 else []
+                # A request scoring its prompt (prompt_logprobs) must compute every position.
+                fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+                cached = self.pool.find_cached_blocks(req) if fresh else []
                 remaining = req.num_tokens_to_compute - len(cached) * self.pool.block_size
                 num_new = min(remaining, budget)
                 copies = self.pool.allocate_slots(req, num_new, cached)

@@ -39,6 +39,7 @@ class StepHeader:
     num_swap_out: int = 0
     num_swap_in: int = 0
     num_copy: int = 0
+    num_prompt_rows: int = 0  # rows scored for prompt logprobs (`asyncengine.prompt_logprobs`)
 
     @property
     def decode_plan(self) -> DecodePlan | None:
@@ -78,6 +79,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("logits_indices", torch.int64, lambda h: h.num_logits),
     # Where each fill goes in input_ids, then which row of the previous step's samples.
     StepField("fills", torch.int64, lambda h: 2 * h.num_fills),
+    # Prompt logprobs: the rows scored, and the prompt token each predicts.
+    StepField("prompt_rows", torch.int64, lambda h: h.num_prompt_rows),
+    StepField("prompt_targets", torch.int64, lambda h: h.num_prompt_rows),
 )
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}

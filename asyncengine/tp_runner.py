@@ -281,6 +281,8 @@ class TensorParallelWorker:
         inputs, moves = receive_step(self.groups, header)
         self.runner.apply_block_moves(moves)
         hidden = self.runner.run_model(inputs)
+        if inputs.header.num_prompt_rows:
+            self.runner.prompt_lm_head(inputs)
         if inputs.logits_indices.numel():
             # The LM head is vocab-parallel: every rank joins the gather; rank 0 samples.
             self.runner.model.compute_logits(hidden)  # type: ignore[operator]

@@ -104,6 +104,8 @@ class GenerationChunk:
     usage: p.Usage | None = None
     index: int = 0  # which sample, for a request with n > 1
     finish_reasons: list[str] | None = None  # on the last chunk of a request with n > 1
+    # On the last chunk of a request with `prompt_logprobs` (see `protocol`).
+    prompt_logprobs: p.WirePromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -267,7 +269,8 @@ class AsyncClient:
                 elif isinstance(event, p.Done):
                     finished = True
                     yield GenerationChunk(rid, "", [], event.finish_reason, event.usage,
-                                          finish_reasons=event.finish_reasons)
+                                          finish_reasons=event.finish_reasons,
+                                          prompt_logprobs=event.prompt_logprobs)
                     return
                 elif isinstance(event, p.Error):
                     finished = True

@@ -7,6 +7,11 @@ With `params.n` > 1 one request streams n samples: each `delta` carries the `ind
 sample, and the one `done` lists every sample's finish reason (`finish_reasons`, by index)
 with usage summed over the samples. For n = 1 neither field is sent.
 
+`params.prompt_logprobs = k` (vLLM's) scores the prompt: the `done` event then carries
+`prompt_logprobs`, per prompt token None for the first, then `{token id: {logprob, rank,
+decoded_token}}` holding the token itself and its top-k (the whole prompt at once, at the end,
+so deltas stay small).
+
 Limits live in the types (`msgspec.Meta`), so a decode validates everything and a failure
 message names the JSON path (e.g. "... - at `$.params.max_tokens`"). `decode_client_message`
 turns every failure into an `Error` event carrying the request id when it can be recovered.
@@ -21,6 +26,7 @@ from typing import Annotated, Final
 import msgspec
 
 from asyncengine.errors import ErrorCode
+from asyncengine.outputs import PromptLogprobs
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.stats_schema import EngineStats
 
@@ -51,6 +57,7 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
@@ -69,6 +76,7 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -132,11 +140,29 @@ class Usage(msgspec.Struct, kw_only=True):
     completion_tokens: int
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+WirePromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def wire_prompt_logprobs(entries: PromptLogprobs) -> WirePromptLogprobs:
+    """The engine's prompt logprobs as `done` carries them (JSON keys are the token ids)."""
+    return [None if e is None else {
+        t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                         decoded_token=lp.decoded_token) for t, lp in e.items()}
+        for e in entries]  # fmt: skip
+
+
 class Done(ServerEvent, tag="done", omit_defaults=True):
     request_id: str
     finish_reason: str  # with n > 1, sample 0's
     usage: Usage
     finish_reasons: list[str] | None = None  # every sample's, by index, for n > 1
+    prompt_logprobs: WirePromptLogprobs | None = None  # with params.prompt_logprobs
 
 
 class Error(ServerEvent, tag="error"):

@@ -137,6 +137,7 @@ class _InFlight:
     n: int = 1
     # Finish reason per sample index, as the samples end.
     finish_reasons: dict[int, str] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: p.WirePromptLogprobs | None = None
 
     def done(self, rid: str, default_reason: str) -> p.Done:
         """The request's `done` event; samples not finished yet get `default_reason`."""
@@ -144,7 +145,8 @@ class _InFlight:
         return p.Done(request_id=rid, finish_reason=reasons[0],
                       usage=p.Usage(prompt_tokens=self.prompt_tokens,
                                     completion_tokens=self.completion_tokens),
-                      finish_reasons=reasons if self.n > 1 else None)
+                      finish_reasons=reasons if self.n > 1 else None,
+                      prompt_logprobs=self.prompt_logprobs)
 
     def stop(self) -> None:
         """Cancel the streaming task and abort the engine request (idempotent)."""
@@ -477,6 +479,8 @@ class EngineServer(ListeningAddress):
         default_reason = "abort"
         try:
             async for out in stream:
+                if out.prompt_logprobs is not None:
+                    slot.prompt_logprobs = p.wire_prompt_logprobs(out.prompt_logprobs)
                 for comp in out.outputs:
                     if comp.token_ids or comp.text:
                         slot.completion_tokens += len(comp.token_ids)

@@ -1,4 +1,4 @@
-"""Q1 of BENCHMARKS.md: what a weight format costs in accuracy, on the CPU path.
+"""Q1 of BENCHMARKS.md: what a weight format costs in accuracy, through the engine itself.
 
 For each quantized checkpoint of a model: the perplexity over a fixed text shipped in the
 repository (tests/data/eval_text.txt, in windows of `--window` tokens) beside the 16-bit
@@ -6,10 +6,17 @@ model's, and the greedy agreement with the 16-bit model (the share of generated 
 position by position, and the mean length of the common prefix) over prompts cut from the
 same text. Prints one JSON line per model and a markdown table (docs/quantization.md).
 
+Both come from the engine (`LLM`): the perplexity from its prompt logprobs
+(`SamplingParams(prompt_logprobs=0)`, each window a prompt), not a separate forward, so a
+row measures what the engine serves: the torch reference path on the CPU (`--device cpu`,
+the default, float32), each format's real kernels on a GPU (`--device cuda`, the
+checkpoint's dtype unless `--dtype`).
+
   python scripts/eval_quant.py --checkpoint gptq-4=/path/to/gptq --checkpoint awq-4=/path/awq
   python scripts/eval_quant.py --rtn gptq-4-g64,awq-4-g64 --out /tmp/q1   # round-to-nearest
   python scripts/eval_quant.py --kv-cache-dtype fp8 --kv-scales default,one,head  # FP8 KV
   python scripts/eval_quant.py --fp8 --rtn fp8-tensor                     # FP8 weights
+  python scripts/eval_quant.py --device cuda --fp8 --kv-cache-dtype fp8   # GPU kernels
 
 `--base` defaults to the embedded SmolLM2-135M. `--rtn` writes round-to-nearest checkpoints
 with the test-fixture writer (tests/quant_writers.py): an accuracy floor for the format's
@@ -39,10 +46,13 @@ model with its per-head calibrated scales (on that window) as vLLM-style
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,29 +73,19 @@ def eval_tokens(base_dir: Path, text_path: Path = EVAL_TEXT) -> list[int]:
     return tok(text_path.read_text(), add_special_tokens=False)["input_ids"]
 
 
-def _window_logits(
-    model: torch.nn.Module, ids: list[int], kv_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence as one prefill step through a fresh paged cache
-    (of `kv_dtype`: float32, or e4m3 for an FP8 cache)."""
-    with torch.inference_mode():
-        hidden = kv_calibration.prefill_through_scratch_cache(
-            model, ids, dtype=kv_dtype, device=torch.device("cpu"), block_size=BLOCK
-        )
-        return model.compute_logits(hidden).float()  # type: ignore[operator]
-
-
 KV_SCALE_MODES = ("default", "one", "tensor", "head")
 FP8 = torch.float8_e4m3fn
 
 
 def calibrate_kv_scales(model: torch.nn.Module, ids: list[int], per_head: bool) -> KVScales:
-    """Per layer, K and V scales from one pass over `ids` with a float32 cache (the engine's
-    `asyncengine.kv_calibration.calibrate_kv_scales` on the CPU path): per layer, or per KV
-    head with `per_head`. Each scale is float32 [num_kv_heads]."""
+    """Per layer, K and V scales from one pass over `ids` (the engine's
+    `asyncengine.kv_calibration.calibrate_kv_scales`, a float32 cache on the CPU path): per
+    layer, or per KV head with `per_head`. Each scale is float32 [num_kv_heads]."""
+    param = next(p for p in model.parameters() if p.is_floating_point())
+    # A float32 scratch cache on the CPU; on a GPU the model's dtype, as the engine's own.
+    dtype = torch.float32 if param.device.type == "cpu" else param.dtype
     return kv_calibration.calibrate_kv_scales(
-        model, ids, dtype=torch.float32, device=torch.device("cpu"), block_size=BLOCK,
-        per_head=per_head,
+        model, ids, dtype=dtype, device=param.device, block_size=BLOCK, per_head=per_head,
     )  # fmt: skip
 
 
@@ -138,6 +138,73 @@ def save_kv_scales(base: Path, out: Path, scales: KVScales) -> None:
               str(out / "kv_scales.safetensors"))  # fmt: skip
 
 
+@contextlib.contextmanager
+def engine(
+    model_dir: Path,
+    kv_cache_dtype: str = "auto",
+    kv_scales: str = "one",
+    calibration: list[int] | None = None,
+    quantization: str | None = None,
+    weight_only: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
+) -> Iterator[Any]:
+    """An `LLM` serving `model_dir` with the KV cache and weight format as asked: FP8 KV
+    scales by `kv_scales` (KV_SCALE_MODES; `tensor` and `head` calibrated on
+    `calibration`), FP8 layers on the W8A16 reference with `weight_only`; float32 on the
+    CPU, the checkpoint's dtype elsewhere, unless `dtype`."""
+    from asyncengine import LLM
+    from models.quantization.fp8 import use_weight_only_reference
+
+    # The engine calibrates `default` itself at start-up; the other modes start it without.
+    engine_args = {}
+    if kv_cache_dtype != "auto" and kv_scales != "default":
+        engine_args["calculate_kv_scales"] = False
+    llm = LLM(str(model_dir), dtype=dtype or ("float32" if device == "cpu" else "auto"),
+              device=device, num_kv_blocks=None if device == "cuda" else 128,
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+              **engine_args)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        model = llm.llm_engine.runner.model
+        if weight_only:
+            use_weight_only_reference(model)
+        if kv_cache_dtype != "auto" and kv_scales in ("tensor", "head"):
+            scales = kv_scales_for(model, model_dir, kv_scales, calibration or [])
+            if scales is not None:
+                set_kv_scales(model, scales)
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def windows(tokens: list[int], window: int) -> list[list[int]]:
+    """Consecutive windows of `tokens` (each predicts its own tokens 2..); none shorter
+    than 2."""
+    cut = [tokens[i : i + window] for i in range(0, len(tokens) - 1, window)]
+    return [w for w in cut if len(w) >= 2]
+
+
+def engine_perplexity(llm: Any, tokens: list[int], window: int = 256) -> float:
+    """exp(mean NLL) over `tokens` in windows, from the engine's prompt logprobs."""
+    from asyncengine import SamplingParams
+
+    parts = windows(tokens, window)
+    outs = llm.generate(parts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll = -sum(
+        entry[tok].logprob
+        for out in outs
+        for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
+    )
+    return math.exp(nll / sum(len(w) - 1 for w in parts))
+
+
+def engine_greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from asyncengine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def perplexity(
     model_dir: Path,
     tokens: list[int],
@@ -146,35 +213,15 @@ def perplexity(
     kv_scales: str = "one",
     quantization: str | None = None,
     weight_only: bool = False,
+    device: str = "cpu",
 ) -> float:
-    """exp(mean NLL) over `tokens` in consecutive windows (each predicts its own tokens 2..);
-    with `kv_cache_dtype="fp8"` through an e4m3 cache with `kv_scales` (KV_SCALE_MODES).
-    quantization: the engine's `quantization=`; weight_only: FP8 layers on the W8A16
-    reference."""
-    from models.config import ModelConfig
-    from models.loader import load_model
-    from models.quantization.fp8 import use_weight_only_reference
-
-    cfg = ModelConfig.from_dir(model_dir, quantization)
-    model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
-    if weight_only:
-        use_weight_only_reference(model)
-    kv_dtype = torch.float32
-    if kv_cache_dtype != "auto":
-        kv_dtype = FP8
-        scales = kv_scales_for(model, model_dir, kv_scales, tokens[:window])
-        if scales is not None:
-            set_kv_scales(model, scales)
-    nll, count = 0.0, 0
-    for start in range(0, len(tokens) - 1, window):
-        ids = tokens[start : start + window]
-        if len(ids) < 2:
-            break
-        logits = _window_logits(model, ids, kv_dtype)
-        target = torch.tensor(ids[1:])
-        nll += float(torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum"))
-        count += len(ids) - 1
-    return math.exp(nll / count)
+    """The perplexity over `tokens` in windows through an engine (`engine`), with
+    `kv_cache_dtype="fp8"` through an e4m3 cache with `kv_scales` (KV_SCALE_MODES, `tensor`
+    and `head` calibrated on the first window). quantization: the engine's
+    `quantization=`; weight_only: FP8 layers on the W8A16 reference."""
+    with engine(model_dir, kv_cache_dtype, kv_scales, tokens[:window], quantization,
+                weight_only, device) as llm:  # fmt: skip
+        return engine_perplexity(llm, tokens, window)
 
 
 def greedy(
@@ -186,32 +233,12 @@ def greedy(
     calibration: list[int] | None = None,
     quantization: str | None = None,
     weight_only: bool = False,
+    device: str = "cpu",
 ) -> list[list[int]]:
-    """Greedy continuations through the engine (CPU path), with the KV cache and weight
-    format as asked."""
-    from asyncengine import LLM, SamplingParams
-    from models.quantization.fp8 import use_weight_only_reference
-
-    # The engine calibrates `default` itself at start-up; the other modes start it without.
-    engine_args = {}
-    if kv_cache_dtype != "auto" and kv_scales != "default":
-        engine_args["calculate_kv_scales"] = False
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-              **engine_args)  # type: ignore[arg-type]  # fmt: skip
-    try:
-        model = llm.llm_engine.runner.model
-        if weight_only:
-            use_weight_only_reference(model)
-        if kv_cache_dtype != "auto" and kv_scales in ("tensor", "head"):
-            scales = kv_scales_for(model, model_dir, kv_scales, calibration or [])
-            if scales is not None:
-                set_kv_scales(model, scales)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    """Greedy continuations through an engine (`engine`)."""
+    with engine(model_dir, kv_cache_dtype, kv_scales, calibration, quantization, weight_only,
+                device) as llm:  # fmt: skip
+        return engine_greedy(llm, prompts, max_tokens)
 
 
 def agreement(base: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -271,6 +298,10 @@ def main() -> None:
     ap.add_argument("--save-kv-scales", type=Path, metavar="DIR",
                     help="write the 16-bit model with per-head calibrated KV scales to DIR")
     ap.add_argument("--fp8", action="store_true", help="add the base quantized to FP8 at load")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: the torch reference path; cuda: each format's GPU kernels")
+    ap.add_argument("--dtype", default=None,
+                    help="the engine's dtype (default: float32 on the CPU, else auto)")
     args = ap.parse_args()
     scale_modes = args.kv_scales.split(",")
     if any(m not in KV_SCALE_MODES for m in scale_modes):
@@ -313,8 +344,10 @@ def main() -> None:
                              weight_only))  # fmt: skip
     calibration = tokens[: args.window]
     for name, path, kv, mode, quant, weight_only in runs:
-        ppl = perplexity(path, tokens, args.window, kv, mode, quant, weight_only)
-        out = greedy(path, prompts, args.max_tokens, kv, mode, calibration, quant, weight_only)
+        with engine(path, kv, mode, calibration, quant, weight_only, args.device,
+                    args.dtype) as llm:  # fmt: skip
+            ppl = engine_perplexity(llm, tokens, args.window)
+            out = engine_greedy(llm, prompts, args.max_tokens)
         base_ppl, base_out = base_ppl or ppl, base_out or out
         row = {"model": name, "perplexity": round(ppl, 3),
                "ppl_increase": round(ppl / base_ppl - 1, 4),
@@ -322,7 +355,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{len(tokens)} tokens, windows of {args.window}; greedy: {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens\n")  # fmt: skip
+          f"{args.max_tokens} tokens; perplexity from the engine's prompt logprobs on "
+          f"{args.device}\n")  # fmt: skip
     print("| format | perplexity | increase | token agreement | mean common prefix |")
     print("|---|---|---|---|---|")
     for r in rows:

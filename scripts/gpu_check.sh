@@ -212,12 +212,19 @@ elif [ "$phase" = fp8row ]; then  # FP8 one-row GEMVs (whole-row, pairs): tests,
     | tee "$OUT/fp8row_kernels.jsonl" | python3 scripts/best_kernels.py
   bench --workload l1 --system engine --quantization fp8 --profile-steps 4
   bench --workload l1 --system engine
+elif [ "$phase" = eval ]; then  # prompt logprobs on the GPU, then Q1 through the engine's kernels
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_prompt_logprobs.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  python3 scripts/eval_quant.py --device cuda --fp8 --kv-cache-dtype fp8 \
+    --kv-scales default,one,head \
+    --rtn gptq-4-g64,gptq-8-g64,awq-4-g64,compressed-tensors-4-g64,compressed-tensors-8-channel,fp8-tensor \
+    2>>"$OUT/bench.log" | tee "$OUT/q1.txt" | tail -n 30
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, eval, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -7,9 +7,11 @@ limits hold exactly; a refusal is an OpenAI-shaped error (`errors`). Streams are
 events (`data: {chunk}` then `data: [DONE]`); a failure after the stream began is sent as an
 error chunk, then the stream ends. A client that goes away aborts its requests at once:
 Starlette cancels a stream when the connection closes, and a non-streamed request races its
-generation against the connection's `http.disconnect`. `/v1/*` needs the API key, when one
-is set, as `Authorization: Bearer`; `/health` and `/metrics` do not. The routes a load
-balancer calls on a worker (`/tokenize`, `/get_load`, ...) are in `worker_routes`.
+generation against the connection's `http.disconnect`. `/v1/*`, `/generate` (vLLM's simple
+server's endpoint, `simple_generate`) and the worker routes that change or read the engine
+need the API key, when one is set, as `Authorization: Bearer`; `/health` and `/metrics` do
+not. The routes a load balancer calls on a worker (`/tokenize`, `/get_load`, ...) are in
+`worker_routes`.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class _RequireKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path in PROTECTED_PATHS) \
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/generate"
+                                        or path in PROTECTED_PATHS) \
                 and not self.api.authorized(scope):
             exc = ApiError.of(ErrorCode.UNAUTHORIZED, "invalid or missing API key")
             self.api.count_refusal(exc)
@@ -154,6 +157,7 @@ class OpenAIApp:
                 Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._endpoint(self.chat_completions),
                       methods=["POST"]),
+                Route("/generate", self._endpoint(self.generate), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
                 *WorkerRoutes(self).routes(self._endpoint),
@@ -259,6 +263,13 @@ class OpenAIApp:
         self._check_model(request.path_params["model"])
         return json_response(self._card())
 
+    async def generate(self, request: Request) -> Response:
+        """vLLM's simple server's `POST /generate` (`simple_generate`, which builds on this
+        module, hence the late import)."""
+        from frontends.openai_api.simple_generate import generate
+
+        return await generate(self, request)
+
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -274,7 +285,9 @@ class OpenAIApp:
                 if req.echo else None
             mapper = CompletionMapper(new_id("cmpl"), self.model_name,
                                       [len(ids) for ids in prompt_ids], self._token_text,
-                                      params.logprobs, n=params.n, echo=echo)
+                                      params.logprobs, n=params.n, echo=echo,
+                                      echo_only=req.echo_only, prompt_ids=prompt_ids,
+                                      prompt_logprobs=req.prompt_logprobs)
             submitted = self._submit(mapper.id, prompt_ids, params)
         except RequestError as exc:
             raise ApiError.from_request_error(
@@ -292,7 +305,8 @@ class OpenAIApp:
             self._check_serving()
             prompt_ids = [await self._apply_chat_template(messages)]
             mapper = ChatMapper(new_id("chatcmpl"), self.model_name, [len(prompt_ids[0])],
-                                self._token_text, params.logprobs, n=params.n)
+                                self._token_text, params.logprobs, n=params.n,
+                                prompt_ids=prompt_ids, prompt_logprobs=req.prompt_logprobs)
             submitted = self._submit(mapper.id, prompt_ids, params)
         except RequestError as exc:
             raise ApiError.from_request_error(
@@ -414,6 +428,8 @@ class OpenAIApp:
                        submitted: _Submitted) -> None:
         try:
             async for i, out in self._outputs(submitted):
+                if out.prompt_logprobs is not None:
+                    mapper.add_prompt_logprobs(i, out.prompt_logprobs)
                 for comp in out.outputs:
                     mapper.chunk(i * submitted.n + comp.index, comp)
         except RequestError as exc:
@@ -435,6 +451,8 @@ class OpenAIApp:
                 for index in range(len(mapper.choices)):
                     yield sse_event(mapper.role_chunk(index))
             async for i, out in self._outputs(submitted):
+                if out.prompt_logprobs is not None:
+                    mapper.add_prompt_logprobs(i, out.prompt_logprobs)
                 for comp in out.outputs:
                     if comp.text or comp.token_ids or comp.finish_reason is not None:
                         chunk = mapper.chunk(i * submitted.n + comp.index, comp)

@@ -6,7 +6,9 @@ reason, logprobs). `chunk` turns one engine delta of one choice into a stream ch
 `stream_options.include_usage`. Choices are keyed by their `index`, so a response made of
 several engine requests (a batch of prompts, or `n` samples once the engine has them) is the
 same code with more choices. The sampled token's logprob is always the first entry of an
-engine logprobs dict (see `CompletionOutput.logprobs`).
+engine logprobs dict (see `CompletionOutput.logprobs`). Prompt logprobs (vLLM's
+`prompt_logprobs` field, and the prompt's part of `logprobs` under `echo`) come from
+`frontends.openai_api.prompt_logprobs`; `echo` with `max_tokens: 0` answers the prompt alone.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from collections.abc import Callable
 
 import msgspec
 
-from asyncengine.outputs import CompletionOutput
+from asyncengine.outputs import CompletionOutput, PromptLogprobs
+from frontends.openai_api.prompt_logprobs import (
+    PromptLogprobsField,
+    echo_logprobs,
+    prompt_logprobs_field,
+)
 
 TokenText = Callable[[int], str]
 
@@ -47,8 +54,8 @@ class ModelList(msgspec.Struct, kw_only=True):
 # ----------------------------------------------------------------------- completions
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -57,6 +64,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -107,6 +115,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -128,6 +137,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsField | None = None
 
 
 # ----------------------------------------------------------------------- mapping
@@ -150,7 +160,9 @@ class _Mapper:
     """What both response kinds track per choice."""
 
     def __init__(self, response_id: str, model: str, prompt_tokens: list[int],
-                 token_text: TokenText, logprobs: int | None, n: int = 1) -> None:
+                 token_text: TokenText, logprobs: int | None, n: int = 1,
+                 prompt_ids: list[list[int]] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -158,6 +170,21 @@ class _Mapper:
         self.choices = [_Choice(i) for i in range(len(prompt_tokens) * n)]
         self.token_text = token_text
         self.logprobs = logprobs  # top alternatives per token, or None: no logprobs
+        self._n = n
+        self.prompt_ids = prompt_ids or []  # per prompt, for its prompt logprobs
+        self.prompt_logprobs = prompt_logprobs  # the body's `prompt_logprobs`
+        self._prompt_entries: dict[int, PromptLogprobs] = {}  # per prompt, once they come
+
+    def add_prompt_logprobs(self, prompt_index: int, entries: PromptLogprobs) -> None:
+        """The engine's prompt logprobs of prompt `prompt_index` (its first output's)."""
+        self._prompt_entries[prompt_index] = entries
+
+    def _prompt_field(self, prompt_index: int) -> PromptLogprobsField | None:
+        entries = self._prompt_entries.get(prompt_index)
+        if self.prompt_logprobs is None or entries is None:
+            return None
+        return prompt_logprobs_field(self.prompt_ids[prompt_index], entries,
+                                     self.prompt_logprobs)
 
     def _advance(self, index: int, comp: CompletionOutput) -> _Choice:
         choice = self.choices[index]
@@ -187,25 +214,46 @@ class CompletionMapper(_Mapper):
 
     def __init__(self, response_id: str, model: str, prompt_tokens: list[int],
                  token_text: TokenText, logprobs: int | None, n: int = 1,
-                 echo: list[str] | None = None) -> None:
-        super().__init__(response_id, model, prompt_tokens, token_text, logprobs, n)
-        self._n = n
+                 echo: list[str] | None = None, *, echo_only: bool = False,
+                 prompt_ids: list[list[int]] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
+        super().__init__(response_id, model, prompt_tokens, token_text, logprobs, n,
+                         prompt_ids, prompt_logprobs)
         self._echo = echo  # per prompt
+        self._echo_only = echo_only  # max_tokens 0: the generated token is left out
 
     def _echo_of(self, index: int) -> str:
         assert self._echo is not None
         return self._echo[index // self._n]
 
     def chunk(self, index: int, comp: CompletionOutput) -> Completion:
+        if self._echo_only:
+            comp = CompletionOutput(index=comp.index, text="", token_ids=[],
+                                    finish_reason=comp.finish_reason and "length")
         choice = self._advance(index, comp)
         text = comp.text
-        if self._echo is not None and len(choice.text) == 1:
+        first = len(choice.text) == 1
+        lead = None
+        if self._echo is not None and first:
             text = self._echo_of(index) + text
             choice.text_offset = len(self._echo_of(index))
-        logprobs = self._logprobs(choice, comp)
+            lead = self._echo_logprobs(index)
+        prompt_lps = self._prompt_field(index // self._n) if first else None
+        logprobs = self._logprobs(choice, comp, lead)
         return Completion(id=self.id, created=self.created, model=self.model,
                           choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                    finish_reason=comp.finish_reason)])
+                                                    finish_reason=comp.finish_reason,
+                                                    prompt_logprobs=prompt_lps)])
+
+    def _echo_logprobs(self, index: int) -> CompletionLogprobs | None:
+        """The prompt's logprobs that lead choice `index`'s (echo with logprobs)."""
+        entries = self._prompt_entries.get(index // self._n)
+        if self.logprobs is None or entries is None:
+            return None
+        part = echo_logprobs(self.prompt_ids[index // self._n], entries, self.logprobs,
+                             self.token_text)
+        return CompletionLogprobs(tokens=part.tokens, token_logprobs=part.token_logprobs,
+                                  top_logprobs=part.top_logprobs, text_offset=part.text_offset)
 
     def usage_chunk(self) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[],
@@ -219,15 +267,20 @@ class CompletionMapper(_Mapper):
                 text = self._echo_of(c.index) + text
             choices.append(CompletionChoice(index=c.index, text=text,
                                             logprobs=c.completion_logprobs,
-                                            finish_reason=c.finish_reason))
+                                            finish_reason=c.finish_reason,
+                                            prompt_logprobs=self._prompt_field(
+                                                c.index // self._n)))
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
                           usage=self.usage())
 
-    def _logprobs(self, choice: _Choice, comp: CompletionOutput) -> CompletionLogprobs | None:
+    def _logprobs(self, choice: _Choice, comp: CompletionOutput,
+                  lead: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+        """This chunk's logprobs (after `lead`, the prompt's under echo); the choice's whole
+        logprobs grow by them."""
         if self.logprobs is None:
             return None
-        delta = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
-                                   text_offset=[])
+        delta = lead or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+                                           text_offset=[])
         for tid, entry in zip(comp.token_ids, comp.logprobs or [], strict=False):
             token = self.token_text(tid)
             delta.tokens.append(token)
@@ -267,10 +320,12 @@ class ChatMapper(_Mapper):
     def chunk(self, index: int, comp: CompletionOutput) -> ChatCompletionChunk:
         choice = self._advance(index, comp)
         logprobs = self._logprobs(choice, comp)
+        prompt_lps = self._prompt_field(0) if len(choice.text) == 1 and index == 0 else None
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
             choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=comp.text),
-                                     logprobs=logprobs, finish_reason=comp.finish_reason)])
+                                     logprobs=logprobs, finish_reason=comp.finish_reason)],
+            prompt_logprobs=prompt_lps)
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
@@ -286,7 +341,8 @@ class ChatMapper(_Mapper):
             for c in self.choices
         ]
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
-                              choices=choices, usage=self.usage())
+                              choices=choices, usage=self.usage(),
+                              prompt_logprobs=self._prompt_field(0))
 
     def _logprobs(self, choice: _Choice, comp: CompletionOutput) -> ChatLogprobs | None:
         if self.logprobs is None:

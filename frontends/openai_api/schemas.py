@@ -54,6 +54,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,7 +72,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", field="logit_bias")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's `SamplingParams`; a bad value raises `InvalidRequestError` naming the
         engine's field (the caller maps it back to the body's name)."""
         self._check_common()
@@ -91,6 +93,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             max_tokens=max_tokens,
             min_tokens=_default(self.min_tokens, 0),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
+            else self.prompt_logprobs,
             skip_special_tokens=_default(self.skip_special_tokens, True),
             include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
             output_kind=RequestOutputKind.DELTA,
@@ -129,13 +133,28 @@ class CompletionRequest(_SamplingFields, kw_only=True):
             raise InvalidRequestError("suffix is not supported", field="suffix")
         if self.best_of is not None and self.best_of != _default(self.n, 1):
             raise InvalidRequestError("best_of must equal n", field="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs (prompt logprobs) is not supported",
-                                      field="echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise InvalidRequestError("max_tokens 0 is allowed only with echo",
+                                          field="max_tokens")
+            # As vLLM: one token is generated and left out of the answer.
+            max_tokens = 1
+        # With echo, `logprobs` covers the prompt's tokens too (vLLM's prompt logprobs).
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and _is_token_id(self.logprobs):
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the answer is the prompt alone."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def param_name(self, field: str | None) -> str | None:
         """The body's name for an engine field named in an error."""
+        if field == "prompt_logprobs" and self.prompt_logprobs is None:
+            return "logprobs"  # set from logprobs by echo
         return "prompt" if field == "prompt_token_ids" else field
 
 

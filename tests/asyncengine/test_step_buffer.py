@@ -21,6 +21,7 @@ HEADER = StepHeader(
     decode_segments=0,
     num_swap_out=1,
     num_copy=2,
+    num_prompt_rows=2,
 )
 
 
@@ -50,7 +51,8 @@ def test_fields_follow_the_header_sizes() -> None:
     sizes = {f.name: size // f.dtype.itemsize for f, _, size in placed}
     assert sizes == {
         "input_ids": 5, "positions": 5, "slot_mapping": 5, "query_start_loc": 4, "seq_lens": 3,
-        "block_tables": 9, "logits_indices": 2, "fills": 2,
+        "block_tables": 9, "logits_indices": 2, "fills": 2, "prompt_rows": 2,
+        "prompt_targets": 2,
     }  # fmt: skip
     assert all(at % ALIGN == 0 for _, at, _ in placed) and total % ALIGN == 0
 

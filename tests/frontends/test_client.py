@@ -215,3 +215,15 @@ async def test_demo_load_keeps_requests_going(server: EngineServer,
     with pytest.raises(asyncio.CancelledError):
         await task
     await all_blocks_free(engine)
+
+
+async def test_prompt_logprobs_on_the_last_chunk(server: EngineServer) -> None:
+    async with AsyncClient(server.url) as client:
+        chunks = [c async for c in client.generate("Paris is the capital", max_tokens=2,
+                                                  prompt_logprobs=1)]
+    *deltas, last = chunks
+    assert all(c.prompt_logprobs is None for c in deltas)
+    assert last.prompt_logprobs is not None and last.prompt_logprobs[0] is None
+    assert last.usage is not None and len(last.prompt_logprobs) == last.usage.prompt_tokens
+    assert all(1 <= len(e) <= 2 and all(lp.rank >= 1 for lp in e.values())
+               for e in last.prompt_logprobs[1:] if e is not None)  # fmt: skip

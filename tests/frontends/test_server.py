@@ -451,3 +451,34 @@ def test_sigterm_drains_in_flight_requests_under_uvloop(llm_engine: Any) -> None
     assert chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 20
     assert llm_engine.pool.num_free_blocks == llm_engine.pool.num_blocks
+
+
+async def test_prompt_logprobs_come_with_done(server: EngineServer, model_dir: Any) -> None:
+    """`params.prompt_logprobs` scores the prompt; `done` carries it whole, equal to the
+    offline engine's; a request that does not ask gets no such field; a bad k is an error
+    naming its path."""
+    from .conftest import _offline_llm
+
+    prompt = "The quick brown fox"
+    [want] = _offline_llm(str(model_dir)).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+        use_tqdm=False)
+    async with connect(server.url) as ws:
+        await send(ws, {"type": "generate", "request_id": "lp", "prompt": prompt,
+                        "params": {"temperature": 0, "max_tokens": 2, "prompt_logprobs": 2}})
+        _, _, done = await collect(ws, "lp")
+        got = done["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(want.prompt_token_ids)
+        for tid, entry, ref in zip(want.prompt_token_ids[1:], got[1:], want.prompt_logprobs[1:],
+                                   strict=True):  # fmt: skip
+            assert {int(t) for t in entry} == set(ref)
+            assert entry[str(tid)]["logprob"] == pytest.approx(ref[tid].logprob, abs=1e-6)
+            assert entry[str(tid)]["rank"] == ref[tid].rank
+            assert entry[str(tid)]["decoded_token"] == ref[tid].decoded_token
+        await send(ws, {"type": "generate", "request_id": "plain", "prompt": prompt,
+                        "params": {"max_tokens": 2}})
+        assert "prompt_logprobs" not in (await collect(ws, "plain"))[2]
+        await send(ws, {"type": "generate", "request_id": "bad", "prompt": prompt,
+                        "params": {"prompt_logprobs": 21}})
+        err = await recv(ws)
+        assert err["type"] == "error" and "$.params.prompt_logprobs" in err["message"]
