@@ -40,7 +40,7 @@ from asyncengine.stats_collect import (
     device_stats,
     kv_dtype_name,
 )
-from asyncengine.stats_schema import EngineStats, RequestStats
+from asyncengine.stats_schema import EngineStats, RequestStats, SpecDecodeStats
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -674,7 +674,21 @@ class LLMEngine:
             num_requests_aborted=self.num_aborted,
             requests=reqs,
             device=device_stats(self.device.type, self.device.index or 0),
+            spec_decode=self._spec_stats(),
             model=self.model_name,
+        )
+
+    def _spec_stats(self) -> SpecDecodeStats | None:
+        if self.spec_decoder is None:
+            return None
+        m = self.spec_decoder.metrics
+        return SpecDecodeStats(
+            num_drafts=m.num_drafts,
+            num_draft_tokens=m.num_draft_tokens,
+            num_accepted_tokens=m.num_accepted_tokens,
+            accepted_per_pos=list(m.accepted_per_pos),
+            acceptance_rate=m.acceptance_rate,
+            mean_acceptance_length=m.mean_acceptance_length,
         )
 
 
