@@ -100,6 +100,10 @@ elif [ "$phase" = longmix ]; then  # issue #20 item 4: TTFT/ITL per chunked-pref
     --max-num-batched-tokens-sweep "${2:-2048,4096,8192,16384}" 2>>"$OUT/bench.log" \
     | tee "$OUT/longmix.part" | grep '^{' | cut -c1-300
   cat "$OUT/longmix.part" >> "$OUT/longmix.txt"; grep '^{' "$OUT/longmix.part" >> "$OUT/serving.jsonl"
+elif [ "$phase" = spec ]; then  # speculative decoding: verify step k = 1..8, latency at
+  # acceptance 0 / 0.5 / 0.7 / 0.9, throughput by batch (7B shape, dummy weights)
+  python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
+    | tee "$OUT/spec_decode.jsonl"
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
