@@ -246,6 +246,17 @@ class BlockPool:
         child.num_computed_tokens = num_tokens
         child.num_hashed_blocks = min(parent.num_hashed_blocks, num_tokens // self.block_size)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those holding its first `num_tokens` tokens (the
+        slots of rejected drafts). They were reserved in the step just verified: their own,
+        never shared, never hashed."""
+        keep = self.blocks_needed(num_tokens)
+        table = request.block_table
+        for block in reversed(table[keep:]):
+            self._unref(block)
+        del table[keep:]
+        request.num_hashed_blocks = min(request.num_hashed_blocks, keep)
+
     def free(self, request: Request) -> None:
         # Tail blocks go to the LRU first, so a prefix's head outlives its tail.
         for block in reversed(request.block_table):

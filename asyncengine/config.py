@@ -55,6 +55,10 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
+    # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
+    # a, "prompt_lookup_max": b} or {"model": draft_dir, "num_speculative_tokens": k}
+    # (see asyncengine.spec_decode.config).
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,11 +101,29 @@ class EngineArgs:
             fail("kv_cache_dtype", "must be one of auto, fp8, fp8_e4m3")
         if self.calculate_kv_scales not in (None, True, False):
             fail("calculate_kv_scales", "must be true, false or unset")
+        if self.speculative_config is not None:
+            self._validate_speculative_config()
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             fail(
                 "calculate_kv_scales",
                 "needs kv_cache_dtype fp8 or fp8_e4m3 (a 16-bit KV cache has no scales)",
             )
+
+    def _validate_speculative_config(self) -> None:
+        from asyncengine.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_dict(self.speculative_config)  # type: ignore[arg-type]
+        if spec.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative_config.model (a draft model) is not served with "
+                    f"tensor_parallel_size > 1, got {self.tensor_parallel_size}"
+                )
+            if self.preemption_mode == "swap":
+                raise ValueError(
+                    "speculative_config.model (a draft model) is not served with "
+                    "preemption_mode 'swap'; use 'recompute'"
+                )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

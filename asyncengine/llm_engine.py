@@ -41,7 +41,7 @@ from asyncengine.stats_collect import (
     device_stats,
     kv_dtype_name,
 )
-from asyncengine.stats_schema import EngineStats, RequestStats
+from asyncengine.stats_schema import EngineStats, RequestStats, SpecDecodeStats
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -114,6 +114,10 @@ class LLMEngine:
             load_format=args.load_format,
             seed=args.seed,
         )
+        wanted = args.async_scheduling
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        self.async_scheduling = wanted
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
@@ -146,6 +150,13 @@ class LLMEngine:
             preemption_mode=args.preemption_mode,
             swap_space=swap,
         )
+        self.spec_decoder = None
+        if args.speculative_config is not None:
+            from asyncengine.spec_decode import build_spec_decoder
+
+            self.spec_decoder = build_spec_decoder(
+                args.speculative_config, self.pool, self.max_model_len, self.async_scheduling
+            )
         self.request_limits = RequestLimits(
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -165,10 +176,6 @@ class LLMEngine:
         self.step_timing = {
             "schedule_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "postprocess_s": 0.0, "steps": 0
         }
-        wanted = args.async_scheduling
-        if wanted is None:
-            wanted = self.device.type == "cuda"
-        self.async_scheduling = wanted
         self._inflight: InflightStep | None = None
         self.is_shut_down = False
         logger.info(
@@ -408,6 +415,8 @@ class LLMEngine:
             outputs += self._resolve(prev)
             prev = None
         t0 = time.perf_counter()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = self._launch(sched, prev) if not sched.is_empty else None
@@ -426,7 +435,10 @@ class LLMEngine:
 
     def _can_overlap(self, step: InflightStep) -> bool:
         """Whether the next step may be scheduled before `step`'s tokens reach the host:
-        not while a request in it needs its exact output history to sample."""
+        not while a request in it needs its exact output history to sample, nor while one may
+        speculate next (its drafts continue its known tokens)."""
+        if self.spec_decoder is not None and self.spec_decoder.wants_sync(step.requests):
+            return False
         return not any(r.sampling_needs_history for r in step.requests if not r.is_finished)
 
     def _launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
@@ -469,10 +481,16 @@ class LLMEngine:
                 self.pool.cache_full_blocks(req)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(*result.prompt_logprobs)
+        for req in step.requests:
+            req.num_pending_tokens -= 1
+        if result.spec and self.spec_decoder is not None:
+            # Before the kept tokens are appended: the rejected drafts' slots are rolled back.
+            self.spec_decoder.on_verified(result.spec)
         touched: dict[int, list[Request]] = {}  # request -> its sequences with a new token
         generated = 0
+        # A verify step lists a request once per kept token, in order; tokens after one that
+        # finishes the request are dropped, as later steps would never have run.
         for i, (req, token) in enumerate(zip(result.requests, result.token_ids, strict=True)):
-            req.num_pending_tokens -= 1
             if req.is_finished:  # aborted while its step was in flight
                 continue
             generated += 1
@@ -484,7 +502,9 @@ class LLMEngine:
                 logger.exception("postprocessing failed for request %s", req.request_id)
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
-            touched.setdefault(id(req.siblings[0]), []).append(req)
+            seqs = touched.setdefault(id(req.siblings[0]), [])
+            if req not in seqs:
+                seqs.append(req)
         outputs: list[RequestOutput] = []
         for seqs in touched.values():
             out = self._make_output(seqs)
@@ -679,7 +699,21 @@ class LLMEngine:
             num_requests_aborted=self.num_aborted,
             requests=reqs,
             device=device_stats(self.device.type, self.device.index or 0),
+            spec_decode=self._spec_stats(),
             model=self.model_name,
+        )
+
+    def _spec_stats(self) -> SpecDecodeStats | None:
+        if self.spec_decoder is None:
+            return None
+        m = self.spec_decoder.metrics
+        return SpecDecodeStats(
+            num_drafts=m.num_drafts,
+            num_draft_tokens=m.num_draft_tokens,
+            num_accepted_tokens=m.num_accepted_tokens,
+            accepted_per_pos=list(m.accepted_per_pos),
+            acceptance_rate=m.acceptance_rate,
+            mean_acceptance_length=m.mean_acceptance_length,
         )
 
 

@@ -46,6 +46,7 @@ from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_d
 
 if TYPE_CHECKING:
     from asyncengine.cuda_graphs import DecodeGraphs, PrefillGraphs
+    from asyncengine.spec_decode.verify import SpecVerdict
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class StepResult:
     logprobs: list[dict[int, float]] | None
     # Prompt logprobs scored by the step (host tensors) and the rows' plan, when any.
     prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None
+    # A verify step (speculative decoding): a request's kept tokens are consecutive entries
+    # above, and its verdict (`spec_decode.verify.SpecVerdict`) says how many drafts it kept.
+    spec: list[SpecVerdict] | None = None
 
 
 class InflightStep:
@@ -425,12 +429,16 @@ class ModelRunner:
                 input_ids[lo] = 0
                 fill_dst.append(lo)
                 fill_src.append(prev.rows[id(req)])
+            elif s.num_spec_tokens:  # the last known token, then the drafts to verify
+                input_ids[lo : lo + n] = req.all_token_ids[start:] + req.spec_token_ids[
+                    : s.num_spec_tokens
+                ]
             elif n == 1:
                 input_ids[lo] = req.all_token_ids[start]
             else:
                 input_ids[lo : lo + n] = req.all_token_ids[start : start + n]
             if s.needs_logits:
-                logits_idx.append(lo + n - 1)
+                logits_idx.extend(range(lo + n - 1 - s.num_spec_tokens, lo + n))
                 sampling.append(req)
             if req.params.prompt_logprobs is not None and wants_prompt_logprobs(req):
                 prompt_plan = prompt_plan or PromptLogprobPlan()
@@ -574,6 +582,15 @@ class ModelRunner:
         if not reqs:
             return InflightStep([], None, None, scheduled, prompt)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        num_spec = [s.num_spec_tokens for s in sched.scheduled if s.needs_logits]
+        if any(num_spec):
+            from asyncengine.spec_decode.verify import launch_verify
+
+            return launch_verify(
+                self.sampler, logits, reqs, num_spec, scheduled,
+                eos_token_ids=self.eos_token_ids, vocab_size=self.cfg.vocab_size,
+                prompt_logprobs=prompt,
+            )  # fmt: skip
         if all(_plain_greedy(r) for r in reqs):
             # Nothing to filter or penalize: skip building the sampler's per-row tensors.
             return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled, prompt)

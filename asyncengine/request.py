@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncengine.detokenizer import IncrementalDetokenizer
+    from asyncengine.spec_decode.decoder import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +81,10 @@ class Request:
     # Parallel sampling: which of the request's n samples this is, and the group it is in.
     index: int = 0
     parent: ParentRequest | None = field(default=None, repr=False)
+    # Speculative decoding: drafts for the next step (not tokens of the request until the
+    # target keeps them) and the proposer's adaptive state for this request.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: SpecState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -30,13 +30,15 @@ from asyncengine.request import ParentRequest, Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # Of num_new_tokens, the drafts (speculative decoding) after the last known token.
+    num_spec_tokens: int = 0
 
     @property
     def needs_logits(self) -> bool:
         """True when this chunk reaches the last known token, so a new token is sampled."""
         req = self.request
         known = req.num_tokens + req.num_pending_tokens
-        return req.num_computed_tokens + self.num_new_tokens == known
+        return req.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == known
 
 
 @dataclass
@@ -191,7 +193,10 @@ class Scheduler:
                 # Its last token is in flight: it ends when that step is resolved.
                 i += 1
                 continue
-            num_new = min(req.num_tokens_to_compute, budget)
+            # A speculating request verifies its drafts too (they are cut to fit the budget).
+            num_new = min(req.num_tokens_to_compute + len(req.spec_token_ids), budget)
+            num_spec = max(0, num_new - req.num_tokens_to_compute)
+            del req.spec_token_ids[num_spec:]
             while True:
                 copies = self.pool.allocate_slots(req, num_new)
                 if copies is not None:
@@ -204,7 +209,7 @@ class Scheduler:
                 # It was preempted itself (with its group): the next one moved to index i.
                 continue
             out.blocks_to_copy += copies
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new, num_spec))
             budget -= num_new
             i += 1
 
@@ -292,6 +297,7 @@ class Scheduler:
     def _preempt(self, victims: list[Request], out: SchedulerOutput) -> None:
         for req in victims:
             self.running.remove(req)
+            req.spec_token_ids = []
             self.num_preemptions += 1
             req.metrics.num_preemptions += 1
             out.preempted.append(req)

@@ -121,6 +121,17 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        # Speculative decoding, vLLM's spec_decode_* counters (acceptance rate and mean
+        # acceptance length derive from them).
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Verify steps of requests with drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            f"{p}_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"], registry=reg)
         self._success = Counter(f"{p}_request_success", "Requests that ended, by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         # Engine counters arrive as running totals; remember the last one to add the delta.
@@ -161,6 +172,14 @@ class PrometheusStatLogger(StatLoggerBase):
         self._add_delta("preemptions", stats.num_preemptions, self.preemptions)
         self._add_delta("prefix_queries", stats.prefix_cache_queries, self.prefix_queries)
         self._add_delta("prefix_hits", stats.prefix_cache_hits, self.prefix_hits)
+        spec = stats.spec_decode
+        if spec is not None:
+            self._add_delta("spec_drafts", spec.num_drafts, self.spec_drafts)
+            self._add_delta("spec_draft_tokens", spec.num_draft_tokens, self.spec_draft_tokens)
+            self._add_delta("spec_accepted", spec.num_accepted_tokens, self.spec_accepted_tokens)
+            for pos, total in enumerate(spec.accepted_per_pos):
+                self._add_delta(f"spec_pos_{pos}", total,
+                                self.spec_accepted_per_pos.labels(self.model_name, str(pos)))
 
     def _add_delta(self, key: str, total: int, counter: Counter) -> None:
         last = self._last_totals.get(key, 0)

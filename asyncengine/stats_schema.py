@@ -55,6 +55,18 @@ class LatencySummary(msgspec.Struct, kw_only=True):
     count: int = 0
 
 
+class SpecDecodeStats(msgspec.Struct, kw_only=True):
+    """Speculative decoding counters since start (vLLM's): verify steps of a request that
+    carried drafts, the drafted tokens, the accepted ones, and accepted by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    acceptance_rate: float = 0.0  # accepted / drafted tokens
+    mean_acceptance_length: float = 0.0  # tokens per verify step: 1 + accepted / drafts
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """A snapshot of the engine, taken between steps."""
 
@@ -86,5 +98,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     itl: LatencySummary = msgspec.field(default_factory=LatencySummary)
     requests: list[RequestStats] = msgspec.field(default_factory=list)
     device: DeviceStats = msgspec.field(default_factory=DeviceStats)
+    # Present when the engine speculates (`speculative_config`).
+    spec_decode: SpecDecodeStats | None = None
     model: str = ""
     healthy: bool = True

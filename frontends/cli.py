@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import sys
 import traceback
@@ -32,6 +33,8 @@ _ENGINE_HELP = {
     "model": "model directory or GGUF file; omitted: the embedded SmolLM2-135M-Instruct",
     "tokenizer": "tokenizer directory (default: the model's)",
     "device": "where the model runs",
+    "speculative_config": "speculative decoding as a JSON object, vLLM's spelling: "
+    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'",
     "dtype": "weight and activation dtype",
     "seed": "random seed for weights (dummy) and sampling",
     "max_model_len": "longest prompt + output, in tokens (default: the model's limit)",
@@ -75,6 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             inner = args[0]
             if typing.get_origin(inner) is typing.Literal:
                 kwargs["choices"] = list(typing.get_args(inner))
+            elif inner is dict:
+                kwargs["type"] = _json_object
             else:
                 kwargs["type"] = inner
         else:
@@ -82,6 +87,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if "help" in kwargs and field.default is not None and hint is not bool:
             kwargs["help"] += f" (default: {field.default})"
         group.add_argument(flag, **kwargs)
+
+
+def _json_object(value: str) -> dict:
+    """A flag given as a JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {value!r}") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

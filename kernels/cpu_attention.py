@@ -53,6 +53,10 @@ class _Rotary:
     sin: torch.Tensor
 
 
+# Chunks over a cached prefix of at most this many tokens attend row by row, as decodes.
+SHORT_CHUNK_AS_ROWS = 16
+
+
 class CpuStepIndex:
     """What every layer of one step needs from the attention metadata, derived once."""
 
@@ -96,20 +100,31 @@ class CpuStepIndex:
             if max_len > 0:
                 self.decode_rows = (block_tables.to(torch.int64), lens, max_len)
             return
-        qsl = query_start_loc.to(torch.int64)
-        q_lens = qsl[1:] - qsl[:-1]
-        decode_idx = torch.nonzero(q_lens == 1).flatten()
-        if decode_idx.numel() > 0:
-            d_lens = lens[decode_idx]
-            max_len = int(d_lens.max())
-            if max_len > 0:
-                self.decode_tokens = qsl[decode_idx]
-                self.decode_rows = (block_tables[decode_idx].to(torch.int64), d_lens, max_len)
-        starts, lens_host = qsl.tolist(), lens.tolist()
+        starts, lens_host = query_start_loc.tolist(), lens.tolist()
+        # Single tokens, and each token of a short chunk over a cached prefix (a speculative
+        # verify step's last token and drafts), attend as decode rows: row i of a chunk sees
+        # the context up to itself, which is causal attention without a mask or a gather.
+        row_tokens: list[int] = []
+        row_seqs: list[int] = []
+        row_lens: list[int] = []
         for b in range(num_seqs):
             start, q_len, seq_len = starts[b], starts[b + 1] - starts[b], lens_host[b]
-            if q_len > 1 and seq_len > 0:
+            if seq_len <= 0 or q_len < 1:
+                continue
+            if q_len == 1 or (q_len <= SHORT_CHUNK_AS_ROWS and q_len < seq_len):
+                row_tokens.extend(range(start, start + q_len))
+                row_seqs.extend([b] * q_len)
+                row_lens.extend(range(seq_len - q_len + 1, seq_len + 1))
+            else:
                 self.chunks.append((b, start, q_len, seq_len, q_len == seq_len))
+        if row_tokens:
+            seqs = torch.tensor(row_seqs, dtype=torch.int64)
+            self.decode_tokens = torch.tensor(row_tokens, dtype=torch.int64)
+            self.decode_rows = (
+                block_tables.index_select(0, seqs).to(torch.int64),
+                torch.tensor(row_lens, dtype=torch.int64),
+                max(row_lens),
+            )
 
     @property
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -113,6 +113,10 @@ elif [ "$phase" = router ]; then  # issue #32 item 5: does cache-aware routing p
     --system-prompts 8 --system-len 1500 --user-len 60 --max-tokens 128 --concurrency 32 \
     2>>"$OUT/bench.log" | tee "$OUT/router.txt" | cut -c1-300
   grep '^{' "$OUT/router.txt" >> "$OUT/serving.jsonl" || true
+elif [ "$phase" = spec ]; then  # speculative decoding: verify step k = 1..8, latency at
+  # acceptance 0 / 0.5 / 0.7 / 0.9, throughput by batch (7B shape, dummy weights)
+  python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
+    | tee "$OUT/spec_decode.jsonl"
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4

@@ -250,6 +250,11 @@ class KVCachePanel(Panel):
         events.append(
             f"{fmt_count(stats.num_swaps_out)}/{fmt_count(stats.num_swaps_in)}", style="bold"
         )
+        spec = stats.spec_decode
+        if spec is not None:
+            events.append("   spec accepted ", style="dim")
+            events.append(f"{spec.acceptance_rate:.0%}", style="bold #3fb950")
+            events.append(f" (mean length {spec.mean_acceptance_length:.2f})", style="dim")
         self.query_one("#kv-events", Label).update(events)
 
 

@@ -1,0 +1,48 @@
+"""Speculative decoding: proposers draft k tokens, the target verifies them in one forward.
+
+- `config`: `speculative_config` (vLLM's spelling) and its checks.
+- `ngram`: prompt-lookup drafts from the request's own tokens.
+- `rejection_sampler`: greedy and sampled verification, exact in distribution.
+- `verify`: the verify step on the device and its host-side verdicts.
+- `decoder`: the engine's coordinator: proposing, rollback of rejected slots, adaptivity.
+- `metrics`: drafts, draft tokens and accepted tokens (vLLM's counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from asyncengine.block_pool import BlockPool
+from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.spec_decode.decoder import Proposer, SpecDecoder
+from asyncengine.spec_decode.metrics import SpecDecodingMetrics
+from asyncengine.spec_decode.ngram import NgramProposer
+
+__all__ = [
+    "NgramProposer",
+    "Proposer",
+    "SpecDecoder",
+    "SpecDecodingMetrics",
+    "SpeculativeConfig",
+    "build_spec_decoder",
+]
+
+
+def build_spec_decoder(
+    raw: Mapping[str, Any] | SpeculativeConfig,
+    pool: BlockPool,
+    max_model_len: int,
+    async_scheduling: bool,
+    proposer: Proposer | None = None,
+) -> SpecDecoder:
+    """The coordinator for an engine's `speculative_config` (`proposer` overrides the one
+    the config names: benchmarks and tests plug in their own)."""
+    config = SpeculativeConfig.from_dict(raw)
+    if proposer is None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method {config.method!r} needs its proposer")
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SpecDecoder(
+        config, proposer, pool, max_model_len, count_empty_proposals=async_scheduling
+    )

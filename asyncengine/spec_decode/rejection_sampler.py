@@ -1,0 +1,97 @@
+"""Verification of drafted tokens against the target's distribution (Leviathan et al. 2023).
+
+Each speculating request brings k drafts and gets k + 1 rows of target logits: row j is the
+target's next-token distribution after the drafts before it. Row j decides draft j + 1:
+
+- greedy rows accept it iff it is the target's argmax (with penalties over the output and the
+  drafts before it), and emit that argmax either way;
+- sampled rows accept it with probability min(1, p(d) / q(d)) and on rejection emit a token
+  drawn from the normalized residual max(0, p - q). A draft that is a point mass (n-gram
+  drafts, greedy draft models: `draft_probs=None`) accepts with probability p(d) and
+  recovers from p with d removed. The emitted tokens then follow p exactly.
+
+The last row of a request (no draft left) emits an ordinary sample from p, taken by the
+engine's `Sampler` so it reads the same random stream as a step without speculation would.
+Everything stays on the device; p is the sampler's own distribution (min_tokens ban,
+penalties, temperature, top-k / top-p / min-p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncengine.sampler import SamplingMetadata, apply_penalties, exponential_noise
+from kernels.sampling import apply_top_k_top_p_min_p_ref
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 [R, V]: the distribution the sampler draws a random row's token from."""
+    x = logits.to(torch.float32, copy=True)
+    if meta.has_min_tokens_ban:
+        x.view(-1).index_fill_(0, meta.min_tokens_ban, float("-inf"))
+    if not meta.no_penalties:
+        x = apply_penalties(x, meta)
+    x = x / meta.temperature.unsqueeze(1)
+    x = apply_top_k_top_p_min_p_ref(x, meta.top_k, meta.top_p, meta.min_p)
+    return x.softmax(dim=-1)
+
+
+def accept_or_recover(
+    probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    uniform: torch.Tensor,
+    exp_noise: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(emitted ids [N], accepted [N]) for N rows, each with target probs `probs[i]` and a
+    draft `draft_ids[i]` drawn from `draft_probs[i]` (None: a point mass on the draft).
+
+    `uniform` holds U[0, 1) draws, `exp_noise` Exponential(1) draws [N, V] for sampling the
+    residual by the exponential race (argmax of weight / noise)."""
+    d = draft_ids.unsqueeze(1)
+    p_d = probs.gather(1, d).squeeze(1)
+    if draft_probs is None:
+        accept_prob = p_d
+        residual = probs.scatter(1, d, 0.0)
+    else:
+        q_d = draft_probs.gather(1, d).squeeze(1)
+        accept_prob = torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), torch.ones_like(p_d))
+        residual = (probs - draft_probs).clamp_min(0.0)
+    accepted = uniform < accept_prob
+    recovered = (residual / exp_noise).argmax(dim=-1)
+    return torch.where(accepted, draft_ids, recovered), accepted
+
+
+def verify_rows(
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    sampled: torch.Tensor,
+    draft_ids: list[int],
+    random_rows: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(emitted ids [R], accepted [R]) for every row of a verify step.
+
+    `sampled` is the sampler's token for each row (argmax for greedy rows), `draft_ids[r]`
+    the draft row r decides (-1: none, the row emits `sampled`), `random_rows[r]` whether the
+    row samples (else greedy)."""
+    device = logits.device
+    drafts = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+    accepted = sampled == drafts  # greedy rows; rows without a draft are never read
+    out = sampled
+    rows = [r for r, (d, rand) in enumerate(zip(draft_ids, random_rows, strict=True))
+            if d >= 0 and rand]  # fmt: skip
+    if not rows:
+        return out, accepted
+    idx = torch.tensor(rows, dtype=torch.int64, device=device)
+    # The whole step's distributions, then the rows that decide a sampled draft: subsetting
+    # the metadata (flat min_tokens ban indices, per-row generators) is not worth its risk.
+    probs = target_probs(logits, meta).index_select(0, idx)
+    generators = {rows.index(r): g for r, g in meta.generators.items() if r in rows}
+    uniform = torch.empty(len(rows), dtype=torch.float32, device=device)
+    if len(generators) < len(rows):
+        uniform.uniform_()
+    for i, gen in generators.items():
+        uniform[i : i + 1].uniform_(generator=gen)
+    noise = exponential_noise(tuple(probs.shape), generators, device)
+    emitted, ok = accept_or_recover(probs, drafts.index_select(0, idx), uniform, noise)
+    return out.index_copy(0, idx, emitted), accepted.index_copy(0, idx, ok)

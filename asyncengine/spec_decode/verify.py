@@ -1,0 +1,144 @@
+"""The verify step: the target's logits at the k + 1 positions of each speculating request
+turned into the tokens it keeps, and the host's view of them.
+
+`launch_verify` runs after the model runner's forward (which computed logits at every
+position a speculating request needs) and enqueues sampling and verification on the device.
+`VerifyStep.result()` copies the emitted ids and the accept flags once and flattens them:
+each request's kept tokens follow one another in `StepResult.requests`/`token_ids`, so the
+engine appends them one by one and its stop checks (EOS, stop ids, stop strings,
+max_tokens) cut a run short exactly where a step at a time would have stopped. The per-request
+verdicts (`StepResult.spec`) tell the engine how many drafts were accepted: the one place
+that knows, for rollback, metrics and anything that must advance only over kept tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine.model_runner import InflightStep, StepResult, _logprob_dicts
+from asyncengine.prompt_logprobs import PromptLogprobPlan, ScoredRows
+from asyncengine.request import Request
+from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs
+from asyncengine.spec_decode.rejection_sampler import verify_rows
+
+
+@dataclass(frozen=True)
+class SpecVerdict:
+    """One speculating request's outcome in a verify step."""
+
+    request: Request
+    num_draft_tokens: int
+    num_accepted_tokens: int  # leading drafts kept; one more token (recovered/bonus) follows
+
+
+class VerifyStep(InflightStep):
+    """A launched step with speculating requests. Its ids never feed a next step on the
+    device (the engine resolves it before scheduling again), so `token_ids` stays None."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        num_spec: list[int],
+        packed: torch.Tensor,
+        logprobs: tuple[torch.Tensor, torch.Tensor] | None,
+        scheduled: list[Request],
+        prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None,
+    ) -> None:
+        super().__init__(requests, packed, logprobs, scheduled, prompt_logprobs)
+        self.token_ids = None
+        self.rows = {}
+        self.num_spec = num_spec
+
+    def result(self) -> StepResult:
+        if self._result is not None:
+            return self._result
+        if self._done is not None:
+            with self.guard():
+                self._done.synchronize()
+        assert self._host_ids is not None
+        ids, accepted = self._host_ids.tolist()
+        row_reqs = [r for r, k in zip(self.requests, self.num_spec, strict=True)
+                    for _ in range(k + 1)]  # fmt: skip
+        lps = None
+        if self._host_logprobs is not None:
+            lps = _logprob_dicts(*self._host_logprobs, row_reqs)
+        flat_reqs: list[Request] = []
+        flat_ids: list[int] = []
+        flat_lps: list[dict[int, float]] | None = [] if lps is not None else None
+        verdicts: list[SpecVerdict] = []
+        row = 0
+        for req, k in zip(self.requests, self.num_spec, strict=True):
+            a = 0
+            while a < k and accepted[row + a]:
+                a += 1
+            for j in range(row, row + a + 1):
+                flat_reqs.append(req)
+                flat_ids.append(ids[j])
+                if flat_lps is not None and lps is not None:
+                    flat_lps.append(lps[j])
+            if k:
+                verdicts.append(SpecVerdict(req, k, a))
+            row += k + 1
+        self._result = StepResult(flat_reqs, flat_ids, flat_lps, self._prompt_logprobs,
+                                  spec=verdicts)
+        return self._result
+
+
+def _all_plain_greedy(reqs: Iterable[Request]) -> bool:
+    return all(
+        r.params.is_greedy and r.params.logprobs is None and not r.sampling_needs_history
+        for r in reqs
+    )
+
+
+def launch_verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    num_spec: Sequence[int],
+    scheduled: list[Request],
+    *,
+    eos_token_ids: set[int],
+    vocab_size: int,
+    prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None,
+) -> VerifyStep:
+    """Sample and verify on the device: `logits` has `num_spec[i] + 1` rows for request i,
+    in order (a request without drafts has one row and samples as usual). `prompt_logprobs`:
+    what the same step scored for other requests' prompts, handed back with the result."""
+    reqs = list(requests)
+    spec = list(num_spec)
+    row_params, row_prompts, row_outputs, row_gens = [], [], [], []
+    draft_ids: list[int] = []
+    random_rows: list[bool] = []
+    for req, k in zip(reqs, spec, strict=True):
+        drafts = req.spec_token_ids[:k]
+        for j in range(k + 1):
+            row_params.append(req.params)
+            row_prompts.append(req.prompt_token_ids)
+            # Penalties and the min_tokens ban of row j see the drafts before it.
+            row_outputs.append(req.output_token_ids + drafts[:j] if j else req.output_token_ids)
+            row_gens.append(req.generator)
+            draft_ids.append(drafts[j] if j < k else -1)
+            random_rows.append(not req.params.is_greedy)
+    device = logits.device
+    if _all_plain_greedy(reqs):
+        sampled = logits.argmax(dim=-1)
+        drafts_t = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+        packed = torch.stack([sampled, (sampled == drafts_t).to(torch.int64)])
+        return VerifyStep(reqs, spec, packed, None, scheduled, prompt_logprobs)
+    meta = SamplingMetadata.build(
+        row_params, row_prompts, row_outputs, row_gens, eos_token_ids, vocab_size, device
+    )
+    num_top = meta.max_num_logprobs
+    meta.max_num_logprobs = None  # logprobs are of the emitted tokens, gathered below
+    sampled = sampler(logits, meta).sampled_token_ids
+    out, accepted = verify_rows(logits, meta, sampled, draft_ids, random_rows)
+    logprobs = None
+    if num_top is not None:
+        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        logprobs = gather_logprobs(raw, out, num_top)
+    packed = torch.stack([out, accepted.to(torch.int64)])
+    return VerifyStep(reqs, spec, packed, logprobs, scheduled, prompt_logprobs)

@@ -1,0 +1,217 @@
+"""Speculative decoding, measured: acceptance and speedup on real weights (CPU), and the
+verify step's mechanics on the 7B shape (GPU).
+
+    # CPU, the embedded SmolLM2, n-gram drafts: an editing workload and open chat, each run
+    # one request at a time with and without speculation (same requests, same run)
+    python -m scripts.bench_spec_decode cpu
+
+    # GPU, Llama-2-7B shape with dummy weights: verify-step cost for k = 1..8 against a
+    # one-token step, ms per generated token at acceptance 0 / 0.5 / 0.7 / 0.9 (a replay
+    # proposer drafting the target's own greedy output with controlled errors), and
+    # throughput with and without speculation as the batch grows (W1-like decode)
+    python -m scripts.bench_spec_decode gpu --shape llama2-7b
+
+Each line of output is one JSON record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.request import Request
+from asyncengine.spec_decode.metrics import SpecDecodingMetrics
+from asyncengine.spec_decode.replay import ReplayProposer
+from scripts.bench_common import emit
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+
+PARAGRAPH = (
+    "The city council met on Tuesday evening to discuss the new budget. After a long debate, "
+    "the members agreed to increase funding for public libraries and to repair the old bridge "
+    "over the river. The mayor thanked the residents who attended the meeting and promised "
+    "that the next session would focus on transport and housing."
+)
+CODE = '''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+'''
+EDITS = [
+    f"Rewrite this paragraph exactly, but replace 'Tuesday' with 'Wednesday':\n\n{PARAGRAPH}",
+    f"Give this text back unchanged except change 'old bridge' to 'stone bridge':\n\n{PARAGRAPH}",
+    f"Return this Python code with the function `mean` renamed to `average` everywhere:\n\n{CODE}",
+    f"Add a docstring to `variance` and return the whole file:\n\n{CODE}",
+]
+CHAT = [
+    "What are three good habits for staying healthy?",
+    "Write a short poem about the sea.",
+    "Explain what a neural network is to a child.",
+    "Give me some tips for learning a new language.",
+]
+
+
+def run_cpu(args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    engines = {"off": LLM(device="cpu"), "ngram": LLM(device="cpu", speculative_config=NGRAM)}
+    for workload, prompts in (("edit", EDITS), ("chat", CHAT)):
+        msgs = [[{"role": "user", "content": p}] for p in prompts]
+        # Alternating engines request by request, so load on a shared machine hits both alike.
+        secs = dict.fromkeys(engines, 0.0)
+        outs: dict[str, list] = {name: [] for name in engines}
+        for llm in engines.values():
+            llm.chat(msgs[0], params, use_tqdm=False)  # warm-up
+            if llm.llm_engine.spec_decoder is not None:
+                llm.llm_engine.spec_decoder.metrics = SpecDecodingMetrics(4)
+        for m in msgs:
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                outs[name].append(llm.chat(m, params, use_tqdm=False)[0].outputs[0])
+                secs[name] += time.perf_counter() - t0
+        results: dict[str, Any] = {}
+        for name, llm in engines.items():
+            tokens = sum(len(o.token_ids) for o in outs[name])
+            rec: dict[str, Any] = {"seconds": round(secs[name], 2), "tokens": tokens,
+                                   "tokens_per_s": round(tokens / secs[name], 1)}  # fmt: skip
+            dec = llm.llm_engine.spec_decoder
+            if dec is not None:
+                rec["acceptance_rate"] = round(dec.metrics.acceptance_rate, 3)
+                rec["mean_acceptance_length"] = round(dec.metrics.mean_acceptance_length, 2)
+                rec["verify_steps"] = dec.metrics.num_drafts
+            results[name] = (rec, [o.token_ids for o in outs[name]])
+        off, on = results["off"][0], results["ngram"][0]
+        emit({
+            "bench": "spec_decode_cpu", "workload": workload, "model": "SmolLM2-135M (embedded)",
+            "speculative_config": NGRAM, "requests": len(prompts), "off": off, "ngram": on,
+            "speedup": round(off["seconds"] / on["seconds"], 3),
+            "greedy_outputs_equal": results["off"][1] == results["ngram"][1],
+        })  # fmt: skip
+
+
+class FixedDrafts:
+    """Always `k` drafts (token 1): the verify step's cost, whatever is accepted."""
+
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        return [[1] * k for k in num_drafts]
+
+
+def _engine(args: argparse.Namespace, k: int | None, **extra: Any) -> LLM:
+    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k, **extra}
+    return LLM(args.model, load_format=args.load_format, device=args.device,
+               skip_tokenizer_init=True, speculative_config=spec,
+               max_num_seqs=args.max_batch, enforce_eager=args.enforce_eager)  # fmt: skip
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    if args.model is None:
+        from scripts.bench_common import dummy_model_dir
+
+        args.model, args.load_format = str(dummy_model_dir(args.shape)), "dummy"
+    vocab = args.vocab
+    prompt_len, out_len = args.prompt_len, args.max_tokens
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+
+    # 1. Verify-step cost: one request, k fixed drafts every step (nothing adaptive).
+    base = _engine(args, None)
+    vocab = base.llm_engine.model_config.vocab_size
+    p1 = _prompts(1, prompt_len, vocab)
+    _timed(base, p1, params)
+    secs, _ = _timed(base, p1, params)
+    one_token_ms = 1e3 * secs / out_len
+    emit({"bench": "spec_verify_step", "k": 0, "ms_per_step": round(one_token_ms, 3)})
+    reference = {tuple(p1[0]): base.generate(p1, params, use_tqdm=False)[0].outputs[0].token_ids}
+    base.llm_engine.shutdown()
+    for k in range(1, 9):
+        llm = _engine(args, k)
+        dec = llm.llm_engine.spec_decoder
+        dec.proposer = FixedDrafts()
+        dec._update = lambda req, n: None  # keep proposing: the cost of every verify step
+        _timed(llm, p1, params)
+        secs, _ = _timed(llm, p1, params)
+        steps = llm.llm_engine.step_timing["steps"] / 2
+        emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
+              "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3)})  # fmt: skip
+        llm.llm_engine.shutdown()
+
+    # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.
+    for k in (2, 4, 6):
+        llm = _engine(args, k)
+        dec = llm.llm_engine.spec_decoder
+        for acceptance in (0.0, 0.5, 0.7, 0.9):
+            dec.proposer = ReplayProposer(reference, acceptance, vocab, seed=1)
+            _timed(llm, p1, params)
+            secs, outs = _timed(llm, p1, params)
+            emit({"bench": "spec_latency", "k": k, "acceptance": acceptance,
+                  "ms_per_token": round(1e3 * secs / out_len, 3),
+                  "baseline_ms_per_token": round(one_token_ms, 3),
+                  "speedup": round(one_token_ms * out_len / 1e3 / secs, 3),
+                  "equal_to_reference": outs[0].outputs[0].token_ids == reference[tuple(p1[0])]})
+        llm.llm_engine.shutdown()
+
+    # 3. Under load: decode throughput as the batch grows, acceptance 0.7, k = 4.
+    for batch in args.batches:
+        ps = _prompts(batch, prompt_len, vocab, seed=batch)
+        base = _engine(args, None)
+        _timed(base, ps[:1], params)
+        secs_off, outs = _timed(base, ps, params)
+        refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(ps, outs, strict=True)}
+        base.llm_engine.shutdown()
+        llm = _engine(args, 4)
+        llm.llm_engine.spec_decoder.proposer = ReplayProposer(refs, 0.7, vocab, seed=2)
+        _timed(llm, ps[:1], params)
+        secs_on, _ = _timed(llm, ps, params)
+        k_used = llm.llm_engine.spec_decoder.config.num_drafts_for_batch(batch)
+        emit({"bench": "spec_throughput", "batch": batch, "k_used": k_used,
+              "tokens_per_s_off": round(batch * out_len / secs_off, 1),
+              "tokens_per_s_on": round(batch * out_len / secs_on, 1),
+              "ratio": round(secs_off / secs_on, 3)})  # fmt: skip
+        llm.llm_engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    cpu = sub.add_parser("cpu", help="n-gram on the embedded SmolLM2, CPU")
+    cpu.add_argument("--max-tokens", type=int, default=160)
+    gpu = sub.add_parser("gpu", help="verify-step mechanics on a dummy-weight shape")
+    gpu.add_argument("--shape", default="llama2-7b")
+    gpu.add_argument("--model", default=None, help="a model directory instead of --shape")
+    gpu.add_argument("--load-format", default="auto")
+    gpu.add_argument("--device", default="auto")
+    gpu.add_argument("--vocab", type=int, default=32000)
+    gpu.add_argument("--prompt-len", type=int, default=128)
+    gpu.add_argument("--max-tokens", type=int, default=256)
+    gpu.add_argument("--max-batch", type=int, default=256)
+    gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    gpu.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    run_cpu(args) if args.mode == "cpu" else run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()
