@@ -22,40 +22,71 @@ TOP_K = 3
 N = 900
 
 
-class RandomCandidates:
-    """Drafts drawn uniformly from a few likely tokens: some kept, some rejected."""
+class TopKCandidates:
+    """Each draft drawn uniformly from the target's own top-k at that point (the context
+    extended by the drafts before it): about a third of the drafts at each position are kept,
+    so kept and rejected drafts at both positions decide many samples. The drafts are drawn
+    apart from the engine's sampling, so any proposer must leave the distribution exact."""
 
-    def __init__(self, candidates: Sequence[int]) -> None:
-        self.candidates = list(candidates)
+    def __init__(self, top_k: dict[tuple[int, ...], list[int]]) -> None:
+        self.top_k = top_k
         self.rng = np.random.default_rng(0)
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
-        return [self.rng.choice(self.candidates, k).tolist() for k in num_drafts]
+        out = []
+        for req, k in zip(requests, num_drafts, strict=True):
+            ctx, drafts = tuple(req.all_token_ids), []
+            for _ in range(k):
+                choices = self.top_k.get(ctx)
+                if choices is None:
+                    break
+                drafts.append(int(self.rng.choice(choices)))
+                ctx = (*ctx, drafts[-1])
+            out.append(drafts)
+        return out
 
 
 @pytest.fixture(scope="module")
-def exact(tiny_llama_dir: Path) -> dict[tuple[int, int, int], float]:
+def target_top_k(tiny_llama_dir: Path) -> dict[tuple[int, ...], dict[int, float]]:
+    """The target's top-k tokens and their renormalized probabilities after the prompt and
+    after each of its top-k continuations of one and two tokens."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
 
-    def next_probs(ctx: list[int]) -> dict[int, float]:
+    def next_probs(ctx: tuple[int, ...]) -> dict[int, float]:
         with torch.inference_mode():
             logits = model(torch.tensor([ctx])).logits[0, -1]
         top = logits.topk(TOP_K)
         return dict(zip(top.indices.tolist(), top.values.softmax(0).tolist(), strict=True))
 
+    table = {}
+    frontier = [tuple(PROMPT)]
+    for _ in range(3):
+        nxt = []
+        for ctx in frontier:
+            table[ctx] = next_probs(ctx)
+            nxt += [(*ctx, t) for t in table[ctx]]
+        frontier = nxt
+    return table
+
+
+@pytest.fixture(scope="module")
+def exact(target_top_k: dict[tuple[int, ...], dict[int, float]]
+          ) -> dict[tuple[int, int, int], float]:  # fmt: skip
+    p0 = tuple(PROMPT)
     joint: dict[tuple[int, int, int], float] = {}
-    for t1, p1 in next_probs(PROMPT).items():
-        for t2, p2 in next_probs([*PROMPT, t1]).items():
-            for t3, p3 in next_probs([*PROMPT, t1, t2]).items():
+    for t1, p1 in target_top_k[p0].items():
+        for t2, p2 in target_top_k[(*p0, t1)].items():
+            for t3, p3 in target_top_k[(*p0, t1, t2)].items():
                 joint[t1, t2, t3] = p1 * p2 * p3
     return joint
 
 
 @pytest.mark.parametrize("speculate", [False, True])
 def test_sampled_tokens_follow_the_target(
-    tiny_llama_dir: Path, exact: dict[tuple[int, int, int], float], speculate: bool
+    tiny_llama_dir: Path, exact: dict[tuple[int, int, int], float],
+    target_top_k: dict[tuple[int, ...], dict[int, float]], speculate: bool,
 ) -> None:
     # A draft budget that keeps k = 2 for a batch of 128.
     config = {"method": "ngram", "num_speculative_tokens": 2, "max_draft_tokens_per_step": 512}
@@ -63,8 +94,7 @@ def test_sampled_tokens_follow_the_target(
               speculative_config=config if speculate else None)  # fmt: skip
     decoder = llm.llm_engine.spec_decoder
     if speculate:
-        tokens = sorted({t for key in exact for t in key})
-        decoder.proposer = RandomCandidates(tokens)
+        decoder.proposer = TopKCandidates({c: list(p) for c, p in target_top_k.items()})
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, ignore_eos=True)
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
