@@ -55,6 +55,10 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     # CPU only: cap on the KV pool when memory is not otherwise bounded.
     cpu_kv_cache_gib: float = 2.0
+    # Structured outputs: a request whose grammar takes longer than this to compile is
+    # refused; jump-forward appends the tokens a grammar forces without a step per token.
+    structured_outputs_compile_timeout: float = 30.0
+    structured_outputs_jump_forward: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +75,8 @@ class EngineArgs:
             fail("dtype", "must be one of auto, float32, float16, bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", "must be one of auto, cpu, cuda")
+        if not self.structured_outputs_compile_timeout > 0:
+            fail("structured_outputs_compile_timeout", "must be > 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             fail("block_size", "must be a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:

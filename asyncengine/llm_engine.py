@@ -18,7 +18,7 @@ import torch
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import InvalidRequestError, RequestError
 from asyncengine.kv_calibration import (
     KVScales,
     calibration_token_ids,
@@ -40,6 +40,7 @@ from asyncengine.stats_collect import (
     kv_dtype_name,
 )
 from asyncengine.stats_schema import EngineStats, RequestStats
+from asyncengine.structured_outputs.engine_side import StructuredOutputs
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -168,6 +169,11 @@ class LLMEngine:
             wanted = self.device.type == "cuda"
         self.async_scheduling = wanted
         self._inflight: InflightStep | None = None
+        self.structured = StructuredOutputs(
+            self.tokenizer, cfg.vocab_size, self.eos_token_ids,
+            compile_timeout_s=args.structured_outputs_compile_timeout,
+            jump_forward=args.structured_outputs_jump_forward,
+        )  # fmt: skip
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "max_model_len %d",
@@ -191,6 +197,7 @@ class LLMEngine:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        self.structured.shutdown()
 
     # ------------------------------------------------------------ set-up bits
     def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
@@ -319,6 +326,8 @@ class LLMEngine:
                 for i in range(params.n)]
         if len(seqs) > 1:
             ParentRequest.link(seqs)
+        if params.structured_outputs is not None and not self.structured.admit(seqs):
+            return  # waits for its grammar off the step loop; `step` queues it
         for seq in seqs:
             self.scheduler.add_request(seq)
 
@@ -360,6 +369,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if self.structured.waiting.remove(rid):
+                self.num_aborted += 1
+                continue
             seqs = self.scheduler.get_sequences(rid)
             for seq in seqs:
                 self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
@@ -367,10 +379,19 @@ class LLMEngine:
                 self.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._inflight is not None
+            or len(self.structured.waiting) > 0
+        )
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self.structured.waiting)
+
+    def take_rejected(self) -> list[tuple[str, float, RequestError]]:
+        """Requests refused after `add_request` returned (their grammar failed to compile
+        or took too long): (request id, arrival time, error), each reported once."""
+        return self.structured.take_rejected()
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -381,6 +402,9 @@ class LLMEngine:
         launches a step and waits for it.
         """
         outputs: list[RequestOutput] = []
+        for seqs in self.structured.ready_requests(idle=not self.scheduler.requests):
+            for seq in seqs:
+                self.scheduler.add_request(seq)
         prev = self._inflight
         if prev is not None and not self._can_overlap(prev):
             self._inflight = None
@@ -495,13 +519,16 @@ class LLMEngine:
         return StepError(ids, cause, arrivals)
 
     def _append_token(
-        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
+        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float,
+        *, jump: bool = True,
     ) -> None:
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
         req.append_token(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise RuntimeError(f"token {token} is outside the request's grammar")
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(token, 0.0)
@@ -523,6 +550,16 @@ class LLMEngine:
                 return
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
+        elif req.grammar is not None:
+            if req.grammar.is_terminated:  # complete, and nothing may follow
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif jump and req.logprobs is None:
+                # Jump-forward: tokens the grammar forces are appended without a step each
+                # (the next step computes them as one chunk).
+                for forced in self.structured.forced_tokens(req):
+                    self._append_token(req, forced, None, now, jump=False)
+                    if req.is_finished:
+                        break
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         detok = req.detokenizer

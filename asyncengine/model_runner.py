@@ -30,6 +30,7 @@ from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, pack, unpack
+from asyncengine.structured_outputs.masks import GrammarMasker
 from kernels.kv_cache_write import as_bytes
 from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
@@ -228,6 +229,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        self.grammar_masker = GrammarMasker(model_config.vocab_size, device)
         self.kv_cache: KVCache | None = None
         self.cpu_cache: KVCache | None = None
         attn = model.attention_layers()  # type: ignore[operator]
@@ -503,6 +505,8 @@ class ModelRunner:
         if not reqs:
             return InflightStep([], None, None, scheduled)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        # Structured outputs: forbidden tokens to -inf before any sampling transform.
+        logits = self.grammar_masker.apply(logits, reqs)
         if all(_plain_greedy(r) for r in reqs):
             # Nothing to filter or penalize: skip building the sampler's per-row tensors.
             return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncengine.detokenizer import IncrementalDetokenizer
+    from asyncengine.structured_outputs.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +76,8 @@ class Request:
     # Parallel sampling: which of the request's n samples this is, and the group it is in.
     index: int = 0
     parent: ParentRequest | None = field(default=None, repr=False)
+    # Structured outputs: where its output stands in its grammar (None: unconstrained).
+    grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -113,11 +116,12 @@ class Request:
 
     @property
     def sampling_needs_history(self) -> bool:
-        """Whether its next token depends on the exact output so far: penalties, or EOS
-        still banned by min_tokens."""
+        """Whether its next token depends on the exact output so far: penalties, EOS
+        still banned by min_tokens, or a grammar (its mask follows the last token)."""
         p = self.params
         return (
-            p.repetition_penalty != 1.0
+            self.grammar is not None
+            or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or self.num_output_tokens < p.min_tokens
