@@ -251,7 +251,11 @@ class LLMEngine:
         return {eos} if isinstance(eos, int) else set(eos)
 
     # ---------------------------------------------------------------- requests
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids; `tools` go to templates that take them (others ignore
+        them)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "chat messages need a tokenizer (skip_tokenizer_init is set)", field="messages"
@@ -262,7 +266,7 @@ class LLMEngine:
                 field="messages",
             )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
+            list(messages), tools=tools, add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

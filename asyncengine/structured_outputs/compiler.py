@@ -45,6 +45,11 @@ class CompileStats:
     tokenizer_info_s: float = 0.0
 
 
+def failed(future: Future[Any]) -> bool:
+    """Whether a compile ended without a grammar (an error, or cancelled)."""
+    return future.done() and (future.cancelled() or future.exception() is not None)
+
+
 class GrammarCompileTimeout(InvalidRequestError):
     """A constraint whose grammar took longer than the limit to compile."""
 
@@ -90,7 +95,7 @@ class StructuredOutputCompiler:
         key = params.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and not failed(fut):
                 self._cache.move_to_end(key)
                 self.stats.num_cache_hits += 1
                 return fut

@@ -4,6 +4,7 @@ use), the requests waiting for their grammar, the refusals to report, and jump-f
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -38,19 +39,21 @@ class StructuredOutputs:
         self.waiting = GrammarWaitingRoom()
         self.num_jump_forward_tokens = 0
         self._compiler: StructuredOutputCompiler | None = None
+        self._lock = threading.Lock()  # the step thread and the event loop both compile
         self._rejected: list[tuple[str, float, RequestError]] = []
 
     @property
     def compiler(self) -> StructuredOutputCompiler:
-        if self._compiler is None:
-            # xgrammar (about a second to import) loads with the first constrained request.
-            from asyncengine.structured_outputs.compiler import StructuredOutputCompiler
+        with self._lock:
+            if self._compiler is None:
+                # xgrammar (a second to import) loads with the first constrained request.
+                from asyncengine.structured_outputs.compiler import StructuredOutputCompiler
 
-            self._compiler = StructuredOutputCompiler(
-                self._tokenizer, self._vocab_size, self._stop_token_ids,
-                compile_timeout_s=self.compile_timeout_s,
-            )  # fmt: skip
-        return self._compiler
+                self._compiler = StructuredOutputCompiler(
+                    self._tokenizer, self._vocab_size, self._stop_token_ids,
+                    compile_timeout_s=self.compile_timeout_s,
+                )  # fmt: skip
+            return self._compiler
 
     def admit(self, seqs: list[Request]) -> bool:
         """Start a request: True when its grammar is ready (matchers attached) and it may be
@@ -59,7 +62,7 @@ class StructuredOutputs:
         params = seqs[0].params.structured_outputs
         assert params is not None
         future = self.compiler.submit(params)
-        if future.done():
+        if future.done() and not future.cancelled():
             exc = future.exception()
             if exc is not None:
                 raise exc

@@ -52,7 +52,9 @@ class GrammarWaitingRoom:
         still: list[_Waiting] = []
         now = time.monotonic()
         for w in self._waiting:
-            if w.future.done():
+            if w.future.cancelled():
+                failed.append((w.seqs, RuntimeError("the compile was cancelled")))
+            elif w.future.done():
                 exc = w.future.exception()
                 if exc is None:
                     from asyncengine.structured_outputs.matcher import attach_grammar
