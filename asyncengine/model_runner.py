@@ -154,7 +154,8 @@ def _logprob_dicts(
             continue
         entry = {row_ids[0]: row_lps[0]}
         for tok, lp in zip(row_ids[1 : n + 1], row_lps[1 : n + 1], strict=True):
-            entry.setdefault(tok, lp)
+            if lp != float("-inf"):  # a token a grammar forbids is no alternative
+                entry.setdefault(tok, lp)
         result.append(entry)
     return result
 
