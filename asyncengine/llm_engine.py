@@ -531,8 +531,8 @@ class LLMEngine:
             m.first_token_time = now
         m.last_token_time = now
         req.append_token(token)
-        if req.grammar is not None and not req.grammar.accept(token):
-            raise RuntimeError(f"token {token} is outside the request's grammar")
+        if req.grammar is not None:  # a no-op when the mask of a later step took it already
+            req.grammar.catch_up(req.output_token_ids)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(token, 0.0)

@@ -495,10 +495,12 @@ class ModelRunner:
         """Enqueue the step on the device; nothing here waits for the device."""
         self.apply_block_moves(sched)
         inputs = self.prepare_inputs(sched, prev)
-        return self.launch_prepared(inputs, sched)
+        return self.launch_prepared(inputs, sched, prev)
 
-    def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput) -> InflightStep:
-        """Enqueue the model and the sampler on prepared inputs (block moves applied)."""
+    def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput,
+                        prev: InflightStep | None = None) -> InflightStep:
+        """Enqueue the model and the sampler on prepared inputs (block moves applied);
+        `prev`, the step still in flight, has the tokens grammar masks start from."""
         self.last_step_decode_only = inputs.meta.decode_only
         reqs = inputs.sampling_requests
         scheduled = [s.request for s in sched.scheduled]
@@ -507,7 +509,7 @@ class ModelRunner:
             return InflightStep([], None, None, scheduled)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         # Structured outputs: forbidden tokens to -inf before any sampling transform.
-        logits = self.grammar_masker.apply(logits, reqs)
+        logits = self.grammar_masker.apply(logits, reqs, prev)
         if all(_plain_greedy(r) for r in reqs):
             # Nothing to filter or penalize: skip building the sampler's per-row tensors.
             return InflightStep(reqs, logits.argmax(dim=-1), None, scheduled)

@@ -68,7 +68,7 @@ class StructuredOutputs:
                 raise exc
             from asyncengine.structured_outputs.matcher import attach_grammar
 
-            attach_grammar(seqs, future.result())
+            attach_grammar(seqs, future.result(), self.jump_forward)
             return True
         self.waiting.add(
             seqs, future, self.compile_timeout_s, self.compiler.timeout_error(params)
@@ -83,13 +83,18 @@ class StructuredOutputs:
         if idle:
             self.waiting.wait(_IDLE_WAIT_S)
         ready, failed = self.waiting.poll()
+        if ready:
+            from asyncengine.structured_outputs.matcher import attach_grammar
+
+            for seqs, compiled in ready:
+                attach_grammar(seqs, compiled, self.jump_forward)
         for seqs, exc in failed:
             if not isinstance(exc, RequestError):
                 params = seqs[0].params.structured_outputs
                 field = params.field_name if params is not None else None
                 exc = InvalidRequestError(f"cannot compile {field}: {exc}", field=field)
             self._rejected.append((seqs[0].request_id, seqs[0].arrival_time, exc))
-        return ready
+        return [seqs for seqs, _ in ready]
 
     def take_rejected(self) -> list[tuple[str, float, RequestError]]:
         rejected, self._rejected = self._rejected, []

@@ -4,6 +4,11 @@ The masks are filled on the CPU (xgrammar's matchers) after the step's forward h
 enqueued, so on a GPU they fill while it runs; they go to the device in one non-blocking
 copy and xgrammar's kernel sets every forbidden token's logit to -inf. Rows without a
 constraint are left alone. The logits are those the model computed, outside any CUDA graph.
+
+With asynchronous scheduling a constrained request's previous token may still be in the
+step in flight: its mask waits for that step's sampled ids only (they are copied to the host
+ahead of this step's forward, which the device runs meanwhile) and its matcher accepts the
+token here, one ahead of the engine, which later finds it accepted.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from asyncengine.model_runner import InflightStep
     from asyncengine.request import Request
 
 
@@ -39,17 +45,25 @@ class GrammarMasker:
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
 
-    def apply(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, requests: Sequence[Request],
+              prev: InflightStep | None = None) -> torch.Tensor:
         """Mask the rows of constrained requests (row i is `requests[i]`); returns the
-        logits to sample from (float32 when a mask was applied)."""
+        logits to sample from (float32 when a mask was applied). `prev`: the step in flight,
+        whose sampled tokens some of these requests have not got on the host yet."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return logits
         t0 = time.perf_counter()
         bitmask = self._buffer(len(requests))
+        in_flight: list[int] | None = None
         for i in rows:
-            grammar = requests[i].grammar
+            req = requests[i]
+            grammar = req.grammar
             assert grammar is not None
+            if prev is not None and req.num_pending_tokens and id(req) in prev.rows:
+                if in_flight is None:
+                    in_flight = prev.result().token_ids
+                grammar.catch_up(req.output_token_ids, in_flight[prev.rows[id(req)]])
             grammar.fill_mask(bitmask, i)
         t1 = time.perf_counter()
         if logits.dtype != torch.float32:

@@ -45,9 +45,10 @@ class GrammarWaitingRoom:
     ) -> None:
         self._waiting.append(_Waiting(seqs, future, time.monotonic() + timeout_s, timeout_error))
 
-    def poll(self) -> tuple[list[list[Request]], list[tuple[list[Request], BaseException]]]:
-        """(requests now ready, their matchers attached; requests refused and why)."""
-        ready: list[list[Request]] = []
+    def poll(self) -> tuple[list[tuple[list[Request], xgr.CompiledGrammar]],
+                            list[tuple[list[Request], BaseException]]]:
+        """(requests now ready and their grammar; requests refused and why)."""
+        ready: list[tuple[list[Request], xgr.CompiledGrammar]] = []
         failed: list[tuple[list[Request], BaseException]] = []
         still: list[_Waiting] = []
         now = time.monotonic()
@@ -57,10 +58,7 @@ class GrammarWaitingRoom:
             elif w.future.done():
                 exc = w.future.exception()
                 if exc is None:
-                    from asyncengine.structured_outputs.matcher import attach_grammar
-
-                    attach_grammar(w.seqs, w.future.result())
-                    ready.append(w.seqs)
+                    ready.append((w.seqs, w.future.result()))
                 else:
                     failed.append((w.seqs, exc))
             elif now >= w.deadline:

@@ -302,7 +302,7 @@ class ChatMapper(_Mapper):
         delta = ChatDelta(content=comp.text)
         extractor = self._extractors.get(index)
         if extractor is not None:
-            delta.content = extractor.feed(comp.text)
+            delta.content = extractor.feed(comp.text) or None
             if comp.finish_reason is not None:
                 self._end_tools(choice, extractor, delta)
         return ChatCompletionChunk(

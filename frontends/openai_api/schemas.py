@@ -226,7 +226,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def tool_plan(self, parser_name: str | None) -> ToolPlan | None:
         """How `tools` / `tool_choice` are served (None: no tools); `parser_name` is the
         server's `--tool-call-parser`."""
-        return plan_from_body(self.tools, self.tool_choice, parser_name)
+        return plan_from_body(self.tools, self.tool_choice, parser_name,
+                              self.parallel_tool_calls)
 
     def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
         constraint = self._constraint()

@@ -29,6 +29,8 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # as the body gave them, for the chat template
     named: str | None = None
     parser_name: str | None = None
+    parallel: bool = True  # `parallel_tool_calls`: False allows one call
+
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The output constraint that enforces `required` / a named function."""
@@ -43,10 +45,13 @@ class ToolPlan:
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             } for f in self.functions]  # fmt: skip
-            return StructuredOutputsParams(json={
+            schema: dict[str, Any] = {
                 "type": "array", "minItems": 1,
                 "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of},
-            })  # fmt: skip
+            }  # fmt: skip
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
         return None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -59,8 +64,8 @@ class ToolPlan:
         return ToolCallExtractor(self, parser)
 
 
-def plan_from_body(tools: list[Any] | None, tool_choice: Any,
-                   parser_name: str | None) -> ToolPlan | None:
+def plan_from_body(tools: list[Any] | None, tool_choice: Any, parser_name: str | None,
+                   parallel_tool_calls: bool | None = None) -> ToolPlan | None:
     """The request's tool plan, or None without tools; `InvalidRequestError` naming the
     field for a malformed tool or a `tool_choice` that names no given tool."""
     if not tools:
@@ -71,7 +76,8 @@ def plan_from_body(tools: list[Any] | None, tool_choice: Any,
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tool function names must be unique", field="tools")
-    plan = ToolPlan("auto", functions, list(tools), parser_name=parser_name)
+    plan = ToolPlan("auto", functions, list(tools), parser_name=parser_name,
+                    parallel=parallel_tool_calls is not False)
     if tool_choice is None or tool_choice == "auto":
         if parser_name is None:
             raise InvalidRequestError(

@@ -63,6 +63,9 @@ def test_plans_and_their_constraints() -> None:
     assert schema["type"] == "array" and schema["minItems"] == 1
     names = [alt["properties"]["name"]["enum"] for alt in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
+    assert "maxItems" not in schema
+    single = plan_from_body([WEATHER, TIME], "required", None, parallel_tool_calls=False)
+    assert single.constraint().json["maxItems"] == 1
     none = plan_from_body([WEATHER], "none", None)
     assert none.constraint() is None and none.template_tools() is None
     auto = plan_from_body([WEATHER], None, "hermes")

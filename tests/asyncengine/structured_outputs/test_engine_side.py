@@ -178,7 +178,7 @@ def test_preemption_and_chunked_prefill_keep_the_grammar(default_model_dir: Path
                                                          mode: str) -> None:
     """A pool too small for the batch preempts constrained requests (recompute or swap) and
     small token budgets chunk their prompts: greedy outputs equal an unhindered run."""
-    tight = small_engine(default_model_dir, num_kv_blocks=9, block_size=16,
+    tight = small_engine(default_model_dir, num_kv_blocks=6, block_size=16,
                          max_num_batched_tokens=32, preemption_mode=mode)
     prompts = [[{"role": "user", "content": PROMPTS[i]}] for i in (1, 1)]
     for i, msgs in enumerate(prompts):
@@ -267,3 +267,27 @@ def test_abort_while_compiling_and_while_running(default_model_dir: Path) -> Non
         eng.step()
     eng.check_integrity()
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_asynchronous_scheduling_overlaps_and_matches(default_model_dir: Path) -> None:
+    """With asynchronous scheduling, constrained steps still overlap (the mask takes the
+    token in flight from the step that sampled it) and outputs equal the synchronous ones,
+    alongside an unconstrained request."""
+    eng = small_engine(default_model_dir, async_scheduling=True)
+    convs = [[{"role": "user", "content": PROMPTS[1]}], [{"role": "user", "content": "Hi!"}]]
+    eng.add_request("json", eng.apply_chat_template(convs[0]),
+                    constrained(SCHEMAS[1], temperature=0.0, max_tokens=40))
+    eng.add_request("free", eng.apply_chat_template(convs[1]),
+                    SamplingParams(temperature=0.0, max_tokens=12))
+    overlapped = 0
+    done: dict[str, Any] = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        overlapped += eng._inflight is not None
+    assert overlapped > 5
+    want = llm_outputs(default_model_dir, convs[:1], SCHEMAS[1])[0].outputs[0]
+    assert done["json"].outputs[0].token_ids == want.token_ids
+    assert_valid(SCHEMAS[1], done["json"].outputs[0])
+    free = _reference(default_model_dir).chat(
+        convs[1:], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert done["free"].outputs[0].token_ids == free[0].outputs[0].token_ids
