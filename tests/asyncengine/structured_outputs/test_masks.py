@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from asyncengine.structured_outputs import StructuredOutputsParams
@@ -53,3 +54,29 @@ def test_no_constrained_rows_is_a_no_op() -> None:
     masker = GrammarMasker(64, torch.device("cpu"))
     assert masker.apply(logits, [_Row(None), _Row(None)]) is logits
     assert masker.stats.steps == 0
+
+
+def test_matcher_catches_up_and_runs_one_token_ahead(default_model_dir: Path) -> None:
+    """The mask of a step may accept the token in flight before the engine appends it; the
+    engine's own catch-up then finds it accepted. A finished grammar allows every token."""
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(str(default_model_dir))
+    comp = StructuredOutputCompiler(tok, 49152, [2])
+    state = GrammarState(comp.compile(StructuredOutputsParams(choice=["yes indeed"])))
+    ids = tok.encode("yes indeed")
+    assert len(ids) >= 2
+    state.catch_up([], ids[0])  # ahead of the host's output
+    assert state.num_accepted == 1
+    state.catch_up(ids[:1])  # the engine appends it: nothing new
+    assert state.num_accepted == 1
+    state.catch_up(ids[:1], ids[1])
+    state.catch_up(ids, 2)
+    assert state.is_terminated and state.num_accepted == len(ids) + 1
+    bitmask = torch.zeros(1, (49152 + 31) // 32, dtype=torch.int32)
+    state.fill_mask(bitmask, 0)
+    assert bool((bitmask == -1).all())
+    bad = GrammarState(comp.compile(StructuredOutputsParams(choice=["yes"])))
+    with pytest.raises(ValueError, match="outside the request's grammar"):
+        bad.catch_up(tok.encode("no"))
+    comp.shutdown()
