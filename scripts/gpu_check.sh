@@ -23,6 +23,8 @@
 #   bash scripts/gpu_check.sh gemv [kernels] # one-row int4/int8 GEMVs: GPU tests, kernels, L1
 #   bash scripts/gpu_check.sh fp8row       # FP8 one-row GEMVs: GPU tests, kernels with their
 #                                          # input transforms, L1 FP8 (profiled) and bf16
+#   bash scripts/gpu_check.sh structured   # structured-output GPU tests; W1 free vs every request
+#                                          # JSON-constrained (async scheduling, then --sync)
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 # To reuse one call's compiled kernels and tuned plans in the next, copy its caches.tgz.*
 # files into .device_cache/ here and carry that folder (with .whl).
@@ -184,12 +186,17 @@ elif [ "$phase" = fp8row ]; then  # FP8 one-row GEMVs (whole-row, pairs): tests,
     | tee "$OUT/fp8row_kernels.jsonl" | python3 scripts/best_kernels.py
   bench --workload l1 --system engine --quantization fp8 --profile-steps 4
   bench --workload l1 --system engine
+elif [ "$phase" = structured ]; then  # issue #31: constrained decoding on the GPU, its cost
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/structured_outputs \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  bench --workload w1 --system engine --structured-outputs json
+  bench --workload w1 --system engine --structured-outputs json --sync
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

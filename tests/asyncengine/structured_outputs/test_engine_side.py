@@ -291,3 +291,23 @@ def test_asynchronous_scheduling_overlaps_and_matches(default_model_dir: Path) -
     free = _reference(default_model_dir).chat(
         convs[1:], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     assert done["free"].outputs[0].token_ids == free[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_and_async_scheduling(default_model_dir: Path) -> None:
+    """On the GPU (CUDA graphs, asynchronous scheduling): greedy and sampled outputs
+    validate, and greedy ones repeat exactly."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gpu = LLM(str(default_model_dir), device="cuda", dtype="float32", max_model_len=512, seed=0)
+    assert gpu.llm_engine.async_scheduling and gpu.llm_engine.runner.graphs is not None
+    greedy = [constrained(s, temperature=0.0) for s in SCHEMAS]
+    sampled = [constrained(s, temperature=1.0, seed=i, n=2) for i, s in enumerate(SCHEMAS)]
+    outs = run(gpu, PROMPTS + PROMPTS, greedy + sampled)
+    for i, out in enumerate(outs):
+        for comp in out.outputs:
+            assert_valid(SCHEMAS[i % 3], comp)
+    again = run(gpu, PROMPTS, greedy)
+    assert [o.outputs[0].text for o in outs[:3]] == [o.outputs[0].text for o in again]
