@@ -325,7 +325,8 @@ class ChatMapper(_Mapper):
                             for k, c in enumerate(calls)]
         if not delta.content:
             delta.content = None
-        choice.finish_reason = "tool_calls"
+        if choice.finish_reason == "stop":  # cut short by max_tokens stays "length"
+            choice.finish_reason = "tool_calls"
         self._messages[choice.index] = ChatMessageOut(role="assistant", content=content,
                                                       tool_calls=calls)
 

@@ -49,13 +49,14 @@ class Person(pydantic.BaseModel):
     pets: list[Literal["cat", "dog"]] = pydantic.Field(max_length=3)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def model_dir(default_model_dir: Path) -> Path:
     return default_model_dir
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def llm_engine(model_dir: Path) -> LLMEngine:
+    """One engine for the module (each test's `engine` wraps it and checks its pool)."""
     return LLMEngine.from_engine_args(engine_args(model_dir, max_model_len=512))
 
 
@@ -167,15 +168,16 @@ async def test_auto_parses_hermes_tool_calls(client: openai.AsyncOpenAI) -> None
               r'\{"city": "Paris", "unit": "celsius"\}\}\n</tool_call>')
     extra = {"structured_outputs": {"regex": forced}}
     done = await client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, extra_body=extra)
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, temperature=0.0,
+        extra_body=extra)
     msg = done.choices[0].message
     assert done.choices[0].finish_reason == "tool_calls"
     assert msg.content == "Checking."
     assert _arguments(msg.tool_calls[0], WEATHER) == {"city": "Paris", "unit": "celsius"}
 
     stream = await client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=60,
-        extra_body=extra, stream=True)
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=200,
+        temperature=0.0, extra_body=extra, stream=True)
     content, calls, reason = "", [], None
     async for chunk in stream:
         for c in chunk.choices:
