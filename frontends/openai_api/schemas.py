@@ -97,8 +97,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
     def _body_field(self, field: str | None) -> str | None:
         """The body's name for a constraint field the engine named."""
-        if field is None or not field.startswith("structured_outputs"):
-            return field
+        if field is None or not field.startswith("structured_outputs."):
+            return field  # not about the constraint's content (or named by the body already)
         return structured.body_field(field, structured.source_of(self.response_format,
                                                                  self._guided()))
 
