@@ -290,12 +290,16 @@ class LLMEngine:
     ) -> int:
         """The request check (see `request_check`) against this engine's limits; `in_use`
         defaults to the ids this engine holds. Returns the request's max_tokens."""
+        if in_use is None:
+            in_use = self.scheduler.requests
+            if len(self.structured.waiting):  # requests waiting for their grammar count too
+                in_use = {*in_use, *self.structured.waiting.request_ids()}
         return check_request(
             request_id,
             prompt_token_ids,
             params,
             self.request_limits,
-            in_use=self.scheduler.requests if in_use is None else in_use,
+            in_use=in_use,
             queue=queue,
         )
 

@@ -256,8 +256,11 @@ def test_abort_while_compiling_and_while_running(default_model_dir: Path) -> Non
     eng = small_engine(default_model_dir)
     ids = eng.apply_chat_template([{"role": "user", "content": "hi"}])
     eng.add_request("a", ids, constrained(SCHEMAS[1]))  # first compile: it waits
+    waiting = len(eng.structured.waiting)
+    with pytest.raises(InvalidRequestError):  # its id is taken while it waits too
+        eng.add_request("a", ids, SamplingParams())
     eng.abort_request("a")
-    assert not eng.has_unfinished_requests()
+    assert not eng.has_unfinished_requests() and waiting == 1
     eng.add_request("b", ids, constrained(SCHEMAS[1]))
     while not eng.scheduler.requests:
         eng.step()
