@@ -109,5 +109,8 @@ class StructuredOutputs:
         return tokens
 
     def shutdown(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown()
+        """Stop the compile threads; a later constrained request starts a new compiler."""
+        with self._lock:
+            compiler, self._compiler = self._compiler, None
+        if compiler is not None:
+            compiler.shutdown()
