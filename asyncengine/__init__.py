@@ -4,6 +4,7 @@ Triton kernels, streaming). The public API follows vLLM's names."""
 from asyncengine.config import EngineArgs
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -15,6 +16,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

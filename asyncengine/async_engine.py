@@ -706,6 +706,8 @@ class AsyncLLMEngine:
                     try:
                         outputs = engine.step()
                         self._consecutive_errors = 0
+                        for rid, arrival, exc in engine.take_rejected():
+                            failures[rid] = (arrival, exc)
                     except Exception as exc:
                         # A StepError names the requests it aborted; anything else is fatal.
                         ids = getattr(exc, "request_ids", None)

@@ -59,6 +59,10 @@ class EngineArgs:
     # a, "prompt_lookup_max": b} or {"model": draft_dir, "num_speculative_tokens": k}
     # (see asyncengine.spec_decode.config).
     speculative_config: dict | None = None
+    # Structured outputs: a request whose grammar takes longer than this to compile is
+    # refused; jump-forward appends the tokens a grammar forces without a step per token.
+    structured_outputs_compile_timeout: float = 30.0
+    structured_outputs_jump_forward: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +79,8 @@ class EngineArgs:
             fail("dtype", "must be one of auto, float32, float16, bfloat16")
         if self.device not in ("auto", "cpu", "cuda"):
             fail("device", "must be one of auto, cpu, cuda")
+        if not self.structured_outputs_compile_timeout > 0:
+            fail("structured_outputs_compile_timeout", "must be > 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             fail("block_size", "must be a power of two")
         if not 0 < self.gpu_memory_utilization <= 1:

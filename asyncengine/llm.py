@@ -120,7 +120,10 @@ class LLM:
         in_tokens = out_tokens = 0
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                outputs = engine.step()
+                for _, _, exc in engine.take_rejected():  # a grammar that failed to compile
+                    raise exc
+                for out in outputs:
                     if not out.finished:
                         continue
                     results[order[out.request_id]] = out

@@ -19,7 +19,7 @@ import torch
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import InvalidRequestError, RequestError
 from asyncengine.kv_calibration import (
     KVScales,
     calibration_token_ids,
@@ -42,6 +42,7 @@ from asyncengine.stats_collect import (
     kv_dtype_name,
 )
 from asyncengine.stats_schema import EngineStats, RequestStats, SpecDecodeStats
+from asyncengine.structured_outputs.engine_side import StructuredOutputs
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
 
@@ -178,6 +179,11 @@ class LLMEngine:
         }
         self._inflight: InflightStep | None = None
         self.is_shut_down = False
+        self.structured = StructuredOutputs(
+            self.tokenizer, cfg.vocab_size, self.eos_token_ids,
+            compile_timeout_s=args.structured_outputs_compile_timeout,
+            jump_forward=args.structured_outputs_jump_forward,
+        )  # fmt: skip
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "max_model_len %d",
@@ -207,6 +213,7 @@ class LLMEngine:
         self.is_shut_down = True
         self._inflight = None
         self.runner.shutdown()
+        self.structured.shutdown()
         # A cycle nobody has found yet must not keep gigabytes alive until the next collection.
         gc.collect()
         if self.device.type == "cuda":
@@ -268,7 +275,11 @@ class LLMEngine:
         return {eos} if isinstance(eos, int) else set(eos)
 
     # ---------------------------------------------------------------- requests
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids; `tools` go to templates that take them (others ignore
+        them)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "chat messages need a tokenizer (skip_tokenizer_init is set)", field="messages"
@@ -279,7 +290,7 @@ class LLMEngine:
                 field="messages",
             )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
+            list(messages), tools=tools, add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -303,12 +314,16 @@ class LLMEngine:
     ) -> int:
         """The request check (see `request_check`) against this engine's limits; `in_use`
         defaults to the ids this engine holds. Returns the request's max_tokens."""
+        if in_use is None:
+            in_use = self.scheduler.requests
+            if len(self.structured.waiting):  # requests waiting for their grammar count too
+                in_use = {*in_use, *self.structured.waiting.request_ids()}
         return check_request(
             request_id,
             prompt_token_ids,
             params,
             self.request_limits,
-            in_use=self.scheduler.requests if in_use is None else in_use,
+            in_use=in_use,
             queue=queue,
         )
 
@@ -344,6 +359,8 @@ class LLMEngine:
                 for i in range(params.n)]
         if len(seqs) > 1:
             ParentRequest.link(seqs)
+        if params.structured_outputs is not None and not self.structured.admit(seqs):
+            return  # waits for its grammar off the step loop; `step` queues it
         for seq in seqs:
             self.scheduler.add_request(seq)
 
@@ -387,6 +404,9 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if self.structured.waiting.remove(rid):
+                self.num_aborted += 1
+                continue
             seqs = self.scheduler.get_sequences(rid)
             for seq in seqs:
                 self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
@@ -394,10 +414,19 @@ class LLMEngine:
                 self.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._inflight is not None
+            or len(self.structured.waiting) > 0
+        )
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self.structured.waiting)
+
+    def take_rejected(self) -> list[tuple[str, float, RequestError]]:
+        """Requests refused after `add_request` returned (their grammar failed to compile
+        or took too long): (request id, arrival time, error), each reported once."""
+        return self.structured.take_rejected()
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -409,6 +438,9 @@ class LLMEngine:
         """
         self._check_open()
         outputs: list[RequestOutput] = []
+        for seqs in self.structured.ready_requests(idle=not self.scheduler.requests):
+            for seq in seqs:
+                self.scheduler.add_request(seq)
         prev = self._inflight
         if prev is not None and not self._can_overlap(prev):
             self._inflight = None
@@ -548,13 +580,16 @@ class LLMEngine:
         return StepError(ids, cause, arrivals)
 
     def _append_token(
-        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
+        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float,
+        *, jump: bool = True,
     ) -> None:
         m = req.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
         req.append_token(token)
+        if req.grammar is not None:  # a no-op when the mask of a later step took it already
+            req.grammar.catch_up(req.output_token_ids)
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(token, 0.0)
@@ -576,6 +611,16 @@ class LLMEngine:
                 return
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
+        elif req.grammar is not None:
+            if req.grammar.is_terminated:  # complete, and nothing may follow
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif jump and req.logprobs is None:
+                # Jump-forward: tokens the grammar forces are appended without a step each
+                # (the next step computes them as one chunk).
+                for forced in self.structured.forced_tokens(req):
+                    self._append_token(req, forced, None, now, jump=False)
+                    if req.is_finished:
+                        break
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         detok = req.detokenizer

@@ -15,6 +15,7 @@ it as input straight from step N's sampled-id tensor, so the GPU never waits for
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -38,6 +39,7 @@ from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, pack, unpack
+from asyncengine.structured_outputs.masks import GrammarMasker
 from kernels.kv_cache_write import as_bytes
 from kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
@@ -181,7 +183,8 @@ def _logprob_dicts(
             continue
         entry = {row_ids[0]: row_lps[0]}
         for tok, lp in zip(row_ids[1 : n + 1], row_lps[1 : n + 1], strict=True):
-            entry.setdefault(tok, lp)
+            if lp != float("-inf"):  # a token a grammar forbids is no alternative
+                entry.setdefault(tok, lp)
         result.append(entry)
     return result
 
@@ -259,6 +262,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        self.grammar_masker = GrammarMasker(model_config.vocab_size, device)
         self.kv_cache: KVCache | None = None
         self.cpu_cache: KVCache | None = None
         attn = model.attention_layers()  # type: ignore[operator]
@@ -569,10 +573,12 @@ class ModelRunner:
         """Enqueue the step on the device; nothing here waits for the device."""
         self.apply_block_moves(sched)
         inputs = self.prepare_inputs(sched, prev)
-        return self.launch_prepared(inputs, sched)
+        return self.launch_prepared(inputs, sched, prev)
 
-    def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput) -> InflightStep:
-        """Enqueue the model and the sampler on prepared inputs (block moves applied)."""
+    def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput,
+                        prev: InflightStep | None = None) -> InflightStep:
+        """Enqueue the model and the sampler on prepared inputs (block moves applied);
+        `prev`, the step still in flight, has the tokens grammar masks start from."""
         self.last_step_decode_only = inputs.meta.decode_only
         reqs = inputs.sampling_requests
         scheduled = [s.request for s in sched.scheduled]
@@ -583,7 +589,13 @@ class ModelRunner:
             return InflightStep([], None, None, scheduled, prompt)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         num_spec = [s.num_spec_tokens for s in sched.scheduled if s.needs_logits]
-        if any(num_spec):
+        # Structured outputs: forbidden tokens to -inf before any sampling transform. A
+        # constrained request never speculates, so its one row is the last of its rows.
+        row_of = list(itertools.accumulate(k + 1 for k in num_spec)) if any(num_spec) else None
+        logits = self.grammar_masker.apply(
+            logits, reqs, prev, None if row_of is None else [r - 1 for r in row_of]
+        )
+        if row_of is not None:
             from asyncengine.spec_decode.verify import launch_verify
 
             return launch_verify(

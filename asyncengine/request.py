@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from asyncengine.detokenizer import IncrementalDetokenizer
     from asyncengine.spec_decode.decoder import SpecState
+    from asyncengine.structured_outputs.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +86,8 @@ class Request:
     # target keeps them) and the proposer's adaptive state for this request.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_state: SpecState | None = field(default=None, repr=False)
+    # Structured outputs: where its output stands in its grammar (None: unconstrained).
+    grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -123,11 +126,13 @@ class Request:
 
     @property
     def sampling_needs_history(self) -> bool:
-        """Whether its next token depends on the exact output so far: penalties, or EOS
-        still banned by min_tokens."""
+        """Whether its next token depends on the exact output so far: penalties, EOS
+        still banned by min_tokens, or a grammar with jump-forward (a grammar alone takes
+        the token in flight from the step that sampled it: see `GrammarMasker`)."""
         p = self.params
         return (
-            p.repetition_penalty != 1.0
+            (self.grammar is not None and self.grammar.needs_host_tokens)
+            or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or self.num_output_tokens < p.min_tokens

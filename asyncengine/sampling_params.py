@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.structured_outputs.params import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -53,6 +54,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # One constraint on the output (JSON schema, regex, choice, grammar), or None.
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,3 +141,7 @@ class SamplingParams:
             RequestOutputKind(self.output_kind)
         except ValueError:
             fail("output_kind", "must be a RequestOutputKind")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()

@@ -196,7 +196,7 @@ class TensorParallelModelRunner(ModelRunner):
             self.apply_block_moves(sched)
             inputs = self.prepare_inputs(sched, prev)
             send_step(self.workers.groups, inputs, sched)
-            step = self.launch_prepared(inputs, sched)
+            step = self.launch_prepared(inputs, sched, prev)
         # The wait for the step's ids can fail too (a collective of a dead peer).
         step.guard = functools.partial(self._guard, "step")
         return step

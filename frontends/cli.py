@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncengine.config import EngineArgs
 from frontends.fleet import FleetError, add_fleet_args
+from frontends.openai_api.tool_parsers import PARSERS
 from kernels import envs
 
 logger = logging.getLogger("asyncengine.cli")
@@ -53,6 +54,10 @@ _ENGINE_HELP = {
     "quantization": "quantized weight format (default: what config.json says)",
     "skip_tokenizer_init": "no tokenizer: token-id prompts in, token ids out",
     "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
+    "structured_outputs_compile_timeout": "seconds a grammar may take to compile before its "
+                                          "request is refused",
+    "structured_outputs_jump_forward": "append the tokens a grammar forces without a model "
+                                       "step per token",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 "
     "with per-KV-head K/V scales, half the bytes; CUDA needs compute capability 8.9+)",
     "calculate_kv_scales": "FP8 KV cache: calibrate the K/V scales at start-up on a shipped "
@@ -149,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest accepted WebSocket frame, bytes")
     net.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish on shutdown")
+    net.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                     help="how tool_choice 'auto' reads tool calls from the model's output "
+                          "(hermes: <tool_call> JSON blocks)")
     net.add_argument("--log-prompts", action="store_true",
                      help="log prompt text (off by default)")
     net.add_argument("--dashboard", action="store_true",
@@ -224,6 +232,7 @@ async def serve(ns: argparse.Namespace) -> None:
             max_queued_requests=ns.max_queued_requests,
             max_queued_prompt_tokens=ns.max_queued_prompt_tokens,
             drain_timeout=ns.drain_timeout, log_prompts=ns.log_prompts,
+            tool_call_parser=ns.tool_call_parser,
         )
     config.validate()  # refuse a bad bind before spending time on the model
     if http_config is not None:

@@ -244,12 +244,15 @@ class AsyncClient:
         request_id: str | None = None,
         **params: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream one generation; sampling `params` use vLLM's names (max_tokens, ...).
+        """Stream one generation; sampling `params` use vLLM's names (max_tokens, ...,
+        `structured_outputs={"json": schema}`).
 
         Yields a chunk per delta and a final chunk (empty text) with `finish_reason` and
         `usage`. Raises a `ServerError` subclass when the server rejects or fails it.
         """
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        if isinstance(params.get("structured_outputs"), dict):  # e.g. {"json": schema}
+            params["structured_outputs"] = p.StructuredOutputs(**params["structured_outputs"])
         msg = p.Generate(
             request_id=rid, prompt=prompt,
             messages=[p.ChatMessage(role=m["role"], content=m["content"]) for m in messages]

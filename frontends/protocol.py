@@ -21,7 +21,7 @@ Encoders and decoders are built once and reused. `Error.code` is one of
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -29,6 +29,7 @@ from asyncengine.errors import ErrorCode
 from asyncengine.outputs import PromptLogprobs
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.stats_schema import EngineStats
+from asyncengine.structured_outputs import StructuredOutputsParams
 
 _MAX_REQUEST_ID = 256
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_REQUEST_ID)]
@@ -36,6 +37,18 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _MAX_TOKENS_LIMIT = 1 << 20
 _MAX_N = 256  # the engine refuses an n the KV pool cannot hold; this bounds the message
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
+                        omit_defaults=True):
+    """One output constraint (`asyncengine.StructuredOutputsParams`, vLLM's names)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -58,6 +71,7 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
@@ -77,7 +91,14 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=_constraint(self.structured_outputs),
         )
+
+
+def _constraint(spec: StructuredOutputs | None) -> StructuredOutputsParams | None:
+    if spec is None:
+        return None
+    return StructuredOutputsParams(**msgspec.structs.asdict(spec))
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

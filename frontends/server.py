@@ -52,6 +52,7 @@ from asyncengine.errors import (
 )
 from asyncengine.request_check import QueueLimits
 from asyncengine.stat_loggers import PrometheusStatLogger
+from asyncengine.structured_outputs.frontend import compile_constraint
 from frontends import protocol as p
 from frontends.listening import ListeningAddress
 
@@ -436,6 +437,8 @@ class EngineServer(ListeningAddress):
         conn.requests[rid] = slot
         try:
             params = msg.params.to_sampling_params()
+            if params.structured_outputs is not None:  # compiled off the loop, time-limited
+                await compile_constraint(engine, params.structured_outputs)
             prompt_ids = await self._tokenize(msg)
             # Synchronous from this check to `add_request`, so the queue limits hold exactly.
             engine.check_request(engine_rid, prompt_ids, params,

@@ -16,6 +16,8 @@ for the device / postprocess on the host, and the kernels' share of GPU time wit
 give weights of the 16-bit dummy's magnitude), or with FP8 e4m3 weights (`fp8`: what
 `quantization="fp8"` makes of a 16-bit checkpoint: per-channel scales, per-token dynamic
 activations for the W8A8 GEMMs); the floors then count the quantized bytes.
+`--structured-outputs json` measures the cost of constrained decoding (see
+scripts/bench_structured.py).
 `--kv-cache-dtype fp8` stores the KV cache in e4m3 (scales 1.0, the dummy checkpoint has
 none): the pool holds twice the blocks and the floors count one byte per K/V element.
 
@@ -501,6 +503,9 @@ def main() -> None:
                     help="KV cache element type (engine only): fp8 stores e4m3")
     ap.add_argument("--no-hopper-prefill", action="store_true",
                     help="prefill attention on the Triton kernel, not the Gluon one (A/B)")
+    ap.add_argument("--structured-outputs", choices=["json"], default=None,
+                    help="engine only: the workload free, then every request constrained to a "
+                         "JSON schema, then free again (scripts/bench_structured.py)")
     args = ap.parse_args()
     if args.quantization and args.system != "engine":
         ap.error("--quantization runs the engine only")
@@ -511,6 +516,13 @@ def main() -> None:
         w["num_requests"] = args.num_requests
     if args.workload == "l1":
         args.max_num_seqs = 1
+    if args.structured_outputs:
+        if args.system != "engine" or args.quantization or args.n != 1:
+            ap.error("--structured-outputs runs the engine only, unquantized, n = 1")
+        from scripts.bench_structured import run as run_structured
+
+        run_structured(w, args)
+        return
     (run_engine if args.system == "engine" else run_hf)(w, args)
 
 

@@ -27,6 +27,8 @@
 #   bash scripts/gpu_check.sh gemv [kernels] # one-row int4/int8 GEMVs: GPU tests, kernels, L1
 #   bash scripts/gpu_check.sh fp8row       # FP8 one-row GEMVs: GPU tests, kernels with their
 #                                          # input transforms, L1 FP8 (profiled) and bf16
+#   bash scripts/gpu_check.sh structured   # structured-output GPU tests; W1 free vs every request
+#                                          # JSON-constrained (async scheduling, then --sync)
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -223,12 +225,17 @@ elif [ "$phase" = eval ]; then  # prompt logprobs on the GPU, then Q1 through th
     --kv-scales default,one,head \
     --rtn gptq-4-g64,gptq-8-g64,awq-4-g64,compressed-tensors-4-g64,compressed-tensors-8-channel,fp8-tensor \
     2>>"$OUT/bench.log" | tee "$OUT/q1.txt" | tail -n 30
+elif [ "$phase" = structured ]; then  # issue #31: constrained decoding on the GPU, its cost
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/structured_outputs \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  bench --workload w1 --system engine --structured-outputs json
+  bench --workload w1 --system engine --structured-outputs json --sync
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, serving, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, w2, pairs, gemv, fp8row, eval, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

@@ -48,6 +48,7 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.request_check import QueueLimits
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.stat_loggers import PrometheusStatLogger
+from asyncengine.structured_outputs.frontend import compile_constraint
 from frontends.openai_api import schemas
 from frontends.openai_api.errors import ApiError
 from frontends.openai_api.responses import (
@@ -280,6 +281,7 @@ class OpenAIApp:
             params = req.sampling_params()
             prompts = req.prompts()
             self._check_serving()
+            await self._compile_constraint(params)
             prompt_ids = [await self._tokenize(p) for p in prompts]
             echo = [p if isinstance(p, str) else self._decode(p) for p in prompts] \
                 if req.echo else None
@@ -300,13 +302,17 @@ class OpenAIApp:
         try:
             req = schemas.decode_chat(body)
             self._check_model(req.model)
-            params = req.sampling_params()
+            tools = req.tool_plan(self.config.tool_call_parser)
+            params = req.sampling_params(tools)
             messages = req.template_messages()
             self._check_serving()
-            prompt_ids = [await self._apply_chat_template(messages)]
+            await self._compile_constraint(params)
+            prompt_ids = [await self._apply_chat_template(
+                messages, tools.template_tools() if tools is not None else None)]
             mapper = ChatMapper(new_id("chatcmpl"), self.model_name, [len(prompt_ids[0])],
                                 self._token_text, params.logprobs, n=params.n,
-                                prompt_ids=prompt_ids, prompt_logprobs=req.prompt_logprobs)
+                                prompt_ids=prompt_ids, prompt_logprobs=req.prompt_logprobs,
+                                tools=tools)
             submitted = self._submit(mapper.id, prompt_ids, params)
         except RequestError as exc:
             raise ApiError.from_request_error(
@@ -334,10 +340,19 @@ class OpenAIApp:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
         return list(await _maybe_in_thread(len(prompt), self.engine.engine.tokenize, prompt))
 
-    async def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        size = sum(len(m["content"]) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
+    async def _compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (in a worker thread, within the time limit) before
+        it is queued, so a bad or slow grammar is a 400 and the step loop never waits."""
+        if params.structured_outputs is not None:
+            await compile_constraint(self.engine, params.structured_outputs)
+
+    async def _apply_chat_template(self, messages: list[dict[str, Any]],
+                                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+        size = sum(len(str(m["content"])) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
+        size += len(str(tools)) if tools else 0
         try:
-            ids = await _maybe_in_thread(size, self.engine.engine.apply_chat_template, messages)
+            ids = await _maybe_in_thread(size, self.engine.engine.apply_chat_template, messages,
+                                         tools)
         except RequestError:
             raise
         except (TemplateError, ValueError, TypeError, KeyError) as exc:

@@ -26,6 +26,7 @@ from frontends.openai_api.prompt_logprobs import (
     echo_logprobs,
     prompt_logprobs_field,
 )
+from frontends.openai_api.tool_calls import ToolCallExtractor, ToolPlan, new_call_id
 
 TokenText = Callable[[int], str]
 
@@ -96,9 +97,28 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob]
 
 
-class ChatMessageOut(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -121,6 +141,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -309,7 +330,21 @@ class CompletionMapper(_Mapper):
 
 
 class ChatMapper(_Mapper):
-    """`/v1/chat/completions`: a role chunk opens each choice's stream."""
+    """`/v1/chat/completions`: a role chunk opens each choice's stream. With a tool plan,
+    each choice's text goes through its tool-call extractor: content streams as it is
+    known, and the calls come whole with the choice's last chunk (finish reason
+    `tool_calls`)."""
+
+    def __init__(self, response_id: str, model: str, prompt_tokens: list[int],
+                 token_text: TokenText, logprobs: int | None, n: int = 1,
+                 prompt_ids: list[list[int]] | None = None,
+                 prompt_logprobs: int | None = None,
+                 tools: ToolPlan | None = None) -> None:
+        super().__init__(response_id, model, prompt_tokens, token_text, logprobs, n,
+                         prompt_ids, prompt_logprobs)
+        self._extractors: dict[int, ToolCallExtractor] = (
+            {c.index: tools.extractor() for c in self.choices} if tools is not None else {})
+        self._messages: dict[int, ChatMessageOut] = {}  # choices that ended with tool calls
 
     def role_chunk(self, index: int) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -320,12 +355,38 @@ class ChatMapper(_Mapper):
     def chunk(self, index: int, comp: CompletionOutput) -> ChatCompletionChunk:
         choice = self._advance(index, comp)
         logprobs = self._logprobs(choice, comp)
+        delta = ChatDelta(content=comp.text)
+        extractor = self._extractors.get(index)
+        if extractor is not None:
+            delta.content = extractor.feed(comp.text) or None
+            if comp.finish_reason is not None:
+                self._end_tools(choice, extractor, delta)
         prompt_lps = self._prompt_field(0) if len(choice.text) == 1 and index == 0 else None
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=comp.text),
-                                     logprobs=logprobs, finish_reason=comp.finish_reason)],
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                     finish_reason=choice.finish_reason
+                                     if comp.finish_reason is not None else None)],
             prompt_logprobs=prompt_lps)
+
+    def _end_tools(self, choice: _Choice, extractor: ToolCallExtractor,
+                   delta: ChatDelta) -> None:
+        content, parsed, rest = extractor.finish()
+        if rest:
+            delta.content = (delta.content or "") + rest
+        if not parsed:
+            return
+        calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name,
+                                                                  arguments=c.arguments))
+                 for c in parsed]
+        delta.tool_calls = [ToolCallDelta(index=k, id=c.id, function=c.function)
+                            for k, c in enumerate(calls)]
+        if not delta.content:
+            delta.content = None
+        if choice.finish_reason == "stop":  # cut short by max_tokens stays "length"
+            choice.finish_reason = "tool_calls"
+        self._messages[choice.index] = ChatMessageOut(role="assistant", content=content,
+                                                      tool_calls=calls)
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
@@ -334,7 +395,8 @@ class ChatMapper(_Mapper):
     def final(self) -> ChatCompletion:
         choices = [
             ChatChoice(index=c.index,
-                       message=ChatMessageOut(role="assistant", content="".join(c.text)),
+                       message=self._messages.get(c.index) or ChatMessageOut(
+                           role="assistant", content="".join(c.text)),
                        logprobs=(ChatLogprobs(content=c.chat_logprobs)
                                  if c.chat_logprobs is not None else None),
                        finish_reason=c.finish_reason)

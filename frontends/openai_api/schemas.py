@@ -3,8 +3,9 @@
 Decoding checks JSON types only (a wrong type names its JSON path); values are checked by
 `SamplingParams` and the engine's request check, the one place every frontend shares.
 Unknown fields are ignored, as vLLM's server does, so clients written for other servers
-connect. Fields OpenAI defines but this engine cannot honour (`suffix`, `logit_bias`,
-`tools`, ...) are refused by name rather than silently dropped.
+connect. Fields OpenAI defines but this engine cannot honour (`suffix`, `logit_bias`, ...)
+are refused by name rather than silently dropped. Output constraints (`response_format`,
+`structured_outputs`) are read by `structured`, tools by `tool_calls`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import msgspec
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.structured_outputs import StructuredOutputsParams
+from frontends.openai_api import structured
+from frontends.openai_api.tool_calls import ToolPlan, plan_from_body
 
 # An engine prompt: text to tokenize, or token ids.
 Prompt = str | list[int]
@@ -55,6 +59,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    # Output constraints: OpenAI's, vLLM's, and vLLM's older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -72,11 +83,34 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", field="logit_bias")
 
+    def _guided(self) -> dict[str, Any]:
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+
+    def _has_body_constraint(self) -> bool:
+        rf = self.response_format
+        return (rf is not None and rf.get("type") != "text") or self.structured_outputs \
+            is not None or any(v is not None for v in self._guided().values())
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return structured.from_body(self.response_format, self.structured_outputs,
+                                    self._guided())
+
+    def _body_field(self, field: str | None) -> str | None:
+        """The body's name for a constraint field the engine named."""
+        if field is None or not field.startswith("structured_outputs."):
+            return field  # not about the constraint's content (or named by the body already)
+        return structured.body_field(field, structured.source_of(self.response_format,
+                                                                 self._guided()))
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's `SamplingParams`; a bad value raises `InvalidRequestError` naming the
         engine's field (the caller maps it back to the body's name)."""
         self._check_common()
+        if constraint is None:
+            constraint = self._constraint()
         return SamplingParams(
             n=_default(self.n, 1),
             temperature=_default(self.temperature, 1.0),
@@ -98,6 +132,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             skip_special_tokens=_default(self.skip_special_tokens, True),
             include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=constraint,
         )
 
 
@@ -155,7 +190,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         """The body's name for an engine field named in an error."""
         if field == "prompt_logprobs" and self.prompt_logprobs is None:
             return "logprobs"  # set from logprobs by echo
-        return "prompt" if field == "prompt_token_ids" else field
+        return "prompt" if field == "prompt_token_ids" else self._body_field(field)
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -167,8 +202,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result answers this call
 
-    def template_dict(self, index: int) -> dict[str, str]:
+    def template_dict(self, index: int) -> dict[str, Any]:
         """The message as the chat template takes it; text parts are joined by newlines."""
         content = self.content
         if isinstance(content, list):
@@ -178,9 +215,13 @@ class ChatMessage(msgspec.Struct, kw_only=True):
                         f"content part type {part.type[:32]!r} is not supported (only 'text')",
                         field=f"messages[{index}].content")
             content = "\n".join(p.text or "" for p in content)
-        out = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -193,36 +234,51 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", field="messages")
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
-    def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", field="tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported",
-                                      field="response_format")
+    def tool_plan(self, parser_name: str | None) -> ToolPlan | None:
+        """How `tools` / `tool_choice` are served (None: no tools); `parser_name` is the
+        server's `--tool-call-parser`."""
+        return plan_from_body(self.tools, self.tool_choice, parser_name,
+                              self.parallel_tool_calls)
+
+    def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
+        constraint = self._constraint()
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
+            if constraint is not None:
+                raise InvalidRequestError(
+                    "tool_choice 'required' or a named function constrains the output itself: "
+                    "it cannot be combined with response_format or structured_outputs",
+                    field="tool_choice")
+            constraint = forced
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true",
                                       field="top_logprobs")
         logprobs = _default(self.top_logprobs, 0) if self.logprobs else None
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, constraint=constraint)
 
     def param_name(self, field: str | None) -> str | None:
         """The body's name for an engine field named in an error."""
+        if field is not None and field.startswith("structured_outputs") and self.tools \
+                and self.tool_choice not in (None, "auto", "none") \
+                and not self._has_body_constraint():
+            return "tools"  # the constraint came from the tools' parameters
         if field in ("prompt", "prompt_token_ids"):
             return "messages"
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         if field == "logprobs" and self.top_logprobs is not None:
             return "top_logprobs"
-        return field
+        return self._body_field(field)
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -24,6 +24,7 @@ from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.stat_loggers import PrometheusStatLogger
 from frontends.listening import ListeningAddress
 from frontends.openai_api.app import OpenAIApp
+from frontends.openai_api.tool_parsers import PARSERS
 from frontends.server import require_key_off_loopback
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,14 @@ class OpenAIConfig:
     max_body_size: int = 1 << 24  # bytes; larger bodies get HTTP 413
     drain_timeout: float = 30.0
     log_prompts: bool = False
+    # How `tool_choice: auto` reads calls from the model's text (None: auto is refused).
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         require_key_off_loopback(self.host, self.api_key)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
+                             f"got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_size < 1:

@@ -309,7 +309,10 @@ async def test_bad_completion_parameters_are_400_naming_them(
     ({"messages": [{"role": "user", "content": "x" * 2000}]}, "messages"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tool_choice defaults to auto, which needs a --tool-call-parser this server lacks.
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
+     "tools[0].function.name"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://x"}}]}]}, "messages[0].content"),
 ])
