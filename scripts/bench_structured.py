@@ -68,7 +68,7 @@ def run(w: dict, args: argparse.Namespace) -> None:
     from scripts.bench_throughput import make_prompts, sampling_params, timed_run, warm_up
 
     engine_args = EngineArgs(
-        model=str(model_dir(w["shape"])), tokenizer=str(default_model_dir()),
+        model=str(model_dir(w["shape"])), tokenizer=args.tokenizer or str(default_model_dir()),
         load_format="dummy", max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         async_scheduling=False if args.sync else None,

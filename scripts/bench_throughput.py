@@ -503,6 +503,9 @@ def main() -> None:
                     help="KV cache element type (engine only): fp8 stores e4m3")
     ap.add_argument("--no-hopper-prefill", action="store_true",
                     help="prefill attention on the Triton kernel, not the Gluon one (A/B)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --structured-outputs: a tokenizer directory of 49,152 tokens "
+                         "(default: the embedded SmolLM2's, which the GPU machine lacks)")
     ap.add_argument("--structured-outputs", choices=["json"], default=None,
                     help="engine only: the workload free, then every request constrained to a "
                          "JSON schema, then free again (scripts/bench_structured.py)")
