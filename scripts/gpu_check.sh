@@ -89,7 +89,7 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
   for w in l1 w1; do
     for tree in "$other" "$PWD"; do
       (cd "$tree" && PYTHONPATH="${PYTHONPATH/$PWD/$tree}" python3 scripts/bench_throughput.py \
-        --workload "$w" --system engine --repeat 2 2>>"$OUT/bench.log") \
+        --workload "$w" --system engine --repeat "${REPEAT:-2}" 2>>"$OUT/bench.log") \
         | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
     done
   done
@@ -98,6 +98,10 @@ elif [ "$phase" = house ]; then  # an engine gives its memory back (two 7B engin
   python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/asyncengine/test_engine_shutdown.py \
     tests/kernels/test_prefill_attention_hopper.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
   bash "$0" compare "${2:?usage: gpu_check.sh house DIR}"
+elif [ "$phase" = capabilities ]; then  # L1/W1 from DIR and this tree (one pass each), then
+  # W1 free against JSON-constrained (the tokenizer carried in .device_tok)
+  REPEAT=1 bash "$0" compare "${2:?usage: gpu_check.sh capabilities DIR}"
+  bench --workload w1 --system engine --structured-outputs json --tokenizer "${3:-.device_tok}"
 elif [ "$phase" = serving ]; then  # H1 (OpenAI HTTP) and S1 (WebSocket) at saturation
   serving --api openai --rates inf --num-requests 256
   serving --api websocket --rates inf --num-requests 256 --skip-offline
@@ -115,8 +119,12 @@ elif [ "$phase" = router ]; then  # issue #32 item 5: does cache-aware routing p
     --system-prompts 8 --system-len 1500 --user-len 60 --max-tokens 128 --concurrency 32 \
     2>>"$OUT/bench.log" | tee "$OUT/router.txt" | cut -c1-300
   grep '^{' "$OUT/router.txt" >> "$OUT/serving.jsonl" || true
-elif [ "$phase" = spec ]; then  # speculative decoding: verify step k = 1..8, latency at
-  # acceptance 0 / 0.5 / 0.7 / 0.9, throughput by batch (7B shape, dummy weights)
+elif [ "$phase" = spec ]; then  # engine GPU tests (greedy = HF, graphs, prompt logprobs, spec
+  # decode); speculative decoding: verify step k = 1..8, latency at acceptance 0 / 0.5 / 0.7 /
+  # 0.9, throughput by batch (7B shape, dummy weights)
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
+    tests/asyncengine/test_cuda_graphs.py tests/asyncengine/test_prompt_logprobs.py \
+    tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
     | tee "$OUT/spec_decode.jsonl"
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
@@ -235,7 +243,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
