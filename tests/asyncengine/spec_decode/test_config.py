@@ -58,10 +58,15 @@ def test_draft_model_unsupported_combinations() -> None:
 
 
 def test_drafts_shrink_as_the_batch_grows() -> None:
-    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    default = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert [default.num_drafts_for_batch(b) for b in (1, 2, 3, 8)] == [4, 1, 0, 0]
+    cfg = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 4, "max_draft_tokens_per_step": 64}
+    )
     got = [cfg.num_drafts_for_batch(b) for b in (1, 8, 12, 16, 24, 32, 40, 64, 200)]
     assert got == [4, 4, 4, 3, 1, 1, 0, 0, 0]
     off = SpeculativeConfig.from_dict(
-        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2}
+        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2,
+         "max_draft_tokens_per_step": 64}
     )
     assert [off.num_drafts_for_batch(b) for b in (1, 2, 3)] == [4, 4, 0]

@@ -16,7 +16,9 @@ from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
 
 VOCAB = 452
 MAX_TOKENS = 24
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# A draft cap that lets batches of several requests speculate (the default stops at three).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "max_draft_tokens_per_step": 64}
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
