@@ -195,8 +195,12 @@ class AsyncLLMEngine:
     that iterates it, aborts the request and frees its KV blocks.
     """
 
-    def __init__(self, engine: LLMEngine, *, log_requests: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, *, log_requests: bool = False,
+                 owns_engine: bool = False) -> None:
         self.engine = engine
+        # Whether `shutdown()` (or dropping this object) frees the engine's memory: true for
+        # an engine built by `from_engine_args`; one handed in stays its caller's to free.
+        self.owns_engine = owns_engine
         self.log_requests = log_requests
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -260,7 +264,7 @@ class AsyncLLMEngine:
             built.put(engine)
             release.wait()
             if owner:
-                _serve_steps(owner[0], engine)
+                _serve_steps(owner[0], engine, True)
             else:
                 engine.shutdown()
 
@@ -270,7 +274,7 @@ class AsyncLLMEngine:
         if isinstance(result, BaseException):
             thread.join()
             raise result
-        self = cls(result, log_requests=log_requests)
+        self = cls(result, log_requests=log_requests, owns_engine=True)
         self._thread, self._release_thread = thread, release
         owner.append(weakref.ref(self))
         weakref.finalize(self, release.set)
@@ -540,6 +544,8 @@ class AsyncLLMEngine:
             if thread.is_alive():
                 logger.warning("engine thread did not stop within %.1fs", timeout)
         free = getattr(self.engine, "shutdown", None)
+        if not self.owns_engine:
+            free = getattr(self.engine.runner, "stop_workers", None)  # tensor-parallel ranks
         if free is not None and (thread is None or not thread.is_alive()):
             free()  # never under a step that is still running
         self._fail_all(EngineDeadError("engine was shut down"))
@@ -553,8 +559,10 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         if self._thread is None:
             self._loop = loop
-            self._thread = threading.Thread(target=_serve_steps, name="asyncengine-step",
-                                            args=(weakref.ref(self), self.engine), daemon=True)
+            self._thread = threading.Thread(
+                target=_serve_steps, name="asyncengine-step",
+                args=(weakref.ref(self), self.engine, self.owns_engine), daemon=True,
+            )
             self._thread.start()
         elif self._loop is None and self._release_thread is not None:
             self._loop = loop
@@ -786,13 +794,16 @@ class AsyncLLMEngine:
                 return True
 
 
-def _serve_steps(owner_ref: weakref.ref[AsyncLLMEngine], engine: LLMEngine) -> None:
+def _serve_steps(owner_ref: weakref.ref[AsyncLLMEngine], engine: LLMEngine,
+                 owns_engine: bool) -> None:
     """The step thread's body. It holds its `AsyncLLMEngine` only while there is work, so
-    one that is dropped can be collected: the thread then frees the engine's memory and ends."""
+    one that is dropped can be collected: the thread then ends, and frees the engine's memory
+    if the `AsyncLLMEngine` owned it."""
     while True:
         owner = owner_ref()
         if owner is None:
-            engine.shutdown()
+            if owns_engine:
+                engine.shutdown()
             return
         wakeup = owner._wakeup
         if owner._run_until_idle():

@@ -111,8 +111,12 @@ class TensorParallelModelRunner(ModelRunner):
             worker_kwargs["eos_token_ids"] = set()
             dist.broadcast_object_list([worker_kwargs], src=0, group=workers.groups.control)
 
-    def shutdown(self) -> None:
+    def stop_workers(self) -> None:
+        """Stop ranks 1..N-1 (also done at exit); this rank's memory stays."""
         self.workers.close()
+
+    def shutdown(self) -> None:
+        self.stop_workers()
         super().shutdown()
 
     @contextmanager
