@@ -154,12 +154,16 @@ class InflightStep:
             self._done = torch.cuda.Event()
             self._done.record()
 
-    def result(self) -> StepResult:
-        if self._result is not None:
-            return self._result
+    def wait(self) -> None:
+        """Until the step's copies to the host have landed."""
         if self._done is not None:
             with self.guard():
                 self._done.synchronize()
+
+    def result(self) -> StepResult:
+        if self._result is not None:
+            return self._result
+        self.wait()
         if self._host_ids is None:
             self._result = StepResult([], [], None, self._prompt_logprobs)
             return self._result

@@ -55,9 +55,7 @@ class VerifyStep(InflightStep):
     def result(self) -> StepResult:
         if self._result is not None:
             return self._result
-        if self._done is not None:
-            with self.guard():
-                self._done.synchronize()
+        self.wait()
         assert self._host_ids is not None
         ids, accepted = self._host_ids.tolist()
         row_reqs = [r for r, k in zip(self.requests, self.num_spec, strict=True)
