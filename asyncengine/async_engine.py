@@ -344,14 +344,8 @@ class AsyncLLMEngine:
     def encode_chat(self, messages: list[dict[str, str]], *,
                     add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` under the model's chat template."""
-        if add_generation_prompt:
-            return self.engine.apply_chat_template(messages)
-        tokenizer = self._require_tokenizer("messages")
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.engine.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (special tokens included, as vLLM's `/detokenize`)."""

@@ -276,7 +276,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        *, add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt's token ids; `tools` go to templates that take them (others ignore
         them)."""
@@ -290,7 +291,8 @@ class LLMEngine:
                 field="messages",
             )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, add_generation_prompt=True, tokenize=True
+            list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+            tokenize=True,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

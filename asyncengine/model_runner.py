@@ -593,13 +593,14 @@ class ModelRunner:
             return InflightStep([], None, None, scheduled, prompt)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         num_spec = [s.num_spec_tokens for s in sched.scheduled if s.needs_logits]
-        # Structured outputs: forbidden tokens to -inf before any sampling transform. A
-        # constrained request never speculates, so its one row is the last of its rows.
-        row_of = list(itertools.accumulate(k + 1 for k in num_spec)) if any(num_spec) else None
-        logits = self.grammar_masker.apply(
-            logits, reqs, prev, None if row_of is None else [r - 1 for r in row_of]
-        )
-        if row_of is not None:
+        # A verify step gives request i rows up to last_row[i]; a constrained request never
+        # speculates, so its one row is its last.
+        last_row = None
+        if any(num_spec):
+            last_row = [end - 1 for end in itertools.accumulate(k + 1 for k in num_spec)]
+        # Structured outputs: forbidden tokens to -inf before any sampling transform.
+        logits = self.grammar_masker.apply(logits, reqs, prev, last_row)
+        if last_row is not None:
             from asyncengine.spec_decode.verify import launch_verify
 
             return launch_verify(

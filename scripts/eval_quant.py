@@ -224,23 +224,6 @@ def perplexity(
         return engine_perplexity(llm, tokens, window)
 
 
-def greedy(
-    model_dir: Path,
-    prompts: list[list[int]],
-    max_tokens: int,
-    kv_cache_dtype: str = "auto",
-    kv_scales: str = "one",
-    calibration: list[int] | None = None,
-    quantization: str | None = None,
-    weight_only: bool = False,
-    device: str = "cpu",
-) -> list[list[int]]:
-    """Greedy continuations through an engine (`engine`)."""
-    with engine(model_dir, kv_cache_dtype, kv_scales, calibration, quantization, weight_only,
-                device) as llm:  # fmt: skip
-        return engine_greedy(llm, prompts, max_tokens)
-
-
 def agreement(base: list[list[int]], other: list[list[int]]) -> dict[str, float]:
     """Share of positions with the same token, and the mean common-prefix length."""
     same = total = prefix = 0

@@ -13,12 +13,12 @@ that knows, for rollback, metrics and anything that must advance only over kept 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from asyncengine.model_runner import InflightStep, StepResult, _logprob_dicts
+from asyncengine.model_runner import InflightStep, StepResult, _logprob_dicts, _plain_greedy
 from asyncengine.prompt_logprobs import PromptLogprobPlan, ScoredRows
 from asyncengine.request import Request
 from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -85,13 +85,6 @@ class VerifyStep(InflightStep):
         return self._result
 
 
-def _all_plain_greedy(reqs: Iterable[Request]) -> bool:
-    return all(
-        r.params.is_greedy and r.params.logprobs is None and not r.sampling_needs_history
-        for r in reqs
-    )
-
-
 def launch_verify(
     sampler: Sampler,
     logits: torch.Tensor,
@@ -122,7 +115,7 @@ def launch_verify(
             draft_ids.append(drafts[j] if j < k else -1)
             random_rows.append(not req.params.is_greedy)
     device = logits.device
-    if _all_plain_greedy(reqs):
+    if all(_plain_greedy(r) for r in reqs):
         sampled = logits.argmax(dim=-1)
         drafts_t = torch.tensor(draft_ids, dtype=torch.int64, device=device)
         packed = torch.stack([sampled, (sampled == drafts_t).to(torch.int64)])
