@@ -433,6 +433,10 @@ def tune_decode_gemvs(
                 fastest = min(row_times, key=row_times.__getitem__)
                 logger.info("quantized %dx%d at %d rows: %s %.4f ms (of %d kinds timed)", n, k,
                             rows, fastest, row_times[fastest], len(row_times))  # fmt: skip
+                # Every kind's time, for the rules that would spare start-up this tuning.
+                logger.debug("quantized %dx%d at %d rows, all kinds (ms): %s", n, k, rows,
+                             {kind: round(ms, 4) for kind, ms in sorted(row_times.items(),
+                                                                        key=lambda t: t[1])})
     plans.update(quant_plans)
     for layer, plan in plans.items():
         layer.set_plan(plan)

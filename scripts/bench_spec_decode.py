@@ -108,11 +108,21 @@ class FixedDrafts:
         return [[1] * k for k in num_drafts]
 
 
-def _engine(args: argparse.Namespace, k: int | None, **extra: Any) -> LLM:
-    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k, **extra}
+def _engine(args: argparse.Namespace, k: int | None, **engine_args: Any) -> LLM:
+    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
     return LLM(args.model, load_format=args.load_format, device=args.device,
                skip_tokenizer_init=True, speculative_config=spec,
-               max_num_seqs=args.max_batch, enforce_eager=args.enforce_eager)  # fmt: skip
+               max_num_seqs=args.max_batch, enforce_eager=args.enforce_eager,
+               **engine_args)  # fmt: skip
+
+
+def _phases(llm: LLM, before: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per step in each phase of `LLMEngine.step` since `before` (a copy of
+    `step_timing`): where a step's wall time goes, host or device."""
+    now = llm.llm_engine.step_timing
+    steps = max(now["steps"] - before["steps"], 1)
+    return {k.removesuffix("_s") + "_ms": round(1e3 * (now[k] - before[k]) / steps, 3)
+            for k in now if k != "steps"}  # fmt: skip
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -135,6 +145,33 @@ def _set_k(llm: LLM, k: int, proposer: Any) -> None:
     dec.config = dataclasses.replace(dec.config, num_speculative_tokens=k)
     dec.metrics = SpecDecodingMetrics(k)
     dec.proposer = proposer
+
+
+def _profile_verify(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    """GPU kernel time per verify step (k = 4, fixed drafts) against its wall time, and the
+    kernels that take it: what a verify step costs on the device, and what the host adds."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _set_k(llm, 4, FixedDrafts())
+    before = llm.llm_engine.step_timing["steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    steps = max(llm.llm_engine.step_timing["steps"] - before, 1)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    emit({"bench": "spec_verify_profile", "k": 4, "steps": steps,
+          "wall_ms_per_step": round(1e3 * wall / steps, 3),
+          "gpu_kernel_ms_per_step": round(
+              sum(e.self_device_time_total for e in kernels) / 1e3 / steps, 3),
+          "kernels": [{"name": e.key[:60], "ms_per_step": round(
+              e.self_device_time_total / 1e3 / steps, 4), "calls_per_step": round(
+              e.count / steps, 1)} for e in top]})  # fmt: skip
 
 
 def run_gpu(args: argparse.Namespace) -> None:
@@ -163,6 +200,16 @@ def run_gpu(args: argparse.Namespace) -> None:
         batches[batch] = (ps, refs, secs_off)
     base.llm_engine.shutdown()
     del base
+    # The same step resolved before the next is scheduled, as a verify step is: the host's
+    # share of a step that cannot overlap.
+    sync = _engine(args, None, async_scheduling=False)
+    _timed(sync, p1, params)
+    before = dict(sync.llm_engine.step_timing)
+    secs, _ = _timed(sync, p1, params)
+    emit({"bench": "spec_verify_step", "k": 0, "sync": True,
+          "ms_per_step": round(1e3 * secs / out_len, 3), **_phases(sync, before)})
+    sync.llm_engine.shutdown()
+    del sync
 
     llm = _engine(args, 8)
     dec = llm.llm_engine.spec_decoder
@@ -172,11 +219,13 @@ def run_gpu(args: argparse.Namespace) -> None:
     for k in range(1, 9):
         _set_k(llm, k, FixedDrafts())
         _timed(llm, p1, params)
-        before = llm.llm_engine.step_timing["steps"]
+        before = dict(llm.llm_engine.step_timing)
         secs, _ = _timed(llm, p1, params)
-        steps = llm.llm_engine.step_timing["steps"] - before
+        steps = llm.llm_engine.step_timing["steps"] - before["steps"]
         emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
-              "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3)})  # fmt: skip
+              "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
+              **_phases(llm, before)})  # fmt: skip
+    _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     dec._update = adaptive_update
 
     # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.

@@ -127,6 +127,27 @@ elif [ "$phase" = spec ]; then  # engine GPU tests (greedy = HF, graphs, prompt 
     tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
     | tee "$OUT/spec_decode.jsonl"
+elif [ "$phase" = probe ]; then  # where the time goes: FP8-KV decode attention against the copy
+  # rate; a verify step's phases and kernels; a cold GPTQ int4 start's tuning (winners logged)
+  timeout 150 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
+    | tee "$OUT/kvfp8.jsonl" | cut -c1-400
+  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 4 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-600
+  time timeout 240 python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.INFO,
+    format='%(relativeCreated)d %(name)s %(message)s'); logging.getLogger('models.linear_tuning').setLevel(logging.DEBUG); sys.argv[0] = 'bench_throughput.py'
+runpy.run_path('scripts/bench_throughput.py', run_name='__main__')" --workload l1 --system engine \
+    --quantization gptq-int4 2>"$OUT/int4_cold.log" | tee -a "$OUT/results.jsonl"
+  grep -c "rows:" "$OUT/int4_cold.log"
+elif [ "$phase" = tuning ]; then  # cold starts with every kind's tuning time logged, per format
+  # (default: gptq-int8 awq-int4 fp8), and the speculative decoding verify-step profile
+  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 4 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-700
+  for q in ${2:-gptq-int8 awq-int4 fp8}; do
+    timeout 200 python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.INFO,
+    format='%(relativeCreated)d %(name)s %(message)s'); logging.getLogger('models.linear_tuning').setLevel(logging.DEBUG); sys.argv[0] = 'bench_throughput.py'
+runpy.run_path('scripts/bench_throughput.py', run_name='__main__')" --workload l1 --system engine \
+      --quantization "$q" 2>"$OUT/tuning_$q.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+  done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -243,7 +264,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, probe, tuning, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
