@@ -84,10 +84,14 @@ class DecodeGraphs:
         max_blocks: int,
         *,
         fuse_rotary: bool = True,
+        verify_rows: int = 0,
     ) -> None:
         self.model = model
         self.device = device
         self.fuse_rotary = fuse_rotary  # as the runner plans (`decode_plan`'s argument)
+        # Speculative decoding: sizes up to this many rows also get the plans without fused
+        # rotary, which batch-expanded verify steps run.
+        self.verify_rows = verify_rows
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         self.max_blocks = max_blocks
@@ -101,6 +105,7 @@ class DecodeGraphs:
         # Keyed by (padded size, the decode plan its attention was captured with).
         self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, DecodePlan], torch.Tensor] = {}
+        self.replays = 0  # steps run through a graph
 
     def graph_size(self, num_seqs: int, table_width: int) -> int | None:
         """The padded size a decode step of `num_seqs` sequences replays at, or None when no
@@ -112,6 +117,9 @@ class DecodeGraphs:
     def variants(self, b: int) -> list[tuple[int, DecodePlan]]:
         """The graphs size b needs: one per plan a step of that size can have."""
         plans = decode_plans(b, self.num_kv_heads, self.device, fuse_rotary=self.fuse_rotary)
+        if b <= self.verify_rows:
+            unfused = decode_plans(b, self.num_kv_heads, self.device, fuse_rotary=False)
+            plans = tuple(dict.fromkeys(plans + unfused))
         return [(b, plan) for plan in plans]
 
     def _meta(self, b: int, plan: DecodePlan) -> AttentionMetadata:
@@ -148,8 +156,12 @@ class DecodeGraphs:
 
     def can_run(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
+        if not meta.decode_only:
+            return False
         b, width = meta.block_tables.shape
-        return meta.decode_only and self.graph_size(b, width) is not None
+        padded = self.graph_size(b, width)
+        # A verify step past `verify_rows` may want a plan no graph was captured with.
+        return padded is not None and (padded, meta.decode_plan) in self.graphs
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the graph of the step's padded size and plan (the runner planned the step
@@ -168,6 +180,7 @@ class DecodeGraphs:
             self.seq_lens[b:padded].fill_(0)
         key = (padded, meta.decode_plan)
         self.graphs[key].replay()
+        self.replays += 1
         return self.outputs[key][:b]
 
 

@@ -164,10 +164,12 @@ class LLMEngine:
             num_kv_blocks=num_blocks,
             block_size=args.block_size,
         )
+        spec = self.spec_decoder
         self.runner.prepare_for_serving(
             enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
+            verify_rows=0 if spec is None else spec.config.max_verify_rows,
         )
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()

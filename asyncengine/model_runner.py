@@ -357,10 +357,12 @@ class ModelRunner:
             )
 
     def prepare_for_serving(
-        self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
-    ) -> None:
+        self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int,
+        verify_rows: int = 0,
+    ) -> None:  # fmt: skip
         """Set-up after the KV cache exists: batch-1 GEMV choice and CUDA graphs for decode
-        and small prefill steps on the GPU."""
+        and small prefill steps on the GPU (and, with speculative decoding, for verify steps
+        of up to `verify_rows` rows)."""
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda":
@@ -382,7 +384,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(
                 self.model, self.device, max_num_seqs, max_blocks_per_seq,
-                fuse_rotary=self.fuse_decode_rotary,
+                fuse_rotary=self.fuse_decode_rotary, verify_rows=verify_rows,
             )  # fmt: skip
             pool = self.graphs.capture()
             self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)
@@ -455,8 +457,17 @@ class ModelRunner:
         owner = np.repeat(np.arange(b), lens)
         positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
         slots = tables[owner, positions // bs] * bs + positions % bs
+        fuse_rotary = None
+        if t > b and all(s.num_new_tokens == 1 + s.num_spec_tokens for s in scheduled):
+            # A verify step with no prompt in it runs as a decode step of one row per token
+            # (batch expansion): row j of a request attends to its context and the drafts
+            # before it, so it replays the decode graphs and their attention kernel. Every
+            # row's K/V must be in the cache before any row attends: no fused rotary/write.
+            b, lens, tables = t, np.ones(t, dtype=np.int64), tables[owner]
+            qsl, seq_lens = np.arange(t + 1, dtype=np.int64), positions + 1
+            fuse_rotary = False
         max_q, max_len = int(lens.max()), int(seq_lens.max())
-        plan = self.decode_plan(b, w, max_len) if max_q == 1 else None
+        plan = self.decode_plan(b, w, max_len, fuse_rotary) if max_q == 1 else None
         header = StepHeader(
             num_tokens=t,
             num_seqs=b,
@@ -494,14 +505,16 @@ class ModelRunner:
         inputs.prompt_plan = prompt_plan
         return inputs
 
-    def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int) -> DecodePlan:
+    def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
+                    fuse_rotary: bool | None = None) -> DecodePlan:  # fmt: skip
         """The plan of a decode-only step, for the batch its kernels will see: a step that
-        replays a CUDA graph runs at the graph's padded size."""
+        replays a CUDA graph runs at the graph's padded size. `fuse_rotary=False`: never
+        fold rotary and the K/V write into attention (a batch-expanded verify step)."""
         if self.graphs is not None:
             num_seqs = self.graphs.graph_size(num_seqs, table_width) or num_seqs
         return decode_plan(
             num_seqs, self.num_kv_heads, self.device, max_seq_len,
-            fuse_rotary=self.fuse_decode_rotary,
+            fuse_rotary=self.fuse_decode_rotary if fuse_rotary is None else fuse_rotary,
         )  # fmt: skip
 
     def _to_device(self, flat: np.ndarray) -> torch.Tensor:

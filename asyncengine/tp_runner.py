@@ -179,14 +179,16 @@ class TensorParallelModelRunner(ModelRunner):
             self._call_all("allocate_kv_cache", num_blocks, num_cpu_blocks)
 
     def prepare_for_serving(
-        self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int
-    ) -> None:
+        self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int,
+        verify_rows: int = 0,
+    ) -> None:  # fmt: skip
         with self._guard("CUDA graph capture"):
             self._call_all(
                 "prepare_for_serving",
                 enforce_eager=enforce_eager,
                 max_num_seqs=max_num_seqs,
                 max_blocks_per_seq=max_blocks_per_seq,
+                verify_rows=verify_rows,
             )
 
     # --------------------------------------------------------------- a step

@@ -102,6 +102,12 @@ class SpeculativeConfig:
         ):
             fail("disable_by_batch_size", "must be an integer >= 1")
 
+    @property
+    def max_verify_rows(self) -> int:
+        """The most rows (tokens) a verify step can hold: the speculating requests' drafts
+        and last tokens stay within the per-step cap (`num_drafts_for_batch`)."""
+        return max(self.max_draft_tokens_per_step, self.num_speculative_tokens + 1)
+
     def num_drafts_for_batch(self, num_running: int) -> int:
         """Drafts per speculating request in a step with `num_running` running requests."""
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:

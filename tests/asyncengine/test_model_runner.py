@@ -77,6 +77,39 @@ def test_a_decode_step_carries_the_plan_for_the_size_its_kernels_see(
     assert runner.prepare_inputs(sched).meta.decode_plan == DecodePlan(1, fuse_rotary=False)
 
 
+def test_a_verify_step_runs_as_a_decode_step_of_one_row_per_token(
+    tiny_llama_dir: Path,
+) -> None:
+    """Batch expansion: a request verifying 2 drafts becomes 3 decode rows over its block
+    table, row j seeing the context and the drafts before it; a plain decode request beside
+    it keeps its one row. No fused rotary: every row's K/V is written before any attends."""
+    engine = _engine(tiny_llama_dir)
+    runner = engine.runner
+    runner.num_kv_heads = 1  # one CPU "multiprocessor": short contexts would split and fuse
+    spec = _request("s", [5, 6, 7, 8])
+    assert engine.pool.allocate_slots(spec, 6) is not None
+    spec.num_computed_tokens = 3
+    spec.spec_token_ids = [21, 22]
+    plain = _request("p", list(range(3, 12)))
+    assert engine.pool.allocate_slots(plain, 9) is not None
+    plain.num_computed_tokens = 8
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(spec, 3, num_spec_tokens=2),
+                                       ScheduledRequest(plain, 1)])  # fmt: skip
+    inputs = runner.prepare_inputs(sched)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [8, 21, 22, 11]
+    assert inputs.positions.tolist() == [3, 4, 5, 8]
+    assert meta.decode_only and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.seq_lens.tolist() == [4, 5, 6, 9]
+    table = spec.block_table
+    assert meta.block_tables[:3, : len(table)].tolist() == [table] * 3
+    assert meta.decode_plan is not None and not meta.decode_plan.fuse_rotary
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
+    assert inputs.header.num_seqs == 4 and inputs.header.max_query_len == 1
+    for r in (spec, plain):
+        engine.pool.free(r)
+
+
 def test_pending_token_is_taken_from_the_previous_step(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir)
     req = _request("a", [5, 6, 7])

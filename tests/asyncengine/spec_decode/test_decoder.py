@@ -205,3 +205,36 @@ def test_parallel_sampling_greedy(spec: LLM, reference: dict) -> None:
     for p, out in zip(ps, llm.generate(ps, params, use_tqdm=False), strict=True):
         assert [c.token_ids for c in out.outputs] == [reference[tuple(p)]] * 3
     assert_pool_clean(llm)
+
+
+@pytest.mark.gpu
+def test_greedy_replay_equals_hf_on_the_gpu(tiny_llama_dir: Path, reference: dict) -> None:
+    """Float32 on the GPU with CUDA graphs: every verify step without a prompt chunk in it
+    replays a decode graph (batch expansion), and the output still equals HF token for
+    token."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", speculative_config=NGRAM)
+    engine = llm.llm_engine
+    runner = engine.runner
+    spec = engine.spec_decoder
+    spec.proposer = ReplayProposer(reference, acceptance=0.7, vocab_size=VOCAB, seed=1)
+    graphs = runner.graphs
+    assert graphs is not None
+    verify_steps: list[bool] = []  # per verify step: did a decode graph take it?
+    prepare = runner.prepare_inputs
+
+    def watched(sched, prev=None):
+        inputs = prepare(sched, prev)
+        chunks = sched.scheduled
+        if any(c.num_spec_tokens for c in chunks) and all(
+            c.num_new_tokens == 1 + c.num_spec_tokens for c in chunks
+        ):
+            verify_steps.append(graphs.can_run(inputs))
+        return inputs
+
+    runner.prepare_inputs = watched
+    ps = prompts()
+    assert generate(llm, ps, GREEDY) == [reference[tuple(p)] for p in ps]
+    m = spec.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert verify_steps and all(verify_steps)
+    assert_pool_clean(llm)
