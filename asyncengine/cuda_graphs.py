@@ -89,10 +89,13 @@ class DecodeGraphs:
         self.model = model
         self.device = device
         self.fuse_rotary = fuse_rotary  # as the runner plans (`decode_plan`'s argument)
-        # Speculative decoding: sizes up to this many rows also get the plans without fused
-        # rotary, which batch-expanded verify steps run.
-        self.verify_rows = verify_rows
         self.sizes = capture_sizes(max_num_seqs)
+        # Speculative decoding: the sizes a verify step of up to `verify_rows` rows pads to
+        # also get the plans without fused rotary, which batch-expanded verify steps run.
+        self.verify_rows = 0
+        if verify_rows:
+            self.verify_rows = self.sizes[min(bisect.bisect_left(self.sizes, verify_rows),
+                                              len(self.sizes) - 1)]  # fmt: skip
         n = self.sizes[-1]
         self.max_blocks = max_blocks
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

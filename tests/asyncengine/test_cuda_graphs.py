@@ -28,12 +28,12 @@ class _OneKVHeadModel(nn.Module):
         return [SimpleNamespace(num_kv_heads=1)]
 
 
-def _graphs(fuse_rotary: bool = True) -> DecodeGraphs:
+def _graphs(fuse_rotary: bool = True, verify_rows: int = 0) -> DecodeGraphs:
     # On the CPU the split heuristic sees one multiprocessor: only one sequence with one KV
     # head splits (4 segments, 2 for short contexts).
     return DecodeGraphs(
         _OneKVHeadModel(), torch.device("cpu"), max_num_seqs=4, max_blocks=8,
-        fuse_rotary=fuse_rotary,
+        fuse_rotary=fuse_rotary, verify_rows=verify_rows,
     )  # fmt: skip
 
 
@@ -43,6 +43,17 @@ def test_a_split_kv_size_gets_a_graph_per_plan() -> None:
     assert graphs.variants(2) == [(2, DecodePlan(1, False))]  # no split: one graph
     unfused = _graphs(fuse_rotary=False)
     assert unfused.variants(1) == [(1, DecodePlan(4, False)), (1, DecodePlan(2, False))]
+
+
+def test_verify_sizes_also_get_the_unfused_plans() -> None:
+    """Batch-expanded verify steps never fuse rotary: the sizes they pad to (1 and 2 for
+    up to 2 rows; 4 for 3) get those plans too, larger sizes do not."""
+    graphs = _graphs(verify_rows=3)
+    assert graphs.verify_rows == 4
+    assert graphs.variants(1) == [(1, DecodePlan(4, True)), (1, DecodePlan(2, True)),
+                                  (1, DecodePlan(4, False)), (1, DecodePlan(2, False))]
+    assert graphs.variants(4) == [(4, DecodePlan(1, False))]
+    assert _graphs(verify_rows=2).verify_rows == 2
 
 
 def test_steps_replay_at_the_padded_size_when_a_graph_fits() -> None:
