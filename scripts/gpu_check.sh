@@ -29,6 +29,8 @@
 #                                          # input transforms, L1 FP8 (profiled) and bf16
 #   bash scripts/gpu_check.sh structured   # structured-output GPU tests; W1 free vs every request
 #                                          # JSON-constrained (async scheduling, then --sync)
+#   bash scripts/gpu_check.sh session DIR # spec/graph/quant GPU tests, verify-step bench, cold
+#                                          # int4 start, L1 per quantized format, compare DIR
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -48,6 +50,7 @@ if ls .device_cache/caches.tgz.* >/dev/null 2>&1; then
   cat .device_cache/caches.tgz.* | tar -xzf - -C /tmp
 fi
 save_caches() {  # on exit: the caches back to $OUT in parts a call returns (3 x 15 MB at most)
+  if [ -n "${NO_CACHES:-}" ]; then return; fi  # leave the call's few files to the results
   tar -czf - -C /tmp triton-cache asyncengine-cache/matmul_plans 2>/dev/null \
     | split -b 15000000 -d - "$OUT/caches.tgz."
   if [ -e "$OUT/caches.tgz.03" ]; then rm -f "$OUT"/caches.tgz.*; fi
@@ -148,6 +151,21 @@ elif [ "$phase" = tuning ]; then  # cold starts with every kind's tuning time lo
 runpy.run_path('scripts/bench_throughput.py', run_name='__main__')" --workload l1 --system engine \
       --quantization "$q" 2>"$OUT/tuning_$q.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
   done
+elif [ "$phase" = session ]; then  # GPU tests of speculative decoding, graphs and quantized
+  # matmuls; the verify step (k = 1..8) and latency by acceptance; a cold GPTQ int4 start
+  # (empty caches), then L1 per quantized format; L1/W1 from DIR and from this tree
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/spec_decode \
+    tests/asyncengine/test_cuda_graphs.py tests/kernels/test_quant_linear.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 4 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
+  ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 240 \
+    python3 scripts/bench_throughput.py --workload l1 --system engine --quantization gptq-int4 \
+    2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-700
+  for q in ${3:-gptq-int8 awq-int4 fp8}; do
+    bench --workload l1 --system engine --quantization "$q" | cut -c1-700
+  done
+  REPEAT=1 bash "$0" compare "${2:?usage: gpu_check.sh session DIR}"
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -264,7 +282,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, probe, tuning, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
