@@ -5,9 +5,11 @@ Every block of the pool holds the target's K/V and the draft's (the model runner
 `draft_kv_cache`: the same block ids, a second, smaller cache per draft layer), so the pool
 is sized for both at start, and allocation, prefix caching, copy-on-write and preemption
 serve the draft with no second pool. `Request.num_draft_computed_tokens` counts the leading
-positions whose draft K/V is in the request's blocks; it drops to zero when the request
-loses its blocks (preemption) and is clamped to the target's computed tokens when drafts are
-rejected, so the draft never reads K/V of tokens the request no longer has.
+positions whose draft K/V is in the request's blocks. It counts known tokens only, never the
+draft's own drafts: whether a draft is kept is known only after verification, and its slot
+may be freed and handed to another request by the rollback. The next proposal recomputes the
+kept drafts together with the target's new token, in the one forward it runs anyway. The
+count drops to zero when the request loses its blocks (preemption, `Scheduler._preempt`).
 
 Proposing, for the requests `SpecDecoder.propose` hands over: reserve the slots of the
 draft tokens' K/V, run the draft over each request's tokens it has not seen (chunked to the
@@ -217,8 +219,6 @@ class DraftModelProposer:
             starts = [r.num_tokens - 1 + j for r in batch]
             tokens = self._forward(batch, starts, [1] * len(batch), device_ids=tokens)
             drafts[torch.tensor(active, device=self.device), j] = tokens
-            for r, start in zip(batch, starts, strict=True):
-                r.num_draft_computed_tokens = start + 1
         return drafts
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
@@ -226,7 +226,8 @@ class DraftModelProposer:
         the last one, in forwards of at most `max_num_batched_tokens` tokens; returns the
         argmax at each request's last token (its first draft)."""
         first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
-        # Only positions the target still holds are trusted: rejected drafts' K/V is not.
+        # Only positions the target holds computed are trusted (a safeguard: the count never
+        # passes the known tokens of the last proposal, which are computed by now).
         todo = [(i, min(r.num_draft_computed_tokens, r.num_computed_tokens))
                 for i, r in enumerate(reqs)]  # fmt: skip
         while todo:
