@@ -85,9 +85,7 @@ def test_greedy_equals_without_speculation(base: LLM, pair: tuple[Path, Path], k
     assert_pool_clean(llm)
 
 
-def test_stops_and_max_tokens_equal_without_speculation(
-    base: LLM, pair: tuple[Path, Path]
-) -> None:
+def test_stops_and_max_tokens_equal_without_speculation(base: LLM, pair: tuple[Path, Path]) -> None:
     ps = prompts()
     ref = generate(base, ps, GREEDY)
     params = [
