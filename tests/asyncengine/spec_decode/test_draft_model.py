@@ -287,3 +287,35 @@ def test_missing_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> No
     empty.mkdir()
     with pytest.raises(ValueError, match=FIELD + r" .*no config.json"):
         draft_llm(pair[0], draft_config(empty))
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_gpu_greedy_equals_without_speculation(
+    pair: tuple[Path, Path], enforce_eager: bool
+) -> None:
+    """On the GPU (Triton kernels, asynchronous scheduling, the target's CUDA graphs; the
+    draft eager, its decode steps on split-KV plans): a smaller draft keeps greedy output
+    equal, and the target as its own draft has every draft accepted, also with preemption."""
+    target, draft = pair
+    ps = prompts() + shared_prefix_prompts()
+    common = dict(dtype="float32", device="cuda", enforce_eager=enforce_eager)
+    # Sized pools: engines that each took 90% of the GPU could not live side by side.
+    base = LLM(str(target), num_kv_blocks=64, **common)
+    want = generate(base, ps, GREEDY)
+    base.shutdown()
+    small = draft_llm(target, draft_config(draft, 4), num_kv_blocks=64, **common)
+    assert generate(small, ps, GREEDY) == want
+    m = small.llm_engine.spec_decoder.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert_pool_clean(small)
+    small.shutdown()
+    same = draft_llm(target, draft_config(target, 3), num_kv_blocks=14, **common)
+    assert generate(same, ps, GREEDY) == want
+    m = same.llm_engine.spec_decoder.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert same.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_clean(same)
+    same.shutdown()
