@@ -86,8 +86,10 @@ def exact(target_top_k: dict[tuple[int, ...], dict[int, float]]
 
 @pytest.mark.parametrize("proposer", ["none", "top_k", "draft_model"])
 def test_sampled_tokens_follow_the_target(
-    tiny_llama_dir: Path, exact: dict[tuple[int, int, int], float],
-    target_top_k: dict[tuple[int, ...], dict[int, float]], proposer: str,
+    tiny_llama_dir: Path,
+    exact: dict[tuple[int, int, int], float],
+    target_top_k: dict[tuple[int, ...], dict[int, float]],
+    proposer: str,
 ) -> None:
     # A draft budget that keeps k = 2 for a batch of 128.
     config = {"method": "ngram", "num_speculative_tokens": 2, "max_draft_tokens_per_step": 512}
