@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from asyncengine.stats_schema import EngineStats, RequestStats, SpecDecodeStats
 from asyncengine.structured_outputs.engine_side import StructuredOutputs
 from models.config import ModelConfig
 from models.loader import load_model, resolve_model_path
+
+if TYPE_CHECKING:
+    from asyncengine.spec_decode.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids |= self._generation_config_eos(model_dir)
+        # A draft model is checked and loaded before the target: a bad one fails fast.
+        draft = self._load_draft_model(cfg)
 
         # Tensor parallelism: spawn ranks 1..N-1 and make this process rank 0, so the model
         # built below is rank 0's shard and the runner mirrors each step on the workers.
@@ -131,6 +136,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+        if draft is not None:  # its K/V shares the target's blocks: each block holds both
+            self.runner.draft_kv_layout = draft.kv_layout
         # Before the KV pool and CUDA graphs exist: the pass leaves nothing behind.
         self.calibrated_kv_scales = self._set_up_kv_scales(model)
         num_blocks = args.num_kv_blocks or self.runner.profile_num_blocks(
@@ -153,11 +160,19 @@ class LLMEngine:
         )
         self.spec_decoder = None
         if args.speculative_config is not None:
-            from asyncengine.spec_decode import build_spec_decoder
+            from asyncengine.spec_decode import DraftModelProposer, build_spec_decoder
 
+            proposer = None
+            if draft is not None:
+                assert self.runner.draft_kv_cache is not None
+                proposer = DraftModelProposer(
+                    draft, self.runner.draft_kv_cache, self.pool, device=self.device,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                )  # fmt: skip
             self.spec_decoder = build_spec_decoder(
-                args.speculative_config, self.pool, self.max_model_len, self.async_scheduling
-            )
+                args.speculative_config, self.pool, self.max_model_len, self.async_scheduling,
+                proposer,
+            )  # fmt: skip
         self.request_limits = RequestLimits(
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
@@ -215,6 +230,10 @@ class LLMEngine:
         self.is_shut_down = True
         self._inflight = None
         self.runner.shutdown()
+        if self.spec_decoder is not None:
+            close = getattr(self.spec_decoder.proposer, "shutdown", None)
+            if close is not None:  # a draft model's weights
+                close()
         self.structured.shutdown()
         # A cycle nobody has found yet must not keep gigabytes alive until the next collection.
         gc.collect()
@@ -263,6 +282,21 @@ class LLMEngine:
         scales = self.runner.calibrate_kv_scales(ids)
         logger.info("%s", describe_kv_scales(scales, len(ids)))
         return scales
+
+    def _load_draft_model(self, target: ModelConfig) -> DraftModel | None:
+        """The draft model `speculative_config.model` names, checked against the target
+        (None without one)."""
+        if self.args.speculative_config is None:
+            return None
+        from asyncengine.spec_decode import SpeculativeConfig, load_draft_model
+
+        spec = SpeculativeConfig.from_dict(self.args.speculative_config)
+        if spec.method != "draft_model":
+            return None
+        return load_draft_model(
+            spec, target, self.tokenizer, dtype=self.dtype, device=self.device,
+            seed=self.args.seed,
+        )  # fmt: skip
 
     @staticmethod
     def _generation_config_eos(model_dir: Path) -> set[int]:

@@ -269,6 +269,10 @@ class ModelRunner:
         self.grammar_masker = GrammarMasker(model_config.vocab_size, device)
         self.kv_cache: KVCache | None = None
         self.cpu_cache: KVCache | None = None
+        # A draft model's K/V (speculative decoding) lives in the same blocks: its own cache
+        # of the same block count, sized by `(num_layers, num_kv_heads, head_dim)`.
+        self.draft_kv_layout: tuple[int, int, int] | None = None
+        self.draft_kv_cache: KVCache | None = None
         attn = model.attention_layers()  # type: ignore[operator]
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
@@ -283,9 +287,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
+        """Bytes of one KV block: the target's K/V and, with a draft model, the draft's."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         layers = self.cfg.num_hidden_layers
-        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        size = 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        if self.draft_kv_layout is not None:
+            draft_layers, draft_heads, draft_dim = self.draft_kv_layout
+            draft_elem = torch.empty((), dtype=self.dtype).element_size()
+            size += 2 * draft_layers * self.block_size * draft_heads * draft_dim * draft_elem
+        return size
 
     @torch.inference_mode()
     def profile_num_blocks(
@@ -350,6 +360,12 @@ class ModelRunner:
         self.kv_cache = KVCache(layers, num_blocks, *args, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
             attn.k_cache, attn.v_cache = self.kv_cache.layer(i)
+        if self.draft_kv_layout is not None:
+            # In the model dtype even under an FP8 target cache: the draft has no KV scales.
+            self.draft_kv_cache = KVCache(
+                self.draft_kv_layout[0], num_blocks, self.block_size,
+                *self.draft_kv_layout[1:], self.dtype, device=self.device,
+            )  # fmt: skip
         if num_cpu_blocks:
             pin = self.device.type == "cuda"
             self.cpu_cache = KVCache(
@@ -394,7 +410,7 @@ class ModelRunner:
         """Let go of everything the runner holds on the device: CUDA graphs (and their memory
         pool), the KV pools, the staging buffers and the weights. No steps after this."""
         self.graphs = self.prefill_graphs = None
-        self.kv_cache = self.cpu_cache = None
+        self.kv_cache = self.cpu_cache = self.draft_kv_cache = None
         self._staging, self._staging_done = [None, None], [None, None]
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
@@ -552,6 +568,8 @@ class ModelRunner:
             assert self.cpu_cache is not None
             copy_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
         copy_blocks(self.kv_cache, self.kv_cache, sched.blocks_to_copy)
+        if self.draft_kv_cache is not None:  # a copied block keeps the draft's K/V too
+            copy_blocks(self.draft_kv_cache, self.draft_kv_cache, sched.blocks_to_copy)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of

@@ -86,6 +86,9 @@ class Request:
     # target keeps them) and the proposer's adaptive state for this request.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_state: SpecState | None = field(default=None, repr=False)
+    # Draft-model speculation: leading positions whose K/V the draft model holds in the
+    # request's blocks (zero again whenever the request loses its blocks).
+    num_draft_computed_tokens: int = 0
     # Structured outputs: where its output stands in its grammar (None: unconstrained).
     grammar: GrammarState | None = field(default=None, repr=False)
 

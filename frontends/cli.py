@@ -35,7 +35,8 @@ _ENGINE_HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
     "device": "where the model runs",
     "speculative_config": "speculative decoding as a JSON object, vLLM's spelling: "
-    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'",
+    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+    "or a draft model: '{\"model\": \"DIR\", \"num_speculative_tokens\": 4}'",
     "dtype": "weight and activation dtype",
     "seed": "random seed for weights (dummy) and sampling",
     "max_model_len": "longest prompt + output, in tokens (default: the model's limit)",

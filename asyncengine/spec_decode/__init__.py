@@ -2,6 +2,7 @@
 
 - `config`: `speculative_config` (vLLM's spelling) and its checks.
 - `ngram`: prompt-lookup drafts from the request's own tokens.
+- `draft_model`: greedy drafts from a smaller model whose K/V shares the target's blocks.
 - `rejection_sampler`: greedy and sampled verification, exact in distribution.
 - `verify`: the verify step on the device and its host-side verdicts.
 - `decoder`: the engine's coordinator: proposing, rollback of rejected slots, adaptivity.
@@ -16,16 +17,19 @@ from typing import Any
 from asyncengine.block_pool import BlockPool
 from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.spec_decode.decoder import Proposer, SpecDecoder
+from asyncengine.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from asyncengine.spec_decode.metrics import SpecDecodingMetrics
 from asyncengine.spec_decode.ngram import NgramProposer
 
 __all__ = [
+    "DraftModelProposer",
     "NgramProposer",
     "Proposer",
     "SpecDecoder",
     "SpecDecodingMetrics",
     "SpeculativeConfig",
     "build_spec_decoder",
+    "load_draft_model",
 ]
 
 
@@ -37,7 +41,9 @@ def build_spec_decoder(
     proposer: Proposer | None = None,
 ) -> SpecDecoder:
     """The coordinator for an engine's `speculative_config` (`proposer` overrides the one
-    the config names: benchmarks and tests plug in their own)."""
+    the config names: benchmarks and tests plug in their own). A draft model's proposer
+    (`DraftModelProposer`) needs the engine's KV cache, so the engine builds it and passes
+    it here."""
     config = SpeculativeConfig.from_dict(raw)
     if proposer is None:
         if config.method != "ngram":

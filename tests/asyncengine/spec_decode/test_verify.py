@@ -1,6 +1,7 @@
 """Sampled requests keep the target's distribution through the verify step: many samples of
-the first three tokens from a tiny model, with and without speculation, against the exact
-joint probabilities computed by HF transformers on the same weights (chi-square)."""
+the first three tokens from a tiny model, without speculation, with drafts from the target's
+top-k and with a draft model's greedy drafts, against the exact joint probabilities computed
+by HF transformers on the same weights (chi-square)."""
 
 from __future__ import annotations
 
@@ -83,17 +84,23 @@ def exact(target_top_k: dict[tuple[int, ...], dict[int, float]]
     return joint
 
 
-@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("proposer", ["none", "top_k", "draft_model"])
 def test_sampled_tokens_follow_the_target(
-    tiny_llama_dir: Path, exact: dict[tuple[int, int, int], float],
-    target_top_k: dict[tuple[int, ...], dict[int, float]], speculate: bool,
+    tiny_llama_dir: Path,
+    exact: dict[tuple[int, int, int], float],
+    target_top_k: dict[tuple[int, ...], dict[int, float]],
+    proposer: str,
 ) -> None:
     # A draft budget that keeps k = 2 for a batch of 128.
     config = {"method": "ngram", "num_speculative_tokens": 2, "max_draft_tokens_per_step": 512}
+    if proposer == "draft_model":  # the target as its own draft: its greedy drafts
+        config = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2,
+                  "max_draft_tokens_per_step": 512}  # fmt: skip
+    speculate = proposer != "none"
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", seed=3, max_num_seqs=128,
               speculative_config=config if speculate else None)  # fmt: skip
     decoder = llm.llm_engine.spec_decoder
-    if speculate:
+    if proposer == "top_k":
         decoder.proposer = TopKCandidates({c: list(p) for c, p in target_top_k.items()})
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, ignore_eos=True)
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)

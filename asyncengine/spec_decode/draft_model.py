@@ -1,0 +1,316 @@
+"""The draft-model proposer: a smaller model of the target's vocabulary drafts k tokens
+greedily, with its own K/V kept in the target's KV blocks.
+
+Every block of the pool holds the target's K/V and the draft's (the model runner's
+`draft_kv_cache`: the same block ids, a second, smaller cache per draft layer), so the pool
+is sized for both at start, and allocation, prefix caching, copy-on-write and preemption
+serve the draft with no second pool. `Request.num_draft_computed_tokens` counts the leading
+positions whose draft K/V is in the request's blocks. It counts known tokens only, never the
+draft's own drafts: whether a draft is kept is known only after verification, and its slot
+may be freed and handed to another request by the rollback. The next proposal recomputes the
+kept drafts together with the target's new token, in the one forward it runs anyway. The
+count drops to zero when the request loses its blocks (preemption, `Scheduler._preempt`).
+
+Proposing, for the requests `SpecDecoder.propose` hands over: reserve the slots of the
+draft tokens' K/V, run the draft over each request's tokens it has not seen (chunked to the
+token budget) to get the first draft from the last position, then k - 1 one-token steps
+batched over the requests, each feeding the previous step's argmax. The drafts stay on the
+device until the last step; one copy brings them to the host. Greedy drafts are point
+masses, which the rejection sampler verifies exactly (`rejection_sampler`). The draft runs
+eagerly (no CUDA graphs).
+
+Refused at start, naming `speculative_config.model`: a missing directory, a vocabulary other
+than the target's (the config's `vocab_size`, and the tokenizers where both have one), and a
+draft with more parameters than the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncengine.block_pool import BlockPool
+from asyncengine.model_runner import KVCache, step_inputs
+from asyncengine.request import Request
+from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.step_buffer import StepHeader, pack, unpack
+from kernels.paged_attention import decode_plan
+from models.config import ModelConfig
+from models.forward_context import set_forward_context
+from models.loader import load_model, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+FIELD = "speculative_config.model"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_NONE = np.empty(0, np.int64)
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    """Weights of a Llama-family model of this shape: embeddings, LM head (unless tied),
+    attention and MLP projections (norms and biases are too small to matter)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    mlp = 3 * h * cfg.intermediate_size
+    return embed + cfg.num_hidden_layers * (attn + mlp)
+
+
+@dataclass
+class DraftModel:
+    """The loaded draft: its module, its config and where it came from."""
+
+    model: nn.Module
+    config: ModelConfig
+    path: Path
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of its K/V: what a KV block holds for it."""
+        attn = self.model.attention_layers()  # type: ignore[operator]
+        return len(attn), attn[0].num_kv_heads, attn[0].head_dim
+
+
+def check_draft_config(draft: ModelConfig, target: ModelConfig) -> None:
+    """The draft must share the target's vocabulary size and be no larger than it."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{FIELD} has a vocabulary of {draft.vocab_size} tokens, the target "
+            f"{target.vocab_size}: a draft model must share the target's vocabulary"
+        )
+    draft_size, target_size = num_parameters(draft), num_parameters(target)
+    if draft_size > target_size:
+        raise ValueError(
+            f"{FIELD} is larger than the target ({draft_size / 1e6:.1f}M parameters against "
+            f"{target_size / 1e6:.1f}M): a draft model must be the smaller one"
+        )
+
+
+def check_draft_tokenizer(path: Path, target_tokenizer: Any) -> None:
+    """Where both have a tokenizer, the draft's must map the same strings to the same ids."""
+    if target_tokenizer is None or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{FIELD}: cannot load the tokenizer in {path} ({e})") from e
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(
+            f"{FIELD} has another tokenizer than the target ({len(draft_tokenizer)} tokens "
+            f"against {len(target_tokenizer)}, or the same count with other ids): a draft "
+            "model must share the target's vocabulary"
+        )
+
+
+def load_draft_model(
+    spec: SpeculativeConfig,
+    target: ModelConfig,
+    target_tokenizer: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> DraftModel:
+    """Check and load `spec.model` with the target's dtype and device; a bad draft raises a
+    ValueError naming `speculative_config.model` before any weight is read."""
+    assert spec.model is not None
+    try:
+        path = resolve_model_path(spec.model, spec.load_format)
+        cfg = ModelConfig.from_dir(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{FIELD} {spec.model!r} cannot be used: {e}") from e
+    check_draft_config(cfg, target)
+    check_draft_tokenizer(path, target_tokenizer)
+    try:
+        model = load_model(path, cfg, dtype=dtype, device=device, load_format=spec.load_format,
+                           seed=seed)  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{FIELD} {spec.model!r} cannot be loaded: {e}") from e
+    logger.info(
+        "draft model %s: %d layers, %.1fM parameters (target %.1fM)", path,
+        cfg.num_hidden_layers, num_parameters(cfg) / 1e6, num_parameters(target) / 1e6,
+    )  # fmt: skip
+    return DraftModel(model, cfg, path)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a draft model whose K/V lives in the target's KV blocks."""
+
+    def __init__(
+        self,
+        draft: DraftModel,
+        kv_cache: KVCache,
+        pool: BlockPool,
+        *,
+        device: torch.device,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.draft = draft
+        self.model = draft.model
+        self.pool = pool
+        self.device = device
+        self.block_size = pool.block_size
+        # Tokens of one catch-up forward: its activations stay within a target step's.
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Rotary tables end here: no draft position may pass it.
+        self.max_position = draft.config.max_position_embeddings
+        _, self.num_kv_heads, _ = draft.kv_layout
+        for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
+            attn.k_cache, attn.v_cache = kv_cache.layer(i)
+
+    def shutdown(self) -> None:
+        """Let go of the draft's weights and its view of the KV cache."""
+        model, self.model = self.model, None  # type: ignore[assignment]
+        if model is not None:
+            for attn in model.attention_layers():  # type: ignore[operator]
+                attn.k_cache = attn.v_cache = None
+        self.draft = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------- proposing
+    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        rows: list[int] = []
+        counts: list[int] = []
+        for i, (req, n) in enumerate(zip(requests, num_drafts, strict=True)):
+            # Draft j + 1 is read at position num_tokens - 1 + j.
+            n = min(n, self.max_position - req.num_tokens + 1)
+            if n > 0 and self._reserve(req, n):
+                rows.append(i)
+                counts.append(n)
+        if not rows:
+            return out
+        with torch.inference_mode():
+            drafts = self._run([requests[i] for i in rows], counts)
+        for i, n, ids in zip(rows, counts, drafts.tolist(), strict=True):
+            out[i] = ids[:n]
+        return out
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Slots for the draft's K/V up to its (n - 1)-th draft token, taken from the pool
+        now: the verify step needs them anyway. A block still shared where the request
+        writes next (copied on write by the coming step) gets no drafts this time."""
+        if self.pool._needs_copy_on_write(req):
+            return False
+        num_new = req.num_tokens + n - 1 - req.num_computed_tokens
+        return self.pool.allocate_slots(req, num_new) is not None
+
+    def _run(self, reqs: list[Request], counts: list[int]) -> torch.Tensor:
+        """[len(reqs), max(counts)] draft ids on the device (row i valid up to counts[i])."""
+        first = self._catch_up(reqs)
+        drafts = torch.full((len(reqs), max(counts)), -1, dtype=torch.int64, device=self.device)
+        drafts[:, 0] = first
+        active = list(range(len(reqs)))
+        tokens = first
+        for j in range(1, max(counts)):
+            keep = [a for a, row in enumerate(active) if counts[row] > j]
+            if len(keep) < len(active):
+                tokens = tokens.index_select(0, torch.tensor(keep, device=self.device))
+                active = [active[a] for a in keep]
+            batch = [reqs[row] for row in active]
+            starts = [r.num_tokens - 1 + j for r in batch]
+            tokens = self._forward(batch, starts, [1] * len(batch), device_ids=tokens)
+            drafts[torch.tensor(active, device=self.device), j] = tokens
+        return drafts
+
+    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        """Run the draft over each request's tokens missing from its cache, up to and with
+        the last one, in forwards of at most `max_num_batched_tokens` tokens; returns the
+        argmax at each request's last token (its first draft)."""
+        first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+        # Only positions the target holds computed are trusted (a safeguard: the count never
+        # passes the known tokens of the last proposal, which are computed by now).
+        todo = [(i, min(r.num_draft_computed_tokens, r.num_computed_tokens))
+                for i, r in enumerate(reqs)]  # fmt: skip
+        while todo:
+            budget = self.max_num_batched_tokens
+            batch: list[tuple[int, int, int]] = []  # (request, start, length)
+            later: list[tuple[int, int]] = []
+            for i, start in todo:
+                length = min(reqs[i].num_tokens - start, budget)
+                if length > 0:
+                    batch.append((i, start, length))
+                    budget -= length
+                if start + length < reqs[i].num_tokens:
+                    later.append((i, start + length))
+            batch_reqs = [reqs[i] for i, _, _ in batch]
+            ids = np.concatenate([
+                np.asarray(reqs[i].all_token_ids[s : s + n], dtype=np.int64)
+                for i, s, n in batch
+            ])  # fmt: skip
+            last = self._forward(batch_reqs, [s for _, s, _ in batch], [n for _, _, n in batch],
+                                 host_ids=ids)  # fmt: skip
+            done = [k for k, (i, s, n) in enumerate(batch) if s + n == reqs[i].num_tokens]
+            if done:
+                index = torch.tensor(done, device=self.device)
+                first[torch.tensor([batch[k][0] for k in done], device=self.device)] = (
+                    last.index_select(0, index)
+                )
+            for i, s, n in batch:
+                reqs[i].num_draft_computed_tokens = s + n
+            todo = later
+        return first
+
+    def _forward(
+        self,
+        reqs: list[Request],
+        starts: list[int],
+        lens: list[int],
+        *,
+        host_ids: np.ndarray | None = None,
+        device_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
+        (ids from the host or already on the device); the argmax at each one's last token.
+        The step is laid out as the model runner lays out a target step (`step_buffer`)."""
+        bs = self.block_size
+        b = len(reqs)
+        w = max(len(r.block_table) for r in reqs)
+        lens_a = np.asarray(lens, dtype=np.int64)
+        starts_a = np.asarray(starts, dtype=np.int64)
+        t = int(lens_a.sum())
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(lens_a, out=qsl[1:])
+        tables = np.zeros((b, w), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.block_table)] = r.block_table
+        owner = np.repeat(np.arange(b), lens_a)
+        positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts_a[owner]
+        slots = tables[owner, positions // bs] * bs + positions % bs
+        seq_lens = starts_a + lens_a
+        max_q, max_len = int(lens_a.max()), int(seq_lens.max())
+        plan = decode_plan(b, self.num_kv_heads, self.device, max_len) if max_q == 1 else None
+        header = StepHeader(
+            num_tokens=t, num_seqs=b, table_width=w, num_logits=b, max_query_len=max_q,
+            max_seq_len=max_len, decode_segments=0 if plan is None else plan.segments,
+            fuse_rotary=plan is not None and plan.fuse_rotary,
+        )  # fmt: skip
+        arrays = {
+            "input_ids": host_ids if host_ids is not None else np.zeros(t, np.int64),
+            "positions": positions,
+            "slot_mapping": slots,
+            "query_start_loc": qsl,
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+            "logits_indices": qsl[1:] - 1,
+            "fills": _NONE,
+            "prompt_rows": _NONE,
+            "prompt_targets": _NONE,
+        }
+        buffer = torch.from_numpy(pack(header, arrays)).to(self.device)
+        parts = unpack(header, buffer)
+        if device_ids is not None:
+            parts["input_ids"].copy_(device_ids)
+        inputs = step_inputs(header, buffer, parts, [])
+        with set_forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]
+        return logits.argmax(dim=-1)

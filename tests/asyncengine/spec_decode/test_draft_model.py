@@ -1,0 +1,321 @@
+"""The draft-model proposer in the engine: greedy output equals the non-speculative engine's
+token for token under every scheduling path, a draft identical to the target has every draft
+accepted (so its K/V in the shared blocks is never stale), the pool is sized for both models'
+K/V, and a draft of another vocabulary, a larger one or a missing one is refused at start."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncengine import LLM, SamplingParams
+from tests.asyncengine.engine_helpers import assert_pool_clean
+from tests.asyncengine.spec_decode.test_decoder import GREEDY, VOCAB, generate, prompts
+
+FIELD = r"speculative_config\.model"
+
+
+def draft_config(model_dir: Path, k: int = 3, **extra: object) -> dict:
+    # A draft cap that lets a batch of several requests speculate.
+    return {"model": str(model_dir), "num_speculative_tokens": k,
+            "max_draft_tokens_per_step": 64, **extra}  # fmt: skip
+
+
+def save_hf(model: torch.nn.Module, tokenizer_dir: Path | None, path: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 2-layer target whose second layer adds little, and a 1-layer draft made of the
+    target's first layer: same vocabulary, fewer weights, agreeing with the target often but
+    not always (about half its drafts are accepted)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if ".layers.1." in name and ("o_proj" in name or "down_proj" in name):
+                p.mul_(0.2)
+    root = tmp_path_factory.mktemp("draft-pair")
+    target_dir = save_hf(target, tiny_llama_dir, root / "target")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = 1
+    draft = LlamaForCausalLM(cfg)
+    draft.load_state_dict(
+        {k: v for k, v in target.state_dict().items() if ".layers.1." not in k}, strict=True
+    )
+    return target_dir, save_hf(draft, tiny_llama_dir, root / "draft")
+
+
+@pytest.fixture(scope="module")
+def base(pair: tuple[Path, Path]) -> LLM:
+    return LLM(str(pair[0]), dtype="float32", device="cpu")
+
+
+def draft_llm(target: Path, config: dict, **engine_args: object) -> LLM:
+    return LLM(str(target), dtype="float32", device="cpu", speculative_config=config,
+               **engine_args)  # fmt: skip
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Prompts over one 40-token prefix: later ones hit the prefix cache."""
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, VOCAB, (40,), generator=gen).tolist()
+    return [prefix + torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 1)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_without_speculation(base: LLM, pair: tuple[Path, Path], k: int) -> None:
+    target, draft = pair
+    ps = prompts()
+    llm = draft_llm(target, draft_config(draft, k))
+    assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
+    m = llm.llm_engine.spec_decoder.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens  # kept and rejected drafts both
+    assert_pool_clean(llm)
+
+
+def test_stops_and_max_tokens_equal_without_speculation(base: LLM, pair: tuple[Path, Path]) -> None:
+    ps = prompts()
+    ref = generate(base, ps, GREEDY)
+    params = [
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[1][6]]),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[2][10]]),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=12),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[5][3]]),
+    ]
+    llm = draft_llm(pair[0], draft_config(pair[1], 4))
+    want = base.generate(ps, params, use_tqdm=False)
+    got = llm.generate(ps, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        w0, g0 = w.outputs[0], g.outputs[0]
+        assert (g0.token_ids, g0.finish_reason, g0.stop_reason) == (
+            w0.token_ids, w0.finish_reason, w0.stop_reason,
+        )  # fmt: skip
+    assert {"stop", "length"} <= {w.outputs[0].finish_reason for w in want}
+    assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
+    assert_pool_clean(llm)
+
+
+# Scheduling paths; a draft equal to the target must have every draft accepted on each.
+CASES = {
+    "default": {},
+    # Drafts cut to the budget; the draft catches up over a long prompt in several forwards.
+    "chunked": {"max_num_batched_tokens": 19},
+    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    "async_few_seqs": {"async_scheduling": True, "max_num_seqs": 2},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_draft_equal_to_target_accepts_every_draft(
+    base: LLM, pair: tuple[Path, Path], case: str
+) -> None:
+    target = pair[0]
+    llm = draft_llm(target, draft_config(target, 3), **CASES[case])
+    # The second batch finds the first one's prefix in the cache.
+    for ps in (prompts() + shared_prefix_prompts()[:1], shared_prefix_prompts()[1:]):
+        assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
+    engine = llm.llm_engine
+    m = engine.spec_decoder.metrics
+    assert m.num_draft_tokens > 0
+    assert m.num_accepted_tokens == m.num_draft_tokens
+    stats = engine.get_stats().spec_decode
+    assert stats is not None and stats.acceptance_rate == 1.0
+    assert stats.mean_acceptance_length > 2.0
+    if case == "preempt_recompute":
+        assert engine.scheduler.num_preemptions > 0
+    if case == "default":
+        assert engine.pool.prefix_hits > 0
+    assert_pool_clean(llm)
+
+
+def test_parallel_sampling_greedy(base: LLM, pair: tuple[Path, Path]) -> None:
+    ps = prompts()
+    params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(ps, params, use_tqdm=False)]
+    llm = draft_llm(pair[0], draft_config(pair[0], 3))
+    for w, out in zip(want, llm.generate(ps, params, use_tqdm=False), strict=True):
+        assert [c.token_ids for c in out.outputs] == [w] * 3
+    m = llm.llm_engine.spec_decoder.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert_pool_clean(llm)
+
+
+def test_draft_kv_is_rolled_back_with_the_target(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4))
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+        for req in engine.scheduler.running:
+            # Drafts past the kept tokens were rolled back: their slots are gone, and the
+            # draft K/V counted as valid is of computed tokens only.
+            assert len(req.block_table) <= engine.pool.blocks_needed(req.num_tokens)
+            assert req.num_draft_computed_tokens <= req.num_computed_tokens
+    assert engine.spec_decoder.metrics.num_drafts > 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("case", ["default", "chunked", "preempt_recompute"])
+def test_drafts_are_the_draft_models_own_greedy_continuation(
+    pair: tuple[Path, Path], case: str
+) -> None:
+    """Every proposal equals HF's greedy continuation of the request's tokens by the draft
+    model: the draft K/V kept in the blocks across steps, rollbacks and preemptions is what
+    a fresh pass would compute (stale K/V of rejected drafts would change the drafts)."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4), **CASES[case])
+    proposer = llm.llm_engine.spec_decoder.proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def recording(requests, num_drafts):  # type: ignore[no-untyped-def]
+        out = propose(requests, num_drafts)
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(requests, out, strict=True) if d)
+        return out
+
+    proposer.propose = recording
+    generate(llm, prompts(), GREEDY)
+    m = llm.llm_engine.spec_decoder.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    hf = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32)
+    with torch.inference_mode():
+        for tokens, drafts in seen:
+            want = list(tokens)
+            for _ in drafts:  # plain argmax steps: EOS is a token like any other here
+                want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+            assert drafts == want[len(tokens) :]
+
+
+def test_positions_past_the_draft_limit_get_no_drafts(
+    base: LLM, pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    short = tmp_path / "short-draft"
+    short.mkdir()
+    for f in pair[1].iterdir():
+        (short / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 48
+    (short / "config.json").write_text(json.dumps(cfg))
+    ps = prompts()
+    llm = draft_llm(pair[0], draft_config(short, 3))
+    assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
+    # The short prompts draft until position 47; the 70-token prompt never drafts.
+    assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
+    assert_pool_clean(llm)
+
+
+def test_pool_holds_both_models_kv(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    gib = 1 / 64
+    plain = LLM(str(target), dtype="float32", device="cpu", cpu_kv_cache_gib=gib)
+    llm = draft_llm(target, draft_config(draft), cpu_kv_cache_gib=gib)
+
+    def kv_bytes_per_block(model_dir: Path) -> int:
+        c = json.loads((model_dir / "config.json").read_text())
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+        return 2 * c["num_hidden_layers"] * 16 * c["num_key_value_heads"] * head_dim * 4
+
+    per_block = kv_bytes_per_block(target) + kv_bytes_per_block(draft)
+    assert plain.llm_engine.pool.num_blocks == int(gib * 2**30) // kv_bytes_per_block(target)
+    assert llm.llm_engine.pool.num_blocks == int(gib * 2**30) // per_block
+    assert llm.llm_engine.runner.block_bytes() == per_block
+    # The draft's cache spans the same blocks as the target's.
+    runner = llm.llm_engine.runner
+    assert runner.draft_kv_cache.num_blocks == runner.kv_cache.num_blocks
+
+
+# ------------------------------------------------------------------ refusals
+def _write_config(path: Path, base_dir: Path, **changes: object) -> Path:
+    path.mkdir()
+    cfg = json.loads((base_dir / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_other_vocab_size_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    other = _write_config(tmp_path / "other-vocab", pair[1], vocab_size=VOCAB + 8)
+    with pytest.raises(ValueError, match=FIELD + r".*vocabulary of 460 tokens"):
+        draft_llm(pair[0], draft_config(other) | {"load_format": "dummy"})
+
+
+def test_other_tokenizer_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for f in pair[1].iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    # Same size, two ids swapped: another vocabulary all the same.
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=FIELD + r" has another tokenizer"):
+        draft_llm(pair[0], draft_config(other))
+
+
+def test_larger_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    big = _write_config(tmp_path / "big", pair[1], num_hidden_layers=4)
+    with pytest.raises(ValueError, match=FIELD + r" is larger than the target"):
+        draft_llm(pair[0], draft_config(big) | {"load_format": "dummy"})
+
+
+def test_missing_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=FIELD + r" .*does not exist"):
+        draft_llm(pair[0], draft_config(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=FIELD + r" .*no config.json"):
+        draft_llm(pair[0], draft_config(empty))
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_gpu_greedy_equals_without_speculation(
+    pair: tuple[Path, Path], enforce_eager: bool
+) -> None:
+    """On the GPU (Triton kernels, asynchronous scheduling, the target's CUDA graphs; the
+    draft eager, its decode steps on split-KV plans): a smaller draft keeps greedy output
+    equal, and the target as its own draft has every draft accepted, also with preemption."""
+    target, draft = pair
+    ps = prompts() + shared_prefix_prompts()
+    common = dict(dtype="float32", device="cuda", enforce_eager=enforce_eager)
+    # Sized pools: engines that each took 90% of the GPU could not live side by side.
+    base = LLM(str(target), num_kv_blocks=64, **common)
+    want = generate(base, ps, GREEDY)
+    base.shutdown()
+    small = draft_llm(target, draft_config(draft, 4), num_kv_blocks=64, **common)
+    assert generate(small, ps, GREEDY) == want
+    m = small.llm_engine.spec_decoder.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert_pool_clean(small)
+    small.shutdown()
+    same = draft_llm(target, draft_config(target, 3), num_kv_blocks=14, **common)
+    assert generate(same, ps, GREEDY) == want
+    m = same.llm_engine.spec_decoder.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert same.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_clean(same)
+    same.shutdown()
