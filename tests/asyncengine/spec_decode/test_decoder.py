@@ -208,6 +208,7 @@ def test_parallel_sampling_greedy(spec: LLM, reference: dict) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_greedy_replay_equals_hf_on_the_gpu(tiny_llama_dir: Path, reference: dict) -> None:
     """Float32 on the GPU with CUDA graphs: every verify step without a prompt chunk in it
     replays a decode graph (batch expansion), and the output still equals HF token for
