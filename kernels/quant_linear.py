@@ -38,8 +38,10 @@ from kernels.half_pairs import (
 __all__ = [
     "QuantGemmConfig",
     "QuantGemvConfig",
+    "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
+    "gemm_config",
     "pack_int_weight",
     "quant_gemm",
     "quant_gemm_candidates",
@@ -147,22 +149,49 @@ class QuantGemvConfig:
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
+def gemm_config(
+    group_size: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
+    num_stages: int,
+) -> QuantGemmConfig | None:  # fmt: skip
+    """A `quant_gemm` tile shape with BLOCK_K narrowed to the group where the group is
+    shorter, or None where the tiles cannot fit the group and K."""
+    bk = min(block_k, group_size)
+    if group_size % bk or k % bk or bk & (bk - 1):
+        return None
+    return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages)
+
+
+def at_once_gemv_config(
+    group_size: int, k: int, block_n: int, values: int, num_warps: int
+) -> QuantGemvConfig | None:
+    """The at-once `quant_gemv` whose programs each load `values` input rows as tiles of
+    up to 128 rows (a tile within one group), or None where that does not fit the group
+    and K (or K is shorter than one program's rows)."""
+    bk = min(128, group_size)
+    if group_size % bk or bk & (bk - 1) or k % bk or k < values:
+        return None
+    tiles = values // bk
+    if not tiles or tiles & (tiles - 1):
+        return None
+    return QuantGemvConfig(block_n, bk, 1, num_warps, 1, pairs=True, tiles=tiles)
+
+
 def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
-    """Tile shapes the start-up tuner times (BLOCK_K always divides the group)."""
-    out = []
-    for bm, bn, bk, warps, stages in [
-        (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
-        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
-    ]:  # fmt: skip
-        bk = min(bk, group_size)
-        if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1):
-            out.append(QuantGemmConfig(bm, bn, bk, warps, stages))
-    return list(dict.fromkeys(out))
+    """Every tile shape the start-up tuner can time (BLOCK_K always divides the group)."""
+    out = [
+        gemm_config(group_size, k, *shape)
+        for shape in [
+            (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+            (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
+        ]
+    ]  # fmt: skip
+    return list(dict.fromkeys(c for c in out if c is not None))
 
 
 def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
-    """GEMV blockings the start-up tuner times: float32 products, then half-precision pairs
-    (wider column blocks, so each thread's x pairs serve more columns)."""
+    """Every GEMV blocking the start-up tuner can time: float32 products, then
+    half-precision pairs (wider column blocks, so each thread's x pairs serve more columns),
+    then the at-once forms."""
     out = []
     for bn, bk, split, warps, pairs in [
         (32, 128, 1, 4, False), (64, 128, 1, 4, False), (64, 128, 2, 4, False),
@@ -187,10 +216,9 @@ def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
         (32, 512, 2), (32, 1024, 4), (32, 2048, 4), (128, 256, 4), (64, 512, 4),
         (64, 1024, 8), (32, 256, 1), (32, 256, 2), (64, 256, 2), (32, 512, 1),
     ]:  # fmt: skip
-        bk = min(128, group_size)
-        tiles = k_per // bk if group_size % bk == 0 and not bk & (bk - 1) else 0
-        if tiles and k % bk == 0 and k >= k_per and not tiles & (tiles - 1):
-            out.append(QuantGemvConfig(bn, bk, 1, warps, 1, pairs=True, tiles=tiles))
+        cfg = at_once_gemv_config(group_size, k, bn, k_per, warps)
+        if cfg is not None:
+            out.append(cfg)
     return list(dict.fromkeys(out))
 
 
