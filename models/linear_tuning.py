@@ -365,9 +365,9 @@ def _compile_ahead(
     threads, so that their Triton kernels compile side by side: Triton releases the GIL
     while it compiles, and a cold start compiles each candidate config about once (Triton
     specializes a row count only on being 1 or a multiple of 16, and a config's kernel at
-    one weight shape mostly serves the others). The kernels run on the caller's stream, one after another as
-    launched; what they return is dropped, and a kind that fails here fails again in the
-    serial pass, which skips it. Only for steps of more than one kind and up to
+    one weight shape mostly serves the others). The kernels run on the caller's stream, one
+    after another as launched; what they return is dropped, and a kind that fails here
+    fails again in the serial pass, which skips it. Only for steps of more than one kind and up to
     `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then, and the
     pool's outputs stay small."""
     if (x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(kinds) < 2
