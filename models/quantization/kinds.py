@@ -143,8 +143,7 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     ),
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1))),
-        IntRule(2, at_once=((32, 256, 2),),
-                loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),  # fmt: skip
+        IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),
         IntRule(4, loops=((128, 128, 2, 4, True),), gemms=((16, 64, 64, 4, 4),)),
         *_FROM_5_ROWS,
     ),

@@ -539,45 +539,60 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
 def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Timings favouring the weight-only GEMV up to 8 rows (its one-row form and configs
-    differ from its 2-16-row ones), the Triton GEMM up to 64 and cuBLASLt past it give that
-    plan; the W8A8 entries and the one-row GEMV of a layer with an RMSNorm input form it
-    themselves."""
+    """Timings favouring the whole-row GEMV at one row, the weight-only GEMV up to 8 rows,
+    the first Triton GEMM tile of each step up to 64 and cuBLASLt past it (its steps of one
+    candidate checked, not timed) give that plan; the W8A8 entries and the whole-row GEMV
+    of a layer with an RMSNorm input form it themselves."""
     from models.quantization.fp8 import (
         Fp8DequantMatmul,
         Fp8Gemv,
-        Fp8RowGemv,
         Fp8ScaledMM,
         Fp8TritonGemm,
+        Fp8WholeRowGemv,
     )
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         assert x.dtype == torch.float32  # the layers' activation dtype, not the scales'
         rows = x.shape[0]
+        gemms = [k for k in kinds if isinstance(k, Fp8TritonGemm)]
 
         def ms(kind: object) -> float:
+            if isinstance(kind, Fp8WholeRowGemv):
+                return 1.0
             if isinstance(kind, Fp8Gemv):
-                return 1.0 if rows <= 8 else 9.0
+                return 1.5 if rows <= 8 else 9.0
             if isinstance(kind, Fp8TritonGemm):
-                return 2.0 + (0.1 if kind.config != kinds[2].config else 0.0)
+                return 2.0 + (0.1 if kind != gemms[0] else 0.0)
             if isinstance(kind, Fp8ScaledMM):
                 return 3.0 if rows <= 64 else 1.5
             return 50.0
 
         return {k.describe(): ms(k) for k in kinds}
 
+    checked: list[int] = []
+
+    def all_agree(kinds, pairs, x, low_rows):  # type: ignore[no-untyped-def]
+        checked.append(x.shape[0])  # cuBLASLt's FP8 GEMM need not run on this CPU
+        return list(kinds)
+
     monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    monkeypatch.setattr(tuning, "_agreeing_kinds", all_agree)
     model = _fp8_model("cpu", torch.float32)
     assert isinstance(model["a"].plan.entries[0].kind, Fp8DequantMatmul)
     plans, timings = tuning.plan_quantized_linears(model, device_type="cpu")
     entries = plans[model["a"]].entries
-    assert [e.max_rows for e in entries] == [1, 8, 64, None]
-    assert [type(e.kind) for e in entries] == [Fp8RowGemv, Fp8Gemv, Fp8TritonGemm, Fp8ScaledMM]
+    assert [e.max_rows for e in entries] == [1, 8, 16, 64, None]
+    assert [type(e.kind) for e in entries] == [
+        Fp8WholeRowGemv, Fp8Gemv, Fp8TritonGemm, Fp8TritonGemm, Fp8ScaledMM
+    ]  # fmt: skip
+    assert [e.kind.config.block_m for e in entries[2:4]] == [16, 64]
     normed = plans[model["c"]].entries
     assert all(e.input is InputTransform.RMS_NORM for e in normed)
-    # The one-row GEMV and the W8A8 GEMMs form the normed input themselves.
-    assert [e.fuse_input for e in normed] == [True, False, True, True]
+    # The whole-row GEMV and the W8A8 GEMMs form the normed input themselves.
+    assert [e.fuse_input for e in normed] == [True, False, True, True, True]
     assert set(timings) == {(64, 128), (96, 64)}
+    assert set(timings[(64, 128)]) == {1, 2, 4, 8, 16, 64}
+    assert sorted(set(checked)) == [256, 1024]
 
 
 @pytest.mark.gpu
