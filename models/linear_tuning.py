@@ -367,9 +367,9 @@ def _compile_ahead(
     specializes a row count only on being 1 or a multiple of 16, and a config's kernel at
     one weight shape mostly serves the others). The kernels run on the caller's stream, one
     after another as launched; what they return is dropped, and a kind that fails here
-    fails again in the serial pass, which skips it. Only for steps of more than one kind and up to
-    `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then, and the
-    pool's outputs stay small."""
+    fails again in the serial pass, which skips it. Only for steps of more than one kind
+    and up to `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then,
+    and the pool's outputs stay small."""
     if (x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(kinds) < 2
             or x.shape[0] > COMPILE_AHEAD_MAX_ROWS):  # fmt: skip
         return
