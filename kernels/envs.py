@@ -2,7 +2,8 @@
 
 Performance choices are not environment variables: they are `EngineArgs` fields (which reach
 tensor-parallel workers and are logged) or decided in code. What remains here is where things
-live, how long to wait, how loud to be, and the secret that should not sit in a shell history.
+live, how long to wait (start-up tuning included), how loud to be, and the secret that should
+not sit in a shell history.
 Each accessor reads the environment when called, so a test's `monkeypatch.setenv` takes effect.
 docs/environment.md lists them for users; keep the two in step.
 """
@@ -30,6 +31,17 @@ def _float(name: str, default: float) -> float:
         raise ValueError(f"${PREFIX}{name} must be a number, got {raw!r}") from None
 
 
+def _flag(name: str) -> bool:
+    raw = _get(name)
+    if raw is None:
+        return False
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${PREFIX}{name} must be 1 or 0 (true or false), got {raw!r}")
+
+
 def cache_dir() -> Path:
     """Where converted models (the embedded GGUF, GGUF checkpoints), the CPU path's
     compiled C kernels and the quantized layers' tuned matmul plans are cached."""
@@ -49,6 +61,13 @@ def c_compiler() -> str | None:
 def tp_timeout_s() -> float:
     """Limit on one tensor-parallel collective and on the rendezvous, in seconds."""
     return _float("TP_TIMEOUT_S", 600.0)
+
+
+def tune_all_kinds() -> bool:
+    """Whether the start-up tuner of quantized layers times every kind and launch config it
+    knows rather than the few its rule table names per format and row range: for a GPU the
+    rules were not measured on (`models.quantization.kinds`, docs/quantization.md)."""
+    return _flag("TUNE_ALL_KINDS")
 
 
 def log_level() -> str:

@@ -19,8 +19,8 @@ matmul, cast):
 - `fp8_gemv`: weight-only (W8A16) for 1-16 rows: e4m3 weights converted to the activation
   dtype in registers, fp32 sums, the row scale in the epilogue; no activation rounding,
   which is both cheaper at these sizes and more accurate. It can take a [gate, up] input
-  (SiLU-and-mul in its prologue) and, for one row, `fp8_rms_norm_gemv` forms the residual
-  add and RMSNorm in its prologue with `kernels.gemv`'s own input helpers.
+  (SiLU-and-mul in its prologue, with `kernels.gemv`'s own input helper for one row). A
+  one-row decode step that needs RMSNorm forms it in the whole-row GEMV above.
 """
 
 from __future__ import annotations
@@ -31,15 +31,8 @@ import torch
 
 from kernels._triton_utils import next_power_of_2, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
-from kernels.gemv import GemvConfig, load_gemv_input, row_rstd
+from kernels.gemv import GemvConfig, load_gemv_input
 from kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
-from kernels.half_pairs import (
-    E4M3_X_SCALE,
-    check_pair_activation,
-    check_pair_words,
-    e4m3_word_dot,
-    pack_f16_pair,
-)
 
 __all__ = [
     "FP8_DTYPE",
@@ -53,7 +46,6 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_candidates",
     "fp8_linear_ref",
-    "fp8_rms_norm_gemv",
     "fp8_scaled_mm",
     "quantize_rows",
     "quantize_rows_ref",
@@ -325,24 +317,24 @@ def fp8_gemm(
 @dataclass(frozen=True)
 class Fp8GemvConfig:
     """Blocking of `fp8_gemv`: output rows per program, K per step, K splits. One row uses
-    FMA on [block_n, block_k] tiles (as `kernels.gemv`), in float32 or, with `pairs`, on
-    half-precision pairs of whole 4-byte words (`kernels.half_pairs`); 2-16 rows use
-    `tl.dot` with the rows padded to 16 and at least 16 output rows per program."""
+    FMA on [block_n, block_k] tiles in float32 (as `kernels.gemv`); 2-16 rows use `tl.dot`
+    with the rows padded to 16 and at least 16 output rows per program."""
 
     block_n: int = 8
     block_k: int = 512
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    pairs: bool = False
 
     def __str__(self) -> str:
         return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
+                f"s{self.num_stages}")  # fmt: skip
 
 
 def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
-    """GEMV blockings the start-up tuner times for `rows` rows."""
+    """Every GEMV blocking the start-up tuner can time for `rows` rows
+    (`ASYNCENGINE_TUNE_ALL_KINDS`; by default it times the few its rule table names,
+    `models.quantization.fp8`)."""
     if rows == 1:
         return [
             Fp8GemvConfig(4, 512), Fp8GemvConfig(4, 1024, num_stages=3), Fp8GemvConfig(8, 512),
@@ -351,19 +343,6 @@ def fp8_gemv_candidates(rows: int) -> list[Fp8GemvConfig]:
             # A byte per weight: twice the K of a 16-bit tile for the same bytes in flight.
             Fp8GemvConfig(4, 2048, num_warps=8, num_stages=3),
             Fp8GemvConfig(8, 1024, num_warps=8, num_stages=3),
-            # Pairs: more output rows per thread, so each thread's x pairs serve more rows.
-            Fp8GemvConfig(8, 512, pairs=True), Fp8GemvConfig(16, 512, pairs=True),
-            Fp8GemvConfig(16, 256, pairs=True), Fp8GemvConfig(32, 256, pairs=True),
-            Fp8GemvConfig(16, 1024, num_warps=8, num_stages=3, pairs=True),
-            Fp8GemvConfig(32, 512, num_warps=8, num_stages=3, pairs=True),
-            Fp8GemvConfig(16, 512, split_k=2, pairs=True),
-            # K splits that add up in the kernel: with 512-value tiles a program issues one
-            # or two tiles before it waits, and many programs are in flight.
-            Fp8GemvConfig(16, 512, split_k=4, pairs=True),
-            Fp8GemvConfig(16, 512, split_k=8, pairs=True),
-            Fp8GemvConfig(8, 512, split_k=8, pairs=True),
-            Fp8GemvConfig(32, 256, split_k=8, pairs=True),
-            Fp8GemvConfig(16, 256, split_k=16, pairs=True),
         ]  # fmt: skip
     return [
         Fp8GemvConfig(16, 256), Fp8GemvConfig(32, 256), Fp8GemvConfig(32, 128),
@@ -385,9 +364,8 @@ def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
-def _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k, k_start, k_end, K,
-              EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+def _row_gemv(x_ptr, w_rows, n_mask, offs_k, k_start, k_end, K, EVEN_K: tl.constexpr,
+              GATED: tl.constexpr):  # fmt: skip
     """One row's products [1, BLOCK_N] with each e4m3 weight widened to float32."""
     BLOCK_K: tl.constexpr = offs_k.shape[0]
     acc2 = tl.zeros([w_rows.shape[0], BLOCK_K], dtype=tl.float32)
@@ -400,80 +378,23 @@ def _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k, k_start,
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)  # fmt: skip
         # Columns past this split's end meet zero weights; past K, x is zero.
-        x = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
-                            HAS_RESIDUAL)  # fmt: skip
+        x = load_gemv_input(x_ptr, x_ptr, x_ptr, 0.0, kk, K, False, GATED, False, False)
         acc2 += w.to(tl.float32) * x[None, :]
     return tl.sum(acc2, axis=1)[None, :]
 
 
 @triton.jit
-def _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, GATED: tl.constexpr, NORM: tl.constexpr,
-             HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The input's f16x2 pairs (x0, x1), (x2, x3) of the words whose first columns are kk."""
-    x0 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x1 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 1, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x2 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 2, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    x3 = load_gemv_input(x_ptr, res_ptr, norm_w_ptr, rstd, kk + 3, K, False, GATED, NORM,
-                         HAS_RESIDUAL)  # fmt: skip
-    return pack_f16_pair(x0, x1, E4M3_X_SCALE), pack_f16_pair(x2, x3, E4M3_X_SCALE)
-
-
-@triton.jit
-def _word_tile(w_rows, kw, n_mask, end_w):
-    """Words kw of the rows; words at or past end_w (this split's end) load as zeros."""
-    return tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < end_w)[None, :], other=0)
-
-
-@triton.jit
-def _pairs_rows(w32_ptr, offs_n, stride_wn):
-    """The rows of the weight viewed as int32 words."""
-    return w32_ptr + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
-
-
-@triton.jit
-def _row_gemv_pairs(x_ptr, w32_ptr, words, res_ptr, norm_w_ptr, rstd, offs_n, n_mask, k_start,
-                    k_end, K, stride_wn, GATED: tl.constexpr, NORM: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """One row's products [1, BLOCK_N] from whole 4-byte words of weights (w32_ptr: the
-    weight viewed as int32; words: the split's first tile, `_word_tile`), two values an
-    instruction (`kernels.half_pairs`). The next tile's words and x are loaded before the
-    current tile's arithmetic (the compiler pipelines only loads that feed a `tl.dot`), so
-    two tiles per program are in flight."""
-    BLOCK_W: tl.constexpr = BLOCK_K // 4
-    offs_w = tl.arange(0, BLOCK_W)
-    w_rows = _pairs_rows(w32_ptr, offs_n, stride_wn)
-    acc2 = tl.zeros([offs_n.shape[0], BLOCK_W], dtype=tl.float32)
-    # Past K, x is zero.
-    x01, x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k_start + offs_w * 4, K, GATED, NORM,
-                        HAS_RESIDUAL)  # fmt: skip
-    for k0 in range(k_start, k_end, BLOCK_K):
-        n_words = _word_tile(w_rows, (k0 + BLOCK_K) // 4 + offs_w, n_mask, k_end // 4)
-        n_x01, n_x23 = _x_pairs(x_ptr, res_ptr, norm_w_ptr, rstd, k0 + BLOCK_K + offs_w * 4, K,
-                                GATED, NORM, HAS_RESIDUAL)  # fmt: skip
-        acc2 += e4m3_word_dot(words, x01[None, :], x23[None, :])
-        words, x01, x23 = n_words, n_x01, n_x23
-    return (tl.sum(acc2, axis=1) * E4M3_X_SCALE)[None, :]
-
-
-@triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w8_ptr, w32_ptr, ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, M, N,
-    K, stride_xm, stride_wn, K_PER_SPLIT, part_ptr, count_ptr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False,
+    x_ptr, w8_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, K_PER_SPLIT, part_ptr,
+    count_ptr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 0,
 ):  # fmt: skip
     """y[M, N] (or split pid_k's partial sums, scaled) = x W^T: each weight tile is read
-    once and serves every row of x. One row (BLOCK_M == 1) may be formed in the prologue as
-    `kernels.gemv` forms it (SiLU-and-mul, or the residual add and RMSNorm, each program
-    taking the row's rstd itself). Under programmatic dependent launch the pairs form asks
-    for its first weight tile before waiting on the previous kernel, as `kernels.gemv` does.
-    SPLIT_K > 0 (one row only): the K splits add up in the kernel (`finish_gemv_row`, into
-    y_ptr through part_ptr and count_ptr; SPLIT_K a power of two at least the splits)."""
+    once and serves every row of x. One row (BLOCK_M == 1) may be formed from a [gate, up]
+    input in the prologue as `kernels.gemv` forms it. SPLIT_K > 0 (one row only): the K
+    splits add up in the kernel (`finish_gemv_row`, into y_ptr through part_ptr and
+    count_ptr; SPLIT_K a power of two at least the splits)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -481,23 +402,9 @@ def _fp8_gemv_kernel(
     w_rows = w8_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    words = 0
-    if BLOCK_M == 1 and PAIRS:
-        offs_w = tl.arange(0, BLOCK_K // 4)
-        words = _word_tile(_pairs_rows(w32_ptr, offs_n, stride_wn), k_start // 4 + offs_w,
-                           n_mask, k_end // 4)  # fmt: skip
     pdl_wait(USE_PDL)
     if BLOCK_M == 1:
-        rstd = 0.0
-        if NORM:
-            rstd = row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, K_PAD, HAS_RESIDUAL)
-        if PAIRS:
-            acc = _row_gemv_pairs(x_ptr, w32_ptr, words, res_ptr, norm_w_ptr, rstd, offs_n,
-                                  n_mask, k_start, k_end, K, stride_wn, GATED, NORM,
-                                  HAS_RESIDUAL, BLOCK_K)  # fmt: skip
-        else:
-            acc = _row_gemv(x_ptr, w_rows, res_ptr, norm_w_ptr, rstd, n_mask, offs_k,
-                            k_start, k_end, K, EVEN_K, GATED, NORM, HAS_RESIDUAL)  # fmt: skip
+        acc = _row_gemv(x_ptr, w_rows, n_mask, offs_k, k_start, k_end, K, EVEN_K, GATED)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -533,46 +440,13 @@ def fp8_gemv(
     the product is taken with silu(gate) * up (the MLP's down projection, without a separate
     activation kernel). counters (`kernels.gemv_split_k.gemv_counters`): one row's K splits
     add up in the kernel rather than in a torch sum after it."""
-    return _fp8_gemv(x, qweight, w_scale, bias, config, gated=gated, counters=counters)[0]
-
-
-def fp8_rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-    config: Fp8GemvConfig = Fp8GemvConfig(), counters: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """rms_norm(x + residual) W^T (+ b) for one row x [1, K] in one kernel, rounded as the
-    separate `fused_add_rms_norm` then `fp8_gemv` would round it. Returns (y [1, N], the new
-    residual x + residual, or x itself without a residual). counters: as `fp8_gemv`."""
-    k = qweight.shape[1]
-    if x.shape != (1, k) or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"fp8_rms_norm_gemv needs x [1, {k}] and a [{k}] norm weight in "
-                         f"x's dtype, got x {tuple(x.shape)}")  # fmt: skip
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError("the residual must match x in shape and dtype")
-    y, res_out = _fp8_gemv(x, qweight, w_scale, bias, config, counters=counters,
-                           norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
-    return y, res_out if res_out is not None else x
-
-
-def _fp8_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-    config: Fp8GemvConfig, *, gated: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[0]
     if m > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {m}")
-    if norm is not None and m != 1:
-        raise ValueError(f"the fused RMSNorm takes one row, got {m}")
     if qweight.shape[1] != k or x.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError(f"fp8_gemv needs x [M, {qweight.shape[1]}] and a weight with "
                          f"contiguous rows, got x {tuple(x.shape)}")  # fmt: skip
-    pairs = config.pairs and m == 1
-    if pairs:
-        _check_pairs(x, qweight, config)
     block_m = 1 if m == 1 else max(16, next_power_of_2(m))
     block_n = config.block_n if m == 1 else max(16, config.block_n)
     split = max(1, config.split_k)
@@ -589,41 +463,25 @@ def _fp8_gemv(
                       device=x.device)  # fmt: skip
     part = (torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if in_kernel
             else out)  # fmt: skip
-    res_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
-        return out[0], res_out
+        return out[0]
     grid = (blocks, split)
     fused_bias = bias is not None and (split == 1 or in_kernel)
-    norm_w, eps = norm if norm is not None else (out, 0.0)
     pdl = use_pdl(x)
     _fp8_gemv_kernel[grid](
-        x, qweight, qweight.view(torch.int32) if pairs else qweight, w_scale,
-        bias if fused_bias else out, out,
-        residual if residual is not None else x, norm_w, res_out if res_out is not None else x,
-        float(eps), m, n, k, x.stride(0), qweight.stride(0), per_split, part,
-        counters if in_kernel else out, HAS_BIAS=fused_bias,
-        EVEN_K=k % per_split == 0 and per_split % config.block_k == 0, GATED=gated,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        K_PAD=next_power_of_2(k) if norm is not None else 1, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=config.block_k, PAIRS=pairs, USE_PDL=pdl,
+        x, qweight, w_scale, bias if fused_bias else out, out, m, n, k, x.stride(0),
+        qweight.stride(0), per_split, part, counters if in_kernel else out,
+        HAS_BIAS=fused_bias, EVEN_K=k % per_split == 0 and per_split % config.block_k == 0,
+        GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, USE_PDL=pdl,
         SPLIT_K=next_power_of_2(split) if in_kernel else 0, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_kwargs(pdl),
     )  # fmt: skip
     if split == 1 or in_kernel:
-        return out[0], res_out
+        return out[0]
     y = out.sum(0)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype), res_out
-
-
-def _check_pairs(x: torch.Tensor, qweight: torch.Tensor, config: Fp8GemvConfig) -> None:
-    """The pairs form reads the weight as 4-byte words and rounds x to fp16: it needs
-    word-aligned rows and a 16-bit activation."""
-    check_pair_activation(x)
-    check_pair_words(qweight)
-    if config.block_k % 4:
-        raise ValueError(f"block_k={config.block_k} must be a multiple of 4 for pairs")
+    return y.to(x.dtype)
 
 
 def fp8_dense_weight(qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype

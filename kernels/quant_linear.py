@@ -38,8 +38,11 @@ from kernels.half_pairs import (
 __all__ = [
     "QuantGemmConfig",
     "QuantGemvConfig",
+    "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
+    "gemm_config",
+    "loop_gemv_config",
     "pack_int_weight",
     "quant_gemm",
     "quant_gemm_candidates",
@@ -147,51 +150,74 @@ class QuantGemvConfig:
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
+def gemm_config(
+    group_size: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
+    num_stages: int,
+) -> QuantGemmConfig | None:  # fmt: skip
+    """A `quant_gemm` tile shape with BLOCK_K narrowed to the group where the group is
+    shorter, or None where the tiles cannot fit the group and K."""
+    bk = min(block_k, group_size)
+    if group_size % bk or k % bk or bk & (bk - 1):
+        return None
+    return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages)
+
+
+def loop_gemv_config(
+    group_size: int, k: int, block_n: int, block_k: int, split_k: int, num_warps: int,
+    pairs: bool,
+) -> QuantGemvConfig | None:  # fmt: skip
+    """A `quant_gemv` whose programs walk their K split one tile at a time (BLOCK_K narrowed
+    to the group where the group is shorter), or None where that does not fit the group and
+    K."""
+    bk = min(block_k, group_size)
+    if group_size % bk or k % bk or bk & (bk - 1) or k // bk < split_k:
+        return None
+    return QuantGemvConfig(block_n, bk, split_k, num_warps, pairs=pairs)
+
+
+def at_once_gemv_config(
+    group_size: int, k: int, block_n: int, values: int, num_warps: int
+) -> QuantGemvConfig | None:
+    """The at-once `quant_gemv` whose programs each load `values` input rows as tiles of
+    up to 128 rows (a tile within one group), or None where that does not fit the group
+    and K (or K is shorter than one program's rows)."""
+    bk = min(128, group_size)
+    if group_size % bk or bk & (bk - 1) or k % bk or k < values:
+        return None
+    tiles = values // bk
+    if not tiles or tiles & (tiles - 1):
+        return None
+    return QuantGemvConfig(block_n, bk, 1, num_warps, 1, pairs=True, tiles=tiles)
+
+
+# Every config the start-up tuner can time (`ASYNCENGINE_TUNE_ALL_KINDS`; by default it
+# times the few its rule table names, `models.quantization.kinds`): those that won a Llama-2-7B
+# shape at some row count on the H200 in int4 or int8, or came within 10 % of the winner.
+# The others were removed; docs/quantization.md records what they measured.
+# GEMM tiles (block_m, block_n, block_k, warps, stages).
+QUANT_GEMM_SHAPES = ((16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3),
+                     (64, 128, 128, 4, 3))  # fmt: skip
+# GEMVs walking K a tile at a time (block_n, block_k, split_k, warps, pairs): int8 at 2-4 rows.
+QUANT_LOOP_GEMV_SHAPES = ((64, 128, 2, 4, False), (128, 128, 2, 4, True),
+                          (128, 128, 4, 4, True))  # fmt: skip
+# GEMVs loading all of a program's tiles at once (block_n, input rows per program, warps):
+# many small programs of 32 int4 words a thread came out best at 1-4 rows.
+QUANT_AT_ONCE_GEMV_SHAPES = ((32, 256, 1), (32, 512, 1), (32, 1024, 4), (32, 256, 2),
+                             (32, 512, 2), (32, 2048, 4))  # fmt: skip
+
+
 def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
-    """Tile shapes the start-up tuner times (BLOCK_K always divides the group)."""
-    out = []
-    for bm, bn, bk, warps, stages in [
-        (16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
-        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 3),
-    ]:  # fmt: skip
-        bk = min(bk, group_size)
-        if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1):
-            out.append(QuantGemmConfig(bm, bn, bk, warps, stages))
-    return list(dict.fromkeys(out))
+    """Every tile shape the start-up tuner can time (BLOCK_K always divides the group)."""
+    out = (gemm_config(group_size, k, *shape) for shape in QUANT_GEMM_SHAPES)
+    return list(dict.fromkeys(c for c in out if c is not None))
 
 
 def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
-    """GEMV blockings the start-up tuner times: float32 products, then half-precision pairs
-    (wider column blocks, so each thread's x pairs serve more columns)."""
-    out = []
-    for bn, bk, split, warps, pairs in [
-        (32, 128, 1, 4, False), (64, 128, 1, 4, False), (64, 128, 2, 4, False),
-        (128, 128, 2, 4, False), (64, 128, 4, 4, False), (128, 128, 4, 4, False),
-        (128, 64, 8, 4, False), (256, 64, 4, 8, False), (64, 64, 8, 4, False),
-        (128, 128, 8, 8, False), (32, 256, 2, 4, False), (64, 256, 4, 4, False),
-        (64, 128, 16, 4, False),
-        (128, 128, 1, 4, True), (128, 128, 2, 4, True), (128, 128, 4, 4, True),
-        (256, 128, 2, 4, True), (256, 128, 4, 8, True), (256, 64, 4, 4, True),
-        (512, 128, 2, 8, True), (128, 64, 8, 4, True), (256, 128, 8, 8, True),
-        # Many short splits: each program's tiles are few, so more of them are in flight.
-        (64, 128, 16, 4, True), (128, 128, 16, 4, True), (64, 128, 32, 4, True),
-        (128, 64, 16, 4, True), (256, 128, 16, 8, True), (128, 128, 32, 4, True),
-    ]:  # fmt: skip
-        bk = min(bk, group_size)
-        if group_size % bk == 0 and k % bk == 0 and not bk & (bk - 1) and k // bk >= split:
-            out.append(QuantGemvConfig(bn, bk, split, warps, pairs=pairs))
-    # All of a program's tiles loaded at once (input rows per program): more bytes in
-    # flight per program than a loop that waits on each tile. On the H200, many small
-    # programs of 32 int4 words a thread came out best at one row.
-    for bn, k_per, warps in [
-        (32, 512, 2), (32, 1024, 4), (32, 2048, 4), (128, 256, 4), (64, 512, 4),
-        (64, 1024, 8), (32, 256, 1), (32, 256, 2), (64, 256, 2), (32, 512, 1),
-    ]:  # fmt: skip
-        bk = min(128, group_size)
-        tiles = k_per // bk if group_size % bk == 0 and not bk & (bk - 1) else 0
-        if tiles and k % bk == 0 and k >= k_per and not tiles & (tiles - 1):
-            out.append(QuantGemvConfig(bn, bk, 1, warps, 1, pairs=True, tiles=tiles))
-    return list(dict.fromkeys(out))
+    """Every GEMV blocking the start-up tuner can time: the loop forms (float32 products
+    or half-precision pairs), then the at-once forms."""
+    loops = (loop_gemv_config(group_size, k, *shape) for shape in QUANT_LOOP_GEMV_SHAPES)
+    at_once = (at_once_gemv_config(group_size, k, *shape) for shape in QUANT_AT_ONCE_GEMV_SHAPES)
+    return list(dict.fromkeys(c for c in (*loops, *at_once) if c is not None))
 
 
 # Integers below 2^23 OR'ed into this float's mantissa read back as 2^23 + q: unpacking with

@@ -8,11 +8,13 @@
   (`kernels.cpu_gemm`) and a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS
   call; each row range takes the fastest.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
-  kinds of the layer's format (`models.quantization.kinds.tuning_kinds`: for integer
-  weights the Triton GEMV (few rows) and GEMM configs against dequantize-then-cuBLAS; for
-  FP8 the weight-only GEMV, cuBLASLt's `_scaled_mm` and the Triton GEMM), each timed with
-  the layer's input transform where its plan entry would apply it; each row range takes
-  the fastest that agrees with its reference.
+  kinds of the layer's format that its rule table names for those rows
+  (`models.quantization.kinds.tuning_kinds`: for integer weights at-once GEMVs (few rows),
+  GEMM tiles and dequantize-then-cuBLAS; for FP8 the weight-only GEMVs, cuBLASLt's
+  `_scaled_mm` and the Triton GEMM; every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`),
+  each timed with the layer's input transform where its plan entry would apply it; each
+  row range takes the fastest that agrees with its reference, and a row count with one
+  candidate is only checked.
 
 `plan_*` return the plans per layer; `tune_*` hand each layer its plan. A layer keeps the
 library unless the alternative is clearly faster, so a wrong guess costs nothing but the
@@ -80,6 +82,8 @@ CPU_PACKED_MAX_SHARE_OF_FREE = 0.5
 # Threads that compile the quantized kinds' Triton kernels side by side before they are
 # timed (`_compile_ahead`); 1 compiles each on its first run instead.
 COMPILE_AHEAD_THREADS = min(16, os.cpu_count() or 1)
+# The largest ladder step whose kinds compile in that pool (`_compile_ahead`).
+COMPILE_AHEAD_MAX_ROWS = 64
 
 Plans = dict[PlannedMatmul, MatmulPlan]
 
@@ -187,11 +191,13 @@ def plan_quantized_linears(
     model: nn.Module, ladder: Sequence[int] = QUANT_ROW_LADDER, reps: int = 5,
     device_type: str = "cuda", cache: PlanCache | None = None,
 ) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:  # fmt: skip
-    """Time every kind that reads the quantized layout at each row count of `ladder`, over
-    the same-shape CUDA layers of the model (in a CUDA graph, as decode runs them), and plan
-    the fastest per row range. Returns the plans and, per weight shape, per row count, the
-    milliseconds of each kind (none for a shape whose choices came from `cache`, which
-    also keeps the new ones: `models.plan_cache`)."""
+    """Time the candidate kinds of each row count of `ladder` (`tuning_kinds`: by default
+    the few a rule table names) over the same-shape CUDA layers of the model (in a CUDA
+    graph, as decode runs them), and plan the fastest per row range; a row count with one
+    candidate is only checked against the reference. Returns the plans and, per weight
+    shape, per row count timed, the milliseconds of each kind (none for a shape whose
+    choices came from `cache`, which also keeps the new ones: `models.plan_cache`). Logs
+    the tuning's total seconds."""
     if ladder[-1] <= QUANT_GEMV_MAX_ROWS:
         raise ValueError("the ladder must reach past the GEMV's rows: its top serves any batch")
     groups: dict[tuple, list[LinearBase]] = {}
@@ -204,7 +210,7 @@ def plan_quantized_linears(
             groups.setdefault(key, []).append(m)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
-    # Timing every kind compiles and runs each: a minute or more for a 7B model on a GPU.
+    started, timed, checked = time.perf_counter(), 0, 0
     bar = tqdm(total=len(groups) * len(ladder), desc="Tuning quantized matmuls",
                unit="step", disable=not groups)  # fmt: skip
     for group, layers in groups.items():
@@ -224,12 +230,18 @@ def plan_quantized_linears(
             best = []
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
                 x, low_rows = _step_input(first, ladder, i)
-                row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
+                if len(kinds) == 1:
+                    # Nothing to choose between: only the agreement check runs.
+                    agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
+                    row_times, checked = {}, checked + 1
+                    fastest = agreeing[0].describe() if agreeing else None
+                else:
+                    row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
+                    timed += len(row_times)
+                    fastest = min(row_times, key=row_times.__getitem__) if row_times else None
+                    timings.setdefault((n, k), {})[rows] = row_times
                 # No kind agreeing (a non-finite reference) leaves the reference planned.
-                fastest = (min(row_times, key=row_times.__getitem__) if row_times
-                           else kinds[0].describe())  # fmt: skip
-                best.append(next(kind for kind in kinds if kind.describe() == fastest))
-                timings.setdefault((n, k), {})[rows] = row_times
+                best.append(_named(kinds)[fastest] if fastest else reference_of(kinds[0]))
                 bar.update()
             if cache is not None:
                 cache.store(key, [kind.describe() for kind in best], about=f"{n}x{k} {group}")
@@ -244,7 +256,18 @@ def plan_quantized_linears(
                                      fuse_input=declared in kind.fusable_inputs))  # fmt: skip
         plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
     bar.close()
+    if groups:
+        logger.info("quantized matmul plans for %d shapes in %.1f s: %d candidates timed, %d "
+                    "ladder steps with one candidate checked only", len(groups),
+                    time.perf_counter() - started, timed, checked)  # fmt: skip
     return plans, timings
+
+
+def _named(kinds: Sequence[MatmulKind]) -> dict[str, MatmulKind]:
+    """`kinds` by description, with the first one's reference, which a step plans when no
+    candidate agrees with it."""
+    fallback = reference_of(kinds[0])
+    return {kind.describe(): kind for kind in (fallback, *kinds)}
 
 
 def _step_input(first: LinearBase, ladder: Sequence[int], i: int) -> tuple[torch.Tensor, int]:
@@ -268,7 +291,7 @@ def _cached_choice(
         return None
     best: list[MatmulKind] = []
     for i, (rows, kinds, name) in enumerate(zip(ladder, candidates, names, strict=True)):
-        kind = next((kind for kind in kinds if kind.describe() == name), None)
+        kind = _named(kinds).get(name)
         if kind is None:
             return None
         x, low_rows = _step_input(first, ladder, i)
@@ -340,13 +363,15 @@ def _compile_ahead(
 ) -> None:
     """Run each kind once, as the agreement check and the timing will, from a pool of
     threads, so that their Triton kernels compile side by side: Triton releases the GIL
-    while it compiles, and a cold start compiles some fifty configs per shape. The kernels
-    run on the caller's stream, one after another as launched; what they return is
-    dropped, and a kind that fails here fails again in the serial pass, which skips it.
-    Only up to `QUANT_GEMV_MAX_ROWS` rows: every kind of a larger row count is also a
-    candidate at 16 rows, where Triton compiled the same specialization (it specializes a
-    row count only on being 1 or a multiple of 16), and the pool's outputs stay small."""
-    if x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or x.shape[0] > QUANT_GEMV_MAX_ROWS:
+    while it compiles, and a cold start compiles each candidate config about once (Triton
+    specializes a row count only on being 1 or a multiple of 16, and a config's kernel at
+    one weight shape mostly serves the others). The kernels run on the caller's stream, one
+    after another as launched; what they return is dropped, and a kind that fails here
+    fails again in the serial pass, which skips it. Only for steps of more than one kind
+    and up to `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then,
+    and the pool's outputs stay small."""
+    if (x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(kinds) < 2
+            or x.shape[0] > COMPILE_AHEAD_MAX_ROWS):  # fmt: skip
         return
     layer, bias = pairs[0]
     stream = torch.cuda.current_stream(x.device)

@@ -573,8 +573,8 @@ def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
 
 def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None:
     """One row through every FP8 one-row form, with the layer's input transform where a
-    decode step runs it: "norm" (q/k/v, gate/up: the residual add and RMSNorm, in the kernel
-    where it can form it, else the norm kernel first), "gated" (down: SiLU-and-mul of
+    decode step runs it: "norm" (q/k/v, gate/up: the residual add and RMSNorm, in the
+    whole-row kernel, else the norm kernel first), "gated" (down: SiLU-and-mul of
     [gate, up]) or "plain" (o). The bf16 whole-row GEMV with the same transform is the
     16-bit reference."""
     from kernels.activation import silu_and_mul
@@ -583,7 +583,6 @@ def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None
         FP8_WHOLE_ROW_CONFIGS,
         fp8_gemv,
         fp8_gemv_candidates,
-        fp8_rms_norm_gemv,
         quantize_weight_per_channel,
     )
     from kernels.gemv import PERSISTENT_GEMV_CONFIGS, GemvConfig, gemv_triton, rms_norm_gemv
@@ -627,8 +626,6 @@ def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None
             timed(f"fp8 {cfg}", lambda w, s, c=cfg: whole_row(c, w, s), weights, n * k + 4 * n)
     for cfg in fp8_gemv_candidates(1):
         if transform == "norm":
-            timed(f"fp8 row {cfg}", lambda w, s, c=cfg: fp8_rms_norm_gemv(
-                x, residual, norm_w, 1e-5, w, s, None, c, counters), weights, n * k + 4 * n)
             timed(f"fp8 norm kernel + {cfg}", lambda w, s, c=cfg: fp8_gemv(
                 normed_input(), w, s, None, c, counters=counters), weights, n * k + 4 * n)
         else:

@@ -14,10 +14,11 @@ the layer.
 Kinds: `Fp8DequantMatmul` (the torch reference: the CPU path and the oracle, W8A8 or weight-
 only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quantized per
 token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
-RMSNorm or SiLU-and-mul input in the same pass), and `Fp8Gemv` (weight-only, 1-16 rows; it
-forms a SiLU-and-mul input itself) with `Fp8RowGemv`, its one-row form that also forms an
-RMSNorm input, and `Fp8WholeRowGemv` (one row on `kernels.gemv`'s persistent form, which
-forms either input once per program).
+RMSNorm or SiLU-and-mul input in the same pass), `Fp8Gemv` (weight-only, 1-16 rows; it
+forms a SiLU-and-mul input itself) and `Fp8WholeRowGemv` (one row on `kernels.gemv`'s
+persistent form, which forms either input once per program). `tuning_kinds` names those the
+start-up tuner times: the few a rule table names per row range (`FP8_TUNING_RULES`), or
+every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kernels import envs
 from kernels.fp8_linear import (
     FP8_DTYPE,
     FP8_GEMV_MAX_ROWS,
@@ -40,7 +42,6 @@ from kernels.fp8_linear import (
     fp8_gemv,
     fp8_gemv_candidates,
     fp8_linear_ref,
-    fp8_rms_norm_gemv,
     fp8_scaled_mm,
     quantize_rows,
     scaled_mm_fits,
@@ -107,7 +108,7 @@ def default_fp8_plan(layer: nn.Module) -> MatmulPlan:
     gemm: MatmulKind = (Fp8ScaledMM() if scaled_mm_fits(layer.out_features, layer.in_features)
                         else Fp8TritonGemm(Fp8GemmConfig()))  # fmt: skip
     return MatmulPlan((
-        fp8_entry(Fp8RowGemv(Fp8GemvConfig()), 1, declared),
+        fp8_entry(Fp8Gemv(Fp8GemvConfig()), 1, declared),
         fp8_entry(Fp8Gemv(Fp8GemvConfig(16, 256)), FP8_GEMV_MAX_ROWS, declared),
         fp8_entry(gemm, None, declared),
     ))  # fmt: skip
@@ -142,18 +143,79 @@ def use_weight_only_reference(model: nn.Module) -> None:
 
 
 def tuning_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
-    """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
+    """The kinds the start-up tuner times for `layer` at `rows` rows: those the rule table
+    names (`rule_fp8_kinds`), or with `ASYNCENGINE_TUNE_ALL_KINDS` every one
+    (`all_fp8_kinds`)."""
+    return all_fp8_kinds(layer, rows) if envs.tune_all_kinds() else rule_fp8_kinds(layer, rows)
+
+
+def all_fp8_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
+    """Every kind and launch config that can serve `layer` at `rows` rows; the reference
+    first."""
     kinds: list[MatmulKind] = [Fp8DequantMatmul(), Fp8ScaledMM()]
     kinds += [Fp8TritonGemm(c) for c in fp8_gemm_candidates()]
     if rows == 1:
-        # The row GEMV forms a normed input in every program; with many programs (gate/up)
-        # a norm kernel of its own before the plain GEMV can cost less, so both are timed.
-        kinds += [Fp8RowGemv(c) for c in fp8_gemv_candidates(1)]
-        # The whole-row GEMV forms it once per program (a few per multiprocessor).
+        # The whole-row GEMV forms a normed or gated input once per program (a few per
+        # multiprocessor), where the row fits in its registers.
         kinds += [Fp8WholeRowGemv(c) for c in FP8_WHOLE_ROW_CONFIGS
                   if layer.in_features <= whole_row_max_k(c)]  # fmt: skip
     if rows <= FP8_GEMV_MAX_ROWS:
         kinds += [Fp8Gemv(c) for c in fp8_gemv_candidates(rows)]
+    return kinds
+
+
+@dataclass(frozen=True)
+class Fp8Rule:
+    """The kinds timed for FP8 weights at a ladder step of up to `max_rows` rows (None:
+    any): whole-row GEMV configs (one row, where the row fits), weight-only GEMV configs,
+    Triton GEMM tiles, and whether `_scaled_mm` is one (where its alignment rules are not
+    met, the Triton GEMM tile `FP8_GEMM_IN_PLACE_OF_SCALED_MM` instead)."""
+
+    max_rows: int | None
+    whole_row: tuple[GemvConfig, ...] = ()
+    gemvs: tuple[Fp8GemvConfig, ...] = ()
+    gemms: tuple[Fp8GemmConfig, ...] = ()
+    scaled_mm: bool = False
+
+
+_GEMM_16, _GEMM_64 = Fp8GemmConfig(16, 64, 128, 4, 4), Fp8GemmConfig(64, 64, 128, 4, 4)
+_WHOLE_ROW = GemvConfig.whole_row(2, 4, 3, programs_per_sm=8, pairs=True)
+FP8_GEMM_IN_PLACE_OF_SCALED_MM = _GEMM_64
+# What won a Llama-2-7B shape at those rows in the plans of a full-sweep FP8 start on the
+# H200 (docs/quantization.md, "Start-up tuning by rules"): the whole-row pairs GEMV (norm
+# fused) for q/k/v, o and gate/up at one row, the float32 GEMV for down; the small and the
+# 64-row Triton GEMM tiles (W8A8, the norm or activation fused into the quantization) and
+# the GEMV for o at 2-16 rows, `_scaled_mm` for down from 9 rows and everywhere past 64.
+FP8_TUNING_RULES: tuple[Fp8Rule, ...] = (
+    Fp8Rule(1, whole_row=(_WHOLE_ROW,), gemvs=(Fp8GemvConfig(8, 1024, num_stages=3),)),
+    Fp8Rule(8, gemvs=(Fp8GemvConfig(32, 256),), gemms=(_GEMM_16, _GEMM_64)),
+    Fp8Rule(16, gemvs=(Fp8GemvConfig(32, 256),), gemms=(_GEMM_16, _GEMM_64), scaled_mm=True),
+    Fp8Rule(64, gemms=(_GEMM_64,), scaled_mm=True),
+    Fp8Rule(None, scaled_mm=True),
+)
+
+
+def fp8_rule(rows: int) -> Fp8Rule:
+    """The rule of `FP8_TUNING_RULES` for a ladder step of `rows` rows."""
+    return next(r for r in FP8_TUNING_RULES if r.max_rows is None or rows <= r.max_rows)
+
+
+def rule_fp8_kinds(layer: nn.Module, rows: int) -> list[MatmulKind]:
+    """The kinds `FP8_TUNING_RULES` names for `layer` at `rows` rows: whole-row configs only
+    where the row fits, `_scaled_mm` only where its alignment rules are met."""
+    rule = fp8_rule(rows)
+    kinds: list[MatmulKind] = []
+    if rows == 1:
+        kinds += [Fp8WholeRowGemv(c) for c in rule.whole_row
+                  if layer.in_features <= whole_row_max_k(c)]  # fmt: skip
+    if rows <= FP8_GEMV_MAX_ROWS:
+        kinds += [Fp8Gemv(c) for c in rule.gemvs]
+    gemms = list(rule.gemms)
+    if rule.scaled_mm and scaled_mm_fits(layer.out_features, layer.in_features):
+        kinds.append(Fp8ScaledMM())
+    elif rule.scaled_mm and FP8_GEMM_IN_PLACE_OF_SCALED_MM not in gemms:
+        gemms.append(FP8_GEMM_IN_PLACE_OF_SCALED_MM)
+    kinds += [Fp8TritonGemm(c) for c in gemms]
     return kinds
 
 
@@ -259,32 +321,11 @@ class Fp8Gemv(MatmulKind):
 
 
 @dataclass(frozen=True)
-class Fp8RowGemv(Fp8Gemv):
-    """`Fp8Gemv` for one row, which can also form an RMSNorm input in its prologue
-    (`kernels.fp8_linear.fp8_rms_norm_gemv`): a decode step of one sequence then runs no
-    norm kernel before q/k/v and gate/up."""
-
-    name: ClassVar[str] = "fp8 Triton row GEMV (W8A16)"
-    max_rows: ClassVar[int | None] = 1
-    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
-        {InputTransform.SILU_AND_MUL, InputTransform.RMS_NORM}
-    )
-
-    def apply_normed(
-        self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm,
-        bias: torch.Tensor | None, *, glu: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        return fp8_rms_norm_gemv(x.contiguous(), residual, norm.weight, norm.eps, layer.qweight,
-                                 layer.scales, bias, self.config,
-                                 layer.gemv_counters)  # fmt: skip
-
-
-@dataclass(frozen=True)
 class Fp8WholeRowGemv(MatmulKind):
     """One row (weight-only, W8A16) on `kernels.gemv`'s persistent whole-row GEMV: a few
     programs per multiprocessor each form the input once, its RMSNorm or SiLU-and-mul
     included, and stream whole e4m3 rows against it, the row scales applied in the epilogue.
-    A fused norm then costs once per program, not once per row block as in `Fp8RowGemv`."""
+    A fused norm then costs once per program, not once per row block."""
 
     config: GemvConfig
     name: ClassVar[str] = "fp8 Triton whole-row GEMV (W8A16)"

@@ -1,6 +1,7 @@
 """The matmul-plan kinds of a weight-only integer linear layer (`models.matmul_plan.MatmulKind`);
 `tuning_kinds` names those the start-up tuner times for any quantized layer (FP8's:
-`models.quantization.fp8`).
+`models.quantization.fp8`): by default the few that a rule table (`INT_TUNING_RULES`) names
+per weight width and row range, every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
 
 All four read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
 `zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer` builds at
@@ -19,11 +20,15 @@ from typing import ClassVar
 
 import torch
 
+from kernels import envs
 from kernels.activation import silu_and_mul
 from kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
+    at_once_gemv_config,
     dequantize_weight_triton,
+    gemm_config,
+    loop_gemv_config,
     quant_gemm,
     quant_gemm_candidates,
     quant_gemv,
@@ -76,17 +81,99 @@ def agrees_with_reference(
 
 
 def tuning_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
-    """The kinds the start-up tuner times for `layer` at `rows` rows; the reference first."""
+    """The kinds the start-up tuner times for `layer` at `rows` rows: those the rule table
+    names (`rule_int_kinds`, FP8's `fp8.tuning_kinds`), or with `ASYNCENGINE_TUNE_ALL_KINDS`
+    every one (`all_int_kinds`)."""
     if layer.quant_config.is_fp8:
         return fp8.tuning_kinds(layer, rows)
+    if envs.tune_all_kinds():
+        return all_int_kinds(layer, rows)
+    return rule_int_kinds(layer, rows)
+
+
+def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+    """Every kind and launch config that can serve `layer` at `rows` rows; the reference
+    first."""
     group, k = layer.group_size, layer.in_features
     kinds: list[MatmulKind] = [DequantMatmul()]
     if layer.qweight.is_cuda:
         kinds.append(TritonDequantMatmul())
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
-        kinds += [QuantTritonGemvAtOnce(c) if c.tiles else QuantTritonGemv(c)
-                  for c in quant_gemv_candidates(group, k)]  # fmt: skip
+        kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
+    return kinds
+
+
+def gemv_kind(config: QuantGemvConfig) -> QuantTritonGemv:
+    """The GEMV kind of `config`: the at-once form where it loads its tiles at once."""
+    return QuantTritonGemvAtOnce(config) if config.tiles else QuantTritonGemv(config)
+
+
+@dataclass(frozen=True)
+class IntRule:
+    """The kinds timed for integer weights at a ladder step of up to `max_rows` rows (None:
+    any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
+    (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
+    warps, stages), and whether dequantize + BLAS is one."""
+
+    max_rows: int | None
+    at_once: tuple[tuple[int, int, int], ...] = ()
+    loops: tuple[tuple[int, int, int, int, bool], ...] = ()
+    gemms: tuple[tuple[int, int, int, int, int], ...] = ()
+    dequantize: bool = False
+
+
+# From 5 rows up both widths share the rules: the small GEMM tile against dequantize + BLAS
+# up to 16 rows, two larger tiles against it up to 64, and dequantize + BLAS alone beyond,
+# where it beat every kernel by 1.7x or more (so only its agreement is checked).
+_FROM_5_ROWS = (
+    IntRule(16, gemms=((16, 64, 64, 4, 4),), dequantize=True),
+    IntRule(64, gemms=((64, 64, 64, 4, 3), (64, 128, 128, 4, 3)), dequantize=True),
+    IntRule(None, dequantize=True),
+)
+# Per weight width, what won a Llama-2-7B shape on the H200 at those rows, or came within
+# 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans of
+# full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up tuning
+# by rules").
+INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
+    4: (
+        IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4))),
+        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=((16, 64, 64, 4, 4),)),
+        *_FROM_5_ROWS,
+    ),
+    8: (
+        IntRule(1, at_once=((32, 256, 2), (32, 512, 1))),
+        IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),
+        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=((16, 64, 64, 4, 4),)),
+        *_FROM_5_ROWS,
+    ),
+}
+
+
+def int_rule(bits: int, rows: int) -> IntRule:
+    """The rule of `INT_TUNING_RULES` for `bits`-bit weights at a ladder step of `rows` rows."""
+    return next(r for r in INT_TUNING_RULES[bits] if r.max_rows is None or rows <= r.max_rows)
+
+
+def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+    """The kinds `INT_TUNING_RULES` names for `layer` at `rows` rows, less the configs that
+    do not fit its group and K; dequantize + BLAS (the Triton pass on a GPU, the torch one
+    elsewhere) where the rule names it or nothing else fits."""
+    group, k = layer.group_size, layer.in_features
+    rule = int_rule(layer.quant_config.bits, rows)
+    kinds: list[MatmulKind] = []
+    if rows <= QUANT_GEMV_MAX_ROWS:
+        # A row shorter than a rule's rows per program is read whole by each program (the
+        # largest power of two it holds): small models keep an at-once GEMV.
+        whole = 1 << (k.bit_length() - 1)
+        gemvs = [at_once_gemv_config(group, k, bn, min(values, whole), warps)
+                 for bn, values, warps in rule.at_once]  # fmt: skip
+        gemvs += [loop_gemv_config(group, k, *shape) for shape in rule.loops]
+        kinds += [gemv_kind(c) for c in dict.fromkeys(gemvs) if c is not None]
+    gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
+    kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
+    if rule.dequantize or not kinds:
+        kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
     return kinds
 
 

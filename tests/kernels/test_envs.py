@@ -46,10 +46,21 @@ def test_malformed_number_names_the_variable(monkeypatch: pytest.MonkeyPatch) ->
 def test_every_variable_is_documented() -> None:
     table = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
     source = Path(envs.__file__).read_text()
-    names = set(re.findall(r'_(?:get|float)\("([A-Z_]+)"', source))
+    names = set(re.findall(r'_(?:get|float|flag)\("([A-Z_]+)"', source))
     assert names, "no variables found in envs.py"
     for name in names:
         assert f"`{envs.PREFIX}{name}`" in table, name
+
+
+def test_flags_take_one_or_zero_and_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    assert envs.tune_all_kinds() is False
+    for raw, want in [("1", True), ("true", True), ("0", False), ("off", False)]:
+        monkeypatch.setenv("ASYNCENGINE_TUNE_ALL_KINDS", raw)
+        assert envs.tune_all_kinds() is want
+    monkeypatch.setenv("ASYNCENGINE_TUNE_ALL_KINDS", "all")
+    with pytest.raises(ValueError, match="ASYNCENGINE_TUNE_ALL_KINDS"):
+        envs.tune_all_kinds()
 
 
 def test_c_compiler_follows_cc(monkeypatch: pytest.MonkeyPatch) -> None:

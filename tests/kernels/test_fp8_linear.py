@@ -21,7 +21,6 @@ from kernels.fp8_linear import (
     fp8_gemv,
     fp8_gemv_candidates,
     fp8_linear_ref,
-    fp8_rms_norm_gemv,
     fp8_scaled_mm,
     quantize_rows,
     quantize_rows_ref,
@@ -157,84 +156,32 @@ def test_gemv_forms_a_gated_input_as_silu_and_mul_rounds_it(dtype: torch.dtype) 
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_row_gemv_forms_the_normed_input_as_the_separate_kernels_round_it(dtype: torch.dtype
-                                                                          ) -> None:  # fmt: skip
-    _, q, scale = _weight(40, 96)
-    norm_w = (torch.rand(96) + 0.5).to(dtype)
-    x, residual = torch.randn(1, 96).to(dtype), torch.randn(1, 96).to(dtype)
-    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
-    want = fp8_linear_ref(h, q, scale, quantize_input=False)
-    for cfg in (Fp8GemvConfig(8, 32), Fp8GemvConfig(16, 64, split_k=2)):
-        got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, cfg)
-        torch.testing.assert_close(new_residual, want_residual)
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    got, same = fp8_rms_norm_gemv(x, None, norm_w, 1e-5, q, scale)
-    assert same is x
-    want = fp8_linear_ref(rms_norm_ref(x, norm_w, 1e-5), q, scale, quantize_input=False)
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-
-
-def test_row_gemv_in_half_pairs_is_the_weight_only_product() -> None:
-    """Plain, gated and normed inputs, a K that leaves a partial tile, and two K splits."""
-    _, q, scale = _weight(40, 200)
-    x = torch.randn(1, 200).to(torch.bfloat16)
-    configs = (Fp8GemvConfig(8, 64, pairs=True), Fp8GemvConfig(16, 32, split_k=2, pairs=True))
-    want = fp8_linear_ref(x, q, scale, quantize_input=False).float()
-    for cfg in configs:
-        got = fp8_gemv(x, q, scale, None, cfg).float()
-        torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
-    gated = torch.randn(1, 400).to(torch.bfloat16)
-    want = fp8_linear_ref(silu_and_mul_ref(gated), q, scale, quantize_input=False).float()
-    got = fp8_gemv(gated, q, scale, None, configs[0], gated=True).float()
-    torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
-    norm_w = (torch.rand(200) + 0.5).to(torch.bfloat16)
-    residual = torch.randn(1, 200).to(torch.bfloat16)
-    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
-    want = fp8_linear_ref(h, q, scale, quantize_input=False).float()
-    got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, configs[1])
-    torch.testing.assert_close(new_residual, want_residual)
-    torch.testing.assert_close(got.float(), want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
-    with pytest.raises(ValueError, match="16-bit activations"):
-        fp8_gemv(x.float(), q, scale, None, configs[0])
-    with pytest.raises(ValueError, match="4-byte words"):
-        fp8_gemv(torch.randn(1, 198).to(torch.bfloat16), q[:, :198], scale, None, configs[0])
-
-
 def test_row_gemv_splits_add_up_in_the_kernel_with_counters() -> None:
-    """One row's K splits summed by the last split of each block (bias once, gated and
-    normed inputs, a K that leaves a partial tile); the counters are left zeroed for the
-    next call, and too few of them are refused."""
+    """One row's K splits summed by the last split of each block (bias once, a gated input,
+    a K that leaves a partial tile); the counters are left zeroed for the next call, and
+    too few of them are refused."""
     _, q, scale = _weight(40, 200)
     counters = gemv_counters(1, 40, "cpu", FP8_GEMV_MIN_BLOCK_N)
     x = torch.randn(1, 200).to(torch.bfloat16)
     bias = torch.randn(40).to(torch.bfloat16)
     want = fp8_linear_ref(x, q, scale, bias, quantize_input=False).float()
-    for cfg in (Fp8GemvConfig(8, 32, split_k=4, pairs=True), Fp8GemvConfig(4, 64, split_k=2),
-                Fp8GemvConfig(16, 32, split_k=8, pairs=True)):  # fmt: skip
+    for cfg in (Fp8GemvConfig(8, 32, split_k=4), Fp8GemvConfig(4, 64, split_k=2),
+                Fp8GemvConfig(16, 32, split_k=8)):  # fmt: skip
         got = fp8_gemv(x, q, scale, bias, cfg, counters=counters).float()
-        _assert_pairs_close(got, want)
+        _assert_bf16_close(got, want)
         assert not counters.any()
-    cfg = Fp8GemvConfig(8, 32, split_k=4, pairs=True)
+    cfg = Fp8GemvConfig(8, 32, split_k=4)
     gated = torch.randn(1, 400).to(torch.bfloat16)
     want = fp8_linear_ref(silu_and_mul_ref(gated), q, scale, quantize_input=False).float()
     got = fp8_gemv(gated, q, scale, None, cfg, gated=True, counters=counters).float()
-    _assert_pairs_close(got, want)
-    norm_w = (torch.rand(200) + 0.5).to(torch.bfloat16)
-    residual = torch.randn(1, 200).to(torch.bfloat16)
-    h, want_residual = fused_add_rms_norm_ref(x, residual, norm_w, 1e-5)
-    want = fp8_linear_ref(h, q, scale, quantize_input=False).float()
-    got, new_residual = fp8_rms_norm_gemv(x, residual, norm_w, 1e-5, q, scale, None, cfg,
-                                          counters)  # fmt: skip
-    torch.testing.assert_close(new_residual, want_residual)
-    _assert_pairs_close(got.float(), want)
+    _assert_bf16_close(got, want)
     assert not counters.any()
     with pytest.raises(ValueError, match="split-K counters"):
         fp8_gemv(x, q, scale, None, cfg, counters=counters[:2])
 
 
-def _assert_pairs_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The bound of the other pairs tests: x rounded to fp16 pairs, a bf16 output."""
+def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A bf16 input and output against the float32 reference."""
     torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=1e-2)
 
 
@@ -264,12 +211,6 @@ def test_gpu_llama_shapes_match_reference(n: int, k: int) -> None:
             for gcfg in fp8_gemv_candidates(rows):
                 got = fp8_gemv(x, q, scale, None, gcfg)
                 assert float((got.float() - want).abs().max()) <= tol, gcfg
-    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    want = fp8_linear_ref(rms_norm_ref(x, norm_w, 1e-5), q, scale, quantize_input=False).float()
-    for gcfg in fp8_gemv_candidates(1):
-        got, _ = fp8_rms_norm_gemv(x, None, norm_w, 1e-5, q, scale, None, gcfg)
-        assert float((got.float() - want).abs().max()) <= 1e-2 * float(want.abs().max()), gcfg
 
 
 @pytest.mark.gpu

@@ -315,19 +315,27 @@ def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
 
 
 def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Timings that favour the GEMV up to 4 rows, a GEMM up to 256 and the reference past
-    it give a three-entry plan; RMSNorm inputs keep their declared transform."""
-    from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
+    """Timings that favour the GEMV up to 4 rows and the first GEMM tile of each step over
+    dequantize + BLAS up to 64 rows give one entry per choice; the steps above 64 rows hold
+    dequantize + BLAS alone, which is checked but not timed. RMSNorm inputs keep their
+    declared transform."""
+    from models.quantization.kinds import (
+        DequantMatmul,
+        QuantTritonGemm,
+        QuantTritonGemv,
+        QuantTritonGemvAtOnce,
+    )
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         rows = x.shape[0]
+        gemms = [k for k in kinds if isinstance(k, QuantTritonGemm)]
 
         def ms(kind: object) -> float:
             if isinstance(kind, QuantTritonGemv):
                 return 1.0 if rows <= 4 else 9.0
             if isinstance(kind, QuantTritonGemm):
-                return 2.0 + (0.1 if kind.config != kinds[1].config else 0.0)
-            return 3.0 if rows < 1024 else 1.5
+                return 2.0 + (0.1 if kind != gemms[0] else 0.0)
+            return 3.0
 
         return {k.describe(): ms(k) for k in kinds}
 
@@ -337,15 +345,42 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     assert set(plans) == set(model.values())
     assert plans[model["a"]] is plans[model["b"]] or plans[model["a"]] == plans[model["b"]]
     entries = plans[model["a"]].entries
-    assert [e.max_rows for e in entries] == [4, 256, None]
-    assert [type(e.kind) for e in entries] == [QuantTritonGemv, QuantTritonGemm, DequantMatmul]
+    assert [e.max_rows for e in entries] == [4, 16, 64, None]
+    assert [type(e.kind) for e in entries] == [
+        QuantTritonGemvAtOnce, QuantTritonGemm, QuantTritonGemm, DequantMatmul
+    ]  # fmt: skip
+    assert [e.kind.config.block_m for e in entries[1:3]] == [16, 64]
     assert all(e.input is InputTransform.RMS_NORM for e in plans[model["c"]].entries)
-    assert set(timings) == {(64, 128), (96, 64)} and set(timings[(64, 128)]) == set(
-        tuning.QUANT_ROW_LADDER
-    )
+    assert set(timings) == {(64, 128), (96, 64)}
+    assert set(timings[(64, 128)]) == {1, 2, 4, 8, 16, 64}  # one candidate above: not timed
     # The 16-bit tuners leave quantized layers alone, and they are described by shape.
     assert tuning.plan_cpu_linears(model)[0] == {}
     assert tuning.describe_matmul_plans(model)[0].startswith("a 64x128: 1+ rows: dequantize")
+
+
+def test_a_step_of_one_candidate_is_checked_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ladder step of one kind is only checked against the reference; a step where no
+    kind agrees (timed or not) plans the reference."""
+    from models.quantization.kinds import DequantMatmul
+
+    timed: list[int] = []
+    checked: list[int] = []
+
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
+        timed.append(x.shape[0])
+        return {}  # none agreed
+
+    def none_agree(kinds, pairs, x, low_rows):  # type: ignore[no-untyped-def]
+        checked.append(x.shape[0])
+        return []
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    monkeypatch.setattr(tuning, "_agreeing_kinds", none_agree)
+    model = _quantized_model("cpu", torch.float32)
+    plans, _ = tuning.plan_quantized_linears(model, device_type="cpu")
+    assert sorted(set(timed)) == [1, 2, 4, 8, 16, 64]
+    assert sorted(set(checked)) == [256, 1024]
+    assert [type(e.kind) for e in plans[model["a"]].entries] == [DequantMatmul]
 
 
 class _CountingReference(Blas):
@@ -409,19 +444,23 @@ def test_quantized_plans_are_read_back_from_the_cache(
     """A second start with the same layers plans from the cache without timing; a cached
     kind that disagrees with the reference, or is no longer a candidate, is timed again."""
     from models.plan_cache import PlanCache
-    from models.quantization.kinds import QuantTritonGemm
+    from models.quantization.kinds import QuantTritonGemm, QuantTritonGemv
 
     timed: list[int] = []
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         timed.append(x.shape[0])
-        return {k.describe(): (1.0 if isinstance(k, QuantTritonGemm) else 2.0) for k in kinds}
+        # The GEMVs' half-precision pairs refuse this float32 model: they never agree.
+        return {k.describe(): (1.0 if isinstance(k, QuantTritonGemm) else 2.0) for k in kinds
+                if not isinstance(k, QuantTritonGemv)}  # fmt: skip
 
     monkeypatch.setattr(tuning, "_time_kinds", fake_times)
     model = _quantized_model("cpu", torch.float32)
     cache = PlanCache(tmp_path)
     plans, timings = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
-    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)  # two shapes, each rung timed
+    # Two shapes, each step of more than one candidate (up to 64 rows) timed.
+    steps = 2 * len([rows for rows in tuning.QUANT_ROW_LADDER if rows <= 64])
+    assert len(timed) == steps
     assert len(list(tmp_path.glob("*.json"))) == 2
     timed.clear()
     again, timings = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
@@ -430,7 +469,7 @@ def test_quantized_plans_are_read_back_from_the_cache(
     # A cached choice that no longer agrees with the reference is timed anew.
     monkeypatch.setattr(tuning, "agrees_with_reference", lambda *a: False)
     tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
-    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)
+    assert len(timed) == steps
     monkeypatch.undo()
     monkeypatch.setattr(tuning, "_time_kinds", fake_times)
     # So is one the candidates no longer hold (the entry names a kind that is gone).
@@ -438,7 +477,7 @@ def test_quantized_plans_are_read_back_from_the_cache(
         path.write_text(path.read_text().replace("gemm", "retired"))
     timed.clear()
     tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
-    assert len(timed) == 2 * len(tuning.QUANT_ROW_LADDER)
+    assert len(timed) == steps
 
 
 @pytest.mark.gpu
@@ -500,45 +539,60 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
 def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Timings favouring the weight-only GEMV up to 8 rows (its one-row form and configs
-    differ from its 2-16-row ones), the Triton GEMM up to 64 and cuBLASLt past it give that
-    plan; the W8A8 entries and the one-row GEMV of a layer with an RMSNorm input form it
-    themselves."""
+    """Timings favouring the whole-row GEMV at one row, the weight-only GEMV up to 8 rows,
+    the first Triton GEMM tile of each step up to 64 and cuBLASLt past it (its steps of one
+    candidate checked, not timed) give that plan; the W8A8 entries and the whole-row GEMV
+    of a layer with an RMSNorm input form it themselves."""
     from models.quantization.fp8 import (
         Fp8DequantMatmul,
         Fp8Gemv,
-        Fp8RowGemv,
         Fp8ScaledMM,
         Fp8TritonGemm,
+        Fp8WholeRowGemv,
     )
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         assert x.dtype == torch.float32  # the layers' activation dtype, not the scales'
         rows = x.shape[0]
+        gemms = [k for k in kinds if isinstance(k, Fp8TritonGemm)]
 
         def ms(kind: object) -> float:
+            if isinstance(kind, Fp8WholeRowGemv):
+                return 1.0
             if isinstance(kind, Fp8Gemv):
-                return 1.0 if rows <= 8 else 9.0
+                return 1.5 if rows <= 8 else 9.0
             if isinstance(kind, Fp8TritonGemm):
-                return 2.0 + (0.1 if kind.config != kinds[2].config else 0.0)
+                return 2.0 + (0.1 if kind != gemms[0] else 0.0)
             if isinstance(kind, Fp8ScaledMM):
                 return 3.0 if rows <= 64 else 1.5
             return 50.0
 
         return {k.describe(): ms(k) for k in kinds}
 
+    checked: list[int] = []
+
+    def all_agree(kinds, pairs, x, low_rows):  # type: ignore[no-untyped-def]
+        checked.append(x.shape[0])  # cuBLASLt's FP8 GEMM need not run on this CPU
+        return list(kinds)
+
     monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    monkeypatch.setattr(tuning, "_agreeing_kinds", all_agree)
     model = _fp8_model("cpu", torch.float32)
     assert isinstance(model["a"].plan.entries[0].kind, Fp8DequantMatmul)
     plans, timings = tuning.plan_quantized_linears(model, device_type="cpu")
     entries = plans[model["a"]].entries
-    assert [e.max_rows for e in entries] == [1, 8, 64, None]
-    assert [type(e.kind) for e in entries] == [Fp8RowGemv, Fp8Gemv, Fp8TritonGemm, Fp8ScaledMM]
+    assert [e.max_rows for e in entries] == [1, 8, 16, 64, None]
+    assert [type(e.kind) for e in entries] == [
+        Fp8WholeRowGemv, Fp8Gemv, Fp8TritonGemm, Fp8TritonGemm, Fp8ScaledMM
+    ]  # fmt: skip
+    assert [e.kind.config.block_m for e in entries[2:4]] == [16, 64]
     normed = plans[model["c"]].entries
     assert all(e.input is InputTransform.RMS_NORM for e in normed)
-    # The one-row GEMV and the W8A8 GEMMs form the normed input themselves.
-    assert [e.fuse_input for e in normed] == [True, False, True, True]
+    # The whole-row GEMV and the W8A8 GEMMs form the normed input themselves.
+    assert [e.fuse_input for e in normed] == [True, False, True, True, True]
     assert set(timings) == {(64, 128), (96, 64)}
+    assert set(timings[(64, 128)]) == {1, 2, 4, 8, 16, 64}
+    assert sorted(set(checked)) == [256, 1024]
 
 
 @pytest.mark.gpu

@@ -24,7 +24,6 @@ from models.quantization import fp8
 from models.quantization.fp8 import (
     Fp8DequantMatmul,
     Fp8Gemv,
-    Fp8RowGemv,
     Fp8ScaledMM,
     Fp8TritonGemm,
     fp8_entry,
@@ -317,14 +316,17 @@ def test_the_kinds_agree_with_their_reference(quantized: Make) -> None:
 
 def test_one_row_is_timed_with_the_norm_fused_and_as_a_kernel_of_its_own(quantized: Make
                                                                          ) -> None:  # fmt: skip
+    """At one row a kind forming the RMSNorm itself (the whole-row GEMV) and the plain GEMV
+    after a norm kernel are both timed, by the rules and in the full sweep; the GEMVs serve
+    up to 16 rows, the whole-row one a single row."""
     gate_up = _layers(quantized)["gate_up"]
     assert gate_up.input_transform is InputTransform.RMS_NORM
-    one = fp8.tuning_kinds(gate_up, 1)
-    fused = [k for k in one if InputTransform.RMS_NORM in k.fusable_inputs]
-    plain = [k for k in one if isinstance(k, Fp8Gemv) and k not in fused]
-    assert any(isinstance(k, fp8.Fp8RowGemv) for k in fused) and plain
-    assert not any(isinstance(k, fp8.Fp8RowGemv) for k in fp8.tuning_kinds(gate_up, 2))
-    assert not any(isinstance(k, Fp8Gemv) for k in fp8.tuning_kinds(gate_up, 17))
+    for one in (fp8.tuning_kinds(gate_up, 1), fp8.all_fp8_kinds(gate_up, 1)):
+        fused = [k for k in one if InputTransform.RMS_NORM in k.fusable_inputs]
+        assert any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fused)
+        assert any(isinstance(k, Fp8Gemv) for k in one)
+    assert not any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fp8.all_fp8_kinds(gate_up, 2))
+    assert not any(isinstance(k, Fp8Gemv) for k in fp8.all_fp8_kinds(gate_up, 17))
 
 
 def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> None:
@@ -339,10 +341,10 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
     h, want_residual = fused_add_rms_norm_ref(x, residual, norm.weight, norm.eps)
     torch.testing.assert_close(new_residual, want_residual)
     torch.testing.assert_close(got, Fp8DequantMatmul().apply(qkv, h, None), atol=1e-4, rtol=1e-4)
-    # One row: the weight-only row GEMV forms it in its prologue.
-    row = fp8_entry(Fp8RowGemv(Fp8GemvConfig(8, 32)), 1, InputTransform.RMS_NORM)
+    # One row on the weight-only GEMV, which cannot form the norm: the plan runs it first.
+    row = fp8_entry(Fp8Gemv(Fp8GemvConfig(8, 32)), 1, InputTransform.RMS_NORM)
     qkv.set_plan(MatmulPlan((row, fp8_entry(gemm, None, InputTransform.RMS_NORM))))
-    assert qkv.plan.entries[0].fuse_input
+    assert not qkv.plan.entries[0].fuse_input
     got, new_residual = qkv.forward_normed(x[:1], residual[:1], norm)
     torch.testing.assert_close(new_residual, want_residual[:1])
     torch.testing.assert_close(got, Fp8DequantMatmul(False).apply(qkv, h[:1], None),
@@ -393,6 +395,41 @@ def test_the_whole_row_gemv_forms_a_normed_or_gated_row_itself(quantized: Make) 
     want = MatmulPlan((PlanEntry(Fp8DequantMatmul(False), input=InputTransform.SILU_AND_MUL),))
     torch.testing.assert_close(down(gated), want.apply(down, gated, None), atol=1e-4, rtol=1e-4)
 
+
+def test_the_rule_table_names_a_few_kinds_per_row_range(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:  # fmt: skip
+    """A Llama-2-7B shape: the winners of a full-sweep start per row range, within the full
+    sweep, which `ASYNCENGINE_TUNE_ALL_KINDS=1` restores; `_scaled_mm` gives way to the
+    Triton GEMM where its alignment rules fail, the whole-row GEMV where the row is too
+    long."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+
+    def names(layer: SimpleNamespace, rows: int) -> list[str]:
+        return [k.describe().removeprefix("fp8 ") for k in fp8.tuning_kinds(layer, rows)]
+
+    qkv = SimpleNamespace(in_features=4096, out_features=12288)
+    whole = "Triton whole-row GEMV (W8A16) whole_row[2, 8, 4, 3] pairs"
+    gemv1 = "Triton GEMV (W8A16) gemv n8 k1024 split1 w4 s3"
+    gemv = "Triton GEMV (W8A16) gemv n32 k256 split1 w4 s4"
+    small, large = "Triton GEMM gemm 16x64x128 w4 s4", "Triton GEMM gemm 64x64x128 w4 s4"
+    assert {rows: names(qkv, rows) for rows in (1, 2, 4, 8, 16, 64, 256, 1024)} == {
+        1: [whole, gemv1], 2: [gemv, small, large], 4: [gemv, small, large],
+        8: [gemv, small, large], 16: [gemv, "_scaled_mm", small, large],
+        64: ["_scaled_mm", large], 256: ["_scaled_mm"], 1024: ["_scaled_mm"],
+    }  # fmt: skip
+    for layer in (qkv, SimpleNamespace(in_features=14336, out_features=4096)):
+        for rows in (1, 2, 4, 8, 16, 64, 256, 1024):
+            assert set(fp8.tuning_kinds(layer, rows)) <= set(fp8.all_fp8_kinds(layer, rows))
+    odd = SimpleNamespace(in_features=32768, out_features=4104)  # neither fits
+    assert names(odd, 1) == [gemv1]
+    assert names(odd, 64) == names(odd, 1024) == [large]
+    monkeypatch.setenv("ASYNCENGINE_TUNE_ALL_KINDS", "1")
+    assert fp8.tuning_kinds(qkv, 1) == fp8.all_fp8_kinds(qkv, 1)
+    assert len(fp8.tuning_kinds(qkv, 1)) == 28 and len(fp8.tuning_kinds(qkv, 64)) == 9
+
+
 def test_rows_too_long_for_float32_get_the_whole_row_gemv_in_pairs() -> None:
     """A down projection's 11,008-long rows exceed what the float32 whole-row form holds in
     registers, not what its pairs form holds: only the pairs configs are timed there."""
@@ -400,12 +437,11 @@ def test_rows_too_long_for_float32_get_the_whole_row_gemv_in_pairs() -> None:
 
     def whole_row(in_features: int) -> list[fp8.Fp8WholeRowGemv]:
         layer = SimpleNamespace(in_features=in_features)
-        return [k for k in fp8.tuning_kinds(layer, 1) if isinstance(k, fp8.Fp8WholeRowGemv)]
+        return [k for k in fp8.all_fp8_kinds(layer, 1) if isinstance(k, fp8.Fp8WholeRowGemv)]
 
     assert {k.config.pairs for k in whole_row(4096)} == {False, True}
     assert {k.config.pairs for k in whole_row(11008)} == {True}
     assert whole_row(32768) == []
-
 
 
 @pytest.mark.gpu

@@ -6,20 +6,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
+import pytest
 import torch
 
 from kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
 from models.config import ModelConfig
 from models.loader import load_model
 from models.matmul_plan import MatmulKind
+from models.quantization.config import QuantConfig
 from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
     QuantTritonGemv,
     QuantTritonGemvAtOnce,
     agrees_with_reference,
+    all_int_kinds,
     tuning_kinds,
 )
 from tests.quant_writers import Scheme
@@ -80,3 +84,88 @@ def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
     gemvs = [k for k in tuning_kinds(layer, 1) if isinstance(k, QuantTritonGemv)]
     assert gemvs
     assert all(isinstance(k, QuantTritonGemvAtOnce) == bool(k.config.tiles) for k in gemvs)
+
+
+def _shape(group: int, k: int, bits: int = 4) -> SimpleNamespace:
+    """What `tuning_kinds` reads of an integer layer: its format, group, K and device."""
+    return SimpleNamespace(quant_config=QuantConfig("gptq", bits, group), group_size=group,
+                           in_features=k, qweight=torch.empty(0, dtype=torch.int32))  # fmt: skip
+
+
+def _names(kinds: list[MatmulKind]) -> list[str]:
+    return [k.describe().removeprefix("quantized Triton ") for k in kinds]
+
+
+def test_the_rule_table_names_a_few_kinds_per_row_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama-2-7B shape in int4 g128: the at-once GEMVs that won at 1-2 rows, two of them
+    and the small GEMM tile at 4, that tile against dequantize + BLAS at 8-16, two tiles
+    against it at 64, and dequantize + BLAS alone above (the torch pass off the GPU)."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    layer = _shape(128, 4096)
+    one, two = ["GEMV gemv n32 k128x2 at once w1 pairs", "GEMV gemv n32 k128x4 at once w1 pairs"]
+    got = {rows: _names(tuning_kinds(layer, rows)) for rows in (1, 2, 4, 8, 16, 64, 256, 1024)}
+    assert got == {
+        1: [one, two, "GEMV gemv n32 k128x8 at once w4 pairs"],
+        2: [one, two, "GEMV gemv n32 k128x8 at once w4 pairs"],
+        4: [one, two, "GEMM gemm 16x64x64 w4 s4"],
+        8: ["GEMM gemm 16x64x64 w4 s4", "dequantize + BLAS"],
+        16: ["GEMM gemm 16x64x64 w4 s4", "dequantize + BLAS"],
+        64: ["GEMM gemm 64x64x64 w4 s3", "GEMM gemm 64x128x128 w4 s3", "dequantize + BLAS"],
+        256: ["dequantize + BLAS"],
+        1024: ["dequantize + BLAS"],
+    }
+    assert all(isinstance(k, QuantTritonGemvAtOnce) for k in tuning_kinds(layer, 1))
+
+
+def test_int8_rules_keep_the_loop_gemvs_that_won_at_2_to_4_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """int8 g128: the at-once GEMVs of its one-row plans, the loop forms (float32 products,
+    half-precision pairs) that won at 2-4 rows, and from 5 rows the rules of int4."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    layer = _shape(128, 4096, bits=8)
+    assert _names(tuning_kinds(layer, 1)) == [
+        "GEMV gemv n32 k128x2 at once w2 pairs", "GEMV gemv n32 k128x4 at once w1 pairs"
+    ]  # fmt: skip
+    assert _names(tuning_kinds(layer, 2)) == [
+        "GEMV gemv n32 k128x2 at once w2 pairs", "GEMV gemv n64 k128 split2 w4 s3",
+        "GEMV gemv n128 k128 split4 w4 s3 pairs",
+    ]  # fmt: skip
+    assert _names(tuning_kinds(layer, 4)) == [
+        "GEMV gemv n128 k128 split2 w4 s3 pairs", "GEMM gemm 16x64x64 w4 s4"
+    ]  # fmt: skip
+    for rows in (8, 16, 64, 256, 1024):
+        assert tuning_kinds(layer, rows) == tuning_kinds(_shape(128, 4096), rows)
+
+
+def test_rule_kinds_are_among_every_config_the_flag_restores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """For the shapes and groups of real checkpoints, the rules only narrow the full sweep;
+    `ASYNCENGINE_TUNE_ALL_KINDS=1` gives the full sweep back (15 kinds at 1-16 rows on a
+    GPU, 6 above: here one fewer, the Triton dequantize pass being a GPU kind)."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    for group, k, bits in [(128, 4096, 4), (128, 11008, 8), (32, 4096, 4), (64, 14336, 4),
+                           (4096, 4096, 4), (11008, 11008, 8), (32, 4096, 8)]:  # fmt: skip
+        layer = _shape(group, k, bits)
+        for rows in (1, 2, 4, 8, 16, 64, 256, 1024):
+            rule = tuning_kinds(layer, rows)
+            full = all_int_kinds(layer, rows)
+            assert rule and set(rule) <= set(full) and len(rule) <= 3, (group, k, bits, rows)
+    monkeypatch.setenv("ASYNCENGINE_TUNE_ALL_KINDS", "1")
+    layer = _shape(128, 4096)
+    assert tuning_kinds(layer, 1) == all_int_kinds(layer, 1)
+    assert len(tuning_kinds(layer, 1)) == 14 and len(tuning_kinds(layer, 64)) == 5
+    assert isinstance(tuning_kinds(layer, 1)[0], DequantMatmul)  # the reference first
+
+
+def test_short_rows_keep_a_gemv_that_reads_the_whole_row(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:  # fmt: skip
+    """K shorter than a rule's rows per program (a tiny model's 64 or 128): each program
+    reads the whole row; group -1 takes 128-row tiles as a long group does."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    assert _names(tuning_kinds(_shape(32, 128), 1)) == [
+        "GEMV gemv n32 k32x4 at once w1 pairs", "GEMV gemv n32 k32x4 at once w4 pairs"
+    ]  # fmt: skip
+    assert _names(tuning_kinds(_shape(64, 64), 2))[0] == "GEMV gemv n32 k64x1 at once w1 pairs"
+    assert _names(tuning_kinds(_shape(2048, 2048), 1))[0] == "GEMV gemv n32 k128x2 at once w1 pairs"
