@@ -195,6 +195,7 @@ class LLMEngine:
             "schedule_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "postprocess_s": 0.0, "steps": 0
         }
         self._inflight: InflightStep | None = None
+        self._last_tokens_at: float | None = None  # when a step's tokens last reached the host
         self.is_shut_down = False
         self.structured = StructuredOutputs(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids,
@@ -543,6 +544,11 @@ class LLMEngine:
         except Exception as e:
             raise self._step_failed([*step.scheduled, *step.requests], e) from e
         t1 = time.perf_counter()
+        if self.spec_decoder is not None and result.requests:
+            # The period from the last step's tokens to these: what this kind of step costs.
+            if self._last_tokens_at is not None:
+                self.spec_decoder.observe_step(t1 - self._last_tokens_at, verify=bool(result.spec))
+            self._last_tokens_at = t1
         now = time.monotonic()
         # Blocks whose tokens are all known are cached now, before a request that ends below
         # frees them; a block completed by the token appended below is cached after it.

@@ -24,6 +24,7 @@ from typing import Protocol
 from asyncengine.block_pool import BlockPool
 from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.spec_decode.cost import StepCostMeter
 from asyncengine.spec_decode.metrics import SpecDecodingMetrics
 from asyncengine.spec_decode.verify import SpecVerdict
 
@@ -66,6 +67,7 @@ class SpecDecoder:
         # when nothing is found to propose; then empty proposals count as failures too.
         self.count_empty_proposals = count_empty_proposals
         self.metrics = SpecDecodingMetrics(config.num_speculative_tokens)
+        self.cost = StepCostMeter()  # fed by the engine: `observe_step`
         self._batch_drafts = config.num_speculative_tokens
 
     # ------------------------------------------------------------- proposing
@@ -136,12 +138,19 @@ class SpecDecoder:
             self.pool.free_tail(req, req.num_computed_tokens + 1)
             self._update(req, v.num_accepted_tokens)
 
+    def observe_step(self, seconds: float, *, verify: bool) -> None:
+        """One step's period as the engine saw it (tokens to tokens), by kind."""
+        self.cost.observe(seconds, verify=verify)
+
     def _update(self, req: Request, num_accepted: int) -> None:
         state = self._state(req)
         state.accepted_ema = 0.5 * state.accepted_ema + 0.5 * num_accepted
-        if num_accepted:
+        # A verify step costing r plain steps pays when it keeps more than r tokens: the
+        # request pauses once its smoothed accepted drafts fall below r - 1.
+        needed = max(MIN_ACCEPTED_EMA, self.cost.ratio - 1.0)
+        if num_accepted >= needed:
             state.next_cooldown = FIRST_COOLDOWN
-        if state.accepted_ema < MIN_ACCEPTED_EMA:
+        if state.accepted_ema < needed:
             state.cooldown = state.next_cooldown
             state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
             state.accepted_ema = 1.0  # the next try starts fresh
