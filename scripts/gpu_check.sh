@@ -153,19 +153,27 @@ runpy.run_path('scripts/bench_throughput.py', run_name='__main__')" --workload l
   done
 elif [ "$phase" = session ]; then  # GPU tests of speculative decoding, graphs and quantized
   # matmuls; the verify step (k = 1..8) and latency by acceptance; a cold GPTQ int4 start
-  # (empty caches), then L1 per quantized format; L1/W1 from DIR and from this tree
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/spec_decode \
-    tests/asyncengine/test_cuda_graphs.py tests/kernels/test_quant_linear.py 2>&1 \
+  # (empty caches), then L1 per quantized format; L1/W1 from DIR and from this tree; W1 with
+  # every request JSON-constrained (the tokenizer carried in .device_tok)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/spec_decode \
+    tests/asyncengine/test_cuda_graphs.py tests/kernels/test_quant_linear.py \
+    tests/kernels/test_fp8_linear.py tests/models/test_linear_tuning.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 6
-  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 4 \
+  timeout 240 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
     2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
-  ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 240 \
+  ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 200 \
     python3 scripts/bench_throughput.py --workload l1 --system engine --quantization gptq-int4 \
-    2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-700
+    2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-500
   for q in ${3:-gptq-int8 awq-int4 fp8}; do
-    bench --workload l1 --system engine --quantization "$q" | cut -c1-700
+    timeout 150 python3 scripts/bench_throughput.py --workload l1 --system engine \
+      --quantization "$q" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-500
   done
   REPEAT=1 bash "$0" compare "${2:?usage: gpu_check.sh session DIR}"
+  if [ -d .device_tok ]; then
+    timeout 150 python3 scripts/bench_throughput.py --workload w1 --system engine \
+      --structured-outputs json --tokenizer .device_tok 2>>"$OUT/bench.log" \
+      | tee -a "$OUT/results.jsonl" | cut -c1-500
+  fi
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
