@@ -17,7 +17,9 @@ verify step only now and then.
 Constrained requests (structured outputs): with jump-forward on, the tokens the grammar
 forces next are their drafts (`forced`), ahead of the proposer's; the proposer's drafts are
 cut at the first one the grammar forbids, so no forbidden draft is ever verified. Forced
-drafts are counted apart (`forced_metrics`) and leave the adaptive state alone. Without a
+drafts are counted apart (`forced_metrics`) and leave the pauses alone; their number per
+request adapts instead (`FIRST_FORCED_CAP`): a rejected forced draft is one the model splits
+differently, and the drafts after it were wasted rows. Without a
 `speculative_config` (`config` None) only forced drafts are proposed.
 """
 
@@ -38,6 +40,9 @@ from asyncengine.spec_decode.verify import SpecVerdict
 MIN_ACCEPTED_EMA = 0.25
 FIRST_COOLDOWN = 4
 MAX_COOLDOWN = 64
+# Forced drafts per request start at this many, double while all are kept, and drop to one
+# past the kept ones on a rejection: the model may split forced text its own way.
+FIRST_FORCED_CAP = 4
 
 
 class Proposer(Protocol):
@@ -54,6 +59,7 @@ class SpecState:
     cooldown: int = 0  # steps left without proposing
     next_cooldown: int = FIRST_COOLDOWN
     forced: bool = False  # its current drafts are grammar-forced
+    forced_cap: int = FIRST_FORCED_CAP  # forced drafts it may get next
 
 
 class SpecDecoder:
@@ -103,8 +109,9 @@ class SpecDecoder:
             # Never past max_tokens (the target adds a token) nor max_model_len.
             n = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
             if self.jump_forward and req.grammar is not None:
-                req.spec_token_ids = forced_drafts(req, n)
-                self._state(req).forced = bool(req.spec_token_ids)
+                state = self._state(req)
+                req.spec_token_ids = forced_drafts(req, min(n, state.forced_cap))
+                state.forced = bool(req.spec_token_ids)
                 if req.spec_token_ids:
                     continue
             if k == 0:
@@ -148,9 +155,16 @@ class SpecDecoder:
             req.spec_token_ids = []
             if req.is_finished:  # aborted while in flight: its blocks are gone
                 continue
-            forced = self._state(req).forced
+            state = self._state(req)
+            forced = state.forced
             metrics = self.forced_metrics if forced else self.metrics
             metrics.observe(v.num_draft_tokens, v.num_accepted_tokens)
+            if forced:
+                state.forced_cap = (
+                    min(2 * state.forced_cap, MAX_FORCED_DRAFTS)
+                    if v.num_accepted_tokens == v.num_draft_tokens
+                    else v.num_accepted_tokens + 1
+                )
             req.num_computed_tokens -= v.num_draft_tokens - v.num_accepted_tokens
             # Kept: the computed tokens and the slot of the token the target just added.
             self.pool.free_tail(req, req.num_computed_tokens + 1)
