@@ -60,7 +60,8 @@ class EngineArgs:
     # (see asyncengine.spec_decode.config).
     speculative_config: dict | None = None
     # Structured outputs: a request whose grammar takes longer than this to compile is
-    # refused; jump-forward appends the tokens a grammar forces without a step per token.
+    # refused; jump-forward verifies the tokens a grammar forces as drafts, several in one
+    # step, keeping those the model itself would have produced (asyncengine.spec_decode.forced).
     structured_outputs_compile_timeout: float = 30.0
     structured_outputs_jump_forward: bool = False
 

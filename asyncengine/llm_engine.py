@@ -159,7 +159,8 @@ class LLMEngine:
             swap_space=swap,
         )
         self.spec_decoder = None
-        if args.speculative_config is not None:
+        # Jump-forward alone needs the coordinator too: forced tokens are verified drafts.
+        if args.speculative_config is not None or args.structured_outputs_jump_forward:
             from asyncengine.spec_decode import DraftModelProposer, build_spec_decoder
 
             proposer = None
@@ -172,6 +173,7 @@ class LLMEngine:
             self.spec_decoder = build_spec_decoder(
                 args.speculative_config, self.pool, self.max_model_len, self.async_scheduling,
                 proposer,
+                jump_forward=args.structured_outputs_jump_forward,
             )  # fmt: skip
         self.request_limits = RequestLimits(
             vocab_size=cfg.vocab_size,
@@ -184,7 +186,7 @@ class LLMEngine:
             enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
-            verify_rows=0 if spec is None else spec.config.max_verify_rows,
+            verify_rows=0 if spec is None else spec.max_verify_rows,
         )
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()
@@ -200,7 +202,6 @@ class LLMEngine:
         self.structured = StructuredOutputs(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids,
             compile_timeout_s=args.structured_outputs_compile_timeout,
-            jump_forward=args.structured_outputs_jump_forward,
         )  # fmt: skip
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
@@ -624,8 +625,7 @@ class LLMEngine:
         return StepError(ids, cause, arrivals)
 
     def _append_token(
-        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float,
-        *, jump: bool = True,
+        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
     ) -> None:
         m = req.metrics
         if m.first_token_time is None:
@@ -655,16 +655,8 @@ class LLMEngine:
                 return
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
-        elif req.grammar is not None:
-            if req.grammar.is_terminated:  # complete, and nothing may follow
-                self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif jump and req.logprobs is None:
-                # Jump-forward: tokens the grammar forces are appended without a step each
-                # (the next step computes them as one chunk).
-                for forced in self.structured.forced_tokens(req):
-                    self._append_token(req, forced, None, now, jump=False)
-                    if req.is_finished:
-                        break
+        elif req.grammar is not None and req.grammar.is_terminated:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)  # complete; nothing may follow
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         detok = req.detokenizer
@@ -793,7 +785,7 @@ class LLMEngine:
         )
 
     def _spec_stats(self) -> SpecDecodeStats | None:
-        if self.spec_decoder is None:
+        if self.spec_decoder is None or self.spec_decoder.config is None:
             return None
         m = self.spec_decoder.metrics
         return SpecDecodeStats(

@@ -15,7 +15,6 @@ it as input straight from step N's sampled-id tensor, so the GPU never waits for
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -623,15 +622,12 @@ class ModelRunner:
         if not reqs:
             return InflightStep([], None, None, scheduled, prompt)
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        # A verify step gives request i num_spec[i] + 1 consecutive rows.
         num_spec = [s.num_spec_tokens for s in sched.scheduled if s.needs_logits]
-        # A verify step gives request i rows up to last_row[i]; a constrained request never
-        # speculates, so its one row is its last.
-        last_row = None
-        if any(num_spec):
-            last_row = [end - 1 for end in itertools.accumulate(k + 1 for k in num_spec)]
+        verify = any(num_spec)
         # Structured outputs: forbidden tokens to -inf before any sampling transform.
-        logits = self.grammar_masker.apply(logits, reqs, prev, last_row)
-        if last_row is not None:
+        logits = self.grammar_masker.apply(logits, reqs, prev, num_spec if verify else None)
+        if verify:
             from asyncengine.spec_decode.verify import launch_verify
 
             return launch_verify(

@@ -129,13 +129,13 @@ class Request:
 
     @property
     def sampling_needs_history(self) -> bool:
-        """Whether its next token depends on the exact output so far: penalties, EOS
-        still banned by min_tokens, or a grammar with jump-forward (a grammar alone takes
-        the token in flight from the step that sampled it: see `GrammarMasker`)."""
+        """Whether its next token depends on the exact output so far: penalties, or EOS
+        still banned by min_tokens (a grammar takes the token in flight from the step that
+        sampled it: see `GrammarMasker`; drafts, grammar-forced ones included, are
+        `SpecDecoder.wants_sync`'s)."""
         p = self.params
         return (
-            (self.grammar is not None and self.grammar.needs_host_tokens)
-            or p.repetition_penalty != 1.0
+            p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or self.num_output_tokens < p.min_tokens

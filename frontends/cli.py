@@ -57,8 +57,8 @@ _ENGINE_HELP = {
     "cpu_kv_cache_gib": "CPU only: cap on the KV pool, GiB",
     "structured_outputs_compile_timeout": "seconds a grammar may take to compile before its "
                                           "request is refused",
-    "structured_outputs_jump_forward": "append the tokens a grammar forces without a model "
-                                       "step per token",
+    "structured_outputs_jump_forward": "verify the tokens a grammar forces as drafts, "
+                                       "several in one model step (exact)",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 "
     "with per-KV-head K/V scales, half the bytes; CUDA needs compute capability 8.9+)",
     "calculate_kv_scales": "FP8 KV cache: calibrate the K/V scales at start-up on a shipped "

@@ -1,12 +1,13 @@
-"""Jump-forward on a schema-heavy workload: the tokens it saves and the latency it wins.
+"""Jump-forward on a schema-heavy workload: the steps it saves, the latency it wins, and
+whether the outputs equal step-by-step decoding.
 
 Every request asks the embedded SmolLM2 (or `--model`) for a record of a schema whose keys,
 punctuation and most values are fixed by the grammar (enums, booleans, bounded integers,
-short strings), so much of each output is forced. The same greedy requests run one at a time
-step by step and with jump-forward, in one engine, alternating. Reported: model steps and
-wall time per request, the tokens appended without a step, and whether the JSON of each
-output equals the step-by-step one (the forced tokens may be split into token ids
-differently, so the texts are compared as parsed JSON).
+short strings), so much of each output is forced. The same greedy requests run step by step
+and with jump-forward (the forced tokens verified as drafts), in one engine, alternating:
+one at a time (latency) and all at once (a batch). Reported: model steps, wall time, the
+forced drafts proposed and kept, and whether every output's token ids equal the step-by-step
+ones.
 
     python scripts/bench_jump_forward.py            # CPU, embedded model
     python scripts/bench_jump_forward.py --device cuda --model DIR
@@ -52,21 +53,47 @@ COUNTRIES = ["France", "Japan", "Brazil", "Kenya", "Canada", "Australia", "Switz
              "India", "Mexico", "Norway", "Egypt", "Chile"]
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, jump: bool
-        ) -> tuple[list[Any], list[float], int, int]:  # fmt: skip
-    """Each prompt alone (latency): parsed outputs, seconds each, steps, jumped tokens."""
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, jump: bool,
+        batched: bool) -> dict[str, Any]:  # fmt: skip
+    """The prompts one at a time (or all at once when `batched`): token ids, seconds per
+    request (or for the batch), model steps, forced drafts proposed and kept."""
     engine = llm.llm_engine
-    engine.structured.jump_forward = jump
-    engine.structured.num_jump_forward_tokens = 0
-    steps0 = engine.step_timing["steps"]
-    parsed, secs = [], []
-    for prompt in prompts:
+    decoder = engine.spec_decoder
+    assert decoder is not None
+    decoder.jump_forward = jump
+    forced = decoder.forced_metrics
+    steps0, drafted0, kept0 = (engine.step_timing["steps"], forced.num_draft_tokens,
+                               forced.num_accepted_tokens)
+    groups = [prompts] if batched else [[p] for p in prompts]
+    ids, secs = [], []
+    for group in groups:
         t0 = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        outs = llm.generate(group, params, use_tqdm=False)
         secs.append(time.perf_counter() - t0)
-        parsed.append(json.loads(out.text))
-    return (parsed, secs, engine.step_timing["steps"] - steps0,
-            engine.structured.num_jump_forward_tokens)
+        for out in outs:
+            comp = out.outputs[0]
+            json.loads(comp.text)  # the grammar guarantees it parses
+            ids.append(comp.token_ids)
+    return {"ids": ids, "secs": secs, "steps": engine.step_timing["steps"] - steps0,
+            "drafted": forced.num_draft_tokens - drafted0,
+            "kept": forced.num_accepted_tokens - kept0}
+
+
+def compare(plain: list[dict[str, Any]], jumped: list[dict[str, Any]], key: str
+            ) -> dict[str, Any]:  # fmt: skip
+    """One mode's figures over its rounds (the last round's counts; median times)."""
+    p, j = plain[-1], jumped[-1]
+    ms_plain = 1e3 * statistics.median(s for r in plain for s in r["secs"])
+    ms_jump = 1e3 * statistics.median(s for r in jumped for s in r["secs"])
+    return {
+        f"{key}_steps_step_by_step": p["steps"], f"{key}_steps_jump_forward": j["steps"],
+        f"{key}_steps_saved_fraction": round(1 - j["steps"] / p["steps"], 3),
+        f"{key}_forced_drafts": j["drafted"], f"{key}_forced_drafts_kept": j["kept"],
+        f"{key}_ms_step_by_step": round(ms_plain, 1),
+        f"{key}_ms_jump_forward": round(ms_jump, 1),
+        f"{key}_latency_ratio": round(ms_plain / ms_jump, 3),
+        f"{key}_outputs_equal": all(r["ids"] == p["ids"] for r in plain + jumped),
+    }
 
 
 def main() -> None:
@@ -78,34 +105,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating passes of each mode")
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device)
-    tok = llm.get_tokenizer()
+    llm = LLM(args.model, device=args.device, structured_outputs_jump_forward=True)
     prompts = [llm.llm_engine.apply_chat_template(
         [{"role": "user", "content": f"Describe {c} as a JSON record."}])
         for c in (COUNTRIES * 4)[: args.num_requests]]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=256, structured_outputs=(
         StructuredOutputsParams(json=SCHEMA)))
-    run(llm, prompts[:2], params, False)  # compile the grammar, warm the kernels
-    results: dict[bool, list[tuple[Any, ...]]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for jump in (False, True):
-            results[jump].append(run(llm, prompts, params, jump))
-    plain, jumped = results[False][-1], results[True][-1]
-    tokens = [len(tok.encode(json.dumps(p))) for p in plain[0]]
-    record = {
-        "bench": "jump_forward", "device": args.device, "requests": len(prompts),
-        "steps_step_by_step": plain[2], "steps_jump_forward": jumped[2],
-        "tokens_jumped": jumped[3],
-        "steps_saved_fraction": round(1 - jumped[2] / plain[2], 3),
-        "ms_per_request_step_by_step": round(
-            1e3 * statistics.median(s for r in results[False] for s in r[1]), 1),
-        "ms_per_request_jump_forward": round(
-            1e3 * statistics.median(s for r in results[True] for s in r[1]), 1),
-        "approx_output_tokens_per_request": round(statistics.mean(tokens), 1),
-        "json_equal": plain[0] == jumped[0],
-    }
-    record["latency_ratio"] = round(record["ms_per_request_step_by_step"]
-                                    / record["ms_per_request_jump_forward"], 3)
+    run(llm, prompts[:2], params, False, False)  # compile the grammar, warm the kernels
+    record: dict[str, Any] = {"bench": "jump_forward", "device": args.device,
+                              "requests": len(prompts)}
+    for batched, key in ((False, "single"), (True, "batch")):
+        results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for jump in (False, True):
+                results[jump].append(run(llm, prompts, params, jump, batched))
+        record.update(compare(results[False], results[True], key))
+        if not batched:
+            record["approx_output_tokens_per_request"] = round(statistics.mean(
+                len(ids) for ids in results[False][-1]["ids"]), 1)
     emit(record)
 
 

@@ -13,6 +13,14 @@ garbage) and the blocks reserved past that are freed. It also keeps the adaptive
 a request whose drafts keep failing stops proposing for a while, and the pause doubles each
 time it fails again (up to `MAX_COOLDOWN` steps), so a workload that gains nothing pays for a
 verify step only now and then.
+
+Constrained requests (structured outputs): with jump-forward on, the tokens the grammar
+forces next are their drafts (`forced`), ahead of the proposer's; the proposer's drafts are
+cut at the first one the grammar forbids, so no forbidden draft is ever verified. Forced
+drafts are counted apart (`forced_metrics`) and leave the pauses alone; their number per
+request adapts instead (`FIRST_FORCED_CAP`): a rejected forced draft is one the model splits
+differently, and the drafts after it were wasted rows. Without a
+`speculative_config` (`config` None) only forced drafts are proposed.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from asyncengine.block_pool import BlockPool
 from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.spec_decode.cost import StepCostMeter
+from asyncengine.spec_decode.forced import MAX_FORCED_DRAFTS, forced_drafts
 from asyncengine.spec_decode.metrics import SpecDecodingMetrics
 from asyncengine.spec_decode.verify import SpecVerdict
 
@@ -32,6 +41,9 @@ from asyncengine.spec_decode.verify import SpecVerdict
 MIN_ACCEPTED_EMA = 0.25
 FIRST_COOLDOWN = 4
 MAX_COOLDOWN = 64
+# Forced drafts per request start at this many, double while all are kept, and drop to one
+# past the kept ones on a rejection: the model may split forced text its own way.
+FIRST_FORCED_CAP = 4
 
 
 class Proposer(Protocol):
@@ -47,17 +59,20 @@ class SpecState:
     accepted_ema: float = 1.0
     cooldown: int = 0  # steps left without proposing
     next_cooldown: int = FIRST_COOLDOWN
+    forced: bool = False  # its current drafts are grammar-forced
+    forced_cap: int = FIRST_FORCED_CAP  # forced drafts it may get next
 
 
 class SpecDecoder:
     def __init__(
         self,
-        config: SpeculativeConfig,
-        proposer: Proposer,
+        config: SpeculativeConfig | None,
+        proposer: Proposer | None,
         pool: BlockPool,
         max_model_len: int,
         *,
         count_empty_proposals: bool = False,
+        jump_forward: bool = False,
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -66,16 +81,13 @@ class SpecDecoder:
         # With asynchronous scheduling a request that may speculate costs an overlap even
         # when nothing is found to propose; then empty proposals count as failures too.
         self.count_empty_proposals = count_empty_proposals
-        self.metrics = SpecDecodingMetrics(config.num_speculative_tokens)
+        self.jump_forward = jump_forward
+        self.metrics = SpecDecodingMetrics(config.num_speculative_tokens if config else 0)
+        self.forced_metrics = SpecDecodingMetrics(MAX_FORCED_DRAFTS)
         self.cost = StepCostMeter()  # fed by the engine: `observe_step`
-        self._batch_drafts = config.num_speculative_tokens
+        self._batch_drafts = config.num_speculative_tokens if config else 0
 
     # ------------------------------------------------------------- proposing
-    @staticmethod
-    def _serves(req: Request) -> bool:
-        # Constrained requests wait for the grammar mask to cover verify rows.
-        return getattr(req.params, "structured_outputs", None) is None
-
     @staticmethod
     def _state(req: Request) -> SpecState:
         if req.spec_state is None:
@@ -84,43 +96,56 @@ class SpecDecoder:
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set `spec_token_ids` of every running request for the coming schedule."""
-        k = self._batch_drafts = self.config.num_drafts_for_batch(len(running))
+        k = 0
+        if self.config is not None and self.proposer is not None:
+            k = self.config.num_drafts_for_batch(len(running))
+        self._batch_drafts = k
         batch: list[Request] = []
         room: list[int] = []
         for req in running:
             req.spec_token_ids = []
-            if k == 0 or req.num_pending_tokens or req.num_tokens_to_compute != 1:
+            if req.spec_state is not None:
+                req.spec_state.forced = False
+            if req.num_pending_tokens or req.num_tokens_to_compute != 1:
                 continue
-            if not self._serves(req):
+            # Never past max_tokens (the target adds a token) nor max_model_len.
+            n = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+            if self.jump_forward and req.grammar is not None:
+                state = self._state(req)
+                req.spec_token_ids = forced_drafts(req, min(n, state.forced_cap))
+                state.forced = bool(req.spec_token_ids)
+                if req.spec_token_ids:
+                    continue
+            if k == 0:
                 continue
             state = self._state(req)
             if state.cooldown:
                 state.cooldown -= 1
                 continue
-            n = min(
-                k,
-                req.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens,
-            )
-            if n > 0:
+            if min(k, n) > 0:
                 batch.append(req)
-                room.append(n)
+                room.append(min(k, n))
         if not batch:
             return
+        assert self.proposer is not None
         for req, n, drafts in zip(batch, room, self.proposer.propose(batch, room), strict=True):
-            req.spec_token_ids = list(drafts[:n])
+            drafts = list(drafts[:n])
+            if req.grammar is not None:  # verify only what the grammar allows
+                drafts = drafts[: req.grammar.num_allowed(drafts)]
+            req.spec_token_ids = drafts
             if not drafts and self.count_empty_proposals:
                 self._update(req, 0)
 
     def wants_sync(self, requests: Iterable[Request]) -> bool:
         """Whether a step holding these requests must be resolved before the next schedule:
         one of them may speculate then, and drafts continue the request's known tokens."""
+        if self.jump_forward and any(r.grammar is not None and not r.is_finished
+                                     for r in requests):
+            return True  # forced drafts follow from the grammar's state after its last token
         if self._batch_drafts == 0:
             return False
         return any(
-            not r.is_finished
-            and self._serves(r)
-            and (r.spec_state is None or r.spec_state.cooldown == 0)
+            not r.is_finished and (r.spec_state is None or r.spec_state.cooldown == 0)
             for r in requests
         )
 
@@ -132,11 +157,29 @@ class SpecDecoder:
             req.spec_token_ids = []
             if req.is_finished:  # aborted while in flight: its blocks are gone
                 continue
-            self.metrics.observe(v.num_draft_tokens, v.num_accepted_tokens)
+            state = self._state(req)
+            forced = state.forced
+            metrics = self.forced_metrics if forced else self.metrics
+            metrics.observe(v.num_draft_tokens, v.num_accepted_tokens)
+            if forced:
+                state.forced_cap = (
+                    min(2 * state.forced_cap, MAX_FORCED_DRAFTS)
+                    if v.num_accepted_tokens == v.num_draft_tokens
+                    else v.num_accepted_tokens + 1
+                )
             req.num_computed_tokens -= v.num_draft_tokens - v.num_accepted_tokens
             # Kept: the computed tokens and the slot of the token the target just added.
             self.pool.free_tail(req, req.num_computed_tokens + 1)
-            self._update(req, v.num_accepted_tokens)
+            if not forced:
+                self._update(req, v.num_accepted_tokens)
+
+    @property
+    def max_verify_rows(self) -> int:
+        """The rows of the largest verify step CUDA graphs are captured for: the proposer's
+        drafts within the per-step cap, and one request's grammar-forced drafts (a batch of
+        constrained requests with forced drafts past that runs eagerly)."""
+        rows = self.config.max_verify_rows if self.config is not None else 0
+        return max(rows, MAX_FORCED_DRAFTS + 1 if self.jump_forward else 0)
 
     def observe_step(self, seconds: float, *, verify: bool) -> None:
         """One step's period as the engine saw it (tokens to tokens), by kind."""

@@ -1,5 +1,6 @@
 """What the `LLMEngine` holds for structured outputs: the grammar compiler (made on first
-use), the requests waiting for their grammar, the refusals to report, and jump-forward.
+use), the requests waiting for their grammar and the refusals to report. (Jump-forward is
+speculative decoding's: `spec_decode.forced`.)
 """
 
 from __future__ import annotations
@@ -29,15 +30,12 @@ class StructuredOutputs:
         stop_token_ids: Iterable[int],
         *,
         compile_timeout_s: float,
-        jump_forward: bool,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self.compile_timeout_s = compile_timeout_s
-        self.jump_forward = jump_forward
         self.waiting = GrammarWaitingRoom()
-        self.num_jump_forward_tokens = 0
         self._compiler: StructuredOutputCompiler | None = None
         self._lock = threading.Lock()  # the step thread and the event loop both compile
         self._rejected: list[tuple[str, float, RequestError]] = []
@@ -68,7 +66,7 @@ class StructuredOutputs:
                 raise exc
             from asyncengine.structured_outputs.matcher import attach_grammar
 
-            attach_grammar(seqs, future.result(), self.jump_forward)
+            attach_grammar(seqs, future.result())
             return True
         self.waiting.add(
             seqs, future, self.compile_timeout_s, self.compiler.timeout_error(params)
@@ -87,7 +85,7 @@ class StructuredOutputs:
             from asyncengine.structured_outputs.matcher import attach_grammar
 
             for seqs, compiled in ready:
-                attach_grammar(seqs, compiled, self.jump_forward)
+                attach_grammar(seqs, compiled)
         for seqs, exc in failed:
             if not isinstance(exc, RequestError):
                 params = seqs[0].params.structured_outputs
@@ -99,14 +97,6 @@ class StructuredOutputs:
     def take_rejected(self) -> list[tuple[str, float, RequestError]]:
         rejected, self._rejected = self._rejected, []
         return rejected
-
-    def forced_tokens(self, req: Request) -> list[int]:
-        """Jump-forward: the tokens the request's grammar forces next ([] when off)."""
-        if not self.jump_forward or req.grammar is None:
-            return []
-        tokens = req.grammar.jump_forward_tokens()
-        self.num_jump_forward_tokens += len(tokens)
-        return tokens
 
     def shutdown(self) -> None:
         """Stop the compile threads; a later constrained request starts a new compiler."""

@@ -9,10 +9,17 @@ With asynchronous scheduling a constrained request's previous token may still be
 step in flight: its mask waits for that step's sampled ids only (they are copied to the host
 ahead of this step's forward, which the device runs meanwhile) and its matcher accepts the
 token here, one ahead of the engine, which later finds it accepted.
+
+In a verify step a request with drafts d1..dk has k + 1 rows; row j gets the mask after
+d1..dj, the matcher walking the drafts tentatively and rolling back (the drafts were
+checked against the grammar when proposed). A request with drafts has no token in flight
+(it is proposed for only then, and a verify step is resolved before the next schedule), so
+its matcher stands exactly at its output.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,27 +54,37 @@ class GrammarMasker:
 
     def apply(self, logits: torch.Tensor, requests: Sequence[Request],
               prev: InflightStep | None = None,
-              row_of: Sequence[int] | None = None) -> torch.Tensor:
-        """Mask the rows of constrained requests (row i is `requests[i]`, or `row_of[i]` in a
-        verify step, where speculating requests have several rows); returns the logits to
-        sample from (float32 when a mask was applied). `prev`: the step in flight, whose
-        sampled tokens some of these requests have not got on the host yet."""
+              num_spec: Sequence[int] | None = None) -> torch.Tensor:
+        """Mask the rows of constrained requests (row i is `requests[i]`; in a verify step
+        request i has `num_spec[i] + 1` consecutive rows, one per draft plus one); returns the
+        logits to sample from (float32 when a mask was applied). `prev`: the step in flight,
+        whose sampled tokens some of these requests have not got on the host yet."""
         picked = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not picked:
             return logits
-        rows = [row_of[i] for i in picked] if row_of is not None else picked
+        spec = num_spec if num_spec is not None else [0] * len(requests)
+        first = list(itertools.accumulate((k + 1 for k in spec), initial=0))
         t0 = time.perf_counter()
         bitmask = self._buffer(logits.shape[0])
         in_flight: list[int] | None = None
-        for i, row in zip(picked, rows, strict=True):
+        rows: list[int] = []
+        for i in picked:
             req = requests[i]
             grammar = req.grammar
             assert grammar is not None
+            k = spec[i]
+            if k:
+                assert not req.num_pending_tokens, "drafts continue the request's known tokens"
+                own = list(range(first[i], first[i] + k + 1))
+                grammar.fill_draft_masks(bitmask, own, req.spec_token_ids[:k])
+                rows += own
+                continue
             if prev is not None and req.num_pending_tokens and id(req) in prev.rows:
                 if in_flight is None:
                     in_flight = prev.result().token_ids
                 grammar.catch_up(req.output_token_ids, in_flight[prev.rows[id(req)]])
-            grammar.fill_mask(bitmask, row)
+            grammar.fill_mask(bitmask, first[i])
+            rows.append(first[i])
         t1 = time.perf_counter()
         if logits.dtype != torch.float32:
             logits = logits.float()

@@ -4,6 +4,10 @@ It advances only over the sequence's output tokens, so it survives preemption (r
 and swap keep the output) unchanged; each of a request's n samples has its own. It may run
 one token ahead of the host's copy of the output: with asynchronous scheduling the next
 step's mask needs the token the step in flight sampled, before the engine appends it.
+
+Speculative drafts are walked through the matcher tentatively and rolled back at once
+(`num_allowed`, `fill_draft_masks`): it advances over a draft only when a verify step kept
+it and the engine appends it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,9 @@ if TYPE_CHECKING:
 class GrammarState:
     """Accepts a sequence's tokens one by one and says which tokens may come next."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, *, needs_host_tokens: bool = False
-                 ) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0  # output tokens accepted so far
-        # Jump-forward appends tokens when a step resolves: the next step must not be
-        # launched before (no asynchronous overlap for this sequence).
-        self.needs_host_tokens = needs_host_tokens
 
     def accept(self, token_id: int) -> bool:
         """Advance over a token; False (state unchanged) when the grammar forbids it."""
@@ -60,12 +60,42 @@ class GrammarState:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def jump_forward_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (no choice left), not yet accepted; may be empty."""
+        """Tokens the grammar forces next (no choice left), not yet accepted; may be empty.
+        They are xgrammar's split of the forced text, not necessarily the model's."""
         return list(self.matcher.find_jump_forward_tokens())
 
+    def num_allowed(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar allows after the accepted tokens (the state
+        is left as it was)."""
+        n = 0
+        for t in drafts:
+            if not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
 
-def attach_grammar(seqs: list[Request], compiled: xgr.CompiledGrammar,
-                   needs_host_tokens: bool = False) -> None:
+    def fill_draft_masks(self, bitmask: torch.Tensor, rows: Sequence[int],
+                         drafts: Sequence[int]) -> None:
+        """The masks of a verify step's rows for this sequence: `rows[j]` gets the allowed
+        tokens after `drafts[:j]` (len(rows) == len(drafts) + 1). Every draft must be allowed
+        (`num_allowed`); the state is left as it was."""
+        assert len(rows) == len(drafts) + 1
+        accepted = 0
+        try:
+            for j, row in enumerate(rows):
+                self.fill_mask(bitmask, row)
+                if j < len(drafts):
+                    if not self.matcher.accept_token(drafts[j]):
+                        raise ValueError(f"draft {drafts[j]} is outside the request's grammar")
+                    accepted += 1
+        finally:
+            if accepted:
+                self.matcher.rollback(accepted)
+
+
+def attach_grammar(seqs: list[Request], compiled: xgr.CompiledGrammar) -> None:
     """Give each sequence of a request its own matcher (n > 1: one per sample)."""
     for seq in seqs:
-        seq.grammar = GrammarState(compiled, needs_host_tokens=needs_host_tokens)
+        seq.grammar = GrammarState(compiled)

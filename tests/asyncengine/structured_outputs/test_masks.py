@@ -80,3 +80,55 @@ def test_matcher_catches_up_and_runs_one_token_ahead(default_model_dir: Path) ->
     with pytest.raises(ValueError, match="outside the request's grammar"):
         bad.catch_up(tok.encode("no"))
     comp.shutdown()
+
+
+@dataclass
+class _Drafting:
+    grammar: GrammarState | None
+    spec_token_ids: list[int]
+    num_pending_tokens: int = 0
+
+
+def _allowed(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+def test_verify_rows_get_the_mask_after_the_drafts_before_them(default_model_dir: Path) -> None:
+    """In a verify step, row j of a constrained request is masked as the grammar stands after
+    its first j drafts; the matcher is left where it was (it advances only over kept tokens).
+    Drafts are checked before: the allowed prefix of a run with a forbidden token."""
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(str(default_model_dir))
+    width = 49152
+    comp = StructuredOutputCompiler(tok, width, [2])
+    grammar = comp.compile(StructuredOutputsParams(choice=["yes indeed", "no way"]))
+    state = GrammarState(grammar)
+    drafts = tok.encode("yes indeed")
+    assert len(drafts) == 2
+    assert state.num_allowed([*drafts, 2, drafts[0]]) == 3  # the stop token ends the choice
+    assert state.num_allowed([drafts[0], tok.encode(" way")[0]]) == 1
+    assert state.num_allowed(tok.encode("maybe")) == 0
+    # A verify step: an unconstrained request (1 draft) and the constrained one (2 drafts).
+    rows: list[Any] = [_Drafting(None, [7]), _Drafting(state, list(drafts))]
+    masker = GrammarMasker(width, torch.device("cpu"))
+    logits = torch.zeros(2 + 3, width)
+    out = masker.apply(logits, rows, num_spec=[1, 2])
+    assert _allowed(out[0]) == _allowed(out[1]) == set(range(width))
+    # Each constrained row allows what a matcher fed the drafts before it allows.
+    for j in range(3):
+        fresh = GrammarState(grammar)
+        fresh.catch_up(drafts[:j])
+        want = torch.zeros(1, width)
+        GrammarMasker(width, torch.device("cpu")).apply(want, [_Drafting(fresh, [])])
+        assert _allowed(out[2 + j]) == _allowed(want[0])
+    assert _allowed(out[4]) == {2}
+    assert drafts[0] in _allowed(out[2]) and drafts[1] in _allowed(out[3])
+    assert state.num_accepted == 0
+    assert state.num_allowed(drafts) == 2  # rolled back: the first draft is allowed again
+    assert masker.stats.rows == 3
+    with pytest.raises(ValueError, match="outside the request's grammar"):
+        masker.apply(torch.zeros(2, width), [_Drafting(state, tok.encode("maybe")[:1])],
+                     num_spec=[1])  # fmt: skip
+    assert state.num_allowed(drafts) == 2  # a failed fill leaves the state as it was too
+    comp.shutdown()
