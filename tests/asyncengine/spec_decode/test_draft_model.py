@@ -63,8 +63,8 @@ def base(pair: tuple[Path, Path]) -> LLM:
 
 
 def draft_llm(target: Path, config: dict, **engine_args: object) -> LLM:
-    return LLM(str(target), dtype="float32", device="cpu", speculative_config=config,
-               **engine_args)  # fmt: skip
+    engine_args = {"dtype": "float32", "device": "cpu", **engine_args}
+    return LLM(str(target), speculative_config=config, **engine_args)
 
 
 def shared_prefix_prompts() -> list[list[int]]:
