@@ -16,7 +16,7 @@ it as input straight from step N's sampled-id tensor, so the GPU never waits for
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +65,25 @@ class StepInputs:
     prompt_targets: torch.Tensor
     prompt_plan: PromptLogprobPlan | None = None  # rank 0's host side of those rows
     prompt_hidden: torch.Tensor | None = None  # their hidden states, set by `run_model`
+
+
+def token_layout(
+    block_tables: Sequence[Sequence[int]], starts: np.ndarray, lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where a step's tokens sit: `lens[r]` tokens of sequence r from position `starts[r]`.
+    Returns query_start_loc, seq_lens, the block tables padded to the widest, each token's
+    sequence, its position and its cache slot."""
+    b = len(lens)
+    qsl = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    tables = np.zeros((b, max(len(t) for t in block_tables)), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    # Token i of sequence r sits at position starts[r] + (i - qsl[r]).
+    owner = np.repeat(np.arange(b), lens)
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[owner] + starts[owner]
+    slots = tables[owner, positions // block_size] * block_size + positions % block_size
+    return qsl, starts + lens, tables, owner, positions, slots
 
 
 def step_inputs(
@@ -424,19 +443,16 @@ class ModelRunner:
 
         A request whose last token is still in flight in `prev` takes it on the device.
         """
-        bs = self.block_size
         scheduled = sched.scheduled
         b = len(scheduled)
-        w = max(len(s.request.block_table) for s in scheduled)
         lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
         starts = np.fromiter(
             (s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=b
         )
-        t = int(lens.sum())
-        qsl = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        seq_lens = starts + lens
-        tables = np.zeros((b, w), dtype=np.int64)
+        qsl, seq_lens, tables, owner, positions, slots = token_layout(
+            [s.request.block_table for s in scheduled], starts, lens, self.block_size
+        )
+        t, w = int(qsl[-1]), tables.shape[1]
         input_ids = np.empty(t, dtype=np.int64)
         sampling: list[Request] = []
         logits_idx: list[int] = []
@@ -445,8 +461,6 @@ class ModelRunner:
         prompt_plan: PromptLogprobPlan | None = None
         for i, s in enumerate(scheduled):
             req = s.request
-            table = req.block_table
-            tables[i, : len(table)] = table
             lo, n, start = int(qsl[i]), int(lens[i]), int(starts[i])
             if start >= len(req.all_token_ids):  # sampled by `prev`, id not on the host yet
                 if prev is None or n != 1 or id(req) not in prev.rows:
@@ -468,10 +482,6 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and wants_prompt_logprobs(req):
                 prompt_plan = prompt_plan or PromptLogprobPlan()
                 prompt_plan.add(req, lo, start, n)
-        # Token i of request r sits at position starts[r] + (i - qsl[r]).
-        owner = np.repeat(np.arange(b), lens)
-        positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts[owner]
-        slots = tables[owner, positions // bs] * bs + positions % bs
         fuse_rotary = None
         if t > b and all(s.num_new_tokens == 1 + s.num_spec_tokens for s in scheduled):
             # A verify step with no prompt in it runs as a decode step of one row per token

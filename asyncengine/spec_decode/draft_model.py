@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from asyncengine.block_pool import BlockPool
-from asyncengine.model_runner import KVCache, step_inputs
+from asyncengine.model_runner import KVCache, step_inputs, token_layout
 from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.step_buffer import StepHeader, pack, unpack
@@ -271,21 +271,13 @@ class DraftModelProposer:
         """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
         (ids from the host or already on the device); the argmax at each one's last token.
         The step is laid out as the model runner lays out a target step (`step_buffer`)."""
-        bs = self.block_size
         b = len(reqs)
-        w = max(len(r.block_table) for r in reqs)
         lens_a = np.asarray(lens, dtype=np.int64)
-        starts_a = np.asarray(starts, dtype=np.int64)
-        t = int(lens_a.sum())
-        qsl = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(lens_a, out=qsl[1:])
-        tables = np.zeros((b, w), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.block_table)] = r.block_table
-        owner = np.repeat(np.arange(b), lens_a)
-        positions = np.arange(t, dtype=np.int64) - qsl[owner] + starts_a[owner]
-        slots = tables[owner, positions // bs] * bs + positions % bs
-        seq_lens = starts_a + lens_a
+        qsl, seq_lens, tables, _, positions, slots = token_layout(
+            [r.block_table for r in reqs], np.asarray(starts, dtype=np.int64), lens_a,
+            self.block_size,
+        )  # fmt: skip
+        t, w = int(qsl[-1]), tables.shape[1]
         max_q, max_len = int(lens_a.max()), int(seq_lens.max())
         plan = decode_plan(b, self.num_kv_heads, self.device, max_len) if max_q == 1 else None
         header = StepHeader(
