@@ -20,6 +20,14 @@ from kernels.sampling import sample_from_logits
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (SamplingParams.is_greedy)
 
 
+def host_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: from pageable memory
+    a copy to the GPU first waits for the stream's earlier work (the step's forward), so the
+    list goes through pinned memory and the copy is queued."""
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingMetadata:
     """Per-row sampling inputs for one step, one row per request that samples a token.
@@ -110,30 +118,26 @@ class SamplingMetadata:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(asked) if asked else None
 
-        def to_dev(data: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-            return host.to(device, non_blocking=True)
-
         def padded(rows: Sequence[Sequence[int]], needed: bool) -> torch.Tensor:
             width = max((len(r) for r in rows), default=0) if needed else 0
             data = [list(r) + [vocab_size] * (width - len(r)) for r in rows] if width else []
             if not data:
                 return torch.empty((num_rows, 0), dtype=torch.int64, device=device)
-            return to_dev(data, torch.int64)
+            return host_to_device(data, torch.int64, device)
 
         all_greedy = all(greedy)
         return cls(
-            temperature=to_dev(temperature, torch.float32),
-            is_greedy=to_dev(greedy, torch.bool),
-            top_k=to_dev(top_k, torch.int32),
-            top_p=to_dev(top_p, torch.float32),
-            min_p=to_dev(min_p, torch.float32),
-            repetition_penalties=to_dev(rep, torch.float32),
-            frequency_penalties=to_dev(freq, torch.float32),
-            presence_penalties=to_dev(pres, torch.float32),
+            temperature=host_to_device(temperature, torch.float32, device),
+            is_greedy=host_to_device(greedy, torch.bool, device),
+            top_k=host_to_device(top_k, torch.int32, device),
+            top_p=host_to_device(top_p, torch.float32, device),
+            min_p=host_to_device(min_p, torch.float32, device),
+            repetition_penalties=host_to_device(rep, torch.float32, device),
+            frequency_penalties=host_to_device(freq, torch.float32, device),
+            presence_penalties=host_to_device(pres, torch.float32, device),
             prompt_token_ids=padded(prompt_token_ids, not no_rep),
             output_token_ids=padded(output_token_ids, not no_penalties),
-            min_tokens_ban=to_dev(ban, torch.int64),
+            min_tokens_ban=host_to_device(ban, torch.int64, device),
             generators={i: g for i, g in enumerate(generators) if g is not None},
             all_greedy=all_greedy,
             all_random=not any(greedy),

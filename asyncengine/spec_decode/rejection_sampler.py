@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.sampler import SamplingMetadata, apply_penalties, exponential_noise
+from asyncengine.sampler import (
+    SamplingMetadata,
+    apply_penalties,
+    exponential_noise,
+    host_to_device,
+)
 from kernels.sampling import apply_top_k_top_p_min_p_ref
 
 
@@ -75,14 +80,14 @@ def verify_rows(
     the draft row r decides (-1: none, the row emits `sampled`), `random_rows[r]` whether the
     row samples (else greedy)."""
     device = logits.device
-    drafts = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+    drafts = host_to_device(draft_ids, torch.int64, device)
     accepted = sampled == drafts  # greedy rows; rows without a draft are never read
     out = sampled
     rows = [r for r, (d, rand) in enumerate(zip(draft_ids, random_rows, strict=True))
             if d >= 0 and rand]  # fmt: skip
     if not rows:
         return out, accepted
-    idx = torch.tensor(rows, dtype=torch.int64, device=device)
+    idx = host_to_device(rows, torch.int64, device)
     # The whole step's distributions, then the rows that decide a sampled draft: subsetting
     # the metadata (flat min_tokens ban indices, per-row generators) is not worth its risk.
     probs = target_probs(logits, meta).index_select(0, idx)

@@ -21,7 +21,7 @@ import torch
 from asyncengine.model_runner import InflightStep, StepResult, _logprob_dicts, _plain_greedy
 from asyncengine.prompt_logprobs import PromptLogprobPlan, ScoredRows
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs
+from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs, host_to_device
 from asyncengine.spec_decode.rejection_sampler import verify_rows
 
 
@@ -117,7 +117,7 @@ def launch_verify(
     device = logits.device
     if all(_plain_greedy(r) for r in reqs):
         sampled = logits.argmax(dim=-1)
-        drafts_t = torch.tensor(draft_ids, dtype=torch.int64, device=device)
+        drafts_t = host_to_device(draft_ids, torch.int64, device)
         packed = torch.stack([sampled, (sampled == drafts_t).to(torch.int64)])
         return VerifyStep(reqs, spec, packed, None, scheduled, prompt_logprobs)
     meta = SamplingMetadata.build(
