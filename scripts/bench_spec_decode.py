@@ -266,6 +266,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         for acceptance in (0.0, 0.5, 0.7, 0.9):
             _set_k(llm, k, ReplayProposer(reference, acceptance, vocab, seed=1))
             _timed(llm, p1, params)  # warm-up
+            steps0 = llm.llm_engine.step_timing["steps"]
             secs, outs, runs, converged = _replayed(llm, p1, params, reference, k, acceptance, 1)
             emit({"bench": "spec_latency", "k": k, "acceptance": acceptance,
                   "ms_per_token": round(1e3 * secs / out_len, 3),
@@ -274,6 +275,10 @@ def run_gpu(args: argparse.Namespace) -> None:
                   # of the timed run (`_set_k` resets the metrics before each run)
                   "mean_acceptance_length": round(dec.metrics.mean_acceptance_length, 3),
                   "replay_runs": runs, "replay_converged": converged,
+                  # the timed run's verify steps, and the steps of every replay run
+                  "verify_steps": dec.metrics.num_drafts,
+                  "steps_all_runs": llm.llm_engine.step_timing["steps"] - steps0,
+                  "cost_ratio": round(dec.cost.ratio, 3),
                   "left_plain_greedy_at": _diverged_at(outs[0].outputs[0].token_ids, plain)})
 
     # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by

@@ -106,11 +106,12 @@ class SpecDecoder:
             req.spec_token_ids = []
             if req.spec_state is not None:
                 req.spec_state.forced = False
-            if req.num_pending_tokens or req.num_tokens_to_compute != 1:
-                continue
+            in_flight = req.num_pending_tokens > 0
+            if not in_flight and req.num_tokens_to_compute != 1:
+                continue  # still in its prompt
             # Never past max_tokens (the target adds a token) nor max_model_len.
             n = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
-            if self.jump_forward and req.grammar is not None:
+            if self.jump_forward and req.grammar is not None and not in_flight:
                 state = self._state(req)
                 req.spec_token_ids = forced_drafts(req, min(n, state.forced_cap))
                 state.forced = bool(req.spec_token_ids)
@@ -120,8 +121,13 @@ class SpecDecoder:
                 continue
             state = self._state(req)
             if state.cooldown:
+                # A pause counts the request's decode steps, those that overlap its previous
+                # step too: a paused request is not resolved before the next schedule, so
+                # its token is usually in flight here.
                 state.cooldown -= 1
                 continue
+            if in_flight:
+                continue  # drafts continue known tokens: `wants_sync` resolves it next time
             if min(k, n) > 0:
                 batch.append(req)
                 room.append(min(k, n))

@@ -140,6 +140,32 @@ def test_drafts_that_keep_failing_stop_being_proposed(spec: LLM, reference: dict
     assert decoder.metrics.num_drafts < 20
 
 
+class FailingFirst:
+    """Wrong drafts for the first `failures` proposals, then the reference's tokens."""
+
+    def __init__(self, reference: dict, failures: int) -> None:
+        self.wrong = ReplayProposer(reference, 0.0, VOCAB)
+        self.right = ReplayProposer(reference, 1.0, VOCAB)
+        self.failures = failures
+
+    def propose(self, requests: list, num_drafts: list[int]) -> list[list[int]]:
+        self.failures -= 1
+        return (self.wrong if self.failures >= 0 else self.right).propose(requests, num_drafts)
+
+
+def test_a_pause_ends_under_asynchronous_scheduling(tiny_llama_dir: Path, reference: dict) -> None:
+    """A paused request's steps overlap (its token is in flight when the next is scheduled);
+    the pause must still count them down, and the request speculate again after it."""
+    llm = spec_llm(tiny_llama_dir, async_scheduling=True)
+    decoder = llm.llm_engine.spec_decoder
+    decoder.proposer = FailingFirst(reference, failures=3)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = prompts()[1:2]
+    assert generate(llm, ps, params) == [reference[tuple(ps[0])]]
+    assert decoder.proposer.failures < 0  # it paused after the failures, then proposed again
+    assert decoder.metrics.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize(
     "params",
     [
