@@ -206,6 +206,54 @@ def _diverged_at(a: list[int], b: list[int]) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))  # fmt: skip
 
 
+def _host_split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Host milliseconds per verify step (k = 4, fixed drafts) in each part of a step,
+    timed by wrapping the engine's methods: what the host adds between two verify steps,
+    which the device waits for (a verify step is resolved before the next is scheduled)."""
+    import asyncengine.spec_decode.verify as verify_mod
+
+    engine = llm.llm_engine
+    runner = engine.runner
+    parts = {
+        "propose": (engine.spec_decoder, "propose"),
+        "schedule": (engine.scheduler, "schedule"),
+        "block_moves": (runner, "apply_block_moves"),
+        "prepare_inputs": (runner, "prepare_inputs"),
+        "run_model": (runner, "run_model"),
+        "compute_logits": (runner.model, "compute_logits"),
+        "launch_verify": (verify_mod, "launch_verify"),
+        "resolve": (engine, "_resolve"),
+    }
+    spent = dict.fromkeys(parts, 0.0)
+    originals = {name: getattr(obj, attr) for name, (obj, attr) in parts.items()}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    _set_k(llm, 4, FixedDrafts())
+    for name, (obj, attr) in parts.items():
+        setattr(obj, attr, timed(name, originals[name]))
+    before = engine.step_timing["steps"]
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        for name, (obj, attr) in parts.items():
+            if obj is verify_mod:
+                setattr(obj, attr, originals[name])
+            else:
+                delattr(obj, attr)  # the bound method comes back from the class
+    steps = max(engine.step_timing["steps"] - before, 1)
+    emit({"bench": "spec_verify_host", "k": 4, "steps": steps,
+          **{f"{n}_ms": round(1e3 * t / steps, 3) for n, t in spent.items()}})  # fmt: skip
+
+
 def run_gpu(args: argparse.Namespace) -> None:
     if args.model is None:
         from scripts.bench_common import dummy_model_dir
@@ -258,6 +306,7 @@ def run_gpu(args: argparse.Namespace) -> None:
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
     _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     dec._update = adaptive_update
 
     # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.
