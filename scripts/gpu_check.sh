@@ -29,6 +29,8 @@
 #                                          # input transforms, L1 FP8 (profiled) and bf16
 #   bash scripts/gpu_check.sh structured   # structured-output GPU tests; W1 free vs every request
 #                                          # JSON-constrained (async scheduling, then --sync)
+#   bash scripts/gpu_check.sh rows         # few-row matmul and spec decoding: GPU tests, kernels
+#                                          # against cuBLAS, verify step and latency, L1, W1
 #   bash scripts/gpu_check.sh session DIR # spec/graph/quant GPU tests, verify-step bench, cold
 #                                          # int4 start, L1 per quantized format, compare DIR
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -130,6 +132,17 @@ elif [ "$phase" = spec ]; then  # engine GPU tests (greedy = HF, graphs, prompt 
     tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
     | tee "$OUT/spec_decode.jsonl"
+elif [ "$phase" = rows ]; then  # few-row matmuls and speculative decoding: their GPU tests,
+  # the few-row kernels against cuBLAS, the verify step and latency by acceptance, L1 and W1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_gemm.py \
+    tests/models/test_linear_tuning.py tests/models/test_matmul_plan.py \
+    tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 120 python3 scripts/bench_kernels.py --only skinny 2>>"$OUT/bench.log" \
+    | tee "$OUT/skinny.jsonl" | cut -c1-300
+  timeout 270 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 4 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-700
+  bench --workload l1 --system engine
+  bench --workload w1 --system engine
 elif [ "$phase" = probe ]; then  # where the time goes: FP8-KV decode attention against the copy
   # rate; a verify step's phases and kernels; a cold GPTQ int4 start's tuning (winners logged)
   timeout 150 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
@@ -290,7 +303,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
