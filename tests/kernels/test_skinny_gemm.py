@@ -52,9 +52,7 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 80)])  # ragged N; K not a multiple of 32
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_matches_f_linear(
-    dtype: torch.dtype, m: int, n: int, k: int, config: SkinnyConfig
-) -> None:
+def test_matches_f_linear(dtype: torch.dtype, m: int, n: int, k: int, config: SkinnyConfig) -> None:
     x, w, b = _case(m, n, k, dtype, bias=m != 5)
     got = skinny_gemm(x, w, b, config)
     assert got.shape == (m, n) and got.dtype == dtype
@@ -137,7 +135,7 @@ LLAMA_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (3200
 def test_gpu_llama_shapes_match_blas(n: int, k: int) -> None:
     counters = skinny_counters(n, "cuda")
     for m in (2, 5, 16):
-        x, w, b = _case(m, n, k, torch.bfloat16, bias=False, device="cuda")
+        x, w, _ = _case(m, n, k, torch.bfloat16, bias=False, device="cuda")
         want = F.linear(x, w)
         for config in SKINNY_CONFIGS:
             got = skinny_gemm(x, w, None, config, counters)

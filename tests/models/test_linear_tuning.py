@@ -540,8 +540,13 @@ def test_agreement_computes_each_reference_once_per_layer_and_input(
 def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
     """The threads serve CUDA launches only; on the CPU the serial pass compiles."""
     _CountingReference.calls = []
-    tuning._compile_ahead([_Scaled(None), _CountingReference()], [(nn.Linear(8, 4), None)],
-                          torch.randn(2, 8), 1, lambda k, m, b: k.apply(m, torch.randn(2, 8), b))
+    tuning._compile_ahead(
+        [_Scaled(None), _CountingReference()],
+        [(nn.Linear(8, 4), None)],
+        torch.randn(2, 8),
+        1,
+        lambda k, m, b: k.apply(m, torch.randn(2, 8), b),
+    )
     assert _CountingReference.calls == []
 
 

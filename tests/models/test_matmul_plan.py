@@ -130,9 +130,7 @@ def test_normed_input_equals_norm_then_f_linear(
 
 @pytest.mark.parametrize("config", [TILED, WHOLE_ROW], ids=str)
 @pytest.mark.parametrize("normed", [False, True])
-def test_glu_epilogue_feeds_a_plain_input_down_projection(
-    config: GemvConfig, normed: bool
-) -> None:
+def test_glu_epilogue_feeds_a_plain_input_down_projection(config: GemvConfig, normed: bool) -> None:
     """The MLP pair as the tuner plans it: the gate/up GEMV applies SiLU-and-mul in its
     epilogue and the down projection's batch-1 entry takes that activated input; larger
     batches keep [gate, up] and the down projection activates it."""
