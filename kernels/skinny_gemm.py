@@ -140,21 +140,18 @@ def _tile_product(w, x, SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.con
     if DOT_FP32:
         w = w.to(tl.float32)
         x = x.to(tl.float32)
+    # One return statement: the compiler checks every return's shape, taken or not.
+    if SWAP:
+        a = w
+        b = tl.trans(x)
+    else:
+        a = x
+        b = tl.trans(w)
     if IEEE:
-        if SWAP:
-            return tl.dot(w, tl.trans(x), input_precision="ieee")
-        return tl.dot(x, tl.trans(w), input_precision="ieee")
-    if SWAP:
-        return tl.dot(w, tl.trans(x))
-    return tl.dot(x, tl.trans(w))
-
-
-@triton.jit
-def _rows_first(acc, SWAP: tl.constexpr):
-    """The accumulator as [16, BLOCK_N]."""
-    if SWAP:
-        return tl.trans(acc)
-    return acc
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -178,7 +175,7 @@ def _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    k_per_split,
+    split_tiles,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
     SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -197,23 +194,30 @@ def _skinny_gemm_kernel(
     x_rows = (offs_m % M).to(tl.int64) * stride_xm
     w_rows = (offs_n % N).to(tl.int64) * stride_wn
     up_rows = w_rows + N.to(tl.int64) * stride_wn
-    k_start = pid_k * k_per_split
-    tiles = tl.cdiv(tl.minimum(K - k_start, k_per_split), BLOCK_K)
+    # Splits of `split_tiles` whole tiles (the last may be shorter): every tile starts at a
+    # multiple of BLOCK_K, which the compiler sees, so the loads vectorize and pipeline.
+    first_tile = pid_k * split_tiles
+    tiles = tl.minimum(tl.cdiv(K, BLOCK_K) - first_tile, split_tiles)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     for t in range(0, tiles):
-        kk = k_start + t * BLOCK_K + offs_k
+        kk = (first_tile + t) * BLOCK_K + offs_k
         w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
         x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
         acc += _tile_product(w, x, SWAP, IEEE, DOT_FP32)
         if GLU:
             w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
             acc_up += _tile_product(w_up, x, SWAP, IEEE, DOT_FP32)
-    y = _rows_first(acc, SWAP)
-    y_up = _rows_first(acc_up, SWAP)
+    # Stored as [16, BLOCK_N].
+    if SWAP:
+        y = tl.trans(acc)
+        y_up = tl.trans(acc_up)
+    else:
+        y = acc
+        y_up = acc_up
     if SPLIT_K == 1:
         _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, GLU)
     else:
@@ -294,7 +298,7 @@ def skinny_gemm(
         counters = part = y
     _skinny_gemm_kernel[(blocks, splits)](
         x, weight, bias if bias is not None else y, y, part, counters, m, n, k, x.stride(0),
-        weight.stride(0), y.stride(0), per_split,
+        weight.stride(0), y.stride(0), per_split // config.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, GATED=gated, GLU=glu,
         SWAP=config.swap, IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
