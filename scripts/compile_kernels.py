@@ -3,10 +3,10 @@
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
 prefill tiles, the sm_90 prefill kernel (Triton, and the warp-specialized Gluon kernel when
-this Triton has Gluon), each also over an FP8 (e4m3) KV cache, the tiled
-and whole-row GEMV forms, the few-row matmul, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and
-activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90
-with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
+this Triton has Gluon), each also over an FP8 (e4m3) KV cache, the tiled and whole-row
+GEMV forms, the few-row matmul, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV
+and activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for
+sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
@@ -239,7 +239,7 @@ def lower_variant(
     constexprs = {**defaults, **constexprs}
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),
-                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}
+                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}  # fmt: skip
     if constexprs.get("PAIRS") and kernel == "_gemv_rows_kernel":
         pointers["w_ptr"] = "*i32"  # e4m3 rows read as 4-byte words
     for p in params:
