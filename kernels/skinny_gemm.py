@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_utils import interpreter_enabled, tl, triton
+from kernels._triton_utils import interpreter_enabled, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
 from kernels.gemv import graph_time_ms
 
@@ -178,7 +178,7 @@ def _skinny_gemm_kernel(
     split_tiles,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
     SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT_K > 1: the grid's splits add up through part_ptr
@@ -198,12 +198,21 @@ def _skinny_gemm_kernel(
     # multiple of BLOCK_K, which the compiler sees, so the loads vectorize and pipeline.
     first_tile = pid_k * split_tiles
     tiles = tl.minimum(tl.cdiv(K, BLOCK_K) - first_tile, split_tiles)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The first tile is peeled: its weights never depend on the previous kernel, so they
+    # are requested before waiting for it, and under programmatic dependent launch they
+    # stream in while that kernel finishes (as in `kernels.gemv`).
+    kk = first_tile * BLOCK_K + offs_k
+    w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
+    w_up = w
+    if GLU:
+        w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
+    pdl_wait(USE_PDL)
+    x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
+    acc = _tile_product(w, x, SWAP, IEEE, DOT_FP32)
     acc_up = acc
-    for t in range(0, tiles):
+    if GLU:
+        acc_up = _tile_product(w_up, x, SWAP, IEEE, DOT_FP32)
+    for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
         w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
         x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
@@ -296,6 +305,7 @@ def skinny_gemm(
                            device=x.device)  # fmt: skip
     else:
         counters = part = y
+    pdl = use_pdl(x)
     _skinny_gemm_kernel[(blocks, splits)](
         x, weight, bias if bias is not None else y, y, part, counters, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), per_split // config.block_k,
@@ -303,8 +313,8 @@ def skinny_gemm(
         SWAP=config.swap, IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
         SPLIT_K=triton.next_power_of_2(splits) if splits > 1 else 1,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_kwargs(pdl),
     )  # fmt: skip
     return y
 

@@ -67,7 +67,7 @@ ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
 PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=False, USE_PDL=True,
                BLOCK_M=128, TILE=64)  # fmt: skip
-SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False)
+SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False, USE_PDL=True)
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
