@@ -43,6 +43,7 @@ __all__ = [
     "SKINNY_MAX_ROWS",
     "SkinnyChoice",
     "SkinnyConfig",
+    "pipeline_stages",
     "skinny_counters",
     "skinny_gemm",
     "tune_skinny",
@@ -52,6 +53,9 @@ __all__ = [
 SKINNY_MAX_ROWS = 16
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
+# Shared memory the pipelined tiles may take (sm_90 gives a block 227 KB; the rest is left
+# to the epilogue's layout conversions).
+SKINNY_SHARED_BYTES = 216 * 1024
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,13 @@ SKINNY_CONFIGS: list[SkinnyConfig] = [
     SkinnyConfig(32, 256, 4, 4, 3, swap=False),
 ]
 DEFAULT_SKINNY_CONFIG = SKINNY_CONFIGS[1]
+
+
+def pipeline_stages(config: SkinnyConfig, itemsize: int, gated: bool, glu: bool) -> int:
+    """The config's `num_stages`, or fewer where its tiles would not fit shared memory: a
+    GLU output streams two weight tiles a stage and a gated input two input tiles."""
+    per_stage = ((2 if glu else 1) * config.block_n + (32 if gated else 16)) * config.block_k
+    return max(1, min(config.num_stages, SKINNY_SHARED_BYTES // (per_stage * itemsize)))
 
 
 def skinny_counters(n: int, device: torch.device | str) -> torch.Tensor:
@@ -270,7 +281,8 @@ def skinny_gemm(
     the result is silu(gate) * up, [M, N]); bias [N] (glu: [2N]). Returns [M, N] in x.dtype.
 
     counters: from `skinny_counters` for at least N columns (default: fresh ones; a layer
-    passes its own, so no zeroing kernel runs per call)."""
+    passes its own, so no zeroing kernel runs per call). The config's pipeline runs with
+    fewer stages where its tiles would not fit shared memory (`pipeline_stages`)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError("skinny_gemm needs a 2-D x and weight")
     m = x.shape[0]
@@ -314,7 +326,7 @@ def skinny_gemm(
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
         SPLIT_K=triton.next_power_of_2(splits) if splits > 1 else 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_kwargs(pdl),
+        num_stages=pipeline_stages(config, x.element_size(), gated, glu), **pdl_kwargs(pdl),
     )  # fmt: skip
     return y
 

@@ -12,6 +12,7 @@ from kernels.skinny_gemm import (
     SKINNY_CONFIGS,
     SKINNY_MAX_ROWS,
     SkinnyConfig,
+    pipeline_stages,
     skinny_counters,
     skinny_gemm,
     tune_skinny,
@@ -102,6 +103,13 @@ def test_split_k_is_deterministic_and_leaves_the_counters_zeroed() -> None:
     got = skinny_gemm(x, w, b, config, counters, glu=True)
     torch.testing.assert_close(got, _silu_and_mul(_linear(x, w, b)), atol=1e-5, rtol=1e-5)
     assert torch.equal(counters, torch.zeros_like(counters))
+
+
+def test_stages_are_capped_where_the_tiles_would_not_fit_shared_memory() -> None:
+    wide = SkinnyConfig(128, 128, 1, 4, 4)
+    assert pipeline_stages(wide, 2, gated=False, glu=False) == 4  # 4 x 36 KB
+    assert pipeline_stages(wide, 2, gated=False, glu=True) == 3  # two weight tiles a stage
+    assert pipeline_stages(SkinnyConfig(64, 128, 1, 4, 4), 2, gated=True, glu=True) == 4
 
 
 def test_rejects_what_it_cannot_compute() -> None:
