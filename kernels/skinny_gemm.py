@@ -87,17 +87,20 @@ class SkinnyConfig:
                 f"{self.num_stages}]{form}")  # fmt: skip
 
 
-# Column blocks of 64-128 with enough K splits that a 4096-column projection still fills
-# the H200's 132 multiprocessors, and none for the wide ones (the LM head, gate/up).
+# Each came first or second on some Llama-2-7B shape (qkv, o, gate/up plain and GLU, down
+# plain and gated, the LM heads of 32000 and 128256 rows) at 2 or 16 rows on the H200:
+# 64-column blocks with 2-8 K splits for the 4096-column projections, whole K ranges and
+# wider blocks for the wide ones.
 SKINNY_CONFIGS: list[SkinnyConfig] = [
     SkinnyConfig(64, 128, 1, 4, 4),
     SkinnyConfig(64, 128, 2, 4, 4),
     SkinnyConfig(64, 128, 4, 4, 4),
     SkinnyConfig(64, 128, 8, 4, 4),
-    SkinnyConfig(64, 256, 4, 4, 3),
+    SkinnyConfig(64, 64, 4, 4, 6),
     SkinnyConfig(128, 128, 1, 4, 4),
-    SkinnyConfig(128, 128, 2, 8, 3),
-    SkinnyConfig(32, 256, 4, 4, 3, swap=False),
+    SkinnyConfig(128, 128, 1, 8, 4),
+    SkinnyConfig(256, 64, 1, 8, 4),
+    SkinnyConfig(64, 128, 4, 4, 4, swap=False),
 ]
 DEFAULT_SKINNY_CONFIG = SKINNY_CONFIGS[1]
 
