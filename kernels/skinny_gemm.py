@@ -191,12 +191,13 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     split_tiles,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
-    SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
-    gate's then the up's). SPLIT_K > 1: the grid's splits add up through part_ptr
-    [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column block)."""
+    gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
+    part_ptr [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column
+    block). The split count is not a constexpr, so one compiled kernel serves them all."""
     BLOCK_M: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -241,7 +242,7 @@ def _skinny_gemm_kernel(
     else:
         y = acc
         y_up = acc_up
-    if SPLIT_K == 1:
+    if not SPLIT:
         _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, GLU)
     else:
         n_splits = tl.num_programs(1)
@@ -327,7 +328,7 @@ def skinny_gemm(
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, GATED=gated, GLU=glu,
         SWAP=config.swap, IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
-        SPLIT_K=triton.next_power_of_2(splits) if splits > 1 else 1,
+        SPLIT=splits > 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
         num_stages=pipeline_stages(config, x.element_size(), gated, glu), **pdl_kwargs(pdl),
     )  # fmt: skip
