@@ -4,6 +4,9 @@
   cuBLAS, in a CUDA graph over the layers' own weights; for a layer whose input needs
   SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
+- GPU, 2-16 rows: at each of a ladder of row counts, the few-row Triton matmul
+  (`kernels.skinny_gemm`, which reads each weight tile once for all rows) against cuBLAS,
+  likewise with a SiLU-and-mul input fused or not, and the MLP timed as a pair.
 - CPU, small batches: at each of a ladder of row counts, the panel-packed kernel
   (`kernels.cpu_gemm`) and a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS
   call; each row range takes the fastest.
@@ -29,6 +32,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -39,6 +43,7 @@ from kernels.activation import silu_and_mul
 from kernels.cpu_gemm import gemm_available
 from kernels.cpu_linear import cpu_packing_available
 from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
+from kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyChoice, SkinnyConfig, tune_skinny
 from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
     Blas,
@@ -51,6 +56,7 @@ from models.matmul_plan import (
     PlanEntry,
     PlannedMatmul,
     TritonGemv,
+    TritonSkinnyGemm,
 )
 from models.plan_cache import PlanCache, device_identity, plan_key, source_digest
 from models.quantization.kinds import (
@@ -87,6 +93,11 @@ COMPILE_AHEAD_MAX_ROWS = 64
 
 Plans = dict[PlannedMatmul, MatmulPlan]
 
+# Row counts at which the few-row Triton matmul is timed against the library on the GPU;
+# each serves the rows above the previous (a decode step of a few requests, or a speculative
+# verify step of k + 1 rows per request).
+SKINNY_ROW_LADDER = (2, 4, 8, 16)
+
 
 class _GemvGroup(NamedTuple):
     """Layers tuned together: one weight shape, one input and output form."""
@@ -98,34 +109,79 @@ class _GemvGroup(NamedTuple):
     glu_output: bool
 
 
-def _decode_plan(
+def _one_row_entry(
     declared: InputTransform, choice: GemvChoice, gemv_input: InputTransform | None = None,
     epilogue: Epilogue = Epilogue.NONE,
+) -> PlanEntry:  # fmt: skip
+    """The batch-1 entry from `choice` (`gemv_input`: the input it takes, if not the declared
+    one)."""
+    gemv_input = declared if gemv_input is None else gemv_input
+    if choice.config is None:
+        return PlanEntry(Blas(), 1, gemv_input)
+    return PlanEntry(TritonGemv(choice.config), 1, gemv_input, choice.fuses_input, epilogue)
+
+
+def _few_rows_entry(
+    declared: InputTransform, choice: SkinnyChoice, rows: int,
+    entry_input: InputTransform | None = None, epilogue: Epilogue = Epilogue.NONE,
+) -> PlanEntry:  # fmt: skip
+    """The entry for batches up to `rows` rows from `choice` (the BLAS call where it chose
+    none); `entry_input`: the input it takes, if not the declared one."""
+    entry_input = declared if entry_input is None else entry_input
+    if choice.config is None:
+        return PlanEntry(Blas(), rows, entry_input)
+    kind = TritonSkinnyGemm(choice.config)
+    return PlanEntry(kind, rows, entry_input, choice.fuses_input, epilogue)
+
+
+def _same_entry(a: PlanEntry, b: PlanEntry) -> bool:
+    return (a.kind, a.input, a.fuse_input, a.epilogue) == (b.kind, b.input, b.fuse_input,
+                                                           b.epilogue)  # fmt: skip
+
+
+def _plan_of(entries: Sequence[PlanEntry], declared: InputTransform) -> MatmulPlan:
+    """`entries` by increasing rows, then the BLAS call for larger batches; neighbouring
+    entries that run alike merge, and those at the end that run as the last entry does are
+    left to it."""
+    rest = PlanEntry(Blas(), input=declared)
+    merged: list[PlanEntry] = []
+    for entry in entries:
+        if merged and _same_entry(merged[-1], entry):
+            merged[-1] = replace(merged[-1], max_rows=entry.max_rows)
+        else:
+            merged.append(entry)
+    while merged and _same_entry(merged[-1], rest):
+        merged.pop()
+    return MatmulPlan((*merged, rest))
+
+
+def _decode_plan(
+    declared: InputTransform, choice: GemvChoice, gemv_input: InputTransform | None = None,
+    epilogue: Epilogue = Epilogue.NONE, few_rows: Sequence[PlanEntry] = (),
 ) -> MatmulPlan:  # fmt: skip
     """A batch-1 entry from `choice` (`gemv_input`: the input it takes, if not the declared
-    one), then the BLAS call for larger batches."""
-    gemv_input = declared if gemv_input is None else gemv_input
-    rest = PlanEntry(Blas(), input=declared)
-    if choice.config is None:
-        if gemv_input is declared:
-            return MatmulPlan((rest,))
-        return MatmulPlan((PlanEntry(Blas(), 1, gemv_input), rest))
-    gemv = TritonGemv(choice.config)
-    return MatmulPlan((PlanEntry(gemv, 1, gemv_input, choice.fuses_input, epilogue), rest))
+    one), the `few_rows` entries, then the BLAS call for larger batches."""
+    return _plan_of([_one_row_entry(declared, choice, gemv_input, epilogue), *few_rows], declared)
 
 
 def plan_decode_gemvs(
-    model: nn.Module, configs: Sequence[GemvConfig] | None = None
-) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:
+    model: nn.Module, configs: Sequence[GemvConfig] | None = None,
+    skinny_configs: Sequence[SkinnyConfig] | None = None,
+    ladder: Sequence[int] = SKINNY_ROW_LADDER,
+) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:  # fmt: skip
     """Time the Triton GEMV against the BLAS library once per layer group (CUDA, batch 1)
-    over the layers of that group, and plan the faster one for batch 1. Returns the plans
-    per layer and the timings per weight shape. `configs`: the Triton configs to try
-    (default: all, `kernels.gemv.gemv_candidates`).
+    over the layers of that group, and plan the faster one for batch 1; then, at each row
+    count of `ladder`, the few-row Triton matmul (`kernels.skinny_gemm`) against the library,
+    planning the faster for the rows above the previous count. Returns the plans per layer
+    and the timings per weight shape (few-row ones named "<rows> rows: <form>"). `configs`,
+    `skinny_configs`: the Triton configs to try (default: all, `kernels.gemv.gemv_candidates`,
+    `kernels.skinny_gemm.SKINNY_CONFIGS`); an empty ladder times no few-row matmul.
 
-    The MLP is then timed as a pair: SiLU-and-mul applied by the down projection to its
-    [gate, up] input (either form above), against the gate/up GEMV applying it in its
-    epilogue and the down projection taking a plain input; the faster pair is planned."""
-    return _plan_groups(_gemv_groups(model, "cuda"), configs)
+    The MLP is then timed as a pair, at batch 1 and at each row count: SiLU-and-mul applied
+    by the down projection to its [gate, up] input (either form above), against the gate/up
+    matmul applying it in its epilogue and the down projection taking a plain input; the
+    faster pair is planned for those rows."""
+    return _plan_groups(_gemv_groups(model, "cuda"), configs, skinny_configs, ladder)
 
 
 def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
@@ -144,43 +200,97 @@ def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[Li
 
 
 def _plan_groups(
-    groups: dict[_GemvGroup, list[LinearBase]], configs: Sequence[GemvConfig] | None
-) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:
+    groups: dict[_GemvGroup, list[LinearBase]], configs: Sequence[GemvConfig] | None,
+    skinny_configs: Sequence[SkinnyConfig] | None = None,
+    ladder: Sequence[int] = SKINNY_ROW_LADDER,
+) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:  # fmt: skip
+    if any(not 2 <= rows <= SKINNY_MAX_ROWS for rows in ladder) or list(ladder) != sorted(
+        set(ladder)
+    ):
+        raise ValueError(f"the few-row ladder must rise within 2..{SKINNY_MAX_ROWS}: {ladder}")
     timings: dict[tuple[int, int], dict[str, float]] = {}
     choices: dict[_GemvGroup, GemvChoice] = {}
-    plans: Plans = {}
+    few: dict[_GemvGroup, list[SkinnyChoice]] = {}
     for key, layers in groups.items():
+        weights = [m.weight for m in layers]
         biases = [m.bias for m in layers] if key.has_bias else None
+        gated = key.input_transform is InputTransform.SILU_AND_MUL
         choice = tune_gemv(
-            [m.weight for m in layers], biases, configs=configs,
-            gated=key.input_transform is InputTransform.SILU_AND_MUL,
+            weights, biases, configs=configs, gated=gated,
             normed=key.input_transform is InputTransform.RMS_NORM,
         )  # fmt: skip
         choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
-        plans.update(dict.fromkeys(layers, _decode_plan(key.input_transform, choice)))
+        # A normed input is formed by its own kernel before the few-row matmul, as before
+        # the library's: the same cost either way, so it is left out of the timing.
+        few[key] = [
+            tune_skinny(weights, biases, rows, gated=gated, configs=skinny_configs)
+            for rows in ladder
+        ]
+        for rows, row_choice in zip(ladder, few[key], strict=True):
+            timings[(key.n, key.k)].update(
+                {f"{rows} rows: {name}": t for name, t in row_choice.timings.items()}
+            )
+    few_entries = {
+        key: [_few_rows_entry(key.input_transform, c, rows)
+              for rows, c in zip(ladder, few[key], strict=True)]
+        for key in groups
+    }  # fmt: skip
+    one_row = {key: _one_row_entry(key.input_transform, choices[key]) for key in groups}
     producers = [key for key in groups if key.glu_output]
     consumers = [key for key in groups if key.input_transform is InputTransform.SILU_AND_MUL]
-    if len(producers) != 1 or len(consumers) != 1:
-        return plans, timings  # one MLP shape per model; anything else keeps separate forms
-    prod, cons = producers[0], consumers[0]
+    # One MLP shape per model; anything else keeps separate forms.
+    if len(producers) == 1 and len(consumers) == 1:
+        prod, cons = producers[0], consumers[0]
+        _pair_mlp(groups, prod, cons, configs, skinny_configs, ladder, choices, few, one_row,
+                  few_entries, timings)  # fmt: skip
+    plans: Plans = {}
+    for key, layers in groups.items():
+        plan = _plan_of([one_row[key], *few_entries[key]], key.input_transform)
+        plans.update(dict.fromkeys(layers, plan))
+    return plans, timings
+
+
+def _pair_mlp(
+    groups: dict[_GemvGroup, list[LinearBase]], prod: _GemvGroup, cons: _GemvGroup,
+    configs: Sequence[GemvConfig] | None, skinny_configs: Sequence[SkinnyConfig] | None,
+    ladder: Sequence[int], choices: dict[_GemvGroup, GemvChoice],
+    few: dict[_GemvGroup, list[SkinnyChoice]], one_row: dict[_GemvGroup, PlanEntry],
+    few_entries: dict[_GemvGroup, list[PlanEntry]],
+    timings: dict[tuple[int, int], dict[str, float]],
+) -> None:  # fmt: skip
+    """Time the MLP's gate/up matmul with SiLU-and-mul in its epilogue and the down
+    projection on a plain input, at batch 1 and at each row count of `ladder`; where that
+    pair beats the separate forms already chosen, both layers' entries for those rows are
+    replaced (in `one_row` and `few_entries`), so that the two always match."""
     prod_layers, cons_layers = groups[prod], groups[cons]
+    prod_weights, cons_weights = [m.weight for m in prod_layers], [m.weight for m in cons_layers]
     biases = [m.bias for m in prod_layers] if prod.has_bias else None
     normed = prod.input_transform is InputTransform.RMS_NORM
-    glu = tune_gemv(
-        [m.weight for m in prod_layers], biases, normed=normed, glu=True, configs=configs
-    )
-    plain = tune_gemv([m.weight for m in cons_layers], configs=configs)
+    glu = tune_gemv(prod_weights, biases, normed=normed, glu=True, configs=configs)
+    plain = tune_gemv(cons_weights, configs=configs)
     timings[(prod.n, prod.k)].update({f"glu {name}": t for name, t in glu.timings.items()})
     timings[(cons.n, cons.k)].update(
         {f"plain input {name}": t for name, t in plain.timings.items()}
     )
     if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
-        prod_plan = _decode_plan(prod.input_transform, glu, epilogue=Epilogue.SILU_AND_MUL)
+        one_row[prod] = _one_row_entry(prod.input_transform, glu, epilogue=Epilogue.SILU_AND_MUL)
         # The down projection's batch-1 input arrives activated by that epilogue.
-        cons_plan = _decode_plan(cons.input_transform, plain, gemv_input=InputTransform.NONE)
-        plans.update(dict.fromkeys(prod_layers, prod_plan))
-        plans.update(dict.fromkeys(cons_layers, cons_plan))
-    return plans, timings
+        one_row[cons] = _one_row_entry(cons.input_transform, plain, gemv_input=InputTransform.NONE)
+    for i, rows in enumerate(ladder):
+        few_glu = tune_skinny(prod_weights, biases, rows, glu=True, configs=skinny_configs)
+        few_plain = tune_skinny(cons_weights, None, rows, configs=skinny_configs)
+        timings[(prod.n, prod.k)].update(
+            {f"{rows} rows: glu {name}": t for name, t in few_glu.timings.items()}
+        )
+        timings[(cons.n, cons.k)].update(
+            {f"{rows} rows: plain input {name}": t for name, t in few_plain.timings.items()}
+        )
+        separate = few[prod][i].ms + few[cons][i].ms
+        if few_glu.config is not None and few_glu.ms + few_plain.ms < separate:
+            few_entries[prod][i] = _few_rows_entry(prod.input_transform, few_glu, rows,
+                                                   epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip
+            few_entries[cons][i] = _few_rows_entry(cons.input_transform, few_plain, rows,
+                                                   entry_input=InputTransform.NONE)  # fmt: skip
 
 
 # Row counts at which quantized layers are timed; each serves the rows above the previous.
@@ -360,7 +470,7 @@ def _agreeing_kinds(
 def _compile_ahead(
     kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
     x: torch.Tensor, low_rows: int, timed_input: Callable,
-) -> None:
+) -> None:  # fmt: skip
     """Run each kind once, as the agreement check and the timing will, from a pool of
     threads, so that their Triton kernels compile side by side: Triton releases the GIL
     while it compiles, and a cold start compiles each candidate config about once (Triton
@@ -459,9 +569,9 @@ def tune_decode_gemvs(
                 logger.info("quantized %dx%d at %d rows: %s %.4f ms (of %d kinds timed)", n, k,
                             rows, fastest, row_times[fastest], len(row_times))  # fmt: skip
                 # Every kind's time, for the rules that would spare start-up this tuning.
+                ranked = sorted(row_times.items(), key=lambda t: t[1])
                 logger.debug("quantized %dx%d at %d rows, all kinds (ms): %s", n, k, rows,
-                             {kind: round(ms, 4) for kind, ms in sorted(row_times.items(),
-                                                                        key=lambda t: t[1])})
+                             {kind: round(ms, 4) for kind, ms in ranked})  # fmt: skip
     plans.update(quant_plans)
     for layer, plan in plans.items():
         layer.set_plan(plan)

@@ -11,7 +11,8 @@ A plan is a short list of `PlanEntry`s, each serving batches up to `max_rows` ro
 serves any); the row count of the step picks the entry, and nothing else about the input is
 looked at. An entry names:
 - `kind`, a `MatmulKind` object: `Blas` (F.linear), `TritonGemv` (batch 1; its `GemvConfig`
-  says tiled or whole-row), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches),
+  says tiled or whole-row), `TritonSkinnyGemm` (2-16 rows, each weight tile read once for
+  all of them), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches),
   `CpuGemm` (`kernels.cpu_gemm`'s panel-packed kernel, small CPU batches);
 - `input`, the transform this entry applies to the layer's input, and `fuse_input`, whether
   the kernel does it in its prologue rather than a kernel of its own before it. A layer
@@ -46,6 +47,7 @@ from kernels.cpu_gemm import (
 )
 from kernels.cpu_linear import pack_weight, packed_linear
 from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
+from kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyConfig, skinny_counters, skinny_gemm
 
 __all__ = [
     "Blas",
@@ -58,6 +60,7 @@ __all__ = [
     "PlanEntry",
     "PlannedMatmul",
     "TritonGemv",
+    "TritonSkinnyGemm",
 ]
 
 
@@ -166,6 +169,37 @@ class TritonGemv(MatmulKind):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         w = layer.weight
         return rms_norm_gemv(x, residual, norm.weight, norm.eps, w, bias, self.config, glu=glu)
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"
+
+
+@dataclass(frozen=True)
+class TritonSkinnyGemm(MatmulKind):
+    """The few-row Triton matmul (`kernels.skinny_gemm`): up to 16 rows, each weight tile
+    read once for all of them. Its split-K arrival counters live on the layer as
+    `skinny_counters`."""
+
+    config: SkinnyConfig
+    name: ClassVar[str] = "Triton skinny GEMM"
+    max_rows: ClassVar[int | None] = SKINNY_MAX_ROWS
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset({InputTransform.SILU_AND_MUL})
+    fusable_epilogues: ClassVar[frozenset[Epilogue]] = frozenset({Epilogue.SILU_AND_MUL})
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # Allocated here, outside any CUDA graph capture; every config of the layer shares it.
+        if getattr(layer, "skinny_counters", None) is None:
+            layer.skinny_counters = skinny_counters(layer.weight.shape[0], layer.weight.device)
+
+    def release(self, layer: torch.nn.Module) -> None:
+        layer.skinny_counters = None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        counters = getattr(layer, "skinny_counters", None)
+        return skinny_gemm(x, layer.weight, bias, self.config, counters, gated=gated, glu=glu)
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"

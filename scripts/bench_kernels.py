@@ -12,6 +12,7 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
+    python scripts/bench_kernels.py --only skinny  # 1-16 row matmuls: few-row Triton vs cuBLAS
 
 Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes. FP8
 rows count the e4m3 weights, float32 scales, x and y; the W8A8 GEMMs' TFLOP/s are also given
@@ -22,6 +23,7 @@ quantization time separately (`quant_ms`) from the GEMM's.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -459,6 +461,65 @@ def bench_gemv() -> None:
             run_case("gemv", shape, _gemv_case, n=n, k=k)
 
 
+SKINNY_ROWS = (1, 2, 4, 5, 8, 16)
+# Llama-2-7B's decode matmuls for `--only skinny` (N, K, form): qkv, o, gate/up (plain and
+# with the GLU epilogue), down (plain and with the gated input), and the LM heads of 32000
+# and 128256 tokens.
+SKINNY_SHAPES = [
+    (12288, 4096, "plain"), (4096, 4096, "plain"), (22016, 4096, "plain"),
+    (22016, 4096, "glu"), (4096, 11008, "plain"), (4096, 11008, "gated"),
+    (32000, 4096, "plain"), (128256, 4096, "plain"),
+]  # fmt: skip
+
+
+def _skinny_case(shape: dict[str, Any], n: int, k: int, form: str) -> None:
+    """cuBLAS (F.linear, with SiLU-and-mul as its own kernel for the gated and GLU forms)
+    and every few-row config at each row count; at one row, the Triton GEMV too. The
+    fraction is of the weight's bytes over 4.25 TB/s."""
+    import torch.nn.functional as F
+
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import gemv_candidates, gemv_triton
+    from kernels.skinny_gemm import SKINNY_CONFIGS, skinny_counters, skinny_gemm
+
+    gated, glu = form == "gated", form == "glu"
+    copies = max(2, math.ceil(512 * 2**20 / (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    counters = skinny_counters(n, "cuda")
+    wbytes = 2 * n * k
+
+    def cycling(call: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        turn = itertools.count()
+        return lambda: call(weights[next(turn) % copies])
+
+    for rows in SKINNY_ROWS:
+        x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+        case = {**shape, "rows": rows}
+
+        def library(w: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
+            y = F.linear(silu_and_mul(x) if gated else x, w)
+            return silu_and_mul(y) if glu else y
+
+        emit("skinny", {**case, "impl": "cublas"}, bench(cycling(library)), nbytes=wbytes)
+        if rows == 1:
+            for gcfg in gemv_candidates(k):
+                ms = bench(cycling(lambda w, c=gcfg, x=x: gemv_triton(x, w, None, c, gated=gated,
+                                                                      glu=glu)))  # fmt: skip
+                emit("skinny", {**case, "impl": f"gemv {gcfg}"}, ms, nbytes=wbytes)
+        for cfg in SKINNY_CONFIGS:
+            call = functools.partial(skinny_gemm, x, bias=None, config=cfg, counters=counters,
+                                     gated=gated, glu=glu)  # fmt: skip
+            ms = bench(cycling(lambda w, call=call: call(w)))
+            emit("skinny", {**case, "impl": str(cfg)}, ms, nbytes=wbytes)
+
+
+def bench_skinny() -> None:
+    for n, k, form in SKINNY_SHAPES:
+        shape = {"workload": "W1" if n != 128256 else "W2", "n": n, "k": k, "form": form}
+        run_case("skinny", shape, _skinny_case, n=n, k=k, form=form)
+
+
 QUANT_ROWS = (1, 4, 16, 64, 512)
 
 
@@ -667,7 +728,7 @@ def main() -> None:
         "--only",
         choices=[
             "attention", "prefill", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8",
-            "fp8row", "kvfp8",
+            "fp8row", "kvfp8", "skinny",
         ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
@@ -708,6 +769,8 @@ def main() -> None:
         bench_fp8()
     if args.only in (None, "fp8row"):
         bench_fp8_row()
+    if args.only in (None, "skinny"):
+        bench_skinny()
 
 
 if __name__ == "__main__":

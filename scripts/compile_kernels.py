@@ -3,10 +3,10 @@
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
 prefill tiles, the sm_90 prefill kernel (Triton, and the warp-specialized Gluon kernel when
-this Triton has Gluon), each also over an FP8 (e4m3) KV cache, the tiled
-and whole-row GEMV forms, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and
-activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90
-with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
+this Triton has Gluon), each also over an FP8 (e4m3) KV cache, the tiled and whole-row
+GEMV forms, the few-row matmul, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV
+and activation quantization, the norm, rotary, KV-write and merge kernels) to a cubin for
+sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
@@ -67,6 +67,7 @@ ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
 PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=False, USE_PDL=True,
                BLOCK_M=128, TILE=64)  # fmt: skip
+SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False, USE_PDL=True)
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.paged_attention", "_paged_attention_kernel",
@@ -121,6 +122,23 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
           GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=4, PAIRS=True), 4, 3),
+    # The few-row matmul: weight-first (wgmma) with and without K splits, the gated input,
+    # the GLU epilogue, and rows-first.
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SWAP=True, SPLIT=True, BLOCK_N=64,
+          BLOCK_K=128), 4, 4),
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=True, GATED=False, GLU=False, SWAP=True, SPLIT=False, BLOCK_N=128,
+          BLOCK_K=128), 8, 3),
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=True, GLU=False, SWAP=True, SPLIT=True, BLOCK_N=64,
+          BLOCK_K=128), 4, 4),
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SWAP=True, SPLIT=True, BLOCK_N=64,
+          BLOCK_K=128), 4, 4),
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SWAP=False, SPLIT=True, BLOCK_N=32,
+          BLOCK_K=256), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
@@ -221,7 +239,7 @@ def lower_variant(
     constexprs = {**defaults, **constexprs}
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),
-                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}
+                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}  # fmt: skip
     if constexprs.get("PAIRS") and kernel == "_gemv_rows_kernel":
         pointers["w_ptr"] = "*i32"  # e4m3 rows read as 4-byte words
     for p in params:

@@ -309,7 +309,9 @@ def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
     tune_decode_gemvs(layer)  # times again: noise may pick another config, or the library
     batch1 = layer.plan.entry_for(1).kind
     assert not isinstance(batch1, TritonGemv) or batch1.config in GEMV_CONFIGS  # K = 11008
-    assert layer.plan.entry_for(2).kind.name == "BLAS"
+    # 2-16 rows: the few-row matmul where it won, else the library; beyond, the library.
+    assert layer.plan.entry_for(2).kind.name in ("BLAS", "Triton skinny GEMM")
+    assert layer.plan.entry_for(17).kind.name == "BLAS"
     x = torch.randn(1, 11008, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), gemv_ref(x, layer.weight), atol=2e-2, rtol=2e-2)
 

@@ -17,6 +17,7 @@ from kernels.cpu_gemm import gemm_available
 from kernels.cpu_linear import cpu_packing_available
 from kernels.gemv import GemvChoice, GemvConfig
 from kernels.rms_norm import fused_add_rms_norm_ref
+from kernels.skinny_gemm import SkinnyChoice, SkinnyConfig
 from models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -32,6 +33,7 @@ from models.matmul_plan import (
     InputTransform,
     MatmulPlan,
     TritonGemv,
+    TritonSkinnyGemm,
 )
 
 
@@ -261,7 +263,12 @@ def test_decode_planning_keeps_the_mlp_pair_consistent(
         ms = 0.4 if fast else 1.0
         return GemvChoice(TILED, gated or normed, ms, {"blas": 2.0, str(TILED): ms})
 
+    def library_wins(weights, biases=None, rows=8, reps=5, gated=False, glu=False,
+                     configs=None) -> SkinnyChoice:  # fmt: skip
+        return SkinnyChoice(None, False, 1.0, {"blas": 1.0})
+
     monkeypatch.setattr(tuning, "tune_gemv", fake_tune_gemv)
+    monkeypatch.setattr(tuning, "tune_skinny", library_wins)
     layers = _decoder_layers()
     plans, timings = tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), [TILED])
     assert all(call["configs"] == [TILED] for call in calls)
@@ -290,6 +297,106 @@ def test_decode_planning_keeps_the_mlp_pair_consistent(
         qkv_proj = layers["qkv_proj"]
         torch.testing.assert_close(qkv, F.linear(h, qkv_proj.weight, qkv_proj.bias),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+SKINNY = SkinnyConfig(32, 16, 2, 4, 1)
+
+
+@pytest.mark.parametrize("pair_up_to", [0, 4])
+def test_few_row_entries_go_to_the_skinny_matmul_where_it_wins(
+    monkeypatch: pytest.MonkeyPatch, pair_up_to: int
+) -> None:
+    """Faked timings: the few-row matmul beats the library up to 8 rows and loses at 16;
+    the MLP pair (GLU epilogue, plain down input) wins up to `pair_up_to` rows. Each layer
+    gets those entries, the MLP's two layers matching at every row count, and every batch
+    size still gives the reference (the Triton kernels run in the interpreter)."""
+    calls: list[dict] = []
+
+    def blas_at_one_row(weights, biases=None, reps=5, gated=False, normed=False, glu=False,
+                        configs=None) -> GemvChoice:  # fmt: skip
+        return GemvChoice(None, False, 1.0, {"blas": 1.0})
+
+    def fake_tune_skinny(weights, biases=None, rows=8, reps=5, gated=False, glu=False,
+                         configs=None) -> SkinnyChoice:  # fmt: skip
+        calls.append({"rows": rows, "gated": gated, "glu": glu, "configs": configs})
+        if rows > 8:
+            return SkinnyChoice(None, False, 1.0, {"blas": 1.0, str(SKINNY): 1.5})
+        # The MLP as a pair (the gate/up matmul with its epilogue, the down projection on a
+        # plain input) costs 0.3 + 0.3 up to `pair_up_to` rows, else 0.5 + 0.5; apart, each
+        # layer costs 0.4.
+        down_plain = weights[0].shape == (16, 32) and not gated
+        ms = (0.3 if rows <= pair_up_to else 0.5) if glu or down_plain else 0.4
+        return SkinnyChoice(SKINNY, gated, ms, {"blas": 1.0, str(SKINNY): ms})
+
+    monkeypatch.setattr(tuning, "tune_gemv", blas_at_one_row)
+    monkeypatch.setattr(tuning, "tune_skinny", fake_tune_skinny)
+    layers = _decoder_layers()
+    plans, timings = tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), [TILED],
+                                         [SKINNY])  # fmt: skip
+    assert all(call["configs"] == [SKINNY] for call in calls)
+    # Three groups at four row counts, then the MLP pair's two forms at each.
+    assert sorted({call["rows"] for call in calls}) == list(tuning.SKINNY_ROW_LADDER)
+    assert len(calls) == 3 * 4 + 2 * 4
+    assert f"8 rows: {SKINNY}" in timings[(24, 16)]
+    for name in ("qkv_proj", "gate_up_proj", "down_proj"):
+        layers[name].set_plan(plans[layers[name]])
+    qkv, gate_up, down = (layers[n].plan for n in ("qkv_proj", "gate_up_proj", "down_proj"))
+    assert qkv.describe() == (
+        f"1 row: BLAS, rms_norm before it; 2-8 rows: Triton skinny GEMM {SKINNY}, rms_norm "
+        "before it; 9+ rows: BLAS, rms_norm before it"
+    )
+    for rows in range(1, 18):
+        skinny = 2 <= rows <= 8
+        for plan in (qkv, gate_up, down):
+            assert isinstance(plan.entry_for(rows).kind, TritonSkinnyGemm) == skinny
+        pair = 2 <= rows <= pair_up_to
+        assert (gate_up.entry_for(rows).epilogue is Epilogue.SILU_AND_MUL) == pair
+        assert (down.entry_for(rows).input is InputTransform.NONE) == pair
+        # Apart, the down projection forms silu(gate) * up in its prologue.
+        assert down.entry_for(rows).gated == (skinny and not pair)
+    assert layers["down_proj"].skinny_counters is not None
+    norm = layers["norm"]
+    for rows in (1, 3, 6, 12, 17):
+        x, residual = torch.randn(rows, 16), torch.randn(rows, 16)
+        h, _ = fused_add_rms_norm_ref(x, residual, norm.weight, 1e-5)
+        mid, _ = layers["gate_up_proj"].forward_normed(x, residual, norm)
+        want = F.linear(silu_and_mul_ref(F.linear(h, layers["gate_up_proj"].weight)),
+                        layers["down_proj"].weight)  # fmt: skip
+        torch.testing.assert_close(layers["down_proj"](mid), want, atol=1e-5, rtol=1e-5)
+        qkv_proj = layers["qkv_proj"]
+        torch.testing.assert_close(qkv_proj.forward_normed(x, residual, norm)[0],
+                                   F.linear(h, qkv_proj.weight, qkv_proj.bias),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_an_empty_ladder_times_no_few_row_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    def blas_at_one_row(*args, **kwargs) -> GemvChoice:  # type: ignore[no-untyped-def]
+        return GemvChoice(None, False, 1.0, {"blas": 1.0})
+
+    def never(*args, **kwargs) -> SkinnyChoice:  # type: ignore[no-untyped-def]
+        raise AssertionError("timed with an empty ladder")
+
+    monkeypatch.setattr(tuning, "tune_gemv", blas_at_one_row)
+    monkeypatch.setattr(tuning, "tune_skinny", never)
+    layers = _decoder_layers()
+    plans, _ = tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), None, ladder=())
+    assert all(plan == MatmulPlan.default(m.input_transform) for m, plan in plans.items())
+    with pytest.raises(ValueError, match="ladder must rise"):
+        tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), None, ladder=(4, 2))
+    with pytest.raises(ValueError, match="ladder must rise"):
+        tuning._plan_groups(tuning._gemv_groups(layers, "cpu"), None, ladder=(2, 32))
+
+
+def test_the_plan_merges_neighbouring_entries_that_run_alike() -> None:
+    norm = InputTransform.RMS_NORM
+    skinny = TritonSkinnyGemm(SKINNY)
+    entries = [tuning.PlanEntry(Blas(), 1, norm), tuning.PlanEntry(skinny, 2, norm),
+               tuning.PlanEntry(skinny, 4, norm), tuning.PlanEntry(Blas(), 8, norm),
+               tuning.PlanEntry(Blas(), 16, norm)]  # fmt: skip
+    plan = tuning._plan_of(entries, norm)
+    assert [(type(e.kind), e.max_rows) for e in plan.entries] == [
+        (Blas, 1), (TritonSkinnyGemm, 4), (Blas, None)
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------- quantized layers
@@ -433,8 +540,13 @@ def test_agreement_computes_each_reference_once_per_layer_and_input(
 def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
     """The threads serve CUDA launches only; on the CPU the serial pass compiles."""
     _CountingReference.calls = []
-    tuning._compile_ahead([_Scaled(None), _CountingReference()], [(nn.Linear(8, 4), None)],
-                          torch.randn(2, 8), 1, lambda k, m, b: k.apply(m, torch.randn(2, 8), b))
+    tuning._compile_ahead(
+        [_Scaled(None), _CountingReference()],
+        [(nn.Linear(8, 4), None)],
+        torch.randn(2, 8),
+        1,
+        lambda k, m, b: k.apply(m, torch.randn(2, 8), b),
+    )
     assert _CountingReference.calls == []
 
 

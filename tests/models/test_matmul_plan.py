@@ -12,6 +12,7 @@ from kernels.cpu_gemm import gemm_available
 from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
 from kernels.gemv import GemvConfig
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.skinny_gemm import SkinnyConfig
 from models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -29,18 +30,21 @@ from models.matmul_plan import (
     MatmulPlan,
     PlanEntry,
     TritonGemv,
+    TritonSkinnyGemm,
 )
 
 NONE, NORM, GATED = InputTransform.NONE, InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL
 GLU = Epilogue.SILU_AND_MUL
 TILED, WHOLE_ROW = GemvConfig.tiled(8, 16, 4, 1), GemvConfig.whole_row(4, 4, 1, 2)
+# Two K splits at K = 32: the split-K sums are exercised too.
+SKINNY = TritonSkinnyGemm(SkinnyConfig(32, 16, 2, 4, 1))
 needs_onednn = pytest.mark.skipif(not cpu_packing_available(), reason="no oneDNN")
 
 
 def _kinds() -> list[tuple[MatmulKind, int | None]]:
     """Every kind with the most rows its entry serves in these tests."""
     kinds: list[tuple[MatmulKind, int | None]] = [
-        (Blas(), None), (TritonGemv(TILED), 1), (TritonGemv(WHOLE_ROW), 1)
+        (Blas(), None), (TritonGemv(TILED), 1), (TritonGemv(WHOLE_ROW), 1), (SKINNY, 16),
     ]  # fmt: skip
     if cpu_packing_available():
         kinds.append((CpuPacked(), PACKED_MAX_ROWS))
@@ -126,9 +130,7 @@ def test_normed_input_equals_norm_then_f_linear(
 
 @pytest.mark.parametrize("config", [TILED, WHOLE_ROW], ids=str)
 @pytest.mark.parametrize("normed", [False, True])
-def test_glu_epilogue_feeds_a_plain_input_down_projection(
-    config: GemvConfig, normed: bool
-) -> None:
+def test_glu_epilogue_feeds_a_plain_input_down_projection(config: GemvConfig, normed: bool) -> None:
     """The MLP pair as the tuner plans it: the gate/up GEMV applies SiLU-and-mul in its
     epilogue and the down projection's batch-1 entry takes that activated input; larger
     batches keep [gate, up] and the down projection activates it."""
@@ -147,6 +149,45 @@ def test_glu_epilogue_feeds_a_plain_input_down_projection(
         mid = gate_up.forward_normed(x, None, norm)[0] if normed else gate_up(x)
         assert mid.shape == (rows, 32 if rows == 1 else 64)
         torch.testing.assert_close(down(mid), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_skinny_glu_epilogue_feeds_a_plain_input_down_projection(normed: bool) -> None:
+    """The MLP pair for 2-16 rows: the gate/up matmul applies SiLU-and-mul in its epilogue
+    and the down projection takes that activated input; one row and more than 16 rows keep
+    [gate, up] and the down projection activates it."""
+    declared = NORM if normed else NONE
+    gate_up = MergedColumnParallelLinear(16, [32, 32], input_transform=declared, glu_output=True)
+    down = RowParallelLinear(32, 24, input_transform=GATED)
+    norm = RMSNorm(16, 1e-5)
+    _init(gate_up, down, norm)
+    gate_up.set_plan(MatmulPlan((
+        PlanEntry(Blas(), 1, declared), PlanEntry(SKINNY, 16, declared, epilogue=GLU),
+        PlanEntry(Blas(), input=declared),
+    )))  # fmt: skip
+    down.set_plan(MatmulPlan((
+        PlanEntry(Blas(), 1, GATED), PlanEntry(SKINNY, 16, NONE), PlanEntry(Blas(), input=GATED),
+    )))  # fmt: skip
+    for rows in (1, 2, 16, 17):
+        x = torch.randn(rows, 16)
+        h = rms_norm_ref(x, norm.weight, 1e-5) if normed else x
+        want = F.linear(silu_and_mul_ref(F.linear(h, gate_up.weight)), down.weight)
+        mid = gate_up.forward_normed(x, None, norm)[0] if normed else gate_up(x)
+        assert mid.shape == (rows, 32 if 2 <= rows <= 16 else 64)
+        torch.testing.assert_close(down(mid), want, atol=1e-5, rtol=1e-5)
+
+
+def test_skinny_kind_keeps_its_counters_on_the_layer_while_planned() -> None:
+    layer = RowParallelLinear(64, 96)
+    _init(layer)
+    layer.set_plan(_plan(SKINNY, 16, NONE))
+    counters = layer.skinny_counters
+    assert counters is not None and not counters.any()
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    assert layer.skinny_counters is counters and not counters.any()
+    layer.set_plan(MatmulPlan.default())
+    assert layer.skinny_counters is None
 
 
 @needs_onednn
@@ -174,6 +215,13 @@ def test_the_row_count_picks_the_entry() -> None:
         "1 row: Triton GEMV tiled[8, 16, 4, 1]; 2-64 rows: oneDNN-packed; 65+ rows: BLAS"
     )
     assert MatmulPlan.default(GATED).describe() == "1+ rows: BLAS, silu_and_mul before it"
+    few = MatmulPlan((PlanEntry(Blas(), 1, GATED), PlanEntry(SKINNY, 16, GATED, True),
+                      PlanEntry(Blas(), input=GATED)))  # fmt: skip
+    assert few.describe() == (
+        "1 row: BLAS, silu_and_mul before it; 2-16 rows: Triton skinny GEMM "
+        "skinny[32, 16, 2, 4, 1], silu_and_mul in its prologue; 17+ rows: BLAS, silu_and_mul "
+        "before it"
+    )
 
 
 def test_entries_check_what_their_kind_can_do() -> None:
@@ -183,6 +231,10 @@ def test_entries_check_what_their_kind_can_do() -> None:
         PlanEntry(TritonGemv(TILED))
     with pytest.raises(ValueError, match="cannot apply rms_norm"):
         PlanEntry(Blas(), input=NORM, fuse_input=True)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        PlanEntry(SKINNY, 17)
+    with pytest.raises(ValueError, match="cannot apply rms_norm"):
+        PlanEntry(SKINNY, 16, input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="no silu_and_mul epilogue"):
         PlanEntry(CpuPacked(), 64, epilogue=GLU)
     with pytest.raises(ValueError, match="any number of rows"):
