@@ -53,9 +53,8 @@ __all__ = [
 SKINNY_MAX_ROWS = 16
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
-# Shared memory the pipelined tiles may take (sm_90 gives a block 227 KB; the rest is left
-# to the epilogue's layout conversions).
-SKINNY_SHARED_BYTES = 216 * 1024
+# Shared memory a program may take on sm_90.
+SKINNY_SHARED_BYTES = 227 * 1024
 
 
 @dataclass(frozen=True)
@@ -107,9 +106,10 @@ DEFAULT_SKINNY_CONFIG = SKINNY_CONFIGS[1]
 
 def pipeline_stages(config: SkinnyConfig, itemsize: int, gated: bool, glu: bool) -> int:
     """The config's `num_stages`, or fewer where its tiles would not fit shared memory: a
-    GLU output streams two weight tiles a stage and a gated input two input tiles."""
+    GLU output streams two weight tiles a stage (a gated input is counted with two input
+    tiles, to be safe), and the peeled first tile takes one stage's room of its own."""
     per_stage = ((2 if glu else 1) * config.block_n + (32 if gated else 16)) * config.block_k
-    return max(1, min(config.num_stages, SKINNY_SHARED_BYTES // (per_stage * itemsize)))
+    return max(1, min(config.num_stages, SKINNY_SHARED_BYTES // (per_stage * itemsize) - 1))
 
 
 def skinny_counters(n: int, device: torch.device | str) -> torch.Tensor:
