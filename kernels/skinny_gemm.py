@@ -7,8 +7,9 @@ shapes read the weight no faster than for a large batch, so this kernel streams 
 tile once for all M rows and multiplies it on the tensor cores: each program owns BLOCK_N
 output columns and a range of K, walks it in BLOCK_K tiles (Triton's pipeliner keeps
 `num_stages` tiles in flight) and accumulates `tl.dot(w, x^T)` -> [BLOCK_N, 16] in fp32
-("swap AB": the weight fills the tensor core's wide M side, so sm_90's wgmma applies), or
-`tl.dot(x, w^T)` -> [16, BLOCK_N] (`SkinnyConfig.swap = False`). The rows are padded to 16
+("swap AB": the weight fills the tensor core's wide M side, so sm_90's wgmma applies; the
+rows-first orientation, `tl.dot(x, w^T)`, won no shape on the H200 and was removed). The
+rows are padded to 16
 in registers (reads of rows past M repeat a real row, stores are masked), so x is never
 copied.
 
@@ -60,15 +61,13 @@ SKINNY_SHARED_BYTES = 227 * 1024
 @dataclass(frozen=True)
 class SkinnyConfig:
     """One launch configuration of `skinny_gemm`: `block_n` output columns and up to
-    `split_k` K ranges per program grid, K walked in `block_k` tiles; `swap` puts the weight
-    on the tensor core's M side (`tl.dot(w, x^T)`), else the rows (`tl.dot(x, w^T)`)."""
+    `split_k` K ranges per program grid, K walked in `block_k` tiles."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
-    swap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "split_k"):
@@ -81,25 +80,20 @@ class SkinnyConfig:
 
     def __str__(self) -> str:
         """Short and unique, as timing tables and logs name it."""
-        form = "" if self.swap else " rows-first"
         return (f"skinny[{self.block_n}, {self.block_k}, {self.split_k}, {self.num_warps}, "
-                f"{self.num_stages}]{form}")  # fmt: skip
+                f"{self.num_stages}]")  # fmt: skip
 
 
-# Each came first or second on some Llama-2-7B shape (qkv, o, gate/up plain and GLU, down
-# plain and gated, the LM heads of 32000 and 128256 rows) at 2 or 16 rows on the H200:
-# 64-column blocks with 2-8 K splits for the 4096-column projections, whole K ranges and
-# wider blocks for the wide ones.
+# 64-column blocks of 128-deep tiles, the K range in 1-8 splits: one compiled kernel per
+# form (the split count is a run-time argument). The engine's tuning on the H200 (Llama-2-7B
+# shape, 2026-12-02) planned 2 and 4 splits for the 4096-column projections and cuBLAS for
+# the wide ones; wider blocks, 64-deep tiles and the rows-first form won no plan entry and
+# were removed, each of them a kernel to compile at start-up (docs/performance.md).
 SKINNY_CONFIGS: list[SkinnyConfig] = [
     SkinnyConfig(64, 128, 1, 4, 4),
     SkinnyConfig(64, 128, 2, 4, 4),
     SkinnyConfig(64, 128, 4, 4, 4),
     SkinnyConfig(64, 128, 8, 4, 4),
-    SkinnyConfig(64, 64, 4, 4, 6),
-    SkinnyConfig(128, 128, 1, 4, 4),
-    SkinnyConfig(128, 128, 1, 8, 4),
-    SkinnyConfig(256, 64, 1, 8, 4),
-    SkinnyConfig(64, 128, 4, 4, 4, swap=False),
 ]
 DEFAULT_SKINNY_CONFIG = SKINNY_CONFIGS[1]
 
@@ -148,23 +142,17 @@ def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(w, x, SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One tile's products: [BLOCK_N, 16] with SWAP, else [16, BLOCK_N]. DOT_FP32: the
-    interpreter multiplies bf16 bit patterns in tl.dot, so the operands are upcast there."""
+def _tile_product(w, x, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One tile's products [BLOCK_N, 16]. DOT_FP32: the interpreter multiplies bf16 bit
+    patterns in tl.dot, so the operands are upcast there."""
     if DOT_FP32:
         w = w.to(tl.float32)
         x = x.to(tl.float32)
     # One return statement: the compiler checks every return's shape, taken or not.
-    if SWAP:
-        a = w
-        b = tl.trans(x)
-    else:
-        a = x
-        b = tl.trans(w)
     if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(w, tl.trans(x), input_precision="ieee")
     else:
-        out = tl.dot(a, b)
+        out = tl.dot(w, tl.trans(x))
     return out
 
 
@@ -191,7 +179,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     split_tiles,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
-    SWAP: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
@@ -223,25 +211,21 @@ def _skinny_gemm_kernel(
         w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
     pdl_wait(USE_PDL)
     x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
-    acc = _tile_product(w, x, SWAP, IEEE, DOT_FP32)
+    acc = _tile_product(w, x, IEEE, DOT_FP32)
     acc_up = acc
     if GLU:
-        acc_up = _tile_product(w_up, x, SWAP, IEEE, DOT_FP32)
+        acc_up = _tile_product(w_up, x, IEEE, DOT_FP32)
     for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
         w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
         x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
-        acc += _tile_product(w, x, SWAP, IEEE, DOT_FP32)
+        acc += _tile_product(w, x, IEEE, DOT_FP32)
         if GLU:
             w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
-            acc_up += _tile_product(w_up, x, SWAP, IEEE, DOT_FP32)
+            acc_up += _tile_product(w_up, x, IEEE, DOT_FP32)
     # Stored as [16, BLOCK_N].
-    if SWAP:
-        y = tl.trans(acc)
-        y_up = tl.trans(acc_up)
-    else:
-        y = acc
-        y_up = acc_up
+    y = tl.trans(acc)
+    y_up = tl.trans(acc_up)
     if not SPLIT:
         _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, GLU)
     else:
@@ -326,7 +310,7 @@ def skinny_gemm(
         x, weight, bias if bias is not None else y, y, part, counters, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), per_split // config.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, GATED=gated, GLU=glu,
-        SWAP=config.swap, IEEE=x.dtype == torch.float32,
+        IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
         SPLIT=splits > 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
