@@ -84,8 +84,8 @@ class SkinnyConfig:
                 f"{self.num_stages}]")  # fmt: skip
 
 
-# 64-column blocks of 128-deep tiles, the K range in 1-8 splits: one compiled kernel per
-# form (the split count is a run-time argument). The engine's tuning on the H200 (Llama-2-7B
+# 64-column blocks of 128-deep tiles, the K range in 1-8 splits: two compiled kernels per
+# form, with and without splits (the split count is a run-time argument). The engine's tuning on the H200 (Llama-2-7B
 # shape, 2026-12-02) planned 2 and 4 splits for the 4096-column projections and cuBLAS for
 # the wide ones; wider blocks, 64-deep tiles and the rows-first form won no plan entry and
 # were removed, each of them a kernel to compile at start-up (docs/performance.md).
