@@ -50,6 +50,7 @@ __all__ = [
     "PERSISTENT_GEMV_CONFIGS",
     "GemvChoice",
     "GemvConfig",
+    "fastest_against_library",
     "gemv_candidates",
     "gemv_ref",
     "gemv_triton",
@@ -544,6 +545,37 @@ def graph_time_ms(
     return times[len(times) // 2]
 
 
+Call = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+Candidate = tuple[str, object, bool, Call]  # name, config, fuses the input, the call
+
+
+def fastest_against_library(
+    library: Call, candidates: Sequence[Candidate], pairs: list[tuple[torch.Tensor,
+    torch.Tensor | None]], reps: int,
+) -> tuple[Candidate | None, dict[str, float]]:  # fmt: skip
+    """Time the library's call and each candidate's (`graph_time_ms`); a candidate counts
+    only if it agrees with the library and beats it by 2 % (a tie within timing noise keeps
+    the library). Returns the fastest such candidate (or None) and every time, by name."""
+    with torch.inference_mode():
+        timings = {"blas": graph_time_ms(library, pairs, reps)}
+        want = library(*pairs[0]).float()
+        tol = 0.02 * float(want.abs().max()) + 1e-3
+        best: Candidate | None = None
+        for cand in candidates:
+            name, _, _, call = cand
+            try:
+                if float((call(*pairs[0]).float() - want).abs().max()) > tol:
+                    continue
+                timings[name] = graph_time_ms(call, pairs, reps)
+            except Exception:  # a config this GPU cannot run (resources): skip it
+                continue
+            if timings[name] < 0.98 * timings["blas"] and (
+                best is None or timings[name] < timings[best[0]]
+            ):
+                best = cand
+    return best, timings
+
+
 class GemvChoice(NamedTuple):
     """What `tune_gemv` chose for one weight shape."""
 
@@ -599,7 +631,7 @@ def tune_gemv(
         y = F.linear(transform(x), w, b)
         return silu_and_mul(y) if glu else y
 
-    candidates: list[tuple[str, GemvConfig, bool, Callable]] = []
+    candidates: list[Candidate] = []
     tried = gemv_candidates(k) if configs is None else configs
     fits = [c for c in tried if c.kind == "tiled" or k <= whole_row_max_k(c)]
     for cfg in fits:
@@ -609,24 +641,7 @@ def tune_gemv(
                 f"unfused {cfg}", cfg, False,
                 lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c, glu=glu),
             ))  # fmt: skip
-    with torch.inference_mode():
-        timings = {"blas": graph_time_ms(library, pairs, reps)}
-        want = library(*pairs[0]).float()
-        tol = 0.02 * float(want.abs().max()) + 1e-3
-        best: tuple[str, GemvConfig, bool] | None = None
-        for name, cfg, fuse, call in candidates:
-            try:
-                # A config must agree with the library before its speed counts.
-                if float((call(*pairs[0]).float() - want).abs().max()) > tol:
-                    continue
-                timings[name] = graph_time_ms(call, pairs, reps)
-            except Exception:  # a config this GPU cannot run (resources): skip it
-                continue
-            # A 2 % margin: a tie within timing noise keeps the library.
-            if timings[name] < 0.98 * timings["blas"] and (
-                best is None or timings[name] < timings[best[0]]
-            ):
-                best = (name, cfg, fuse)
+    best, timings = fastest_against_library(library, candidates, pairs, reps)
     if best is None:
         return GemvChoice(None, False, timings["blas"], timings)
     return GemvChoice(best[1], best[2], timings[best[0]], timings)

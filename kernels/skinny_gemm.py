@@ -28,7 +28,7 @@ count, for `models.linear_tuning` to plan the winner per row range.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kernels._triton_utils import interpreter_enabled, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
-from kernels.gemv import graph_time_ms
+from kernels.gemv import Candidate, fastest_against_library
 
 __all__ = [
     "SKINNY_CONFIGS",
@@ -85,10 +85,11 @@ class SkinnyConfig:
 
 
 # 64-column blocks of 128-deep tiles, the K range in 1-8 splits: two compiled kernels per
-# form, with and without splits (the split count is a run-time argument). The engine's tuning on the H200 (Llama-2-7B
-# shape, 2026-12-02) planned 2 and 4 splits for the 4096-column projections and cuBLAS for
-# the wide ones; wider blocks, 64-deep tiles and the rows-first form won no plan entry and
-# were removed, each of them a kernel to compile at start-up (docs/performance.md).
+# form, with and without splits (the split count is a run-time argument). The engine's
+# tuning on the H200 (Llama-2-7B shape, 2026-12-02) planned 2 and 4 splits for the
+# 4096-column projections and cuBLAS for the wide ones; wider blocks, 64-deep tiles and the
+# rows-first form won no plan entry and were removed, each of them a kernel to compile at
+# start-up (docs/performance.md).
 SKINNY_CONFIGS: list[SkinnyConfig] = [
     SkinnyConfig(64, 128, 1, 4, 4),
     SkinnyConfig(64, 128, 2, 4, 4),
@@ -356,29 +357,14 @@ def tune_skinny(
         y = F.linear(silu_and_mul(x) if gated else x, w, b)
         return silu_and_mul(y) if glu else y
 
-    candidates: list[tuple[str, SkinnyConfig, bool, Callable]] = []
+    candidates: list[Candidate] = []
     for cfg in SKINNY_CONFIGS if configs is None else configs:
         candidates.append((str(cfg), cfg, gated, lambda w, b, c=cfg: skinny_gemm(
             x, w, b, c, counters, gated=gated, glu=glu)))  # fmt: skip
         if gated:
             candidates.append((f"unfused {cfg}", cfg, False, lambda w, b, c=cfg: skinny_gemm(
                 silu_and_mul(x), w, b, c, counters, glu=glu)))  # fmt: skip
-    with torch.inference_mode():
-        timings = {"blas": graph_time_ms(library, pairs, reps)}
-        want = library(*pairs[0]).float()
-        tol = 0.02 * float(want.abs().max()) + 1e-3
-        best: tuple[str, SkinnyConfig, bool] | None = None
-        for name, cfg, fuse, call in candidates:
-            try:
-                if float((call(*pairs[0]).float() - want).abs().max()) > tol:
-                    continue
-                timings[name] = graph_time_ms(call, pairs, reps)
-            except Exception:  # a config this GPU cannot run (resources): skip it
-                continue
-            if timings[name] < 0.98 * timings["blas"] and (
-                best is None or timings[name] < timings[best[0]]
-            ):
-                best = (name, cfg, fuse)
+    best, timings = fastest_against_library(library, candidates, pairs, reps)
     if best is None:
         return SkinnyChoice(None, False, timings["blas"], timings)
     return SkinnyChoice(best[1], best[2], timings[best[0]], timings)
