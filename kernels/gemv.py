@@ -552,10 +552,12 @@ Candidate = tuple[str, object, bool, Call]  # name, config, fuses the input, the
 def fastest_against_library(
     library: Call, candidates: Sequence[Candidate], pairs: list[tuple[torch.Tensor,
     torch.Tensor | None]], reps: int,
-) -> tuple[Candidate | None, dict[str, float]]:  # fmt: skip
+) -> tuple[object | None, bool, float, dict[str, float]]:  # fmt: skip
     """Time the library's call and each candidate's (`graph_time_ms`); a candidate counts
     only if it agrees with the library and beats it by 2 % (a tie within timing noise keeps
-    the library). Returns the fastest such candidate (or None) and every time, by name."""
+    the library). Returns the fastest such candidate's config and whether it fuses the
+    input (None, False: the library), its ms per call, and every time, by name: the fields
+    of `GemvChoice` and `SkinnyChoice`."""
     with torch.inference_mode():
         timings = {"blas": graph_time_ms(library, pairs, reps)}
         want = library(*pairs[0]).float()
@@ -573,7 +575,9 @@ def fastest_against_library(
                 best is None or timings[name] < timings[best[0]]
             ):
                 best = cand
-    return best, timings
+    if best is None:
+        return None, False, timings["blas"], timings
+    return best[1], best[2], timings[best[0]], timings
 
 
 class GemvChoice(NamedTuple):
@@ -641,7 +645,4 @@ def tune_gemv(
                 f"unfused {cfg}", cfg, False,
                 lambda w, b, c=cfg: gemv_triton(transform(x), w, b, c, glu=glu),
             ))  # fmt: skip
-    best, timings = fastest_against_library(library, candidates, pairs, reps)
-    if best is None:
-        return GemvChoice(None, False, timings["blas"], timings)
-    return GemvChoice(best[1], best[2], timings[best[0]], timings)
+    return GemvChoice(*fastest_against_library(library, candidates, pairs, reps))

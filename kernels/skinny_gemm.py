@@ -364,7 +364,4 @@ def tune_skinny(
         if gated:
             candidates.append((f"unfused {cfg}", cfg, False, lambda w, b, c=cfg: skinny_gemm(
                 silu_and_mul(x), w, b, c, counters, glu=glu)))  # fmt: skip
-    best, timings = fastest_against_library(library, candidates, pairs, reps)
-    if best is None:
-        return SkinnyChoice(None, False, timings["blas"], timings)
-    return SkinnyChoice(best[1], best[2], timings[best[0]], timings)
+    return SkinnyChoice(*fastest_against_library(library, candidates, pairs, reps))
