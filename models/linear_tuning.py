@@ -109,29 +109,19 @@ class _GemvGroup(NamedTuple):
     glu_output: bool
 
 
-def _one_row_entry(
-    declared: InputTransform, choice: GemvChoice, gemv_input: InputTransform | None = None,
-    epilogue: Epilogue = Epilogue.NONE,
-) -> PlanEntry:  # fmt: skip
-    """The batch-1 entry from `choice` (`gemv_input`: the input it takes, if not the declared
-    one)."""
-    gemv_input = declared if gemv_input is None else gemv_input
-    if choice.config is None:
-        return PlanEntry(Blas(), 1, gemv_input)
-    return PlanEntry(TritonGemv(choice.config), 1, gemv_input, choice.fuses_input, epilogue)
-
-
-def _few_rows_entry(
-    declared: InputTransform, choice: SkinnyChoice, rows: int,
+def _tuned_entry(
+    declared: InputTransform, choice: GemvChoice | SkinnyChoice,
+    kind: type[TritonGemv] | type[TritonSkinnyGemm], rows: int,
     entry_input: InputTransform | None = None, epilogue: Epilogue = Epilogue.NONE,
 ) -> PlanEntry:  # fmt: skip
-    """The entry for batches up to `rows` rows from `choice` (the BLAS call where it chose
-    none); `entry_input`: the input it takes, if not the declared one."""
+    """The entry for batches up to `rows` rows from a tuner's `choice`: `kind` with the
+    chosen config, or the BLAS call where it chose none; `entry_input`: the input it takes,
+    if not the declared one."""
     entry_input = declared if entry_input is None else entry_input
     if choice.config is None:
         return PlanEntry(Blas(), rows, entry_input)
-    kind = TritonSkinnyGemm(choice.config)
-    return PlanEntry(kind, rows, entry_input, choice.fuses_input, epilogue)
+    made = kind(choice.config)  # type: ignore[arg-type]  # each kind with its tuner's config
+    return PlanEntry(made, rows, entry_input, choice.fuses_input, epilogue)
 
 
 def _same_entry(a: PlanEntry, b: PlanEntry) -> bool:
@@ -153,15 +143,6 @@ def _plan_of(entries: Sequence[PlanEntry], declared: InputTransform) -> MatmulPl
     while merged and _same_entry(merged[-1], rest):
         merged.pop()
     return MatmulPlan((*merged, rest))
-
-
-def _decode_plan(
-    declared: InputTransform, choice: GemvChoice, gemv_input: InputTransform | None = None,
-    epilogue: Epilogue = Epilogue.NONE, few_rows: Sequence[PlanEntry] = (),
-) -> MatmulPlan:  # fmt: skip
-    """A batch-1 entry from `choice` (`gemv_input`: the input it takes, if not the declared
-    one), the `few_rows` entries, then the BLAS call for larger batches."""
-    return _plan_of([_one_row_entry(declared, choice, gemv_input, epilogue), *few_rows], declared)
 
 
 def plan_decode_gemvs(
@@ -231,11 +212,12 @@ def _plan_groups(
                 {f"{rows} rows: {name}": t for name, t in row_choice.timings.items()}
             )
     few_entries = {
-        key: [_few_rows_entry(key.input_transform, c, rows)
+        key: [_tuned_entry(key.input_transform, c, TritonSkinnyGemm, rows)
               for rows, c in zip(ladder, few[key], strict=True)]
         for key in groups
     }  # fmt: skip
-    one_row = {key: _one_row_entry(key.input_transform, choices[key]) for key in groups}
+    one_row = {key: _tuned_entry(key.input_transform, choices[key], TritonGemv, 1)
+               for key in groups}  # fmt: skip
     producers = [key for key in groups if key.glu_output]
     consumers = [key for key in groups if key.input_transform is InputTransform.SILU_AND_MUL]
     # One MLP shape per model; anything else keeps separate forms.
@@ -273,9 +255,11 @@ def _pair_mlp(
         {f"plain input {name}": t for name, t in plain.timings.items()}
     )
     if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
-        one_row[prod] = _one_row_entry(prod.input_transform, glu, epilogue=Epilogue.SILU_AND_MUL)
+        one_row[prod] = _tuned_entry(prod.input_transform, glu, TritonGemv, 1,
+                                     epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip
         # The down projection's batch-1 input arrives activated by that epilogue.
-        one_row[cons] = _one_row_entry(cons.input_transform, plain, gemv_input=InputTransform.NONE)
+        one_row[cons] = _tuned_entry(cons.input_transform, plain, TritonGemv, 1,
+                                     entry_input=InputTransform.NONE)  # fmt: skip
     for i, rows in enumerate(ladder):
         few_glu = tune_skinny(prod_weights, biases, rows, glu=True, configs=skinny_configs)
         few_plain = tune_skinny(cons_weights, None, rows, configs=skinny_configs)
@@ -287,10 +271,11 @@ def _pair_mlp(
         )
         separate = few[prod][i].ms + few[cons][i].ms
         if few_glu.config is not None and few_glu.ms + few_plain.ms < separate:
-            few_entries[prod][i] = _few_rows_entry(prod.input_transform, few_glu, rows,
-                                                   epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip
-            few_entries[cons][i] = _few_rows_entry(cons.input_transform, few_plain, rows,
-                                                   entry_input=InputTransform.NONE)  # fmt: skip
+            few_entries[prod][i] = _tuned_entry(prod.input_transform, few_glu, TritonSkinnyGemm,
+                                                rows, epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip
+            few_entries[cons][i] = _tuned_entry(cons.input_transform, few_plain,
+                                                TritonSkinnyGemm, rows,
+                                                entry_input=InputTransform.NONE)  # fmt: skip
 
 
 # Row counts at which quantized layers are timed; each serves the rows above the previous.
