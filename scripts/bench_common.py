@@ -153,6 +153,13 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share (the shorter's length if one is a prefix
+    of the other): where two greedy runs part."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))  # fmt: skip
+
+
 def triton_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of `kernels` so far: a pass that adds any paid for
     a compile (or a disk-cache load) inside the timed region."""

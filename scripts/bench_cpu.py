@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.bench_common import emit
+from scripts.bench_common import common_prefix, emit
 
 MIN_LEN, MAX_LEN = 16, 128
 TARGET_RATIO = 2.0
@@ -284,12 +284,8 @@ def load_hf(model_dir: Path) -> Any:
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     """How far two greedy runs agree (float32 sums in another order may flip near-ties)."""
     same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = 0
-    total = 0
-    for x, y in zip(a, b, strict=True):
-        k = next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
-        prefix += k
-        total += len(x)
+    prefix = sum(common_prefix(x, y) for x, y in zip(a, b, strict=True))
+    total = sum(len(x) for x in a)
     return {"identical_requests": same / len(a), "common_prefix_tokens": prefix / total}
 
 

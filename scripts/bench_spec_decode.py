@@ -25,7 +25,7 @@ from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
 from asyncengine.spec_decode.metrics import SpecDecodingMetrics
 from asyncengine.spec_decode.replay import ReplayProposer
-from scripts.bench_common import emit
+from scripts.bench_common import common_prefix, emit
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
@@ -200,12 +200,6 @@ def _replayed(
     return secs, outs, max_runs, False
 
 
-def _diverged_at(a: list[int], b: list[int]) -> int | None:
-    """The first position where two outputs differ (None if equal)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))  # fmt: skip
-
-
 def _host_split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
     """Host milliseconds per verify step (k = 4, fixed drafts) in each part of a step,
     timed by wrapping the engine's methods: what the host adds between two verify steps,
@@ -317,6 +311,7 @@ def run_gpu(args: argparse.Namespace) -> None:
             _timed(llm, p1, params)  # warm-up
             steps0 = llm.llm_engine.step_timing["steps"]
             secs, outs, runs, converged = _replayed(llm, p1, params, reference, k, acceptance, 1)
+            out = outs[0].outputs[0].token_ids
             emit({"bench": "spec_latency", "k": k, "acceptance": acceptance,
                   "ms_per_token": round(1e3 * secs / out_len, 3),
                   "baseline_ms_per_token": round(one_token_ms, 3),
@@ -328,7 +323,7 @@ def run_gpu(args: argparse.Namespace) -> None:
                   "verify_steps": dec.metrics.num_drafts,
                   "steps_all_runs": llm.llm_engine.step_timing["steps"] - steps0,
                   "cost_ratio": round(dec.cost.ratio, 3),
-                  "left_plain_greedy_at": _diverged_at(outs[0].outputs[0].token_ids, plain)})
+                  "left_plain_greedy_at": None if out == plain else common_prefix(out, plain)})
 
     # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by
     # the batch size as the engine does).

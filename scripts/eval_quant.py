@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncengine import kv_calibration  # noqa: E402
 from asyncengine.kv_calibration import KVScales, set_kv_scales  # noqa: E402
+from scripts.bench_common import common_prefix  # noqa: E402
 
 EVAL_TEXT = ROOT / "tests" / "data" / "eval_text.txt"
 BLOCK = 16
@@ -230,8 +231,7 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> dict[str, float]
     for a, b in zip(base, other, strict=True):
         same += sum(x == y for x, y in zip(a, b, strict=True))
         total += len(a)
-        run = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        prefix += run
+        prefix += common_prefix(a, b)
     return {"token_agreement": same / total, "mean_common_prefix": prefix / len(base)}
 
 
