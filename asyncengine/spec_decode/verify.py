@@ -21,7 +21,7 @@ import torch
 from asyncengine.model_runner import InflightStep, StepResult, _logprob_dicts, _plain_greedy
 from asyncengine.prompt_logprobs import PromptLogprobPlan, ScoredRows
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs, host_to_device
+from asyncengine.sampler import Sampler, SamplingMetadata, gather_logprobs
 from asyncengine.spec_decode.rejection_sampler import verify_rows
 
 
@@ -36,7 +36,12 @@ class SpecVerdict:
 
 class VerifyStep(InflightStep):
     """A launched step with speculating requests. Its ids never feed a next step on the
-    device (the engine resolves it before scheduling again), so `token_ids` stays None."""
+    device (the engine resolves it before scheduling again), so `token_ids` stays None.
+
+    `packed` holds each row's emitted id and whether its draft was accepted, or, with
+    `host_drafts` (every row's draft, -1 for a request's last row), the ids alone: a greedy
+    row keeps its draft exactly when the draft is its argmax, which the host checks on the
+    ids it copies back anyway."""
 
     def __init__(
         self,
@@ -46,18 +51,24 @@ class VerifyStep(InflightStep):
         logprobs: tuple[torch.Tensor, torch.Tensor] | None,
         scheduled: list[Request],
         prompt_logprobs: tuple[ScoredRows, PromptLogprobPlan] | None = None,
+        host_drafts: list[int] | None = None,
     ) -> None:
         super().__init__(requests, packed, logprobs, scheduled, prompt_logprobs)
         self.token_ids = None
         self.rows = {}
         self.num_spec = num_spec
+        self.host_drafts = host_drafts
 
     def result(self) -> StepResult:
         if self._result is not None:
             return self._result
         self.wait()
         assert self._host_ids is not None
-        ids, accepted = self._host_ids.tolist()
+        if self.host_drafts is not None:
+            ids = self._host_ids.tolist()
+            accepted = [i == d for i, d in zip(ids, self.host_drafts, strict=True)]
+        else:
+            ids, accepted = self._host_ids.tolist()
         row_reqs = [r for r, k in zip(self.requests, self.num_spec, strict=True)
                     for _ in range(k + 1)]  # fmt: skip
         lps = None
@@ -101,6 +112,11 @@ def launch_verify(
     what the same step scored for other requests' prompts, handed back with the result."""
     reqs = list(requests)
     spec = list(num_spec)
+    if all(_plain_greedy(r) for r in reqs):
+        drafts = [d for req, k in zip(reqs, spec, strict=True)
+                  for d in (*req.spec_token_ids[:k], -1)]  # fmt: skip
+        return VerifyStep(reqs, spec, logits.argmax(dim=-1), None, scheduled, prompt_logprobs,
+                          host_drafts=drafts)  # fmt: skip
     row_params, row_prompts, row_outputs, row_gens = [], [], [], []
     draft_ids: list[int] = []
     random_rows: list[bool] = []
@@ -114,14 +130,8 @@ def launch_verify(
             row_gens.append(req.generator)
             draft_ids.append(drafts[j] if j < k else -1)
             random_rows.append(not req.params.is_greedy)
-    device = logits.device
-    if all(_plain_greedy(r) for r in reqs):
-        sampled = logits.argmax(dim=-1)
-        drafts_t = host_to_device(draft_ids, torch.int64, device)
-        packed = torch.stack([sampled, (sampled == drafts_t).to(torch.int64)])
-        return VerifyStep(reqs, spec, packed, None, scheduled, prompt_logprobs)
     meta = SamplingMetadata.build(
-        row_params, row_prompts, row_outputs, row_gens, eos_token_ids, vocab_size, device
+        row_params, row_prompts, row_outputs, row_gens, eos_token_ids, vocab_size, logits.device
     )
     num_top = meta.max_num_logprobs
     meta.max_num_logprobs = None  # logprobs are of the emitted tokens, gathered below
