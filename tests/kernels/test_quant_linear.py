@@ -171,7 +171,9 @@ def test_tiles_never_span_two_groups() -> None:
 def test_candidates_fit_the_group_and_the_split() -> None:
     for group, k in [(32, 4096), (128, 4096), (128, 11008), (4096, 4096), (11008, 11008)]:
         gemm, gemv = quant_gemm_candidates(group, k), quant_gemv_candidates(group, k)
-        assert gemm and all(group % c.block_k == 0 and k % c.block_k == 0 for c in gemm)
+        assert gemm and all(k % c.block_k == 0 and k // c.block_k >= c.split_k for c in gemm)
+        # A GEMM tile lies inside one group or spans whole groups.
+        assert all(group % c.block_k == 0 or c.block_k % group == 0 for c in gemm)
         assert all(group % c.block_k == 0 and k // c.block_k >= c.split_k for c in gemv)
     assert quant_gemv_candidates(128, 4096)
 
