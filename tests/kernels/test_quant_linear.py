@@ -350,13 +350,17 @@ LLAMA_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
 def test_gpu_llama_shapes_match_reference(n: int, k: int, bits: int) -> None:
     _, qweight, scales, zeros = _case(n, k, bits, 128, torch.bfloat16, "cuda")
     scales = scales / 4  # outputs of order one
-    for rows in (1, 4, 16, 300):
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    for rows in (1, 4, 16, 64, 300):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) / 8
         want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, 128)
         tol = 2e-2 * float(want.abs().max())
         for cfg in quant_gemm_candidates(128, k):
-            got = quant_gemm(x, qweight, scales, zeros, bits, 128, None, cfg)
+            got = quant_gemm(x, qweight, scales, zeros, bits, 128, None, cfg, counters)
             assert float((got.float() - want).abs().max()) <= tol, cfg
+            if cfg.split_k > 1:  # the splits added in a fixed order; the counters reset
+                again = quant_gemm(x, qweight, scales, zeros, bits, 128, None, cfg, counters)
+                assert torch.equal(got, again) and not counters.any(), cfg
         if rows <= 16:
             for gcfg in quant_gemv_candidates(128, k):
                 got = quant_gemv(x, qweight, scales, zeros, bits, 128, None, gcfg)
