@@ -10,10 +10,12 @@ repacked into it at load, `models.quantization`):
   scales[g, n] with g = k // group_size.
 
 `quant_matmul_ref` (dequantize, then matmul) is the CPU path and the oracle of the two Triton
-kernels: `quant_gemm` (tl.dot tiles, dequantization inside the K loop, one scale per tile
-since a tile never spans two groups) for prefill and mixed steps, and `quant_gemv` (one
-program per output block, input row and K split, dequantization fused, fp32 partial sums
-reduced after) for decode batches of a few rows.
+kernels: `quant_gemm` (tensor-core tiles: each weight tile dequantized in registers to the
+activation dtype with its scales applied, as `dequantize_weight` rounds it, then chained
+into one fp32 accumulator; tiles inside a group or spanning whole groups, K optionally
+split) from a few rows to prefill, and `quant_gemv` (one program per output block, input
+row and K split, dequantization fused, fp32 partial sums reduced after) for decode batches
+of a few rows.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
+    "gemm_block_k",
     "gemm_config",
     "loop_gemv_config",
     "pack_int_weight",
@@ -158,15 +161,21 @@ class QuantGemvConfig:
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
+def gemm_block_k(block_k: int, group_size: int, k: int) -> int:
+    """BLOCK_K as `quant_gemm` runs it: narrowed to the largest divisor of the group where it
+    neither divides the group nor spans whole groups (a group of 96: 32), then to one of K
+    (a K of 64)."""
+    bk = block_k if block_k % group_size == 0 else math.gcd(block_k, group_size)
+    return math.gcd(bk, k)  # a multiple of the group still, where bk was one (K is one too)
+
+
 def gemm_config(
     group_size: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
     num_stages: int, split_k: int = 1,
 ) -> QuantGemmConfig | None:  # fmt: skip
-    """A `quant_gemm` tile shape, its BLOCK_K narrowed to the largest power of two dividing
-    the group where it neither divides the group nor spans whole groups (a group of 96:
-    32), and to one dividing K (a K of 64), or None where the tiles cannot fit."""
-    bk = block_k if block_k % group_size == 0 else math.gcd(block_k, group_size)
-    bk = math.gcd(bk, k)  # a multiple of the group still, where bk was one (K is one too)
+    """A `quant_gemm` tile shape with BLOCK_K fitted to the group and K (`gemm_block_k`), or
+    None where the tiles cannot fit."""
+    bk = gemm_block_k(block_k, group_size, k)
     if bk & (bk - 1) or bk < 16 or split_k & (split_k - 1) or k // bk < split_k:
         return None
     return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages, split_k)
@@ -345,11 +354,12 @@ def quant_gemm(
     """`quant_matmul_ref` as one Triton GEMM (any number of rows). With K splits, `counters`
     (`gemv_counters`, zeroed; the kernel leaves them zeroed) count each output tile's
     finished splits; fresh ones are made where none are given or they are too few."""
-    m, n, k = _check(x, qweight, bits, group_size, config.block_k, whole_groups=True)
+    block_k = gemm_block_k(config.block_k, group_size, x.shape[1])
+    m, n, k = _check(x, qweight, bits, group_size, block_k, whole_groups=True)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles_m, tiles_n = triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)
     # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
-    per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    per_split = triton.cdiv(triton.cdiv(k, config.split_k), block_k) * block_k
     splits = triton.cdiv(k, per_split)
     if splits > 1:
         if counters is None or counters.numel() < tiles_m * tiles_n:
@@ -361,7 +371,7 @@ def quant_gemm(
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
         x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT=splits > 1, num_warps=config.num_warps,
+        BLOCK_K=block_k, SPLIT=splits > 1, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return y
