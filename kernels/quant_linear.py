@@ -10,10 +10,12 @@ repacked into it at load, `models.quantization`):
   scales[g, n] with g = k // group_size.
 
 `quant_matmul_ref` (dequantize, then matmul) is the CPU path and the oracle of the two Triton
-kernels: `quant_gemm` (tl.dot tiles, dequantization inside the K loop, one scale per tile
-since a tile never spans two groups) for prefill and mixed steps, and `quant_gemv` (one
-program per output block, input row and K split, dequantization fused, fp32 partial sums
-reduced after) for decode batches of a few rows.
+kernels: `quant_gemm` (tensor-core tiles: each weight tile dequantized in registers to the
+activation dtype with its scales applied, as `dequantize_weight` rounds it, then chained
+into one fp32 accumulator; tiles inside a group or spanning whole groups, K optionally
+split) from a few rows to prefill, and `quant_gemv` (one program per output block, input
+row and K split, dequantization fused, fp32 partial sums reduced after) for decode batches
+of a few rows.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
+    "gemm_block_k",
     "gemm_config",
     "loop_gemv_config",
     "pack_int_weight",
@@ -96,7 +99,9 @@ def quant_matmul_ref(
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, block_k: int,
-           gated: bool = False) -> tuple[int, int, int]:  # fmt: skip
+           gated: bool = False, whole_groups: bool = False) -> tuple[int, int, int]:  # fmt: skip
+    """(M, N, K) of a launch whose tiles are BLOCK_K input rows: inside one group, or with
+    `whole_groups` (the GEMM) also spanning whole groups."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     if gated and x.shape[1] % 2:
         raise ValueError(f"a gated input holds [gate, up]: an even width, got {x.shape[1]}")
@@ -105,8 +110,11 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, b
         raise ValueError(f"x has {k} columns; the {bits}-bit weight has {qweight.shape[0]} words")
     if block_k & (block_k - 1) or block_k < 32 // bits:
         raise ValueError(f"BLOCK_K={block_k} must be a power of two of at least a word's values")
-    if group_size % block_k or k % block_k:
-        raise ValueError(f"BLOCK_K={block_k} must divide the group size {group_size} and K={k}")
+    spans = whole_groups and block_k % group_size == 0 and group_size % (32 // bits) == 0
+    if (group_size % block_k and not spans) or k % block_k:
+        spanning = " (or be a multiple of the group)" if whole_groups else ""
+        raise ValueError(f"BLOCK_K={block_k} must divide the group size {group_size} and "
+                         f"K={k}{spanning}")  # fmt: skip
     if x.stride(1) != 1:
         raise ValueError("the quantized matmuls need x with contiguous rows")
     return m, n, k
@@ -114,17 +122,20 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, bits: int, group_size: int, b
 
 @dataclass(frozen=True)
 class QuantGemmConfig:
-    """Tile shape of `quant_gemm`."""
+    """Tile shape of `quant_gemm`; `split_k` > 1 splits K across that many programs per
+    output tile, the last to finish adding the others' fp32 partial sums in a fixed order."""
 
     block_m: int = 64
     block_n: int = 64
-    block_k: int = 32
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
         return (f"gemm {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
-                f"s{self.num_stages}")  # fmt: skip
+                f"s{self.num_stages}{split}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -150,16 +161,24 @@ class QuantGemvConfig:
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
 
 
+def gemm_block_k(block_k: int, group_size: int, k: int) -> int:
+    """BLOCK_K as `quant_gemm` runs it: narrowed to the largest divisor of the group where it
+    neither divides the group nor spans whole groups (a group of 96: 32), then to one of K
+    (a K of 64)."""
+    bk = block_k if block_k % group_size == 0 else math.gcd(block_k, group_size)
+    return math.gcd(bk, k)  # a multiple of the group still, where bk was one (K is one too)
+
+
 def gemm_config(
     group_size: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
-    num_stages: int,
+    num_stages: int, split_k: int = 1,
 ) -> QuantGemmConfig | None:  # fmt: skip
-    """A `quant_gemm` tile shape with BLOCK_K narrowed to the group where the group is
-    shorter, or None where the tiles cannot fit the group and K."""
-    bk = min(block_k, group_size)
-    if group_size % bk or k % bk or bk & (bk - 1):
+    """A `quant_gemm` tile shape with BLOCK_K fitted to the group and K (`gemm_block_k`), or
+    None where the tiles cannot fit."""
+    bk = gemm_block_k(block_k, group_size, k)
+    if bk & (bk - 1) or bk < 16 or split_k & (split_k - 1) or k // bk < split_k:
         return None
-    return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages)
+    return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages, split_k)
 
 
 def loop_gemv_config(
@@ -194,9 +213,22 @@ def at_once_gemv_config(
 # times the few its rule table names, `models.quantization.kinds`): those that won a Llama-2-7B
 # shape at some row count on the H200 in int4 or int8, or came within 10 % of the winner.
 # The others were removed; docs/quantization.md records what they measured.
-# GEMM tiles (block_m, block_n, block_k, warps, stages).
-QUANT_GEMM_SHAPES = ((16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3),
-                     (64, 128, 128, 4, 3))  # fmt: skip
+# GEMM tiles (block_m, block_n, block_k, warps, stages, split_k), each for a range of rows;
+# not yet timed on the H200 in this form (the tensor-core GEMM of 16-bit tiles, below):
+# - 16x64x128 w4 s4: up to 16 rows on wide layers (q/k/v 12288 and gate/up 22016 give
+#   192 and 344 programs); the long K step halves the loop overhead of each weight byte;
+# - the same, split 4: up to 16 rows on 4096-wide layers (o, down), whose 64 column tiles
+#   alone would leave half of the H200's 132 multiprocessors idle;
+# - 64x64x128 w4 s3: 17-64 rows on wide layers, one row tile;
+# - the same, split 2: 17-128 rows on 4096-wide layers (128 programs at 64 rows);
+# - 128x64x64 w4 s3: 65-256 rows, narrow column tiles so 4096-wide layers still get 128
+#   programs at 256 rows;
+# - 128x128x64 w8 s3: 129-1024 rows on wide layers, each weight tile dequantized once per
+#   128 rows;
+# - 256x128x64 w8 s3: 512 rows and more (prefill), dequantized once per 256 rows.
+QUANT_GEMM_SHAPES = ((16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 1),
+                     (64, 64, 128, 4, 3, 2), (128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1),
+                     (256, 128, 64, 8, 3, 1))  # fmt: skip
 # GEMVs walking K a tile at a time (block_n, block_k, split_k, warps, pairs): int8 at 2-4 rows.
 QUANT_LOOP_GEMV_SHAPES = ((64, 128, 2, 4, False), (128, 128, 2, 4, True),
                           (128, 128, 4, 4, True))  # fmt: skip
@@ -207,7 +239,8 @@ QUANT_AT_ONCE_GEMV_SHAPES = ((32, 256, 1), (32, 512, 1), (32, 1024, 4), (32, 256
 
 
 def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
-    """Every tile shape the start-up tuner can time (BLOCK_K always divides the group)."""
+    """Every tile shape the start-up tuner can time (BLOCK_K divides the group or spans
+    whole groups)."""
     out = (gemm_config(group_size, k, *shape) for shape in QUANT_GEMM_SHAPES)
     return list(dict.fromkeys(c for c in out if c is not None))
 
@@ -227,65 +260,119 @@ _MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
-                  GROUP_SIZE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-    """The integer tile (q - zero) [BLOCK_K, BLOCK_N] as fp32 and its group's scales
-    [BLOCK_N]; the tile lies inside one group."""
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, N, GROUP_SIZE: tl.constexpr,
+                  BITS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """W^T's rows k0..k0 + BLOCK_K [BLOCK_K, BLOCK_N] in DTYPE, scaled: (q - zero) * scale
+    formed in fp32 and rounded once, as `dequantize_weight` rounds it (|q - zero| < 2^8 and
+    a 16-bit scale make the product exact in fp32). The tile lies inside one group
+    (BLOCK_K | GROUP_SIZE) or spans whole groups (GROUP_SIZE | BLOCK_K): its words are read
+    as [groups, words of a group, BLOCK_N], so each group's scales and zeros broadcast over
+    its own rows and no row gathers its scale."""
     PACK: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = offs_k.shape[0]
-    # Each word once: [BLOCK_K / PACK, BLOCK_N] words, unpacked to rows k0 + w * PACK + i.
-    rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    GROUP_K: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_SIZE else GROUP_SIZE
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    GROUP_W: tl.constexpr = GROUP_K // PACK
+    offs_g = tl.arange(0, GROUPS)
+    rows = k0 // PACK + offs_g[:, None] * GROUP_W + tl.arange(0, GROUP_W)[None, :]
+    words = tl.load(qw_ptr + rows[:, :, None] * N + offs_n[None, None, :],
+                    mask=n_mask[None, None, :], other=0)  # fmt: skip
+    sz = (k0 // GROUP_SIZE + offs_g)[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    # Word w holds input rows w * PACK + i at bit i * BITS: [groups, words, PACK, BLOCK_N].
     shifts = tl.arange(0, PACK) * BITS
-    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-    q = tl.reshape(q, (BLOCK_K, q.shape[2]))
-    g = k0 // GROUP_SIZE
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    q = (words[:, :, None, :] >> shifts[None, None, :, None]) & ((1 << BITS) - 1)
     q = (q | _MAGIC_BITS).to(tl.float32, bitcast=True)
-    return q - (z + _MAGIC)[None, :], s
+    w = (q - (z + _MAGIC)[:, None, None, :]) * s[:, None, None, :]
+    return tl.reshape(w.to(DTYPE), (BLOCK_K, offs_n.shape[0]))
 
 
 @triton.jit
 def _quant_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    stride_ym, K_PER_SPLIT, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    """One [BLOCK_M, BLOCK_N] output tile over one K split. The product is formed transposed,
+    y^T = W x^T: the dequantized weight tile is the MMA's left operand, which Hopper's
+    tensor cores take from registers (the right one must sit in shared memory, where x
+    arrives by asynchronous copy), and the rows of a decode batch (16-64) are a legal MMA
+    width while the left operand's 64 rows are not."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=m_mask[:, None], other=0.0)  # fmt: skip
-        w, s = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, N,
-                             GROUP_SIZE, BITS)  # fmt: skip
-        # (q - zero) is an integer below 2^8 in magnitude: exact in 16-bit floats.
-        acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BITS,
+                          BLOCK_K, x_ptr.dtype.element_ty)  # fmt: skip
+        x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                      mask=m_mask[None, :], other=0.0)  # fmt: skip
+        # Scaled before the dot: one accumulator over every group, the MMAs chained.
+        acc = tl.dot(tl.trans(w), x_t, acc)
+    acc = tl.trans(acc)
+    if not SPLIT:
+        _store_gemm_tile(acc, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
+    else:
+        # The last of a tile's splits to arrive (one atomic per program) adds the partial
+        # sums in split order, whichever finished last: the same result every run.
+        mask = m_mask[:, None] & n_mask[None, :]
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        n_splits = tl.num_programs(2)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(0, n_splits):
+                acc += tl.load(part + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)
+            _store_gemm_tile(acc, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                             HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _store_gemm_tile(acc, b_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                     HAS_BIAS: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] (+ bias) in the output's dtype."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
 def quant_gemm(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None = None,
-    config: QuantGemmConfig = QuantGemmConfig(),
+    config: QuantGemmConfig = QuantGemmConfig(), counters: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`quant_matmul_ref` as one Triton GEMM (any number of rows)."""
-    block_k = min(config.block_k, group_size)
-    m, n, k = _check(x, qweight, bits, group_size, block_k)
+    """`quant_matmul_ref` as one Triton GEMM (any number of rows). With K splits, `counters`
+    (`gemv_counters`, zeroed; the kernel leaves them zeroed) count each output tile's
+    finished splits; fresh ones are made where none are given or they are too few."""
+    block_k = gemm_block_k(config.block_k, group_size, x.shape[1])
+    m, n, k = _check(x, qweight, bits, group_size, block_k, whole_groups=True)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
-    _quant_gemm_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else y, y, m, n, k,
-        x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits, HAS_BIAS=bias is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    tiles_m, tiles_n = triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)
+    # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
+    per_split = triton.cdiv(triton.cdiv(k, config.split_k), block_k) * block_k
+    splits = triton.cdiv(k, per_split)
+    if splits > 1:
+        if counters is None or counters.numel() < tiles_m * tiles_n:
+            counters = gemv_counters(tiles_m, n, x.device, config.block_n)
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    else:
+        counters = part = y  # not read
+    _quant_gemm_kernel[(tiles_m, tiles_n, splits)](
+        x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
+        x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=block_k, SPLIT=splits > 1, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return y
 

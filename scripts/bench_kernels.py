@@ -9,6 +9,7 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py --only prefill # causal prefill 2k-8k: unified, Triton
                                                    # and Gluon prefill kernels, config sweeps
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
+    python scripts/bench_kernels.py --only quant --quant-rows 16 64 128 256 --quant-shapes w1
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
@@ -521,13 +522,36 @@ def bench_skinny() -> None:
 
 
 QUANT_ROWS = (1, 4, 16, 64, 512)
+# W1's layers by name (`--quant-shapes`; "w1" is all four).
+QUANT_SHAPES = dict(zip(("qkv", "o", "gate_up", "down"), GEMV_SHAPES["W1"], strict=True))
+# (bits, group): int4 and int8 in group 128, as GPTQ checkpoints mostly come.
+QUANT_FORMATS = ((4, 128), (8, 128))
+# The GEMVs are timed where the tuner's rules time them.
+QUANT_GEMV_ROWS = 4
+
+
+def _tinygemm_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """torch's own int4 GEMM (tinygemm) operands for the same codes: w = (q - 8) * s + m with
+    the offset m = (8 - zero) * s, which is (q - zero) * s."""
+    packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two codes a byte, [N, K / 2]
+    w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+    offset = (8 - zeros.float()) * scales.float()
+    return w, torch.stack([scales.float(), offset], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
                 rows_list: tuple[int, ...] = QUANT_ROWS) -> None:  # fmt: skip
+    """At each row count: bf16 cuBLAS on the dequantized weight, dequantize + cuBLAS (the
+    Triton pass, then the matmul: `TritonDequantMatmul`), torch's int4 kernel where it runs,
+    every GEMM candidate, and at a few rows the GEMV candidates. Weights cycle over enough
+    copies that L2 serves none of the reads (the bf16 ones too)."""
+    import torch.nn.functional as F
+
     from kernels.gemv_split_k import gemv_counters
     from kernels.quant_linear import (
         dequantize_weight,
+        dequantize_weight_triton,
         pack_int_weight,
         quant_gemm,
         quant_gemm_candidates,
@@ -537,36 +561,57 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
 
     g = k // group
     wbytes = n * k * bits // 8 + 2 * 2 * g * n
-    # Enough distinct weights (as the layers are) that L2 serves none of the reads.
     copies = max(4, math.ceil(512 * 2**20 / wbytes))
-    weights = []
+    weights, tiny = [], []
+    tiny_error = None if bits == 4 else "int4 only"
     for _ in range(copies):
         q = torch.randint(0, 1 << bits, (n, k), device="cuda", dtype=torch.uint8)
         scales = torch.rand(g, n, device="cuda", dtype=torch.bfloat16) * 0.002
         zeros = torch.full((g, n), float(1 << (bits - 1)), device="cuda", dtype=torch.bfloat16)
         weights.append((pack_int_weight(q, bits), scales, zeros))
-    dense = dequantize_weight(*weights[0], bits, group).t().contiguous()
+        if tiny_error is None:
+            try:
+                tiny.append(_tinygemm_weight(q, scales, zeros))
+            except Exception as exc:  # an op or layout this torch build lacks
+                tiny_error = repr(exc)[:300]
+    dense_copies = max(2, math.ceil(512 * 2**20 / (2 * n * k)))
+    dense = [dequantize_weight(*weights[i], bits, group).t().contiguous()
+             for i in range(min(dense_copies, copies))]  # fmt: skip
+    counters = gemv_counters(16, n, "cuda")
 
-    def cycling(call: Callable[..., Any]) -> Callable[[], Any]:
+    def cycling(call: Callable[..., Any], pool: list[Any] = weights) -> Callable[[], Any]:
         turn = itertools.count()
-        return lambda: call(*weights[next(turn) % copies])
+        return lambda: call(*pool[next(turn) % len(pool)])
 
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        nbytes = wbytes + 2 * rows * (n + k)
+        nbytes, flops = wbytes + 2 * rows * (n + k), 2 * rows * n * k
         case = {**shape, "rows": rows}
-        ms = bench(lambda x=x: torch.nn.functional.linear(x, dense))
+        ms = bench(cycling(lambda w, x=x: F.linear(x, w), [(d,) for d in dense]))
         emit("quant", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k + 2 * rows * (n + k),
-             flops=2 * rows * n * k)  # fmt: skip
+             flops=flops)  # fmt: skip
+        ms = bench(cycling(lambda w, s, z, x=x: x @ dequantize_weight_triton(w, s, z, bits, group,
+                                                                           x.dtype)))
+        emit("quant", {**case, "impl": "dequantize + cublas"}, ms, nbytes=nbytes, flops=flops)
+        if tiny_error is None:
+            try:
+                ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(
+                    x, w, group, sz), tiny))
+                emit("quant", {**case, "impl": "torch int4 (tinygemm)"}, ms, nbytes=nbytes,
+                     flops=flops)  # fmt: skip
+            except Exception as exc:  # e.g. a row count or K it does not take
+                tiny_error = repr(exc)[:300]
+        if tiny_error is not None:
+            print(json.dumps({"kernel": "quant", **case, "impl": "torch int4 (tinygemm)",
+                              "error": tiny_error}), flush=True)  # fmt: skip
         for cfg in quant_gemm_candidates(group, k) if rows > 1 else []:
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: quant_gemm(x, w, s, z, bits, group,
-                                                                      None, c)))  # fmt: skip
-            emit("quant", {**case, "impl": str(cfg)}, ms, nbytes=nbytes, flops=2 * rows * n * k)
-        if rows <= 16:
-            counters = gemv_counters(rows, n, "cuda")
+                                                                      None, c, counters)))
+            emit("quant", {**case, "impl": str(cfg)}, ms, nbytes=nbytes, flops=flops)
+        if rows <= QUANT_GEMV_ROWS:
             for gcfg in quant_gemv_candidates(group, k):
-                ms = bench(cycling(lambda w, s, z, x=x, c=gcfg, cnt=counters: quant_gemv(
-                    x, w, s, z, bits, group, None, c, cnt)))
+                ms = bench(cycling(lambda w, s, z, x=x, c=gcfg: quant_gemv(
+                    x, w, s, z, bits, group, None, c, counters)))
                 emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
 
 
@@ -714,11 +759,14 @@ def bench_fp8() -> None:
             run_case("fp8", shape, _fp8_case, n=n, k=k)
 
 
-def bench_quant(rows: tuple[int, ...] = QUANT_ROWS) -> None:
-    for bits in (4, 8):
-        for n, k in GEMV_SHAPES["W1"]:
-            shape = {"workload": "W1", "n": n, "k": k, "bits": bits, "group": 128}
-            run_case("quant", shape, _quant_case, n=n, k=k, bits=bits, group=128,
+def bench_quant(rows: tuple[int, ...] = QUANT_ROWS,
+                shapes: tuple[str, ...] = tuple(QUANT_SHAPES)) -> None:  # fmt: skip
+    for bits, group in QUANT_FORMATS:
+        for name in shapes:
+            n, k = QUANT_SHAPES[name]
+            shape = {"workload": "W1", "layer": name, "n": n, "k": k, "bits": bits,
+                     "group": group}  # fmt: skip
+            run_case("quant", shape, _quant_case, n=n, k=k, bits=bits, group=group,
                      rows_list=rows)  # fmt: skip
 
 
@@ -737,8 +785,11 @@ def main() -> None:
     parser.add_argument(
         "--no-prefill-sweep", action="store_true", help="skip the prefill config sweeps"
     )
-    parser.add_argument("--quant-rows", default=",".join(map(str, QUANT_ROWS)),
-                        help="batch rows of the quantized matmul bench")  # fmt: skip
+    parser.add_argument("--quant-rows", nargs="+", default=[",".join(map(str, QUANT_ROWS))],
+                        help="batch rows of the quantized matmul bench (16 64 or 16,64)")
+    parser.add_argument("--quant-shapes", nargs="+", default=["w1"],
+                        choices=["w1", *QUANT_SHAPES],
+                        help="W1 layers of the quantized matmul bench (w1: all four)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: the kernels are benchmarked on a GPU"}))
@@ -764,7 +815,10 @@ def main() -> None:
     if args.only in (None, "gemv"):
         bench_gemv()
     if args.only in (None, "quant"):
-        bench_quant(tuple(int(r) for r in args.quant_rows.split(",")))
+        rows = tuple(int(r) for arg in args.quant_rows for r in arg.split(",") if r)
+        names = [n for name in args.quant_shapes
+                 for n in (QUANT_SHAPES if name == "w1" else (name,))]  # fmt: skip
+        bench_quant(rows, tuple(dict.fromkeys(names)))
     if args.only in (None, "fp8"):
         bench_fp8()
     if args.only in (None, "fp8row"):

@@ -62,6 +62,13 @@ POINTER_TYPES = {
 FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 FP8_WEIGHT_POINTERS = {"w_ptr": "*fp8e4nv"}
 FLOAT_SCALARS = {"eps", "scale_log2"}
+# Per kernel: pointers typed otherwise than above (the integer GEMM's scales are bf16, as a
+# bf16 model loads them).
+KERNEL_POINTERS = {"_quant_gemm_kernel": {"s_ptr": "*bf16"}}
+# Per kernel: integer arguments that a launch at Llama sizes passes as multiples of 16, so
+# Triton specializes them as it does the pointers (the integer GEMM's N and K: its weight,
+# scale and zero loads are vectorized only then).
+KERNEL_ALIGNED = {"_quant_gemm_kernel": {"N", "K", "K_PER_SPLIT"}}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
@@ -136,10 +143,25 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
+    # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile whole and split
+    # along K, tiles spanning four groups (g32) and inside one (per channel), the large-batch
+    # tiles of 4 and 8 warps.
     ("kernels.quant_linear", "_quant_gemm_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4, 3),
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), 4, 4),
     ("kernels.quant_linear", "_quant_gemm_kernel",
-     dict(GROUP_SIZE=4096, BITS=8, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), 4, 4),
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+          SPLIT=True), 4, 4),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=32, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128), 4, 3),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=4096, BITS=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+          SPLIT=True), 4, 3),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), 4, 3),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), 8, 3),
+    ("kernels.quant_linear", "_quant_gemm_kernel",
+     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64), 8, 3),
     ("kernels.quant_linear", "_dequantize_kernel",
      dict(GROUP_SIZE=128, BITS=4, BLOCK_K=64, BLOCK_N=128), 4, 1),
     ("kernels.quant_linear", "_dequantize_kernel",
@@ -220,10 +242,11 @@ def lower_variant(
 ) -> Any:
     """Compile one variant; returns Triton's compiled kernel (`.asm["ptx"]`, `["cubin"]`).
 
-    Pointers and `stride_*` arguments get the 16-divisibility a launch at Llama sizes gives
-    them (torch allocations are 16-byte aligned, head and row strides multiples of 16), except
-    those the kernel keeps unspecialized: without it the compiler cannot prove 16-byte
-    vector loads and lowers a different (scalar, unpipelined) kernel than the GPU runs."""
+    Pointers and `stride_*` arguments (and the integers of `KERNEL_ALIGNED`) get the
+    16-divisibility a launch at Llama sizes gives them (torch allocations are 16-byte
+    aligned, head and row strides multiples of 16), except those the kernel keeps
+    unspecialized: without it the compiler cannot prove 16-byte vector loads and lowers a
+    different (scalar, unpipelined) kernel than the GPU runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -236,7 +259,8 @@ def lower_variant(
     constexprs = {**defaults, **constexprs}
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),
-                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {})}  # fmt: skip
+                **(FP8_WEIGHT_POINTERS if constexprs.get("HAS_SCALE") else {}),
+                **KERNEL_POINTERS.get(kernel, {})}  # fmt: skip
     if constexprs.get("PAIRS") and kernel == "_gemv_rows_kernel":
         pointers["w_ptr"] = "*i32"  # e4m3 rows read as 4-byte words
     for p in params:
@@ -250,7 +274,7 @@ def lower_variant(
     aligned = [
         i for i, p in enumerate(params)
         if signature[p] != "constexpr" and p not in unspecialized
-        and (p.endswith("_ptr") or p.startswith("stride_"))
+        and (p.endswith("_ptr") or p.startswith("stride_") or p in KERNEL_ALIGNED.get(kernel, ()))
     ]  # fmt: skip
     src = ASTSource(
         fn=fn,

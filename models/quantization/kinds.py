@@ -8,9 +8,9 @@ All four read the layer's one internal layout (`kernels.quant_linear`: `qweight`
 load, so switching between them stores nothing: `DequantMatmul` (dequantize with torch ops,
 then the library's matmul: the CPU path and the oracle), `TritonDequantMatmul` (the same
 with one Triton dequantization pass: on the GPU, a choice for large batches),
-`QuantTritonGemm` (prefill and mixed steps) and `QuantTritonGemv` (a few rows;
-`QuantTritonGemvAtOnce`, its form without a K loop, can also take a [gate, up] input and
-apply SiLU-and-mul itself).
+`QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
+rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
+without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
 """
 
 from __future__ import annotations
@@ -114,40 +114,51 @@ class IntRule:
     """The kinds timed for integer weights at a ladder step of up to `max_rows` rows (None:
     any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
     (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
-    warps, stages), and whether dequantize + BLAS is one."""
+    warps, stages, split_k), and whether dequantize + BLAS is one."""
 
     max_rows: int | None
     at_once: tuple[tuple[int, int, int], ...] = ()
     loops: tuple[tuple[int, int, int, int, bool], ...] = ()
-    gemms: tuple[tuple[int, int, int, int, int], ...] = ()
+    gemms: tuple[tuple[int, int, int, int, int, int], ...] = ()
     dequantize: bool = False
 
 
-# From 5 rows up both widths share the rules: the small GEMM tile against dequantize + BLAS
-# up to 16 rows, two larger tiles against it up to 64, and dequantize + BLAS alone beyond,
-# where it beat every kernel by 1.7x or more (so only its agreement is checked).
+# The small GEMM tile, for wide layers; split along K, for 4096-wide ones.
+_SMALL_GEMMS = ((16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4))
+# From 5 rows up both widths share the rules: at each step the two GEMM tiles meant for its
+# rows (`kernels.quant_linear.QUANT_GEMM_SHAPES`) against dequantize + BLAS, up to the
+# largest step (on the GPU; `CPU_GEMM_MAX_ROWS`). The GEMM now forms 16-bit weight tiles in
+# registers and chains its MMAs; in its earlier form (each tile's product scaled) dequantize
+# + BLAS beat it by 1.7x or more from 65 rows, which was then checked only.
 _FROM_5_ROWS = (
-    IntRule(16, gemms=((16, 64, 64, 4, 4),), dequantize=True),
-    IntRule(64, gemms=((64, 64, 64, 4, 3), (64, 128, 128, 4, 3)), dequantize=True),
-    IntRule(None, dequantize=True),
+    IntRule(16, gemms=_SMALL_GEMMS, dequantize=True),
+    IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
+    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1)), dequantize=True),
+    IntRule(None, gemms=((128, 128, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1)), dequantize=True),
 )
 # Per weight width, what won a Llama-2-7B shape on the H200 at those rows, or came within
 # 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans of
 # full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up tuning
-# by rules").
+# by rules"); the GEMM at 3-4 rows is the small tile of the GEMM's current form.
 INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     4: (
         IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4))),
-        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=((16, 64, 64, 4, 4),)),
+        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMMS[:1]),
         *_FROM_5_ROWS,
     ),
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1))),
         IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),
-        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=((16, 64, 64, 4, 4),)),
+        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMMS[:1]),
         *_FROM_5_ROWS,
     ),
 }
+
+
+# Off the GPU the steps above these rows keep the torch reference alone, as before the GEMM
+# joined them: CPU layers are served by the reference, which the interpreted GEMM never
+# outruns.
+CPU_GEMM_MAX_ROWS = 64
 
 
 def int_rule(bits: int, rows: int) -> IntRule:
@@ -157,8 +168,9 @@ def int_rule(bits: int, rows: int) -> IntRule:
 
 def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     """The kinds `INT_TUNING_RULES` names for `layer` at `rows` rows, less the configs that
-    do not fit its group and K; dequantize + BLAS (the Triton pass on a GPU, the torch one
-    elsewhere) where the rule names it or nothing else fits."""
+    do not fit its group and K (and off the GPU, the GEMMs above `CPU_GEMM_MAX_ROWS`);
+    dequantize + BLAS (the Triton pass on a GPU, the torch one elsewhere) where the rule
+    names it or nothing else fits."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
     kinds: list[MatmulKind] = []
@@ -170,8 +182,9 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
                  for bn, values, warps in rule.at_once]  # fmt: skip
         gemvs += [loop_gemv_config(group, k, *shape) for shape in rule.loops]
         kinds += [gemv_kind(c) for c in dict.fromkeys(gemvs) if c is not None]
-    gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
-    kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
+    if layer.qweight.is_cuda or rows <= CPU_GEMM_MAX_ROWS:
+        gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
+        kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
     return kinds
@@ -228,7 +241,10 @@ class QuantTritonGemm(MatmulKind):
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         bits, group = layer.quant_config.bits, layer.group_size
-        return quant_gemm(*_operands(layer, x), bits, group, bias, self.config)
+        # K splits count their finished tiles in the GEMV's counters (fresh ones where the
+        # tiles outnumber them).
+        return quant_gemm(*_operands(layer, x), bits, group, bias, self.config,
+                          layer.gemv_counters)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"
