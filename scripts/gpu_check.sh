@@ -33,6 +33,8 @@
 #                                          # against cuBLAS, verify step and latency, L1, W1
 #   bash scripts/gpu_check.sh session DIR # spec/graph/quant GPU tests, verify-step bench, cold
 #                                          # int4 start, L1 per quantized format, compare DIR
+#   bash scripts/gpu_check.sh qgemm [ROWS]  # integer GEMM: GPU tests, kernels at W1 layers, L1 int4/int8
+#   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -186,6 +188,24 @@ elif [ "$phase" = session ]; then  # GPU tests of speculative decoding, graphs a
       --structured-outputs json --tokenizer .device_tok 2>>"$OUT/bench.log" \
       | tee -a "$OUT/results.jsonl" | cut -c1-500
   fi
+elif [ "$phase" = qgemm ]; then  # the integer GEMM on 16-bit tiles: GPU tests, kernels at W1's
+  # layers and rows against cuBLAS / dequantize + cuBLAS / tinygemm, L1 and W1 per format
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py \
+    tests/models/test_linear_tuning.py tests/models/quantization 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 150 python3 scripts/bench_kernels.py --only quant --quant-rows ${2:-16 64 128 256} \
+    --quant-shapes w1 2>>"$OUT/bench.log" | tee "$OUT/quant_kernels.jsonl" \
+    | python3 scripts/best_kernels.py | cut -c1-200
+  for q in gptq-int4 gptq-int8; do
+    timeout 120 python3 scripts/bench_throughput.py --workload l1 --system engine \
+      --quantization "$q" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+  done
+elif [ "$phase" = qw1 ]; then  # W1 in bf16 and per integer format, one machine
+  for q in none gptq-int4 gptq-int8; do
+    flag=$([ "$q" = none ] || echo "--quantization $q")
+    timeout 170 python3 scripts/bench_throughput.py --workload w1 --system engine $flag \
+      2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+  done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -302,7 +322,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
