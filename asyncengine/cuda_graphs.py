@@ -26,6 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -75,6 +76,27 @@ def capture_forward(
     return graph, out
 
 
+# Decode steps of up to this many padded rows (a batch-1 stream, a verify step) are staged
+# whole: the host writes their inputs in the static buffer's layout and one copy lands them,
+# where otherwise seven copy and fill launches would, each some microseconds of host time
+# that a verify step (resolved before the next is prepared) waits out with the device idle.
+STAGE_MAX_ROWS = 16
+STAGE_MAX_BYTES = 1 << 18
+
+
+def static_fields(num_rows: int, max_blocks: int) -> tuple[dict[str, int], int]:
+    """Byte offsets of the decode graphs' static inputs in their one buffer (each on a
+    16-byte boundary, the block tables last so a small step's rows end early), and its size."""
+    sizes = {"input_ids": 8 * num_rows, "positions": 8 * num_rows,
+             "slot_mapping": 8 * num_rows, "seq_lens": 4 * num_rows,
+             "block_tables": 4 * num_rows * max_blocks}  # fmt: skip
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // 16) * 16
+    return offsets, at
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -98,12 +120,24 @@ class DecodeGraphs:
                                               len(self.sizes) - 1)]  # fmt: skip
         n = self.sizes[-1]
         self.max_blocks = max_blocks
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # The static inputs are fields of one buffer (`static_fields`), so a small step can
+        # reach them all in one copy of the buffer's head (`stage_image`).
+        self.offsets, size = static_fields(n, max_blocks)
+        self.static = torch.zeros(size, dtype=torch.uint8, device=device)
+
+        def field(name: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+            at = self.offsets[name]
+            return self.static[at : at + count * dtype.itemsize].view(dtype)
+
+        self.input_ids = field("input_ids", torch.int64, n)
+        self.positions = field("positions", torch.int64, n)
+        self.slot_mapping = field("slot_mapping", torch.int64, n)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens = field("seq_lens", torch.int32, n)
+        self.block_tables = field("block_tables", torch.int32, n * max_blocks).view(n, max_blocks)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(n, dtype=torch.int64, device=device)
+        self._staged_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_kv_heads: int = model.attention_layers()[0].num_kv_heads  # type: ignore[operator]
         # Keyed by (padded size, the decode plan its attention was captured with).
         self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph] = {}
@@ -166,11 +200,65 @@ class DecodeGraphs:
         # A verify step past `verify_rows` may want a plan no graph was captured with.
         return padded is not None and (padded, meta.decode_plan) in self.graphs
 
+    def stageable(self, num_seqs: int, table_width: int, plan: DecodePlan) -> int | None:
+        """The padded size a decode step of `num_seqs` sequences replays at, where the step is
+        small enough to be staged whole (`stage_image`), else None."""
+        padded = self.graph_size(num_seqs, table_width)
+        if padded is None or padded > STAGE_MAX_ROWS or (padded, plan) not in self.graphs:
+            return None
+        if self.image_bytes(padded) > STAGE_MAX_BYTES:
+            return None
+        return padded
+
+    def image_bytes(self, padded: int) -> int:
+        """Bytes of the static buffer's head that a step of `padded` rows reads."""
+        return self.offsets["block_tables"] + padded * self.max_blocks * 4
+
+    def stage_image(
+        self, image: np.ndarray, padded: int, input_ids: np.ndarray, positions: np.ndarray,
+        slots: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Write a step of `len(input_ids)` rows into `image` (uint8, `image_bytes(padded)`
+        long) as the static buffer's head lays it out. Everything else is zero (token 0 at
+        position 0 in padding rows, table columns past the step's widest), and padding rows
+        write to slot -1 and have no context. Rows past `padded` are never read by its graph."""
+        b, n = len(input_ids), self.sizes[-1]
+        o = self.offsets
+        image.fill(0)
+
+        def field(name: str, dtype: type, count: int) -> np.ndarray:
+            return image[o[name] : o[name] + count * np.dtype(dtype).itemsize].view(dtype)
+
+        field("input_ids", np.int64, n)[:b] = input_ids
+        field("positions", np.int64, n)[:b] = positions
+        slot_field = field("slot_mapping", np.int64, n)
+        slot_field[:b] = slots
+        slot_field[b:padded] = -1
+        field("seq_lens", np.int32, n)[:b] = seq_lens
+        table = field("block_tables", np.int32, padded * self.max_blocks).reshape(padded, -1)
+        table[:b, : tables.shape[1]] = tables
+
+    def staged_views(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The static inputs' first b rows (input ids, positions, slots, query starts,
+        context lengths, block tables, row ids), made once per b."""
+        views = self._staged_views.get(b)
+        if views is None:
+            views = (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b],
+                     self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b],
+                     self.row_ids[:b])  # fmt: skip
+            self._staged_views[b] = views
+        return views
+
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the graph of the step's padded size and plan (the runner planned the step
-        for that size: `graph_size`)."""
+        for that size: `graph_size`). A staged step's inputs are already in place."""
         meta = inputs.meta
         b, width = meta.block_tables.shape
+        if inputs.staged_rows:
+            key = (inputs.staged_rows, meta.decode_plan)
+            self.graphs[key].replay()  # type: ignore[index]
+            self.replays += 1
+            return self.outputs[key][:b]  # type: ignore[index]
         padded = self.graph_size(b, width)
         assert padded is not None and meta.decode_plan is not None
         self.input_ids[:b].copy_(inputs.input_ids)

@@ -65,6 +65,9 @@ class StepInputs:
     prompt_targets: torch.Tensor
     prompt_plan: PromptLogprobPlan | None = None  # rank 0's host side of those rows
     prompt_hidden: torch.Tensor | None = None  # their hidden states, set by `run_model`
+    # The padded rows of a decode step staged straight into the decode graphs' static
+    # inputs (`DecodeGraphs.stage_image`; the tensors above are views of them); 0: not.
+    staged_rows: int = 0
 
 
 def token_layout(
@@ -263,6 +266,9 @@ class ModelRunner:
     # The decode plan fuses rotary into attention wherever decode splits KV; False keeps the
     # separate rotary kernel everywhere (the GPU tests compare the two paths).
     fuse_decode_rotary = True
+    # Small decode steps go straight into the decode graphs' static inputs
+    # (`DecodeGraphs.stage_image`); tensor-parallel ranks need the packed buffer instead.
+    stage_small_steps = True
 
     def __init__(
         self,
@@ -493,6 +499,12 @@ class ModelRunner:
             fuse_rotary = False
         max_q, max_len = int(lens.max()), int(seq_lens.max())
         plan = self.decode_plan(b, w, max_len, fuse_rotary) if max_q == 1 else None
+        if (plan is not None and self.stage_small_steps and self.graphs is not None
+                and not fill_dst and prompt_plan is None and len(logits_idx) == t):  # fmt: skip
+            padded = self.graphs.stageable(b, w, plan)
+            if padded is not None:
+                return self._staged_inputs(padded, input_ids, positions, slots, seq_lens,
+                                           tables, plan, max_len, sampling)  # fmt: skip
         header = StepHeader(
             num_tokens=t,
             num_seqs=b,
@@ -530,6 +542,34 @@ class ModelRunner:
         inputs.prompt_plan = prompt_plan
         return inputs
 
+    def _staged_inputs(
+        self, padded: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+        seq_lens: np.ndarray, tables: np.ndarray, plan: DecodePlan, max_seq_len: int,
+        sampling: list[Request],
+    ) -> StepInputs:  # fmt: skip
+        """A small decode step (every row sampled, no fills) written straight into the decode
+        graphs' static inputs with one copy: the step's tensors are views of them."""
+        graphs = self.graphs
+        assert graphs is not None
+        b = len(input_ids)
+        image = np.empty(graphs.image_bytes(padded), dtype=np.uint8)
+        graphs.stage_image(image, padded, input_ids, positions, slots, seq_lens, tables)
+        self._to_device(image, graphs.static[: image.size])
+        ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
+        meta = AttentionMetadata(
+            slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
+            max_query_len=1, decode_only=True, max_seq_len=max_seq_len, decode_plan=plan,
+        )  # fmt: skip
+        header = StepHeader(
+            num_tokens=b, num_seqs=b, table_width=tables.shape[1], num_logits=b, max_query_len=1,
+            max_seq_len=max_seq_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
+        )  # fmt: skip
+        return StepInputs(
+            input_ids=ids, positions=pos, meta=meta, logits_indices=rows,
+            sampling_requests=sampling, header=header, buffer=graphs.static,
+            prompt_rows=rows[:0], prompt_targets=rows[:0], staged_rows=padded,
+        )  # fmt: skip
+
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
                     fuse_rotary: bool | None = None) -> DecodePlan:  # fmt: skip
         """The plan of a decode-only step, for the batch its kernels will see: a step that
@@ -542,15 +582,16 @@ class ModelRunner:
             fuse_rotary=self.fuse_decode_rotary if fuse_rotary is None else fuse_rotary,
         )  # fmt: skip
 
-    def _to_device(self, flat: np.ndarray) -> torch.Tensor:
-        """One host-to-device copy through a reused pinned buffer (no pinning per step).
+    def _to_device(self, flat: np.ndarray, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """One host-to-device copy through a reused pinned buffer (no pinning per step), into
+        `dst` (uint8, as long as `flat`) where given, else a new tensor.
 
         An event guards each buffer: the copy that last read it must be done before it is
         written again (usually long done: that step has been resolved by then).
         """
         host = torch.from_numpy(flat)
         if self.device.type != "cuda":
-            return host
+            return host if dst is None else dst.copy_(host)
         turn = self._staging_turn
         self._staging_turn ^= 1
         done = self._staging_done[turn]
@@ -562,7 +603,10 @@ class ModelRunner:
             self._staging[turn] = buf
         staged = buf[: host.numel()]
         staged.copy_(host)
-        dev = staged.to(self.device, non_blocking=True)
+        if dst is not None:
+            dev = dst.copy_(staged, non_blocking=True)
+        else:
+            dev = staged.to(self.device, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self._staging_done[turn] = done
@@ -583,6 +627,9 @@ class ModelRunner:
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of
         the rows scored for prompt logprobs)."""
+        if inputs.staged_rows:  # every row is sampled: no gather
+            assert self.graphs is not None
+            return self.graphs.run(inputs)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):

@@ -99,6 +99,9 @@ def start_tensor_parallel(
 class TensorParallelModelRunner(ModelRunner):
     """Rank 0's runner: a `ModelRunner` whose every model call is mirrored by the workers."""
 
+    # The workers unpack each step from the broadcast buffer: no step skips it.
+    stage_small_steps = False
+
     def __init__(
         self, model: nn.Module, model_config: ModelConfig, *, workers: WorkerGroup, **kwargs: Any
     ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,9 +15,11 @@ from torch import nn
 from asyncengine.cuda_graphs import (
     PREFILL_SEQ_SIZES,
     PREFILL_TOKEN_SIZES,
+    STAGE_MAX_ROWS,
     DecodeGraphs,
     PrefillGraphs,
     capture_sizes,
+    static_fields,
 )
 from kernels.paged_attention import DecodePlan, paged_attention_triton
 from models.forward_context import AttentionMetadata
@@ -117,3 +120,55 @@ def test_prefill_padding_leaves_the_step_rows_unchanged(
     )  # fmt: skip
     torch.testing.assert_close(got[:n], want, atol=1e-6, rtol=0)
     assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+def test_static_inputs_share_one_buffer_with_the_tables_last() -> None:
+    """Every field on a 16-byte boundary (5 rows: 40-byte fields), the block tables last, so
+    a step of few rows reaches all it reads in the buffer's head."""
+    offsets, size = static_fields(5, 3)
+    assert list(offsets) == ["input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"]
+    assert all(at % 16 == 0 for at in offsets.values())
+    assert offsets["positions"] == 48 and offsets["block_tables"] == 3 * 48 + 32
+    assert size == offsets["block_tables"] + 64  # 60 bytes of tables, rounded up
+    graphs = _graphs()
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+        tensor = getattr(graphs, name)
+        assert tensor.data_ptr() == graphs.static.data_ptr() + graphs.offsets[name]
+    assert graphs.slot_mapping.tolist() == [-1] * 4
+
+
+def test_a_staged_image_lands_as_the_copy_path_would_leave_the_rows() -> None:
+    graphs = _graphs()
+    for key in graphs.variants(4):
+        graphs.graphs[key] = None  # type: ignore[assignment]
+    plan = graphs.variants(4)[0][1]
+    padded = graphs.stageable(3, 2, plan)
+    assert padded == 4
+    image = np.full(graphs.image_bytes(4), 0xFF, dtype=np.uint8)  # stale bytes everywhere
+    tables = np.array([[3, 4], [5, 0], [6, 7]], dtype=np.int64)
+    graphs.stage_image(image, 4, np.array([11, 12, 13]), np.array([7, 8, 9]),
+                       np.array([50, 81, 97]), np.array([8, 9, 10]), tables)  # fmt: skip
+    graphs.static[: image.size].copy_(torch.from_numpy(image))
+    assert graphs.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert graphs.positions[:4].tolist() == [7, 8, 9, 0]
+    assert graphs.slot_mapping[:4].tolist() == [50, 81, 97, -1]
+    assert graphs.seq_lens[:4].tolist() == [8, 9, 10, 0]
+    assert graphs.block_tables.tolist() == [[3, 4] + [0] * 6, [5, 0] + [0] * 6,
+                                            [6, 7] + [0] * 6, [0] * 8]  # fmt: skip
+    ids, _, slots, qsl, lens, table, rows = graphs.staged_views(3)
+    assert slots.tolist() == [50, 81, 97] and lens.tolist() == [8, 9, 10]
+    assert ids.data_ptr() == graphs.input_ids.data_ptr() and qsl.tolist() == [0, 1, 2, 3]
+    assert rows.tolist() == [0, 1, 2] and table.shape == (3, 8)
+    assert graphs.staged_views(3)[0] is ids  # made once per row count
+
+
+def test_only_small_captured_steps_are_staged() -> None:
+    graphs = DecodeGraphs(_OneKVHeadModel(), torch.device("cpu"), max_num_seqs=64, max_blocks=8)
+    plan = graphs.variants(32)[0][1]
+    assert graphs.stageable(2, 8, graphs.variants(2)[0][1]) is None  # no graph captured
+    for b in (2, 32):
+        for key in graphs.variants(b):
+            graphs.graphs[key] = None  # type: ignore[assignment]
+    assert graphs.stageable(2, 8, graphs.variants(2)[0][1]) == 2
+    assert STAGE_MAX_ROWS < 32 and graphs.stageable(20, 8, plan) is None  # too many rows
+    assert graphs.stageable(2, 9, plan) is None  # a table wider than the captured one

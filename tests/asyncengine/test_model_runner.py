@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.llm_engine import LLMEngine
 from asyncengine.model_runner import InflightStep, KVCache, copy_blocks
 from asyncengine.request import Request
@@ -73,7 +74,8 @@ def test_a_decode_step_carries_the_plan_for_the_size_its_kernels_see(
     assert meta.decode_only and meta.max_seq_len == 9
     assert meta.decode_plan == DecodePlan(2, fuse_rotary=True)  # a short context: 2 segments
     assert runner.prepare_inputs(sched).header.decode_plan == meta.decode_plan
-    runner.graphs = SimpleNamespace(graph_size=lambda b, width: 2)  # padded to 2 sequences
+    runner.graphs = SimpleNamespace(graph_size=lambda b, width: 2,  # padded to 2 sequences
+                                    stageable=lambda b, width, plan: None)  # fmt: skip
     assert runner.prepare_inputs(sched).meta.decode_plan == DecodePlan(1, fuse_rotary=False)
 
 
@@ -108,6 +110,45 @@ def test_a_verify_step_runs_as_a_decode_step_of_one_row_per_token(
     assert inputs.header.num_seqs == 4 and inputs.header.max_query_len == 1
     for r in (spec, plain):
         engine.pool.free(r)
+
+
+def test_a_small_decode_step_is_staged_whole_into_the_graphs_inputs(
+    tiny_llama_dir: Path,
+) -> None:
+    """A verify step of 3 rows (padded to a graph of 4) is written straight into the decode
+    graphs' static inputs in one copy: the same rows as the packed path gives, the padding
+    row writing nowhere and seeing no context, every row sampled."""
+    engine = _engine(tiny_llama_dir)
+    runner = engine.runner
+    runner.num_kv_heads = 1
+    spec = _request("s", [5, 6, 7, 8])
+    assert engine.pool.allocate_slots(spec, 6) is not None
+    spec.num_computed_tokens = 3
+    spec.spec_token_ids = [21, 22]
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(spec, 3, num_spec_tokens=2)])
+    graphs = DecodeGraphs(runner.model, torch.device("cpu"), max_num_seqs=8, max_blocks=8,
+                          verify_rows=4)  # fmt: skip
+    for key in graphs.variants(4):  # as if captured: the staged step replays one of them
+        graphs.graphs[key] = None  # type: ignore[assignment]
+    runner.graphs = graphs
+    staged = runner.prepare_inputs(sched)
+    runner.stage_small_steps = False
+    packed = runner.prepare_inputs(sched)
+    assert staged.staged_rows == 4 and packed.staged_rows == 0
+    assert staged.input_ids.tolist() == packed.input_ids.tolist() == [8, 21, 22]
+    assert staged.positions.tolist() == packed.positions.tolist() == [3, 4, 5]
+    sm, pm = staged.meta, packed.meta
+    assert sm.slot_mapping.tolist() == pm.slot_mapping.tolist()
+    assert sm.seq_lens.tolist() == pm.seq_lens.tolist() == [4, 5, 6]
+    width = pm.block_tables.shape[1]
+    assert sm.block_tables[:, :width].tolist() == pm.block_tables.tolist()
+    assert not sm.block_tables[:, width:].any()
+    assert sm.decode_plan == pm.decode_plan and sm.max_seq_len == pm.max_seq_len == 6
+    assert staged.logits_indices.tolist() == packed.logits_indices.tolist() == [0, 1, 2]
+    # The padding row: token 0 at position 0, no slot, no context.
+    assert graphs.input_ids[3] == 0 and graphs.positions[3] == 0
+    assert graphs.slot_mapping[3] == -1 and graphs.seq_lens[3] == 0
+    engine.pool.free(spec)
 
 
 def test_pending_token_is_taken_from_the_previous_step(tiny_llama_dir: Path) -> None:
