@@ -34,6 +34,7 @@
 #   bash scripts/gpu_check.sh session DIR # spec/graph/quant GPU tests, verify-step bench, cold
 #                                          # int4 start, L1 per quantized format, compare DIR
 #   bash scripts/gpu_check.sh qgemm [ROWS]  # integer GEMM: GPU tests, kernels at W1 layers, L1 int4/int8
+#   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
@@ -206,6 +207,18 @@ elif [ "$phase" = qw1 ]; then  # W1 in bf16 and per integer format, one machine
     timeout 170 python3 scripts/bench_throughput.py --workload w1 --system engine $flag \
       2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
   done
+elif [ "$phase" = stage ]; then  # small decode steps staged whole into the graphs' inputs:
+  # engine, graph and spec GPU tests; verify step and latency by acceptance; L1 bf16 and int4
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
+    tests/asyncengine/test_cuda_graphs.py tests/asyncengine/spec_decode \
+    tests/asyncengine/test_prompt_logprobs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 240 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-600
+  for q in none gptq-int4; do
+    flag=$([ "$q" = none ] || echo "--quantization $q")
+    timeout 120 python3 scripts/bench_throughput.py --workload l1 --system engine $flag \
+      2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+  done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -322,7 +335,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
