@@ -213,22 +213,25 @@ def at_once_gemv_config(
 # times the few its rule table names, `models.quantization.kinds`): those that won a Llama-2-7B
 # shape at some row count on the H200 in int4 or int8, or came within 10 % of the winner.
 # The others were removed; docs/quantization.md records what they measured.
-# GEMM tiles (block_m, block_n, block_k, warps, stages, split_k), each for a range of rows;
-# not yet timed on the H200 in this form (the tensor-core GEMM of 16-bit tiles, below):
-# - 16x64x128 w4 s4: up to 16 rows on wide layers (q/k/v 12288 and gate/up 22016 give
-#   192 and 344 programs); the long K step halves the loop overhead of each weight byte;
-# - the same, split 4: up to 16 rows on 4096-wide layers (o, down), whose 64 column tiles
-#   alone would leave half of the H200's 132 multiprocessors idle;
-# - 64x64x128 w4 s3: 17-64 rows on wide layers, one row tile;
-# - the same, split 2: 17-128 rows on 4096-wide layers (128 programs at 64 rows);
-# - 128x64x64 w4 s3: 65-256 rows, narrow column tiles so 4096-wide layers still get 128
-#   programs at 256 rows;
-# - 128x128x64 w8 s3: 129-1024 rows on wide layers, each weight tile dequantized once per
-#   128 rows;
-# - 256x128x64 w8 s3: 512 rows and more (prefill), dequantized once per 256 rows.
-QUANT_GEMM_SHAPES = ((16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 1),
-                     (64, 64, 128, 4, 3, 2), (128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1),
-                     (256, 128, 64, 8, 3, 1))  # fmt: skip
+# GEMM tiles (block_m, block_n, block_k, warps, stages, split_k) and what each won on the
+# H200 against dequantize + cuBLAS (2026-12-03: Llama-2-7B layers in int4 and int8 g128 at
+# 16-256 rows; the table is in docs/quantization.md, "The integer GEMM on 16-bit tiles"):
+# - 16x64x128 w4 s4 split 4: every layer in both widths at 16 rows (gate/up int4 0.0501 ms
+#   against 0.1132, bf16 cuBLAS 0.0488); the K split fills the multiprocessors that the 64
+#   column tiles of a 4096-wide layer leave idle, and wins on the wide layers too;
+# - 64x64x128 w4 s3: 64 rows on gate/up (int4 0.0661 ms against 0.1142, int8 0.0686 against
+#   0.1229) and q/k/v int8 (0.057 against 0.0703); 128 rows on q/k/v int8 (0.0692 against
+#   0.0714), q/k/v int4 0.2 % behind;
+# - the same, split 2: 64 rows on q/k/v int4 (0.039 against 0.0642) and down (int4 0.0611
+#   against 0.0621, int8 0.0648 against 0.0667); within 10 % at 128 rows on o and down int8;
+# - 128x64x64 w4 s3: 128 rows on gate/up (int4 0.0886 against 0.1156, int8 0.0891 against
+#   0.1247).
+# Dequantize + cuBLAS won the rest: o at 64 rows, o, down and q/k/v int4 at 128, every layer
+# at 256 (by 1.15-1.97x over the best tile). Removed for winning nothing and never coming
+# within 10 % of the winner (best ratio to it over the 32 cases): 16x64x128 w4 s4 unsplit
+# 1.14, 128x128x64 w8 s3 1.11, 256x128x64 w8 s3 1.31.
+QUANT_GEMM_SHAPES = ((16, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2),
+                     (128, 64, 64, 4, 3, 1))  # fmt: skip
 # GEMVs walking K a tile at a time (block_n, block_k, split_k, warps, pairs): int8 at 2-4 rows.
 QUANT_LOOP_GEMV_SHAPES = ((64, 128, 2, 4, False), (128, 128, 2, 4, True),
                           (128, 128, 4, 4, True))  # fmt: skip

@@ -143,11 +143,8 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
-    # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile whole and split
-    # along K, tiles spanning four groups (g32) and inside one (per channel), the large-batch
-    # tiles of 4 and 8 warps.
-    ("kernels.quant_linear", "_quant_gemm_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), 4, 4),
+    # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile split along K,
+    # tiles spanning four groups (g32) and inside one (per channel), the 128-row tile.
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
           SPLIT=True), 4, 4),
@@ -158,10 +155,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
           SPLIT=True), 4, 3),
     ("kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), 4, 3),
-    ("kernels.quant_linear", "_quant_gemm_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), 8, 3),
-    ("kernels.quant_linear", "_quant_gemm_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64), 8, 3),
     ("kernels.quant_linear", "_dequantize_kernel",
      dict(GROUP_SIZE=128, BITS=4, BLOCK_K=64, BLOCK_N=128), 4, 1),
     ("kernels.quant_linear", "_dequantize_kernel",

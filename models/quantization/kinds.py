@@ -123,33 +123,40 @@ class IntRule:
     dequantize: bool = False
 
 
-# The small GEMM tile, for wide layers; split along K, for 4096-wide ones.
-_SMALL_GEMMS = ((16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4))
-# From 5 rows up both widths share the rules: at each step the two GEMM tiles meant for its
-# rows (`kernels.quant_linear.QUANT_GEMM_SHAPES`) against dequantize + BLAS, up to the
-# largest step (on the GPU; `CPU_GEMM_MAX_ROWS`). The GEMM now forms 16-bit weight tiles in
-# registers and chains its MMAs; in its earlier form (each tile's product scaled) dequantize
-# + BLAS beat it by 1.7x or more from 65 rows, which was then checked only.
+# From 3 rows up the GEMM tiles follow the H200's W1 measurement (2026-12-03: Llama-2-7B
+# layers in int4 and int8 g128 at 16, 64, 128 and 256 rows, each tile of
+# `kernels.quant_linear.QUANT_GEMM_SHAPES` against dequantize + cuBLAS; docs/quantization.md,
+# "The integer GEMM on 16-bit tiles"). At 16 rows the small tile split 4 along K won every
+# layer (2.3x ahead of dequantize + cuBLAS on gate/up int4) and its unsplit form none.
+_SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
+# At 64 rows 64x64x128 won gate/up and q/k/v int8, its split-2 form q/k/v int4 and down,
+# dequantize + cuBLAS o. At 128 rows 128x64x64 won gate/up; the split-2 tile came within
+# 10 % on o and down (int8), which dequantize + cuBLAS won with q/k/v int4 (64x64x128 won
+# q/k/v int8 by 3 % and is not timed there). At 256 rows dequantize + cuBLAS won every
+# layer by 1.15-1.97x over the best tile, so above that no GEMM is timed. The 65-256 step
+# is timed at its top (`models.linear_tuning.QUANT_ROW_LADDER`), where on these layers its
+# tiles lose: they are there for the 128-row wins, which only a 128-row step would use.
 _FROM_5_ROWS = (
-    IntRule(16, gemms=_SMALL_GEMMS, dequantize=True),
+    IntRule(16, gemms=_SMALL_GEMM, dequantize=True),
     IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
-    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1)), dequantize=True),
-    IntRule(None, gemms=((128, 128, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1)), dequantize=True),
+    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
+    IntRule(None, dequantize=True),
 )
-# Per weight width, what won a Llama-2-7B shape on the H200 at those rows, or came within
-# 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans of
-# full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up tuning
-# by rules"); the GEMM at 3-4 rows is the small tile of the GEMM's current form.
+# Per weight width, the GEMVs that won a Llama-2-7B shape on the H200 at 1-4 rows, or came
+# within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
+# of full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up
+# tuning by rules"); beside them at 3-4 rows the small GEMM tile (split 4, as it won at 16
+# rows; not timed at 4).
 INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     4: (
         IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4))),
-        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMMS[:1]),
+        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM),
         *_FROM_5_ROWS,
     ),
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1))),
         IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),
-        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMMS[:1]),
+        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM),
         *_FROM_5_ROWS,
     ),
 }

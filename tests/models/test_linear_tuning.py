@@ -401,15 +401,17 @@ def test_the_plan_merges_neighbouring_entries_that_run_alike() -> None:
 
 # ------------------------------------------------------------- quantized layers
 def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
-    """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load."""
+    """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
+    and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
+    4 along K in steps of 128) fits."""
     from models.quantization.config import QuantConfig, set_current_quant_config
     from models.quantization.layer import process_quantized_linear
 
     qc = QuantConfig("gptq", 4, 32)
     with torch.device(device), set_current_quant_config(qc):
         model = nn.ModuleDict({
-            "a": RowParallelLinear(128, 64), "b": RowParallelLinear(128, 64),
-            "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM),
+            "a": RowParallelLinear(512, 64), "b": RowParallelLinear(512, 64),
+            "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM),
         })  # fmt: skip
     gen = torch.Generator(device).manual_seed(0)
     for layer in model.values():
@@ -458,11 +460,11 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     ]  # fmt: skip
     assert [e.kind.config.block_m for e in entries[1:3]] == [16, 64]
     assert all(e.input is InputTransform.RMS_NORM for e in plans[model["c"]].entries)
-    assert set(timings) == {(64, 128), (96, 64)}
-    assert set(timings[(64, 128)]) == {1, 2, 4, 8, 16, 64}  # one candidate above: not timed
+    assert set(timings) == {(64, 512), (96, 512)}
+    assert set(timings[(64, 512)]) == {1, 2, 4, 8, 16, 64}  # one candidate above: not timed
     # The 16-bit tuners leave quantized layers alone, and they are described by shape.
     assert tuning.plan_cpu_linears(model)[0] == {}
-    assert tuning.describe_matmul_plans(model)[0].startswith("a 64x128: 1+ rows: dequantize")
+    assert tuning.describe_matmul_plans(model)[0].startswith("a 64x512: 1+ rows: dequantize")
 
 
 def test_a_step_of_one_candidate_is_checked_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -603,7 +605,7 @@ def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
     for rows in (1, 3, 16, 100, 2048):
         name = layer.plan.entry_for(rows).kind.name
         assert name.startswith(("quantized", "dequantize", "Triton dequantize"))
-        x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         want = quant_matmul_ref(x.float(), layer.qweight, layer.scales.float(),
                                 layer.zeros.float(), 4, 32)  # fmt: skip
         torch.testing.assert_close(layer(x).float(), want, atol=2e-2, rtol=2e-2)

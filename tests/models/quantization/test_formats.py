@@ -17,6 +17,12 @@ from asyncengine import LLM, SamplingParams
 from models.config import ModelConfig
 from models.loader import load_model
 from models.quantization.formats import pack_words, unpack_words
+from models.quantization.kinds import (
+    DequantMatmul,
+    QuantTritonGemm,
+    QuantTritonGemv,
+    TritonDequantMatmul,
+)
 from tests.asyncengine.engine_helpers import hf_greedy
 from tests.models.test_llama import assert_close_rel, flat_forward, hf_logits
 from tests.quant_writers import Scheme
@@ -36,6 +42,9 @@ SCHEMES = [
     Scheme("compressed-tensors", 8, -1, sym=True),
 ]
 PROMPTS = [[5, 9, 33, 2, 7, 100, 3], [17], list(range(40, 80))]
+# The names of the integer layers' kinds (`QuantTritonGemvAtOnce` shares its GEMV's).
+INT_KIND_NAMES = {kind.name for kind in (DequantMatmul, TritonDequantMatmul, QuantTritonGemm,
+                                         QuantTritonGemv)}  # fmt: skip
 
 
 def test_words_unpack_what_they_pack() -> None:
@@ -198,7 +207,7 @@ def test_gpu_engine_serves_each_format(quantized: Make, scheme: Scheme) -> None:
     is HF's on the dequantized weights (fp32), or a token whose HF logit is within bf16's
     rounding of the top one (the tiny random model has near-ties: in gptq-8b-g32-sym the
     7-token prompt's top two logits are 0.019 apart, which bf16 may swap), and every
-    linear layer runs a quantized kind."""
+    linear layer runs one of the integer kinds (`models.quantization.kinds`)."""
     qdir, oracle = quantized(scheme)
     prompts = [[5, 9, 33, 2, 7, 100, 3], list(range(40, 80)), [17, 18]]
     firsts, kinds = _serve_on_gpu(qdir, prompts)
@@ -209,7 +218,7 @@ def test_gpu_engine_serves_each_format(quantized: Make, scheme: Scheme) -> None:
             f"token {token} (HF logit {float(logits[token]):.4f}) vs HF's "
             f"{int(logits.argmax())} ({float(logits.max()):.4f})"
         )
-    assert kinds and all(k.startswith(("quantized", "dequantize")) for k in kinds)
+    assert kinds and kinds <= INT_KIND_NAMES, kinds - INT_KIND_NAMES
 
 
 def _serve_on_gpu(qdir: Path, prompts: list[list[int]]) -> tuple[list[int], set[str]]:
