@@ -499,12 +499,6 @@ class ModelRunner:
             fuse_rotary = False
         max_q, max_len = int(lens.max()), int(seq_lens.max())
         plan = self.decode_plan(b, w, max_len, fuse_rotary) if max_q == 1 else None
-        if (plan is not None and self.stage_small_steps and self.graphs is not None
-                and not fill_dst and prompt_plan is None and len(logits_idx) == t):  # fmt: skip
-            padded = self.graphs.stageable(b, w, plan)
-            if padded is not None:
-                return self._staged_inputs(padded, input_ids, positions, slots, seq_lens,
-                                           tables, plan, max_len, sampling)  # fmt: skip
         header = StepHeader(
             num_tokens=t,
             num_seqs=b,
@@ -520,6 +514,12 @@ class ModelRunner:
             num_copy=len(sched.blocks_to_copy),
             num_prompt_rows=len(prompt_plan.rows) if prompt_plan is not None else 0,
         )
+        if (plan is not None and self.stage_small_steps and self.graphs is not None
+                and not fill_dst and prompt_plan is None and len(logits_idx) == t):  # fmt: skip
+            padded = self.graphs.stageable(b, w, plan)
+            if padded is not None:
+                return self._staged_inputs(padded, header, input_ids, positions, slots,
+                                           seq_lens, tables, sampling)  # fmt: skip
         arrays = {
             "input_ids": input_ids,
             "positions": positions,
@@ -543,9 +543,8 @@ class ModelRunner:
         return inputs
 
     def _staged_inputs(
-        self, padded: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-        seq_lens: np.ndarray, tables: np.ndarray, plan: DecodePlan, max_seq_len: int,
-        sampling: list[Request],
+        self, padded: int, header: StepHeader, input_ids: np.ndarray, positions: np.ndarray,
+        slots: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, sampling: list[Request],
     ) -> StepInputs:  # fmt: skip
         """A small decode step (every row sampled, no fills) written straight into the decode
         graphs' static inputs with one copy: the step's tensors are views of them."""
@@ -558,11 +557,8 @@ class ModelRunner:
         ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
         meta = AttentionMetadata(
             slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
-            max_query_len=1, decode_only=True, max_seq_len=max_seq_len, decode_plan=plan,
-        )  # fmt: skip
-        header = StepHeader(
-            num_tokens=b, num_seqs=b, table_width=tables.shape[1], num_logits=b, max_query_len=1,
-            max_seq_len=max_seq_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
+            max_query_len=1, decode_only=True, max_seq_len=header.max_seq_len,
+            decode_plan=header.decode_plan,
         )  # fmt: skip
         return StepInputs(
             input_ids=ids, positions=pos, meta=meta, logits_indices=rows,

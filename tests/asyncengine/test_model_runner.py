@@ -135,6 +135,7 @@ def test_a_small_decode_step_is_staged_whole_into_the_graphs_inputs(
     runner.stage_small_steps = False
     packed = runner.prepare_inputs(sched)
     assert staged.staged_rows == 4 and packed.staged_rows == 0
+    assert staged.header == packed.header  # one header, whichever way the step travels
     assert staged.input_ids.tolist() == packed.input_ids.tolist() == [8, 21, 22]
     assert staged.positions.tolist() == packed.positions.tolist() == [3, 4, 5]
     sm, pm = staged.meta, packed.meta
