@@ -218,8 +218,8 @@ def sweep_decode(batches: list[int], contexts: list[int]) -> None:
 
 def sweep_fp8_kv_decode() -> None:
     """Decode attention over an e4m3 cache beside the bf16 cache at the throughput shapes
-    (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): tiles, warps, stages, and
-    the dot's dtype (KV_DOT_F16 False widens e4m3 to bf16 as the 16-bit path computes)."""
+    (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): launch order, tiles,
+    warps and stages."""
     cases = {"W1": (256, 640), "W2": (256, 1500)}
     for wl, heads in WORKLOADS.items():
         bsz, ctx = cases[wl]
@@ -228,16 +228,14 @@ def sweep_fp8_kv_decode() -> None:
                 [1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8
             )
             out = torch.empty_like(args[0])
-            # The 16-bit cache and the bf16-widening dot run their default tiles only.
-            configs: list[dict[str, Any]] = [{}]
-            if kv_fp8:
-                configs.append({"KV_DOT_F16": False})
-                configs += [
-                    {"TILE": tile, "num_warps": warps, "num_stages": stages}
-                    for tile, warps, stages in itertools.product(
-                        (64, 128, 256), (2, 4, 8), (2, 3)
-                    )
-                ]
+            # Launch order (head-major, the default, or sequence-major), then tiles and
+            # warps in head-major order (2 stages).
+            configs: list[dict[str, Any]] = [{}, {"HEAD_MAJOR": 0}]
+            tiles = (32, 64, 128) if kv_fp8 else (32, 64)
+            configs += [
+                {"TILE": tile, "num_warps": warps}
+                for tile, warps in itertools.product(tiles, (1, 2, 4))
+            ]
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip

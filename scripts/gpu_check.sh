@@ -34,6 +34,7 @@
 #   bash scripts/gpu_check.sh session DIR # spec/graph/quant GPU tests, verify-step bench, cold
 #                                          # int4 start, L1 per quantized format, compare DIR
 #   bash scripts/gpu_check.sh qgemm [ROWS]  # integer GEMM: GPU tests, kernels at W1 layers, L1 int4/int8
+#   bash scripts/gpu_check.sh kvprof       # FP8 decode attention: GPU tests, sweep, ncu per case
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -219,6 +220,24 @@ elif [ "$phase" = stage ]; then  # small decode steps staged whole into the grap
     timeout 120 python3 scripts/bench_throughput.py --workload l1 --system engine $flag \
       2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
   done
+elif [ "$phase" = kvprof ]; then  # FP8 decode attention: the attention GPU tests, the
+  # sweep (launch order, tiles, warps, stages), then Nsight Compute on one launch per case
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
+  timeout 300 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
+    | tee "$OUT/kernels.jsonl" | cut -c1-240
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  i=0
+  for spec in ${NCU_CASES:-W1:fp8:0 W1:fp8:1 W2:fp8:1 W1:bf16:0}; do
+    if [ "$spec" = skip ]; then break; fi
+    IFS=: read -r w kv major <<<"$spec"; i=$((i + 1))
+    timeout 120 "$ncu_bin" --clock-control none --kernel-name regex:_paged_attention_kernel \
+      --launch-skip 2 --launch-count 1 --set full \
+      python3 scripts/run_decode_attention.py --workload "$w" --kv "$kv" \
+      --tiles "{\"HEAD_MAJOR\": $major}" > "$OUT/ncu_${i}_${w}_${kv}_hm${major}.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
+      "$OUT/ncu_${i}_${w}_${kv}_hm${major}.txt" | sed "s|^|$w $kv hm$major |" | head -n 12
+  done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -335,7 +354,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400

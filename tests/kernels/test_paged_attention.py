@@ -4,6 +4,7 @@ on CPU, real at Llama sizes on a GPU) against the reference."""
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -116,6 +117,21 @@ def test_triton_fp8_mixed_batch(heads: tuple[int, int], per_head: bool) -> None:
 def test_triton_fp8_decode(segments: int) -> None:
     batch = to_fp8(make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8), True)
     _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True)
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_head_major_decode(segments: int, fp8: bool) -> None:
+    """Head-major launch order changes which program runs which (sequence, head), not the
+    result; it is refused outside decode-only steps."""
+    batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8, seed=6)
+    batch = to_fp8(batch, True) if fp8 else batch
+    _triton_vs_ref(
+        batch, atol=2e-5, num_segments=segments, decode_only=True, small_tiles={"HEAD_MAJOR": 1}
+    )
+    mixed = make_paged_batch(*MIXED, 8, 2, head_dim=32, seed=6)
+    with pytest.raises(ValueError, match="HEAD_MAJOR"):
+        paged_attention_triton(*mixed.args(), small_tiles={"HEAD_MAJOR": 1})
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
@@ -310,10 +326,11 @@ def test_gpu_fp8_decode_and_prefill(num_kv_heads: int, per_head: bool) -> None:
     lens[0], lens[-1] = 4000, 0
     batch = to_fp8(_gpu_case([1] * 7, lens, num_kv_heads), per_head)
     ref = paged_attention_ref(*batch.args(), **batch.scales())
-    for segments in (1, 16):
+    for segments, head_major in itertools.product((1, 16), (0, 1)):
         out = paged_attention_triton(
-            *batch.args(), **batch.scales(), num_segments=segments, decode_only=True
-        )
+            *batch.args(), **batch.scales(), num_segments=segments, decode_only=True,
+            small_tiles={"HEAD_MAJOR": head_major},
+        )  # fmt: skip
         _assert_close(out, ref, atol=2e-2)
     q_lens = [1, 1, 512, 1, 300, 37, 1, 2000]
     seq_lens = [900, 0, 512, 3000, 1324, 100, 5, 4000]
