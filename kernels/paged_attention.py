@@ -813,23 +813,44 @@ MAX_SPLIT_SEGMENTS = 16
 SHORT_CONTEXT_KEYS = 1024
 
 
-def _small_tile_config(group: int, elem_size: int, split: bool = False) -> dict[str, int]:
+# Unsplit decode launches of at least this many (sequence, KV head) programs per
+# multiprocessor take the many-program tiles of `_small_tile_config`.
+MANY_PROGRAMS_PER_SM = 8
+
+
+def _small_tile_config(
+    group: int, elem_size: int, split: bool = False, programs_per_sm: float = 0.0
+) -> dict[str, int]:
     """Decode / short-query tiles: the G heads of one KV head packed into >= 16 MMA rows.
 
     Measured on an H200 (bf16, D 128): 2 stages beat 3-4; 32-key tiles are best for MHA,
     64-key tiles once several heads share each K/V tile. An FP8 cache moves half the bytes
     per key: an unsplit launch takes 128-key tiles (measured at 256 sequences, MHA x 640
     keys and GQA x 1500, against 32 and 64 keys and 3 stages); split-KV launches (`split`,
-    small batches) keep the 16-bit tiles, whose segments are short already."""
+    small batches) keep the 16-bit tiles, whose segments are short already.
+
+    Unsplit decode launches with at least `MANY_PROGRAMS_PER_SM` programs per multiprocessor
+    (`programs_per_sm`; 0 for other launches), measured head-major at 256 sequences (W1:
+    MHA x 640 keys, 62 programs per SM; W2: GQA 4 x 1500 keys, 15.5): an FP8 cache runs one
+    warp a program over 32-key tiles, many programs per SM instead of 3 (W1 0.852 of the copy
+    rate against 0.767 for 4 warps x 128 keys, W2 0.845 against 0.721), and a 16-bit MHA
+    cache 64-key tiles (W1 1.074 against 0.989). Fewer programs than that were not
+    measured and keep the earlier tiles: one-warp programs need many to a multiprocessor."""
     block_m = max(16, next_power_of_2(group))
     tile = 64 if group > 1 and elem_size <= 2 else 32
+    warps = 4
     if elem_size == 1 and not split:
         tile = 128
+    if not split and programs_per_sm >= MANY_PROGRAMS_PER_SM:
+        if elem_size == 1:
+            tile, warps = 32, 1
+        elif group == 1:
+            tile = 64
     return {
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
         "TILE": tile,
-        "num_warps": 4,
+        "num_warps": warps,
         "num_stages": 2,
     }
 
@@ -1022,7 +1043,13 @@ def paged_attention_triton(
 
     decode = decode_only or num_tokens == num_seqs
     split = decode and num_segments > 1
-    small = _with_overrides(_small_tile_config(group, elem, split), small_tiles, group)
+    programs_per_sm = 0.0
+    if decode and not split:
+        sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 1
+        programs_per_sm = num_seqs * num_kv_heads / sms
+    small = _with_overrides(
+        _small_tile_config(group, elem, split, programs_per_sm), small_tiles, group
+    )
     if split:
         segments = next_power_of_2(num_segments)
         f32 = {"dtype": torch.float32, "device": q.device}

@@ -228,14 +228,22 @@ def sweep_fp8_kv_decode() -> None:
                 [1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8
             )
             out = torch.empty_like(args[0])
-            # Launch order (head-major, the default, or sequence-major), then tiles and
-            # warps in head-major order (2 stages).
-            configs: list[dict[str, Any]] = [{}, {"HEAD_MAJOR": 0}]
-            tiles = (32, 64, 128) if kv_fp8 else (32, 64)
-            configs += [
-                {"TILE": tile, "num_warps": warps}
-                for tile, warps in itertools.product(tiles, (1, 2, 4))
-            ]
+            # The default (head-major, `_small_tile_config`'s many-program tiles), the
+            # tiles it replaced, then tiles, warps and stages around it.
+            configs: list[dict[str, Any]] = [{}]
+            if kv_fp8:
+                configs.append({"TILE": 128, "num_warps": 4})
+                configs += [
+                    {"TILE": tile, "num_warps": 1, "num_stages": stages}
+                    for tile, stages in itertools.product((16, 32, 64), (2, 3, 4))
+                ]
+                configs.append({"TILE": 32, "num_warps": 2, "num_stages": 3})
+            else:
+                configs.append({"TILE": 32 if wl == "W1" else 64, "num_warps": 4})
+                configs += [
+                    {"TILE": 64, "num_warps": warps, "num_stages": stages}
+                    for warps, stages in itertools.product((2, 4), (2, 3))
+                ]
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip

@@ -192,8 +192,8 @@ def override_split_kv(spec: str) -> dict[str, int]:
     pa.SPLIT_KV_PROGRAMS_PER_SM, pa.MAX_SPLIT_SEGMENTS = values[0], values[1]
     if len(values) > 2:
         original = pa._small_tile_config
-        pa._small_tile_config = lambda group, elem, split=False: {
-            **original(group, elem, split), "TILE": values[2]
+        pa._small_tile_config = lambda group, elem, split=False, programs_per_sm=0.0: {
+            **original(group, elem, split, programs_per_sm), "TILE": values[2]
         }
     return dict(zip(["programs_per_sm", "max_segments", "tile"], values, strict=False))
 

@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import WORKLOADS, _attention_inputs  # noqa: E402
+from bench_kernels import WORKLOADS, _attention_inputs
 
-from kernels.paged_attention import paged_attention_triton  # noqa: E402
+from kernels.paged_attention import paged_attention_triton
 
 # (batch, context) of each workload's decode steps, as in `bench_kernels.py --only kvfp8`.
 SHAPES = {"W1": (256, 640), "W2": (256, 1500)}

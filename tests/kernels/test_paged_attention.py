@@ -186,6 +186,22 @@ def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> Non
     assert pa.decode_plan(1, 1, cpu, fuse_rotary=False) == pa.DecodePlan(4, fuse_rotary=False)
 
 
+def test_small_tiles_for_many_decode_programs() -> None:
+    """Unsplit decode launches with many programs per SM: one warp over 32-key tiles for an
+    FP8 cache, 64-key tiles for 16-bit MHA; fewer programs, split launches and other
+    launches keep the earlier tiles."""
+    many = pa.MANY_PROGRAMS_PER_SM
+    fp8 = pa._small_tile_config(1, 1, False, many)
+    assert (fp8["TILE"], fp8["num_warps"]) == (32, 1)
+    assert pa._small_tile_config(4, 1, False, many)["num_warps"] == 1
+    assert pa._small_tile_config(1, 2, False, many)["TILE"] == 64
+    gqa = pa._small_tile_config(4, 2, False, many)
+    assert (gqa["TILE"], gqa["num_warps"]) == (64, 4)
+    assert pa._small_tile_config(1, 1, False, many - 1)["TILE"] == 128
+    assert pa._small_tile_config(1, 1, True, many)["num_warps"] == 4
+    assert pa._small_tile_config(1, 2)["TILE"] == 32
+
+
 def test_decode_plans_lists_every_plan_of_a_batch_size() -> None:
     cpu = torch.device("cpu")
     assert pa.decode_plans(1, 1, cpu) == (pa.DecodePlan(4, True), pa.DecodePlan(2, True))
