@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from kernels._triton_utils import interpreter_enabled, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
 from kernels.gemv import Candidate, fastest_against_library
+from kernels.rms_norm import fused_add_rms_norm
 
 __all__ = [
     "SKINNY_CONFIGS",
@@ -45,6 +46,7 @@ __all__ = [
     "SkinnyChoice",
     "SkinnyConfig",
     "pipeline_stages",
+    "rms_norm_skinny_gemm",
     "skinny_counters",
     "skinny_gemm",
     "tune_skinny",
@@ -124,14 +126,60 @@ def _load_w_tile(w_ptr, rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+def _load_rows(ptr, rows, kk, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptr + rows[:, None] + kk[None, :])
+    return tl.load(ptr + rows[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, row_ok, K, eps, write,
+               EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """RMSNorm's 1 / rms [16] of each row of x (+ residual), over the whole row whatever
+    this program's K split; `write`: this program also stores x + residual (the new
+    residual) for the real rows (`row_ok`). Each row sum is rounded to the dtype first, as
+    `fused_add_rms_norm` rounds it."""
+    dt = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    sumsq = tl.zeros([16], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        h = _load_rows(x_ptr, x_rows, kk, K, EVEN_K)
+        if HAS_RESIDUAL:
+            h = (h.to(tl.float32) + _load_rows(res_ptr, res_rows, kk, K, EVEN_K).to(tl.float32)
+                 ).to(dt)  # fmt: skip
+            if write:
+                tl.store(res_out_ptr + res_rows[:, None] + kk[None, :], h,
+                         mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, res_ptr=None,
+                 res_rows=None, norm_w_ptr=None, rstd=None):  # fmt: skip
     """x[rows, kk] as the product's operand; GATED: silu(gate) * up of the [gate, up] row,
-    rounded to the dtype first, as `silu_and_mul` rounds it."""
+    rounded to the dtype first, as `silu_and_mul` rounds it; NORM: rms_norm(x (+ residual))
+    with the rows' `rstd`, rounded at each step as `fused_add_rms_norm` rounds."""
     ptrs = x_ptr + rows[:, None] + kk[None, :]
     if EVEN_K:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=(kk < K)[None, :], other=0.0)
+    if NORM:
+        dt = x_ptr.dtype.element_ty
+        if HAS_RESIDUAL:
+            res = _load_rows(res_ptr, res_rows, kk, K, EVEN_K)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+        if EVEN_K:
+            nw = tl.load(norm_w_ptr + kk)
+        else:
+            nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0)
+        x = (normed * nw.to(tl.float32)[None, :]).to(dt)
     if GATED:
         if EVEN_K:
             up = tl.load(ptrs + K)
@@ -177,16 +225,19 @@ def _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    split_tiles,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps,
+    M, N, K, stride_xm, stride_wn, stride_ym, split_tiles,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
     part_ptr [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column
-    block). The split count is not a constexpr, so one compiled kernel serves them all."""
+    block). The split count is not a constexpr, so one compiled kernel serves them all.
+    NORM: the operand is rms_norm(x (+ residual [M, K], contiguous)) with weight norm_w;
+    program (0, 0) stores x + residual to res_out [M, K]."""
     BLOCK_M: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -211,7 +262,16 @@ def _skinny_gemm_kernel(
     if GLU:
         w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
     pdl_wait(USE_PDL)
-    x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
+    res_rows = (offs_m % M).to(tl.int64) * K
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        # Every program needs the whole rows' rstd (read from L2), whatever its K split:
+        # cheaper than a norm kernel's launch and round trip at a few rows.
+        write = (pid_n == 0) & (pid_k == 0)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, offs_m < M, K, eps,
+                          write, EVEN_K, HAS_RESIDUAL, BLOCK_K)  # fmt: skip
+    x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr, res_rows,
+                     norm_w_ptr, rstd)  # fmt: skip
     acc = _tile_product(w, x, IEEE, DOT_FP32)
     acc_up = acc
     if GLU:
@@ -219,7 +279,8 @@ def _skinny_gemm_kernel(
     for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
         w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
-        x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
+        x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr,
+                         res_rows, norm_w_ptr, rstd)  # fmt: skip
         acc += _tile_product(w, x, IEEE, DOT_FP32)
         if GLU:
             w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
@@ -272,6 +333,47 @@ def skinny_gemm(
     counters: from `skinny_counters` for at least N columns (default: fresh ones; a layer
     passes its own, so no zeroing kernel runs per call). The config's pipeline runs with
     fewer stages where its tiles would not fit shared memory (`pipeline_stages`)."""
+    return _launch(x, weight, bias, config, counters, gated=gated, glu=glu)[0]
+
+
+def rms_norm_skinny_gemm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig = DEFAULT_SKINNY_CONFIG,
+    counters: torch.Tensor | None = None,
+    *,
+    glu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + residual) @ weight^T (+ bias) for M <= 16 rows in one kernel, rounded as
+    `fused_add_rms_norm` followed by `skinny_gemm` rounds (glu as there). Returns (y, the new
+    residual x + residual, or x itself without a residual)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must match x in shape and dtype")
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"the norm weight must be [{x.shape[-1]}], got {list(norm_weight.shape)}")
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    y, res_out = _launch(x, weight, bias, config, counters, glu=glu,
+                         norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
+    return y, res_out if res_out is not None else x
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig,
+    counters: torch.Tensor | None,
+    *,
+    gated: bool = False,
+    glu: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError("skinny_gemm needs a 2-D x and weight")
     m = x.shape[0]
@@ -306,25 +408,30 @@ def skinny_gemm(
                            device=x.device)  # fmt: skip
     else:
         counters = part = y
+    res_out = torch.empty_like(x) if residual is not None else None
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = use_pdl(x)
     _skinny_gemm_kernel[(blocks, splits)](
-        x, weight, bias if bias is not None else y, y, part, counters, m, n, k, x.stride(0),
+        x, weight, bias if bias is not None else y, y, part, counters,
+        residual if residual is not None else y, norm_weight,
+        res_out if res_out is not None else y, float(eps), m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), per_split // config.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, GATED=gated, GLU=glu,
         IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
         SPLIT=splits > 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
-        num_stages=pipeline_stages(config, x.element_size(), gated, glu), **pdl_kwargs(pdl),
+        num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, glu),
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, **pdl_kwargs(pdl),
     )  # fmt: skip
-    return y
+    return y, res_out
 
 
 class SkinnyChoice(NamedTuple):
     """What `tune_skinny` chose for one weight shape at one row count."""
 
     config: SkinnyConfig | None  # None: the BLAS library
-    fuses_input: bool  # whether the config forms a gated input in its prologue
+    fuses_input: bool  # whether the config forms the input (gated or normed) in its prologue
     ms: float  # GPU time of the chosen form, per call
     timings: dict[str, float]  # every form timed, in ms per call
 
@@ -337,13 +444,16 @@ def tune_skinny(
     gated: bool = False,
     glu: bool = False,
     configs: Sequence[SkinnyConfig] | None = None,
+    normed: bool = False,
 ) -> SkinnyChoice:
     """Time the BLAS library and each config (default `SKINNY_CONFIGS`) at `rows` rows over
     these same-shape CUDA weights, in a CUDA graph as decode runs them (the layers' own
     weights: nothing is copied and nothing is served from L2).
 
     gated: the input is [gate, up] and needs SiLU-and-mul, timed inside the kernel and as a
-    kernel of its own before it (the library always takes it as its own kernel); glu: the
+    kernel of its own before it (the library always takes it as its own kernel); normed: the
+    input needs the residual add and RMSNorm, likewise timed in the kernel's prologue
+    (`rms_norm_skinny_gemm`) and as the norm kernel before it; glu: the
     output goes through SiLU-and-mul, in the kernel's epilogue or, for the library, as a
     kernel after it. A config counts only if it agrees with the library (within 2 % of the
     output's largest magnitude); the fastest is kept only when it beats the library by 2 %."""
@@ -351,17 +461,29 @@ def tune_skinny(
     n, k = weights[0].shape
     device = weights[0].device
     x = torch.randn(rows, 2 * k if gated else k, dtype=weights[0].dtype, device=device)
+    residual, norm_w = torch.randn_like(x), torch.ones(k, dtype=x.dtype, device=device)
     counters = skinny_counters(n, device)
 
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        if normed:
+            return fused_add_rms_norm(x, residual, norm_w, 1e-5)[0]
+        return silu_and_mul(x) if gated else x
+
+    def fused(w: torch.Tensor, b: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
+        if normed:
+            return rms_norm_skinny_gemm(x, residual, norm_w, 1e-5, w, b, cfg, counters,
+                                        glu=glu)[0]  # fmt: skip
+        return skinny_gemm(x, w, b, cfg, counters, gated=gated, glu=glu)
+
     def library(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        y = F.linear(silu_and_mul(x) if gated else x, w, b)
+        y = F.linear(transform(x), w, b)
         return silu_and_mul(y) if glu else y
 
+    transformed = gated or normed
     candidates: list[Candidate] = []
     for cfg in SKINNY_CONFIGS if configs is None else configs:
-        candidates.append((str(cfg), cfg, gated, lambda w, b, c=cfg: skinny_gemm(
-            x, w, b, c, counters, gated=gated, glu=glu)))  # fmt: skip
-        if gated:
+        candidates.append((str(cfg), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
+        if transformed:
             candidates.append((f"unfused {cfg}", cfg, False, lambda w, b, c=cfg: skinny_gemm(
-                silu_and_mul(x), w, b, c, counters, glu=glu)))  # fmt: skip
+                transform(x), w, b, c, counters, glu=glu)))  # fmt: skip
     return SkinnyChoice(*fastest_against_library(library, candidates, pairs, reps))

@@ -201,10 +201,11 @@ def _plan_groups(
             normed=key.input_transform is InputTransform.RMS_NORM,
         )  # fmt: skip
         choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
-        # A normed input is formed by its own kernel before the few-row matmul, as before
-        # the library's: the same cost either way, so it is left out of the timing.
+        # A normed input is timed in the few-row matmul's prologue and as the norm kernel
+        # before it (or before the library), as at one row.
+        normed = key.input_transform is InputTransform.RMS_NORM
         few[key] = [
-            tune_skinny(weights, biases, rows, gated=gated, configs=skinny_configs)
+            tune_skinny(weights, biases, rows, gated=gated, configs=skinny_configs, normed=normed)
             for rows in ladder
         ]
         for rows, row_choice in zip(ladder, few[key], strict=True):
@@ -261,7 +262,8 @@ def _pair_mlp(
         one_row[cons] = _tuned_entry(cons.input_transform, plain, TritonGemv, 1,
                                      entry_input=InputTransform.NONE)  # fmt: skip
     for i, rows in enumerate(ladder):
-        few_glu = tune_skinny(prod_weights, biases, rows, glu=True, configs=skinny_configs)
+        few_glu = tune_skinny(prod_weights, biases, rows, glu=True, configs=skinny_configs,
+                              normed=normed)  # fmt: skip
         few_plain = tune_skinny(cons_weights, None, rows, configs=skinny_configs)
         timings[(prod.n, prod.k)].update(
             {f"{rows} rows: glu {name}": t for name, t in few_glu.timings.items()}

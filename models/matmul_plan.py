@@ -47,7 +47,13 @@ from kernels.cpu_gemm import (
 )
 from kernels.cpu_linear import pack_weight, packed_linear
 from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
-from kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyConfig, skinny_counters, skinny_gemm
+from kernels.skinny_gemm import (
+    SKINNY_MAX_ROWS,
+    SkinnyConfig,
+    rms_norm_skinny_gemm,
+    skinny_counters,
+    skinny_gemm,
+)
 
 __all__ = [
     "Blas",
@@ -183,7 +189,9 @@ class TritonSkinnyGemm(MatmulKind):
     config: SkinnyConfig
     name: ClassVar[str] = "Triton skinny GEMM"
     max_rows: ClassVar[int | None] = SKINNY_MAX_ROWS
-    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset({InputTransform.SILU_AND_MUL})
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
+        {InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL}
+    )
     fusable_epilogues: ClassVar[frozenset[Epilogue]] = frozenset({Epilogue.SILU_AND_MUL})
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -200,6 +208,14 @@ class TritonSkinnyGemm(MatmulKind):
     ) -> torch.Tensor:  # fmt: skip
         counters = getattr(layer, "skinny_counters", None)
         return skinny_gemm(x, layer.weight, bias, self.config, counters, gated=gated, glu=glu)
+
+    def apply_normed(
+        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+        norm: Norm, bias: torch.Tensor | None, *, glu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        counters = getattr(layer, "skinny_counters", None)
+        return rms_norm_skinny_gemm(x, residual, norm.weight, norm.eps, layer.weight, bias,
+                                    self.config, counters, glu=glu)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"

@@ -264,7 +264,7 @@ def test_decode_planning_keeps_the_mlp_pair_consistent(
         return GemvChoice(TILED, gated or normed, ms, {"blas": 2.0, str(TILED): ms})
 
     def library_wins(weights, biases=None, rows=8, reps=5, gated=False, glu=False,
-                     configs=None) -> SkinnyChoice:  # fmt: skip
+                     configs=None, normed=False) -> SkinnyChoice:  # fmt: skip
         return SkinnyChoice(None, False, 1.0, {"blas": 1.0})
 
     monkeypatch.setattr(tuning, "tune_gemv", fake_tune_gemv)
@@ -317,8 +317,9 @@ def test_few_row_entries_go_to_the_skinny_matmul_where_it_wins(
         return GemvChoice(None, False, 1.0, {"blas": 1.0})
 
     def fake_tune_skinny(weights, biases=None, rows=8, reps=5, gated=False, glu=False,
-                         configs=None) -> SkinnyChoice:  # fmt: skip
-        calls.append({"rows": rows, "gated": gated, "glu": glu, "configs": configs})
+                         configs=None, normed=False) -> SkinnyChoice:  # fmt: skip
+        calls.append({"rows": rows, "gated": gated, "glu": glu, "configs": configs,
+                      "normed": normed, "shape": tuple(weights[0].shape)})  # fmt: skip
         if rows > 8:
             return SkinnyChoice(None, False, 1.0, {"blas": 1.0, str(SKINNY): 1.5})
         # The MLP as a pair (the gate/up matmul with its epilogue, the down projection on a
@@ -337,6 +338,8 @@ def test_few_row_entries_go_to_the_skinny_matmul_where_it_wins(
     # Three groups at four row counts, then the MLP pair's two forms at each.
     assert sorted({call["rows"] for call in calls}) == list(tuning.SKINNY_ROW_LADDER)
     assert len(calls) == 3 * 4 + 2 * 4
+    # The normed groups (qkv, gate/up) are timed with their norm; the down projection not.
+    assert {c["shape"] for c in calls if c["normed"]} == {(24, 16), (64, 16)}
     assert f"8 rows: {SKINNY}" in timings[(24, 16)]
     for name in ("qkv_proj", "gate_up_proj", "down_proj"):
         layers[name].set_plan(plans[layers[name]])

@@ -233,8 +233,9 @@ def test_entries_check_what_their_kind_can_do() -> None:
         PlanEntry(Blas(), input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="at most 16 rows"):
         PlanEntry(SKINNY, 17)
+    assert PlanEntry(SKINNY, 16, input=NORM, fuse_input=True).fuse_input
     with pytest.raises(ValueError, match="cannot apply rms_norm"):
-        PlanEntry(SKINNY, 16, input=NORM, fuse_input=True)
+        PlanEntry(CpuPacked(), 16, input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="no silu_and_mul epilogue"):
         PlanEntry(CpuPacked(), 64, epilogue=GLU)
     with pytest.raises(ValueError, match="any number of rows"):
