@@ -57,6 +57,7 @@ POINTER_TYPES = {
     "ws_ptr": "*fp32",
     "in_scale_ptr": "*fp32",
     "s_ptr": "*fp32",
+    "norm_w_ptr": "*bf16",
 }
 # Variants with KV_FP8 on read and write an e4m3 cache; GEMVs with HAS_SCALE read e4m3 rows.
 FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
@@ -143,6 +144,13 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
+    # RMSNorm and the residual add in the prologue (qkv; gate/up with the GLU epilogue).
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=False, BLOCK_N=64,
+          BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
+    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
+          BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
     # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile split along K,
     # tiles spanning four groups (g32) and inside one (per channel), the 128-row tile.
     ("kernels.quant_linear", "_quant_gemm_kernel",
