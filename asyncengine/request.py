@@ -85,6 +85,9 @@ class Request:
     # Speculative decoding: drafts for the next step (not tokens of the request until the
     # target keeps them) and the proposer's adaptive state for this request.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distributions its drafts were drawn from, float32 [len(drafts), vocab] on the
+    # device (a draft model's drafts for a request that samples); None: point masses.
+    spec_draft_probs: torch.Tensor | None = field(default=None, repr=False)
     spec_state: SpecState | None = field(default=None, repr=False)
     # Draft-model speculation: leading positions whose K/V the draft model holds in the
     # request's blocks (zero again whenever the request loses its blocks).

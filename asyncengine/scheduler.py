@@ -298,6 +298,7 @@ class Scheduler:
         for req in victims:
             self.running.remove(req)
             req.spec_token_ids = []
+            req.spec_draft_probs = None
             req.num_draft_computed_tokens = 0  # its blocks (or their draft K/V) go
             self.num_preemptions += 1
             req.metrics.num_preemptions += 1

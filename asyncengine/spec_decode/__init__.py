@@ -2,7 +2,8 @@
 
 - `config`: `speculative_config` (vLLM's spelling) and its checks.
 - `ngram`: prompt-lookup drafts from the request's own tokens.
-- `draft_model`: greedy drafts from a smaller model whose K/V shares the target's blocks.
+- `draft_model`: drafts from a smaller model whose K/V shares the target's blocks.
+- `draft_sampling`: the draft model's picks: argmax, or a sample from its q kept for verifying.
 - `forced`: the tokens a request's grammar forces next (exact jump-forward).
 - `rejection_sampler`: greedy and sampled verification, exact in distribution.
 - `verify`: the verify step on the device and its host-side verdicts.

@@ -60,7 +60,9 @@ FIRST_FORCED_CAP = 4
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
-        """Up to `num_drafts[i]` draft tokens continuing `requests[i]`'s tokens."""
+        """Up to `num_drafts[i]` draft tokens continuing `requests[i]`'s tokens. A proposer
+        that samples its drafts sets `Request.spec_draft_probs` to the distributions it drew
+        them from (else they are point masses)."""
         ...
 
 
@@ -117,6 +119,7 @@ class SpecDecoder:
         room: list[int] = []
         for req in running:
             req.spec_token_ids = []
+            req.spec_draft_probs = None
             if req.spec_state is not None:
                 req.spec_state.forced = False
             in_flight = req.num_pending_tokens > 0
@@ -149,7 +152,9 @@ class SpecDecoder:
         assert self.proposer is not None
         for req, n, drafts in zip(batch, room, self.proposer.propose(batch, room), strict=True):
             drafts = list(drafts[:n])
-            if req.grammar is not None:  # verify only what the grammar allows
+            # Verify only what the grammar allows. Cutting at a forbidden draft is exact for
+            # point masses only, so draft models draft constrained requests by argmax.
+            if req.grammar is not None:
                 drafts = drafts[: req.grammar.num_allowed(drafts)]
             req.spec_token_ids = drafts
             if not drafts and self.count_empty_proposals:
@@ -174,6 +179,7 @@ class SpecDecoder:
         for v in verdicts:
             req = v.request
             req.spec_token_ids = []
+            req.spec_draft_probs = None
             if req.is_finished:  # aborted while in flight: its blocks are gone
                 continue
             state = self._state(req)

@@ -1,5 +1,5 @@
-"""The draft-model proposer: a smaller model of the target's vocabulary drafts k tokens
-greedily, with its own K/V kept in the target's KV blocks.
+"""The draft-model proposer: a smaller model of the target's vocabulary drafts k tokens,
+with its own K/V kept in the target's KV blocks.
 
 Every block of the pool holds the target's K/V and the draft's (the model runner's
 `draft_kv_cache`: the same block ids, a second, smaller cache per draft layer), so the pool
@@ -14,10 +14,12 @@ count drops to zero when the request loses its blocks (preemption, `Scheduler._p
 Proposing, for the requests `SpecDecoder.propose` hands over: reserve the slots of the
 draft tokens' K/V, run the draft over each request's tokens it has not seen (chunked to the
 token budget) to get the first draft from the last position, then k - 1 one-token steps
-batched over the requests, each feeding the previous step's argmax. The drafts stay on the
-device until the last step; one copy brings them to the host. Greedy drafts are point
-masses, which the rejection sampler verifies exactly (`rejection_sampler`). The draft runs
-eagerly (no CUDA graphs).
+batched over the requests, each feeding the previous step's drafts. A greedy request's
+drafts are the draft's argmax (point masses); a request that samples draws its drafts from
+the draft's own distribution q under its sampling parameters, and q's rows stay on the
+device with the drafts (`Request.spec_draft_probs`) for the verify step, which accepts with
+min(1, p/q) (`draft_sampling`, `rejection_sampler`). The drafts stay on the device until the
+last step; one copy brings them to the host. The draft runs eagerly (no CUDA graphs).
 
 Refused at start, naming `speculative_config.model`: a missing directory, a vocabulary other
 than the target's (the config's `vocab_size`, and the tokenizers where both have one), and a
@@ -40,6 +42,7 @@ from asyncengine.block_pool import BlockPool
 from asyncengine.model_runner import KVCache, step_inputs, token_layout
 from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
+from asyncengine.spec_decode.draft_sampling import DraftSampling
 from asyncengine.step_buffer import StepHeader, pack, unpack
 from kernels.paged_attention import decode_plan
 from models.config import ModelConfig
@@ -143,7 +146,9 @@ def load_draft_model(
 
 
 class DraftModelProposer:
-    """Greedy drafts from a draft model whose K/V lives in the target's KV blocks."""
+    """Drafts from a draft model whose K/V lives in the target's KV blocks: argmax drafts
+    for greedy requests, drafts sampled from the draft's q for requests that sample
+    (`sample_drafts` False: argmax drafts for all)."""
 
     def __init__(
         self,
@@ -153,8 +158,10 @@ class DraftModelProposer:
         *,
         device: torch.device,
         max_num_batched_tokens: int,
+        sample_drafts: bool = True,
     ) -> None:
         self.draft = draft
+        self.sample_drafts = sample_drafts
         self.model = draft.model
         self.pool = pool
         self.device = device
@@ -188,10 +195,17 @@ class DraftModelProposer:
                 counts.append(n)
         if not rows:
             return out
+        batch = [requests[i] for i in rows]
         with torch.inference_mode():
-            drafts = self._run([requests[i] for i in rows], counts)
-        for i, n, ids in zip(rows, counts, drafts.tolist(), strict=True):
+            sampling = None
+            if self.sample_drafts:
+                sampling = DraftSampling.build(batch, counts, self.draft.config.vocab_size,
+                                               self.device)  # fmt: skip
+            drafts = self._run(batch, counts, sampling)
+        for b, (i, n, ids) in enumerate(zip(rows, counts, drafts.tolist(), strict=True)):
             out[i] = ids[:n]
+            if sampling is not None:
+                requests[i].spec_draft_probs = sampling.probs_of(b, n)
         return out
 
     def _reserve(self, req: Request, n: int) -> bool:
@@ -203,13 +217,21 @@ class DraftModelProposer:
         num_new = req.num_tokens + n - 1 - req.num_computed_tokens
         return self.pool.allocate_slots(req, num_new) is not None
 
-    def _run(self, reqs: list[Request], counts: list[int]) -> torch.Tensor:
-        """[len(reqs), max(counts)] draft ids on the device (row i valid up to counts[i])."""
-        first = self._catch_up(reqs)
-        drafts = torch.full((len(reqs), max(counts)), -1, dtype=torch.int64, device=self.device)
-        drafts[:, 0] = first
+    def _run(
+        self, reqs: list[Request], counts: list[int], sampling: DraftSampling | None
+    ) -> torch.Tensor:
+        """[len(reqs), max(counts)] draft ids on the device (row i valid up to counts[i]);
+        `sampling` (None: argmax for all) picks them and keeps q of those it samples."""
+
+        def pick(logits: torch.Tensor, rows: list[int], j: int) -> torch.Tensor:
+            if sampling is None:
+                return logits.argmax(dim=-1)
+            return sampling.pick(logits, rows, j)
+
         active = list(range(len(reqs)))
-        tokens = first
+        tokens = pick(self._catch_up(reqs), active, 0)
+        drafts = torch.full((len(reqs), max(counts)), -1, dtype=torch.int64, device=self.device)
+        drafts[:, 0] = tokens
         for j in range(1, max(counts)):
             keep = [a for a, row in enumerate(active) if counts[row] > j]
             if len(keep) < len(active):
@@ -217,15 +239,16 @@ class DraftModelProposer:
                 active = [active[a] for a in keep]
             batch = [reqs[row] for row in active]
             starts = [r.num_tokens - 1 + j for r in batch]
-            tokens = self._forward(batch, starts, [1] * len(batch), device_ids=tokens)
+            logits = self._forward(batch, starts, [1] * len(batch), device_ids=tokens)
+            tokens = pick(logits, active, j)
             drafts[torch.tensor(active, device=self.device), j] = tokens
         return drafts
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Run the draft over each request's tokens missing from its cache, up to and with
         the last one, in forwards of at most `max_num_batched_tokens` tokens; returns the
-        argmax at each request's last token (its first draft)."""
-        first = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+        draft's logits at each request's last token (its first draft's), [len(reqs), V]."""
+        first: torch.Tensor | None = None
         # Only positions the target holds computed are trusted (a safeguard: the count never
         # passes the known tokens of the last proposal, which are computed by now).
         todo = [(i, min(r.num_draft_computed_tokens, r.num_computed_tokens))
@@ -250,6 +273,8 @@ class DraftModelProposer:
                                  host_ids=ids)  # fmt: skip
             done = [k for k, (i, s, n) in enumerate(batch) if s + n == reqs[i].num_tokens]
             if done:
+                if first is None:
+                    first = last.new_empty((len(reqs), last.shape[1]))
                 index = torch.tensor(done, device=self.device)
                 first[torch.tensor([batch[k][0] for k in done], device=self.device)] = (
                     last.index_select(0, index)
@@ -257,6 +282,7 @@ class DraftModelProposer:
             for i, s, n in batch:
                 reqs[i].num_draft_computed_tokens = s + n
             todo = later
+        assert first is not None  # every request's last token was run
         return first
 
     def _forward(
@@ -269,7 +295,7 @@ class DraftModelProposer:
         device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
-        (ids from the host or already on the device); the argmax at each one's last token.
+        (ids from the host or already on the device); the logits at each one's last token.
         The step is laid out as the model runner lays out a target step (`step_buffer`)."""
         b = len(reqs)
         lens_a = np.asarray(lens, dtype=np.int64)
@@ -304,5 +330,4 @@ class DraftModelProposer:
         inputs = step_inputs(header, buffer, parts, [])
         with set_forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]
-        return logits.argmax(dim=-1)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]

@@ -120,8 +120,11 @@ def launch_verify(
     row_params, row_prompts, row_outputs, row_gens = [], [], [], []
     draft_ids: list[int] = []
     random_rows: list[bool] = []
+    draft_probs: list[tuple[int, torch.Tensor]] = []  # (first row, q of its k drafts)
     for req, k in zip(reqs, spec, strict=True):
         drafts = req.spec_token_ids[:k]
+        if k and req.spec_draft_probs is not None and not req.params.is_greedy:
+            draft_probs.append((len(draft_ids), req.spec_draft_probs[:k]))
         for j in range(k + 1):
             row_params.append(req.params)
             row_prompts.append(req.prompt_token_ids)
@@ -136,7 +139,7 @@ def launch_verify(
     num_top = meta.max_num_logprobs
     meta.max_num_logprobs = None  # logprobs are of the emitted tokens, gathered below
     sampled = sampler(logits, meta).sampled_token_ids
-    out, accepted = verify_rows(logits, meta, sampled, draft_ids, random_rows)
+    out, accepted = verify_rows(logits, meta, sampled, draft_ids, random_rows, draft_probs)
     logprobs = None
     if num_top is not None:
         raw = torch.log_softmax(logits.to(torch.float32), dim=-1)

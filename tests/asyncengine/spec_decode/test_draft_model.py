@@ -1,7 +1,9 @@
 """The draft-model proposer in the engine: greedy output equals the non-speculative engine's
 token for token under every scheduling path, a draft identical to the target has every draft
-accepted (so its K/V in the shared blocks is never stale), the pool is sized for both models'
-K/V, and a draft of another vocabulary, a larger one or a missing one is refused at start."""
+accepted (so its K/V in the shared blocks is never stale), sampled requests draft by sampling
+(accepting more than argmax drafts would, seeded ones alike run to run), the pool is sized
+for both models' K/V, and a draft of another vocabulary, a larger one or a missing one is
+refused at start."""
 
 from __future__ import annotations
 
@@ -171,6 +173,85 @@ def test_draft_kv_is_rolled_back_with_the_target(pair: tuple[Path, Path]) -> Non
             assert req.num_draft_computed_tokens <= req.num_computed_tokens
     assert engine.spec_decoder.metrics.num_drafts > 0
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+
+def test_sampled_drafts_accept_more_than_argmax_drafts(pair: tuple[Path, Path]) -> None:
+    """The target as its own draft: drafts sampled from q = p are all kept, argmax drafts
+    (point masses) only with probability p(argmax)."""
+    target = pair[0]
+    rates = {}
+    for sample_drafts in (True, False):
+        llm = draft_llm(target, draft_config(target, 3))
+        llm.llm_engine.spec_decoder.proposer.sample_drafts = sample_drafts
+        outs = llm.generate(prompts(), SAMPLED, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+        assert {o.outputs[0].finish_reason for o in outs} == {"length"}
+        stats = llm.llm_engine.get_stats().spec_decode
+        assert stats is not None and stats.num_draft_tokens > 0
+        rates[sample_drafts] = stats.acceptance_rate
+        assert_pool_clean(llm)
+    assert rates[True] == 1.0
+    assert rates[False] < 0.9
+
+
+def record_proposals(llm: LLM) -> list[tuple[str, list[int], list[int], torch.Tensor | None]]:
+    """(request id, tokens, drafts, q) of every proposal the engine's draft model makes."""
+    proposer = llm.llm_engine.spec_decoder.proposer
+    seen: list[tuple[str, list[int], list[int], torch.Tensor | None]] = []
+    propose = proposer.propose
+
+    def recording(requests, num_drafts):  # type: ignore[no-untyped-def]
+        out = propose(requests, num_drafts)
+        seen.extend((r.request_id, list(r.all_token_ids), d, r.spec_draft_probs)
+                    for r, d in zip(requests, out, strict=True) if d)  # fmt: skip
+        return out
+
+    proposer.propose = recording
+    return seen
+
+
+def test_seeded_sampled_drafts_repeat_run_to_run(base: LLM, pair: tuple[Path, Path]) -> None:
+    """A smaller draft, seeded sampled requests next to greedy ones: two engines of other
+    seeds propose the same drafts and emit the same tokens; q is kept, [drafts, vocab]
+    float32, for the sampled requests only; greedy output equals the non-speculative
+    engine's."""
+    target, draft = pair
+    ps = prompts()
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
+        if i % 2 else GREEDY
+        for i in range(len(ps))
+    ]  # fmt: skip
+    runs = []
+    for engine_seed in (0, 1):
+        llm = draft_llm(target, draft_config(draft, 4), seed=engine_seed)
+        # Pauses by the measured cost of a step would make which steps verify, and so what
+        # the seeded streams draw, depend on timing: leave the cost at its start.
+        llm.llm_engine.spec_decoder.observe_step = lambda *_, **__: None
+        seen = record_proposals(llm)
+        outs = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        m = llm.llm_engine.spec_decoder.metrics
+        assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+        assert_pool_clean(llm)
+        runs.append((outs, [(tokens, drafts) for _, tokens, drafts, _ in seen]))
+        for rid, _, drafts, q in seen:
+            if params[int(rid.rsplit("-", 1)[1])].is_greedy:  # LLM ids: offline-<i>
+                assert q is None
+            else:
+                assert q is not None and q.dtype == torch.float32
+                assert q.shape == (len(drafts), VOCAB)
+                # Each draft was drawn from its row of q.
+                assert bool((q.gather(1, torch.tensor(drafts).unsqueeze(1)) > 0).all())
+                torch.testing.assert_close(q.sum(dim=1), torch.ones(len(drafts)))
+    assert runs[0] == runs[1]
+    assert any(q is not None for *_, q in seen) and any(q is None for *_, q in seen)
+    want = generate(base, ps, GREEDY)
+    for i, (w, got) in enumerate(zip(want, runs[0][0], strict=True)):
+        if params[i].is_greedy:
+            assert got == w
 
 
 @pytest.mark.parametrize("case", ["default", "chunked", "preempt_recompute"])

@@ -1,7 +1,8 @@
 """Sampled requests keep the target's distribution through the verify step: many samples of
 the first three tokens from a tiny model, without speculation, with drafts from the target's
-top-k and with a draft model's greedy drafts, against the exact joint probabilities computed
-by HF transformers on the same weights (chi-square)."""
+top-k, with another draft model's drafts sampled from its own q, with the target as its own
+draft (q = p: every draft kept) and with its argmax drafts, against the exact joint
+probabilities computed by HF transformers on the same weights (chi-square)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
+from tests.asyncengine.spec_decode.test_draft_model import save_hf
 from tests.asyncengine.spec_decode.test_rejection_sampler import chi2_pvalue
 
 PROMPT = [17, 250, 31, 99, 4, 310]
@@ -84,17 +86,38 @@ def exact(target_top_k: dict[tuple[int, ...], dict[int, float]]
     return joint
 
 
-@pytest.mark.parametrize("proposer", ["none", "top_k", "draft_model"])
+@pytest.fixture(scope="module")
+def damped_draft(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with its second layer's outputs halved: q near p but not equal (a draft
+    of the target's own size, which a draft may be)."""
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if ".layers.1." in name and ("o_proj" in name or "down_proj" in name):
+                p.mul_(0.5)
+    return save_hf(draft, tiny_llama_dir, tmp_path_factory.mktemp("damped") / "draft")
+
+
+PROPOSERS = ["none", "top_k", "draft_model", "draft_model_same", "draft_model_argmax"]
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
 def test_sampled_tokens_follow_the_target(
     tiny_llama_dir: Path,
+    damped_draft: Path,
     exact: dict[tuple[int, int, int], float],
     target_top_k: dict[tuple[int, ...], dict[int, float]],
     proposer: str,
 ) -> None:
     # A draft budget that keeps k = 2 for a batch of 128.
     config = {"method": "ngram", "num_speculative_tokens": 2, "max_draft_tokens_per_step": 512}
-    if proposer == "draft_model":  # the target as its own draft: its greedy drafts
-        config = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2,
+    if proposer.startswith("draft_model"):
+        # Drafts sampled from another draft's q; or the target as its own draft, its
+        # drafts sampled from q = p, or its argmax drafts (point masses).
+        draft = damped_draft if proposer == "draft_model" else tiny_llama_dir
+        config = {"model": str(draft), "num_speculative_tokens": 2,
                   "max_draft_tokens_per_step": 512}  # fmt: skip
     speculate = proposer != "none"
     llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", seed=3, max_num_seqs=128,
@@ -102,6 +125,8 @@ def test_sampled_tokens_follow_the_target(
     decoder = llm.llm_engine.spec_decoder
     if proposer == "top_k":
         decoder.proposer = TopKCandidates({c: list(p) for c, p in target_top_k.items()})
+    if proposer == "draft_model_argmax":
+        decoder.proposer.sample_drafts = False
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, ignore_eos=True)
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
@@ -114,9 +139,11 @@ def test_sampled_tokens_follow_the_target(
     assert p > 1e-3
     if speculate:
         m = decoder.metrics
-        # Both kept and rejected drafts at both positions decided the samples.
         assert m.num_drafts >= N // 2
-        assert 0 < m.accepted_per_pos[1] < m.accepted_per_pos[0] < m.num_drafts
+        if proposer == "draft_model_same":
+            assert m.num_accepted_tokens == m.num_draft_tokens
+        else:  # both kept and rejected drafts at both positions decided the samples
+            assert 0 < m.accepted_per_pos[1] < m.accepted_per_pos[0] < m.num_drafts
 
 
 def test_exact_table_sums_to_one(exact: dict[tuple[int, int, int], float]) -> None:
