@@ -221,7 +221,7 @@ class CpuGemmLib:
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        x = _rows(x)
+        x, bias = _rows(x), _contiguous(bias)
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
         self._gemm(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, _ptr(bias),
@@ -232,7 +232,7 @@ class CpuGemmLib:
     def linear_gated(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                      bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """(silu(gate) * up) @ W^T for x [M, 2K] holding [gate, up]."""
-        x = _rows(x)
+        x, bias = _rows(x), _contiguous(bias)
         m, k = x.shape[0], x.shape[1] // 2
         scratch = torch.empty(m, k, dtype=torch.float32)
         y = torch.empty(m, n, dtype=torch.float32)
@@ -246,7 +246,7 @@ class CpuGemmLib:
         eps: float, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """rms_norm(x + residual) @ W^T and x + residual (rms_norm(x) and x without one)."""
-        x = _rows(x)
+        x, bias, norm_weight = _rows(x), _contiguous(bias), norm_weight.contiguous()
         m, k = x.shape
         scratch = torch.empty(m, k, dtype=torch.float32)
         y = torch.empty(m, n, dtype=torch.float32)
@@ -257,7 +257,7 @@ class CpuGemmLib:
             new_res = torch.empty(m, k, dtype=torch.float32)
         self._fused(2, x.data_ptr(), m, x.stride(0), _ptr(res), 0 if res is None else
                     res.stride(0), None if res is None else new_res.data_ptr(),
-                    norm_weight.contiguous().data_ptr(), eps, scratch.data_ptr(),
+                    norm_weight.data_ptr(), eps, scratch.data_ptr(),
                     packed.data_ptr(), n, k, _ptr(bias), y.data_ptr(), n)  # fmt: skip
         return y, new_res
 
@@ -269,8 +269,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    # Bound to a name by the caller: a copy made inside an argument list would be freed
+    # before the C call reads it.
+    return None if t is None else t.contiguous()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.contiguous().data_ptr()
+    """The address of a tensor the caller holds (contiguous already)."""
+    return None if t is None else t.data_ptr()
 
 
 @functools.cache

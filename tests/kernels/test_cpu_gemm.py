@@ -63,6 +63,22 @@ def test_strided_and_non_contiguous_inputs() -> None:
                                atol=1e-4, rtol=1e-5)  # fmt: skip
 
 
+def test_strided_bias_and_norm_weight() -> None:
+    """A bias or norm weight that is a strided view is copied, and the copy outlives the C
+    call (a temporary made in the argument list would be freed before the kernel reads it)."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(30, 40, generator=gen), torch.randn(3, 40, generator=gen)
+    packed = pack_gemm_weight(w)
+    bias = torch.randn(60, generator=gen)[::2]
+    norm_w = torch.randn(80, generator=gen)[::2]
+    assert not bias.is_contiguous() and not norm_w.is_contiguous()
+    torch.testing.assert_close(gemm_linear(x, packed, 30, bias), F.linear(x, w, bias),
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+    y, _ = gemm_linear_normed(x, None, norm_w, 1e-5, packed, 30, bias)
+    torch.testing.assert_close(y, F.linear(rms_norm_ref(x, norm_w, 1e-5), w, bias), atol=1e-4,
+                               rtol=1e-5)  # fmt: skip
+
+
 def test_rejects_other_dtypes() -> None:
     packed = pack_gemm_weight(torch.randn(8, 8))
     with pytest.raises(TypeError):
