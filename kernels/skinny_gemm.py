@@ -54,6 +54,9 @@ __all__ = [
 
 # The most rows the kernel takes: one tensor-core tile of rows.
 SKINNY_MAX_ROWS = 16
+# Columns of the norm prologue's rstd pass per load: 128 keeps the compiled kernel's
+# registers near the unfused kernel's on sm_90 (86 and 114 with GLU; 512 spilled).
+NORM_BLOCK = 128
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
 # Shared memory a program may take on sm_90.
@@ -133,28 +136,41 @@ def _load_rows(ptr, rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, kk, K, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) [16, chunk] of the real rows (`row_ok`; zeros elsewhere and past K),
+    rounded to the dtype as `fused_add_rms_norm` rounds the sum."""
+    mask = row_ok[:, None] & (kk < K)[None, :]
+    h = tl.load(x_ptr + x_rows[:, None] + kk[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + res_rows[:, None] + kk[None, :], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
 def _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, row_ok, K, eps, write,
-               EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    """RMSNorm's 1 / rms [16] of each row of x (+ residual), over the whole row whatever
-    this program's K split; `write`: this program also stores x + residual (the new
-    residual) for the real rows (`row_ok`). Each row sum is rounded to the dtype first, as
-    `fused_add_rms_norm` rounds it."""
-    dt = x_ptr.dtype.element_ty
-    offs_k = tl.arange(0, BLOCK_K)
+               HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr):  # fmt: skip
+    """RMSNorm's 1 / rms [16] of each real row of x (+ residual), over the whole row whatever
+    this program's K split (padding rows get a finite value their unstored outputs never
+    use); `write`: this program also stores x + residual (the new residual) for the real
+    rows. The pass runs before the first dot, so its latency is the program's: it reads only
+    the real rows, in wide chunks, the next chunk requested before the current one is
+    reduced (loads that feed no dot are not pipelined by the compiler)."""
+    offs = tl.arange(0, NORM_BLOCK)
     sumsq = tl.zeros([16], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        h = _load_rows(x_ptr, x_rows, kk, K, EVEN_K)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + _load_rows(res_ptr, res_rows, kk, K, EVEN_K).to(tl.float32)
-                 ).to(dt)  # fmt: skip
-            if write:
-                tl.store(res_out_ptr + res_rows[:, None] + kk[None, :], h,
-                         mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
+    h_next = _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, offs, K, HAS_RESIDUAL)
+    for k0 in range(0, K, NORM_BLOCK):
+        h = h_next
+        h_next = _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, k0 + NORM_BLOCK + offs,
+                             K, HAS_RESIDUAL)  # fmt: skip
+        if HAS_RESIDUAL and write:
+            kk = k0 + offs
+            tl.store(res_out_ptr + res_rows[:, None] + kk[None, :], h,
+                     mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
         hf = h.to(tl.float32)
         sumsq += tl.sum(hf * hf, axis=1)
-    return tl.rsqrt(sumsq / K + eps)
+    # Padding rows get 0: their wrapped inputs then norm to zeros, not to overflows.
+    return tl.where(row_ok, tl.rsqrt(sumsq / K + eps), 0.0)
 
 
 @triton.jit
@@ -231,6 +247,7 @@ def _skinny_gemm_kernel(
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 128,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
@@ -269,7 +286,7 @@ def _skinny_gemm_kernel(
         # cheaper than a norm kernel's launch and round trip at a few rows.
         write = (pid_n == 0) & (pid_k == 0)
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, offs_m < M, K, eps,
-                          write, EVEN_K, HAS_RESIDUAL, BLOCK_K)  # fmt: skip
+                          write, HAS_RESIDUAL, NORM_BLOCK)  # fmt: skip
     x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr, res_rows,
                      norm_w_ptr, rstd)  # fmt: skip
     acc = _tile_product(w, x, IEEE, DOT_FP32)
@@ -422,7 +439,9 @@ def _launch(
         SPLIT=splits > 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
         num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, glu),
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, **pdl_kwargs(pdl),
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        **({"NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(k))} if norm is not None else {}),
+        **pdl_kwargs(pdl),
     )  # fmt: skip
     return y, res_out
 
