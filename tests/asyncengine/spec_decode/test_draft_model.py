@@ -480,3 +480,25 @@ def test_gpu_greedy_equals_without_speculation(
     assert same.llm_engine.scheduler.num_preemptions > 0
     assert_pool_clean(same)
     same.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_swap_preemption_keeps_every_draft(pair: tuple[Path, Path]) -> None:
+    """On the GPU (asynchronous scheduling, pinned swap space, CUDA graphs): the target as
+    its own draft under swap preemption has every draft accepted, so the draft's K/V came
+    back from the CPU intact, and greedy output equals the non-speculative engine's."""
+    target = pair[0]
+    ps = prompts() + shared_prefix_prompts()
+    common = dict(dtype="float32", device="cuda", num_kv_blocks=14, preemption_mode="swap")
+    base = LLM(str(target), **common)
+    want = generate(base, ps, GREEDY)
+    base.shutdown()
+    same = draft_llm(target, draft_config(target, 3), **common)
+    assert generate(same, ps, GREEDY) == want
+    m = same.llm_engine.spec_decoder.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    sched = same.llm_engine.scheduler
+    assert sched.num_swaps_out > 0 and sched.num_swaps_in > 0
+    assert_pool_clean(same)
+    same.shutdown()
