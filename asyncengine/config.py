@@ -120,17 +120,11 @@ class EngineArgs:
         from asyncengine.spec_decode.config import SpeculativeConfig
 
         spec = SpeculativeConfig.from_dict(self.speculative_config)  # type: ignore[arg-type]
-        if spec.method == "draft_model":
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "speculative_config.model (a draft model) is not served with "
-                    f"tensor_parallel_size > 1, got {self.tensor_parallel_size}"
-                )
-            if self.preemption_mode == "swap":
-                raise ValueError(
-                    "speculative_config.model (a draft model) is not served with "
-                    "preemption_mode 'swap'; use 'recompute'"
-                )
+        if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config.model (a draft model) is not served with "
+                f"tensor_parallel_size > 1, got {self.tensor_parallel_size}"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,5 +1,6 @@
 """Runs one scheduled step on the device: flattens the batch, moves KV blocks, runs the
-model and the sampler. It owns the KV cache tensors (GPU pool and CPU swap pool).
+model and the sampler. It owns the KV cache tensors (GPU pool and CPU swap pool; with a draft
+model, the draft's half of each, moved with the target's).
 
 The flattened step is `input_ids[T]`, `positions[T]`, `slot_mapping[T]` (-1 = padding),
 `query_start_loc[B+1]`, `seq_lens[B]` and `block_tables[B, max_blocks]`, packed into one
@@ -297,6 +298,8 @@ class ModelRunner:
         # of the same block count, sized by `(num_layers, num_kv_heads, head_dim)`.
         self.draft_kv_layout: tuple[int, int, int] | None = None
         self.draft_kv_cache: KVCache | None = None
+        # Its half of the CPU swap pool: a swapped block takes the draft's K/V along.
+        self.draft_cpu_cache: KVCache | None = None
         attn = model.attention_layers()  # type: ignore[operator]
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
@@ -392,9 +395,13 @@ class ModelRunner:
             )  # fmt: skip
         if num_cpu_blocks:
             pin = self.device.type == "cuda"
-            self.cpu_cache = KVCache(
-                layers, num_cpu_blocks, *args, device=torch.device("cpu"), pin_memory=pin
-            )
+            cpu = torch.device("cpu")
+            self.cpu_cache = KVCache(layers, num_cpu_blocks, *args, device=cpu, pin_memory=pin)
+            if self.draft_kv_layout is not None:
+                self.draft_cpu_cache = KVCache(
+                    self.draft_kv_layout[0], num_cpu_blocks, self.block_size,
+                    *self.draft_kv_layout[1:], self.dtype, device=cpu, pin_memory=pin,
+                )  # fmt: skip
 
     def prepare_for_serving(
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int,
@@ -434,7 +441,7 @@ class ModelRunner:
         """Let go of everything the runner holds on the device: CUDA graphs (and their memory
         pool), the KV pools, the staging buffers and the weights. No steps after this."""
         self.graphs = self.prefill_graphs = None
-        self.kv_cache = self.cpu_cache = self.draft_kv_cache = None
+        self.kv_cache = self.cpu_cache = self.draft_kv_cache = self.draft_cpu_cache = None
         self._staging, self._staging_done = [None, None], [None, None]
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
@@ -609,16 +616,20 @@ class ModelRunner:
         return dev
 
     def apply_block_moves(self, sched: SchedulerOutput) -> None:
+        """The step's swaps and copy-on-write copies, on the target's cache and on the
+        draft's (a block holds both: whatever moves a block moves its draft K/V too)."""
         assert self.kv_cache is not None
-        if sched.blocks_to_swap_out:
-            assert self.cpu_cache is not None
-            copy_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            assert self.cpu_cache is not None
-            copy_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
-        copy_blocks(self.kv_cache, self.kv_cache, sched.blocks_to_copy)
-        if self.draft_kv_cache is not None:  # a copied block keeps the draft's K/V too
-            copy_blocks(self.draft_kv_cache, self.draft_kv_cache, sched.blocks_to_copy)
+        pools = [(self.kv_cache, self.cpu_cache)]
+        if self.draft_kv_cache is not None:
+            pools.append((self.draft_kv_cache, self.draft_cpu_cache))
+        for gpu, cpu in pools:
+            if sched.blocks_to_swap_out:
+                assert cpu is not None
+                copy_blocks(gpu, cpu, sched.blocks_to_swap_out)
+            if sched.blocks_to_swap_in:
+                assert cpu is not None
+                copy_blocks(cpu, gpu, sched.blocks_to_swap_in)
+            copy_blocks(gpu, gpu, sched.blocks_to_copy)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of

@@ -299,7 +299,6 @@ class Scheduler:
             self.running.remove(req)
             req.spec_token_ids = []
             req.spec_draft_probs = None
-            req.num_draft_computed_tokens = 0  # its blocks (or their draft K/V) go
             self.num_preemptions += 1
             req.metrics.num_preemptions += 1
             out.preempted.append(req)
@@ -310,12 +309,15 @@ class Scheduler:
                 for req in victims:
                     req.status = RequestStatus.SWAPPED
                     self.swapped.append(req)
+                # num_draft_computed_tokens stays: the runner swaps the draft's K/V out
+                # and back with the target's, in the same blocks.
                 self.num_swaps_out += len(victims)
                 return
         # Recompute: the tokens stay, their K/V is dropped (prefix-cached blocks may survive).
         for req in victims:
             self.pool.free(req)
             req.num_computed_tokens = 0
+            req.num_draft_computed_tokens = 0  # the draft's K/V goes with the blocks
             req.status = RequestStatus.WAITING
         group = victims[0].parent
         if group is None:

@@ -4,12 +4,14 @@ with its own K/V kept in the target's KV blocks.
 Every block of the pool holds the target's K/V and the draft's (the model runner's
 `draft_kv_cache`: the same block ids, a second, smaller cache per draft layer), so the pool
 is sized for both at start, and allocation, prefix caching, copy-on-write and preemption
-serve the draft with no second pool. `Request.num_draft_computed_tokens` counts the leading
-positions whose draft K/V is in the request's blocks. It counts known tokens only, never the
-draft's own drafts: whether a draft is kept is known only after verification, and its slot
-may be freed and handed to another request by the rollback. The next proposal recomputes the
-kept drafts together with the target's new token, in the one forward it runs anyway. The
-count drops to zero when the request loses its blocks (preemption, `Scheduler._preempt`).
+serve the draft with no second pool (swap preemption moves the draft's half of a block with
+the target's). `Request.num_draft_computed_tokens` counts the leading positions whose draft
+K/V is in the request's blocks. It counts known tokens only, never the draft's own drafts:
+whether a draft is kept is known only after verification, and its slot may be freed and
+handed to another request by the rollback. The next proposal recomputes the kept drafts
+together with the target's new token, in the one forward it runs anyway. The count drops to
+zero when the request loses its blocks (recompute preemption, `Scheduler._preempt`); a
+swapped-out request keeps it, its draft K/V coming back with its blocks.
 
 Proposing, for the requests `SpecDecoder.propose` hands over: reserve the slots of the
 draft tokens' K/V, run the draft over each request's tokens it has not seen (chunked to the

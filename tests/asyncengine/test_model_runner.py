@@ -176,3 +176,28 @@ def test_copy_blocks_round_trip_between_caches() -> None:
     copy_blocks(cpu, gpu_like, [(0, 4), (2, 1)])
     assert torch.equal(gpu_like.data[:, :, [1, 4]], original[:, :, [1, 4]])
     assert not gpu_like.data[:, :, [0, 2, 3, 5]].any()
+
+
+def test_swaps_move_the_draft_kv_with_the_target_kv(tiny_llama_dir: Path) -> None:
+    """With a draft model a swapped block takes both halves along: out to the CPU pool and
+    back into other GPU blocks, bit for bit, and nothing else is touched."""
+    spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8,
+              preemption_mode="swap", speculative_config=spec)  # fmt: skip
+    runner = llm.llm_engine.runner
+    pools = [(runner.kv_cache, runner.cpu_cache), (runner.draft_kv_cache, runner.draft_cpu_cache)]
+    for gpu, cpu in pools:
+        assert gpu is not None and cpu is not None and cpu.data.device.type == "cpu"
+        gpu.data.normal_()
+    original = [gpu.data.clone() for gpu, _ in pools]
+    runner.apply_block_moves(SchedulerOutput(blocks_to_swap_out=[(5, 0), (2, 3)]))
+    for (gpu, cpu), before in zip(pools, original, strict=True):
+        assert torch.equal(cpu.data[:, :, [0, 3]], before[:, :, [5, 2]])
+        assert not cpu.data[:, :, [1, 2]].any()
+        gpu.data.zero_()
+    runner.apply_block_moves(SchedulerOutput(blocks_to_swap_in=[(0, 1), (3, 6)]))
+    for (gpu, _), before in zip(pools, original, strict=True):
+        assert torch.equal(gpu.data[:, :, [1, 6]], before[:, :, [5, 2]])
+        assert not gpu.data[:, :, [0, 2, 3, 4, 5, 7]].any()
+    llm.shutdown()
+    assert runner.draft_cpu_cache is None and runner.cpu_cache is None

@@ -49,12 +49,16 @@ def test_not_a_dict() -> None:
         EngineArgs(speculative_config="ngram")  # type: ignore[arg-type]
 
 
-def test_draft_model_unsupported_combinations() -> None:
+def test_draft_model_with_tensor_parallelism_is_refused() -> None:
     raw = {"model": "/d", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineArgs(speculative_config=raw, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="preemption_mode"):
-        EngineArgs(speculative_config=raw, preemption_mode="swap")
+
+
+def test_draft_model_with_swap_preemption_is_accepted() -> None:
+    raw = {"model": "/d", "num_speculative_tokens": 2}
+    args = EngineArgs(speculative_config=raw, preemption_mode="swap")
+    assert args.preemption_mode == "swap" and args.speculative_config == raw
 
 
 def test_drafts_shrink_as_the_batch_grows() -> None:

@@ -1,9 +1,9 @@
 """The draft-model proposer in the engine: greedy output equals the non-speculative engine's
-token for token under every scheduling path, a draft identical to the target has every draft
-accepted (so its K/V in the shared blocks is never stale), sampled requests draft by sampling
-(accepting more than argmax drafts would, seeded ones alike run to run), the pool is sized
-for both models' K/V, and a draft of another vocabulary, a larger one or a missing one is
-refused at start."""
+token for token under every scheduling path (swap preemption included), a draft identical to
+the target has every draft accepted (so its K/V in the shared blocks is never stale), sampled
+requests draft by sampling (accepting more than argmax drafts would, seeded ones alike run
+to run), the pool and the swap space are sized for both models' K/V, and a draft of another
+vocabulary, a larger one or a missing one is refused at start."""
 
 from __future__ import annotations
 
@@ -117,6 +117,13 @@ CASES = {
     # Drafts cut to the budget; the draft catches up over a long prompt in several forwards.
     "chunked": {"max_num_batched_tokens": 19},
     "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    # Swapped requests keep the draft's K/V (it goes to CPU and back with the target's).
+    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
+    "async_preempt_swap": {
+        "async_scheduling": True,
+        "num_kv_blocks": 14,
+        "preemption_mode": "swap",
+    },
     "async_few_seqs": {"async_scheduling": True, "max_num_seqs": 2},
     "no_prefix_caching": {"enable_prefix_caching": False},
 }
@@ -140,20 +147,25 @@ def test_draft_equal_to_target_accepts_every_draft(
     assert stats.mean_acceptance_length > 2.0
     if case == "preempt_recompute":
         assert engine.scheduler.num_preemptions > 0
+    if case.endswith("swap"):
+        assert engine.scheduler.num_swaps_out > 0 and engine.scheduler.num_swaps_in > 0
     if case == "default":
         assert engine.pool.prefix_hits > 0
     assert_pool_clean(llm)
 
 
-def test_parallel_sampling_greedy(base: LLM, pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("case", ["default", "preempt_swap"])
+def test_parallel_sampling_greedy(base: LLM, pair: tuple[Path, Path], case: str) -> None:
     ps = prompts()
     params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in base.generate(ps, params, use_tqdm=False)]
-    llm = draft_llm(pair[0], draft_config(pair[0], 3))
+    llm = draft_llm(pair[0], draft_config(pair[0], 3), **CASES[case])
     for w, out in zip(want, llm.generate(ps, params, use_tqdm=False), strict=True):
         assert [c.token_ids for c in out.outputs] == [w] * 3
     m = llm.llm_engine.spec_decoder.metrics
     assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    if case == "preempt_swap":  # a group's shared blocks go out and back once, both halves
+        assert llm.llm_engine.scheduler.num_swaps_in > 0
     assert_pool_clean(llm)
 
 
@@ -254,7 +266,7 @@ def test_seeded_sampled_drafts_repeat_run_to_run(base: LLM, pair: tuple[Path, Pa
             assert got == w
 
 
-@pytest.mark.parametrize("case", ["default", "chunked", "preempt_recompute"])
+@pytest.mark.parametrize("case", ["default", "chunked", "preempt_recompute", "preempt_swap"])
 def test_drafts_are_the_draft_models_own_greedy_continuation(
     pair: tuple[Path, Path], case: str
 ) -> None:
@@ -278,6 +290,8 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(
     generate(llm, prompts(), GREEDY)
     m = llm.llm_engine.spec_decoder.metrics
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    if case == "preempt_swap":
+        assert llm.llm_engine.scheduler.num_swaps_in > 0
     hf = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32)
     with torch.inference_mode():
         for tokens, drafts in seen:
@@ -285,6 +299,62 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(
             for _ in drafts:  # plain argmax steps: EOS is a token like any other here
                 want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
             assert drafts == want[len(tokens) :]
+
+
+def test_swap_preemption_keeps_the_draft_kv(base: LLM, pair: tuple[Path, Path]) -> None:
+    """A smaller draft under swap preemption: requests go to CPU and back, greedy output
+    equals the non-speculative engine's, a swapped request keeps its draft count (its draft
+    K/V came back with its blocks) and its next drafts, which start from that K/V, equal the
+    draft model's own greedy continuation of its tokens."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4), num_kv_blocks=14, preemption_mode="swap")
+    engine = llm.llm_engine
+    swap = engine.scheduler.swap_space
+    proposer = engine.spec_decoder.proposer
+    at_swap_out: dict[int, int] = {}
+    back: dict[int, int] = {}  # swapped in, not proposed for since: count at swap-in
+    checked: list[tuple[int, list[int], list[int]]] = []  # (count, tokens, drafts)
+    swap_out, swap_in, propose = swap.swap_out, swap.swap_in, proposer.propose
+
+    def swapping_out(pool, reqs):  # type: ignore[no-untyped-def]
+        pairs = swap_out(pool, reqs)
+        if pairs is not None:
+            at_swap_out.update((id(r), r.num_draft_computed_tokens) for r in reqs)
+        return pairs
+
+    def swapping_in(pool, reqs):  # type: ignore[no-untyped-def]
+        for r in reqs:
+            assert r.num_draft_computed_tokens == at_swap_out.pop(id(r))
+            back[id(r)] = r.num_draft_computed_tokens
+        return swap_in(pool, reqs)
+
+    def proposing(requests, num_drafts):  # type: ignore[no-untyped-def]
+        counts = [r.num_draft_computed_tokens for r in requests]
+        out = propose(requests, num_drafts)
+        for r, n, drafts in zip(requests, counts, out, strict=True):
+            if id(r) in back:
+                assert n == back.pop(id(r))  # no recompute from position 0
+                if drafts and n:
+                    checked.append((n, list(r.all_token_ids), drafts))
+        return out
+
+    swap.swap_out, swap.swap_in, proposer.propose = swapping_out, swapping_in, proposing
+    ps = prompts()
+    assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
+    sched = engine.scheduler
+    assert sched.num_swaps_out > 0 and sched.num_swaps_in > 0
+    assert sched.num_preemptions == sched.num_swaps_out  # no fallback to recompute
+    assert checked, "no swapped-in request drafted from kept draft K/V"
+    hf = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32)
+    with torch.inference_mode():
+        for _, tokens, drafts in checked:
+            want = list(tokens)
+            for _ in drafts:
+                want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+            assert drafts == want[len(tokens) :]
+    assert_pool_clean(llm)
 
 
 def test_positions_past_the_draft_limit_get_no_drafts(
@@ -323,6 +393,16 @@ def test_pool_holds_both_models_kv(pair: tuple[Path, Path]) -> None:
     # The draft's cache spans the same blocks as the target's.
     runner = llm.llm_engine.runner
     assert runner.draft_kv_cache.num_blocks == runner.kv_cache.num_blocks
+    # The swap space too: its blocks are counted at both models' bytes, as the pool's are.
+    swapping = draft_llm(target, draft_config(draft), cpu_kv_cache_gib=gib,
+                         preemption_mode="swap", swap_space=gib / 4)  # fmt: skip
+    runner = swapping.llm_engine.runner
+    num_cpu = int(gib / 4 * 2**30) // per_block
+    assert swapping.llm_engine.scheduler.swap_space.num_blocks == num_cpu
+    assert runner.cpu_cache.num_blocks == runner.draft_cpu_cache.num_blocks == num_cpu
+    shape = list(runner.draft_kv_cache.data.shape)
+    shape[2] = num_cpu  # [layers, K/V, blocks, block size, heads, head dim]
+    assert list(runner.draft_cpu_cache.data.shape) == shape
 
 
 # ------------------------------------------------------------------ refusals
@@ -398,5 +478,27 @@ def test_gpu_greedy_equals_without_speculation(
     m = same.llm_engine.spec_decoder.metrics
     assert m.num_accepted_tokens == m.num_draft_tokens > 0
     assert same.llm_engine.scheduler.num_preemptions > 0
+    assert_pool_clean(same)
+    same.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_swap_preemption_keeps_every_draft(pair: tuple[Path, Path]) -> None:
+    """On the GPU (asynchronous scheduling, pinned swap space, CUDA graphs): the target as
+    its own draft under swap preemption has every draft accepted, so the draft's K/V came
+    back from the CPU intact, and greedy output equals the non-speculative engine's."""
+    target = pair[0]
+    ps = prompts() + shared_prefix_prompts()
+    common = dict(dtype="float32", device="cuda", num_kv_blocks=14, preemption_mode="swap")
+    base = LLM(str(target), **common)
+    want = generate(base, ps, GREEDY)
+    base.shutdown()
+    same = draft_llm(target, draft_config(target, 3), **common)
+    assert generate(same, ps, GREEDY) == want
+    m = same.llm_engine.spec_decoder.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    sched = same.llm_engine.scheduler
+    assert sched.num_swaps_out > 0 and sched.num_swaps_in > 0
     assert_pool_clean(same)
     same.shutdown()
