@@ -816,6 +816,10 @@ SHORT_CONTEXT_KEYS = 1024
 # Unsplit decode launches of at least this many (sequence, KV head) programs per
 # multiprocessor take the many-program tiles of `_small_tile_config`.
 MANY_PROGRAMS_PER_SM = 8
+# The short-query launch of a mixed step (its decode rows and short chunks) keeps the earlier
+# tiles: the many-program ones were measured on decode launches only. A benchmark sets this
+# to measure them there (`bench_throughput.py --mixed-many-program-tiles`).
+MANY_PROGRAM_TILES_IN_MIXED_STEPS = False
 
 
 def _small_tile_config(
@@ -1044,7 +1048,7 @@ def paged_attention_triton(
     decode = decode_only or num_tokens == num_seqs
     split = decode and num_segments > 1
     programs_per_sm = 0.0
-    if decode and not split:
+    if not split and (decode or MANY_PROGRAM_TILES_IN_MIXED_STEPS):
         sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 1
         programs_per_sm = num_seqs * num_kv_heads / sms
     small = _with_overrides(

@@ -37,6 +37,7 @@
 #   bash scripts/gpu_check.sh kvprof       # FP8 decode attention: GPU tests, sweep, ncu per case
 #   bash scripts/gpu_check.sh kvtiles DIR  # decode tiles: GPU tests, sweep, compare DIR, W1/W2 FP8
 #   bash scripts/gpu_check.sh normrows     # few-row matmul with the norm fused: GPU tests, spec bench
+#   bash scripts/gpu_check.sh next         # GPU tests; W2 FP8 mixed-step tiles A/B; verify-step bench
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -258,6 +259,18 @@ elif [ "$phase" = normrows ]; then  # the few-row matmul with RMSNorm in its pro
   timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
     2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
   grep -i "skinny\|plan" "$OUT/bench.log" | head -n 20
+elif [ "$phase" = next ]; then  # what 2026-12-03 left to measure: attention, few-row and
+  # speculative GPU tests (swap with a draft model included); W2 FP8 with the mixed steps'
+  # short-query attention on the many-program tiles and without; the verify-step bench
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
+    tests/kernels/test_skinny_gemm.py tests/asyncengine/spec_decode 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 4
+  for flag in --mixed-many-program-tiles ""; do
+    bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
+      --max-num-seqs 1024 $flag | cut -c1-400
+  done
+  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -374,7 +387,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
