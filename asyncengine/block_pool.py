@@ -221,14 +221,16 @@ class BlockPool:
         cow = self._needs_copy_on_write(request)
         if max(need, 0) + revive + cow > self.num_free_blocks:
             return None
+        if not table:
+            # A start on no blocks (admission, readmission): the draft's K/V is what the hit
+            # brings, as far as each block has it, whatever the request held before.
+            request.num_draft_computed_tokens = self.num_draft_cached_tokens(cached_blocks)
         for block in cached_blocks:
             self.add_ref(block)
             table.append(block)
         if cached_blocks:
             request.num_computed_tokens += len(cached_blocks) * self.block_size
             request.num_hashed_blocks = len(cached_blocks)
-            # The draft's K/V comes with the hit as far as each block has it.
-            request.num_draft_computed_tokens = self.num_draft_cached_tokens(cached_blocks)
         copies: list[tuple[int, int]] = []
         write = request.num_computed_tokens // self.block_size
         if cow:

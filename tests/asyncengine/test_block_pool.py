@@ -339,6 +339,24 @@ def test_a_hit_gets_the_leading_blocks_holding_the_draft_kv_and_keeps_them() -> 
     pool.check_integrity([short, later])
 
 
+def test_a_start_on_no_blocks_forgets_draft_kv_it_held_before() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(9)))
+    compute(pool, parent)
+    run_draft(pool, parent)
+    child = make_request(list(range(9)))
+    pool.fork(parent, child, 8)
+    assert child.num_draft_computed_tokens == 8
+    pool.free(child)  # as a fork whose first chunk did not fit, back to waiting
+    child.num_computed_tokens = 0
+    pool.free(parent)
+    pool.reset_prefix_cache()
+    assert pool.find_cached_blocks(child) == []
+    assert pool.allocate_slots(child, 9) == []  # no hit: its blocks hold no draft K/V
+    assert child.num_draft_computed_tokens == 0
+    pool.check_integrity([child])
+
+
 def test_eviction_and_reset_clear_the_draft_mark() -> None:
     pool = BlockPool(3, BS)
     req = make_request(list(range(9)))
