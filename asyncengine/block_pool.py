@@ -7,6 +7,11 @@ model runner performs on the cache tensors before the step's forward pass.
 Free blocks live in two O(1) structures: blocks holding no reusable prefix (handed out
 first), and blocks that still hold a hashed prefix, kept in least-recently-freed order in an
 OrderedDict so reviving a cached block or evicting the oldest one never scans a list.
+
+With a draft model every block also holds the draft's K/V (the model runner's
+`draft_kv_cache`). A cached block serves the draft only when the draft ran over all its
+positions while a request whose tokens give the block's hash held it (`draft_cached`): a
+block cached by a request that never drafted, or before its draft caught up, holds none.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
+        # Hashed blocks whose draft-model K/V is there for all their positions too. Only ever
+        # set on a hashed block, and cleared with its hash: the block is then reused (or
+        # written by a sequence whose tokens differ) and its draft K/V goes with its target's.
+        self.draft_cached: list[bool] = [False] * num_blocks
         # Reversed so that pop() hands out low block ids first (pleasant in the dashboard).
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
@@ -82,6 +91,7 @@ class BlockPool:
             del self.hash_to_block[h]
         self.block_hash[block] = None
         self.block_tokens[block] = None
+        self.draft_cached[block] = False
 
     def add_ref(self, block: int) -> None:
         """One more owner of `block` (a free cached block leaves the LRU)."""
@@ -150,7 +160,33 @@ class BlockPool:
                 self.block_hash[block] = h
                 self.block_tokens[block] = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
                 self.hash_to_block[h] = block
+                # The draft may have passed the block before its target K/V was complete.
+                self.draft_cached[block] = request.num_draft_computed_tokens >= (i + 1) * bs
         request.num_hashed_blocks = num_full
+
+    def cache_draft_blocks(self, request: Request, num_before: int) -> None:
+        """The draft model has just computed the request's positions from `num_before` up to
+        its `num_draft_computed_tokens`: the cached full blocks it passed hold the draft's
+        K/V too. A block not cached yet is marked when `cache_full_blocks` registers it."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        end = min(request.num_draft_computed_tokens // bs, len(request.block_table))
+        if end <= num_before // bs:
+            return
+        hashes = self.compute_block_hashes(request)
+        for i in range(num_before // bs, min(end, len(hashes))):
+            block = request.block_table[i]
+            # Under the request's own hash only: its tokens are what the draft just ran over.
+            if self.block_hash[block] == hashes[i]:
+                self.draft_cached[block] = True
+
+    def num_draft_cached_tokens(self, blocks: Sequence[int]) -> int:
+        """Leading tokens of a chain of cached blocks whose draft K/V is there too."""
+        n = 0
+        while n < len(blocks) and self.draft_cached[blocks[n]]:
+            n += 1
+        return n * self.block_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every free block's cached prefix (vLLM's `reset_prefix_cache`, the
@@ -185,6 +221,10 @@ class BlockPool:
         cow = self._needs_copy_on_write(request)
         if max(need, 0) + revive + cow > self.num_free_blocks:
             return None
+        if not table:
+            # A start on no blocks (admission, readmission): the draft's K/V is what the hit
+            # brings, as far as each block has it, whatever the request held before.
+            request.num_draft_computed_tokens = self.num_draft_cached_tokens(cached_blocks)
         for block in cached_blocks:
             self.add_ref(block)
             table.append(block)
@@ -245,6 +285,8 @@ class BlockPool:
         child.block_table = list(shared)
         child.num_computed_tokens = num_tokens
         child.num_hashed_blocks = min(parent.num_hashed_blocks, num_tokens // self.block_size)
+        # The shared positions hold the parent's draft K/V as far as its draft has run.
+        child.num_draft_computed_tokens = min(parent.num_draft_computed_tokens, num_tokens)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Free the request's blocks past those holding its first `num_tokens` tokens (the
@@ -297,6 +339,8 @@ class BlockPool:
                 assert self.block_hash[block] is None, f"plain free block {block} has a hash"
             if block in free_cached:
                 assert self.block_hash[block] is not None, f"cached block {block} has no hash"
+            if self.draft_cached[block]:
+                assert self.block_hash[block] is not None, f"block {block} draft-cached, no hash"
         for h, block in self.hash_to_block.items():
             assert self.block_hash[block] == h, f"hash map points to block {block} wrongly"
         for block, h in enumerate(self.block_hash):

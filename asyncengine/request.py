@@ -90,7 +90,9 @@ class Request:
     spec_draft_probs: torch.Tensor | None = field(default=None, repr=False)
     spec_state: SpecState | None = field(default=None, repr=False)
     # Draft-model speculation: leading positions whose K/V the draft model holds in the
-    # request's blocks (zero again whenever the request loses its blocks).
+    # request's blocks (zero again whenever the request loses its blocks; a prefix-cache hit
+    # starts it at the hit blocks that hold the draft's K/V, `BlockPool.draft_cached`, a
+    # forked sample at its donor's within the shared positions).
     num_draft_computed_tokens: int = 0
     # Structured outputs: where its output stands in its grammar (None: unconstrained).
     grammar: GrammarState | None = field(default=None, repr=False)

@@ -11,7 +11,10 @@ whether a draft is kept is known only after verification, and its slot may be fr
 handed to another request by the rollback. The next proposal recomputes the kept drafts
 together with the target's new token, in the one forward it runs anyway. The count drops to
 zero when the request loses its blocks (recompute preemption, `Scheduler._preempt`); a
-swapped-out request keeps it, its draft K/V coming back with its blocks.
+swapped-out request keeps it, its draft K/V coming back with its blocks. A prefix-cache hit
+sets it to the hit's leading blocks that hold the draft's K/V (`BlockPool.draft_cached`,
+marked here once the draft has run over a cached block), so a shared prompt's draft pass is
+not run again.
 
 Proposing, for the requests `SpecDecoder.propose` hands over: reserve the slots of the
 draft tokens' K/V, run the draft over each request's tokens it has not seen (chunked to the
@@ -253,8 +256,8 @@ class DraftModelProposer:
         first: torch.Tensor | None = None
         # Only positions the target holds computed are trusted (a safeguard: the count never
         # passes the known tokens of the last proposal, which are computed by now).
-        todo = [(i, min(r.num_draft_computed_tokens, r.num_computed_tokens))
-                for i, r in enumerate(reqs)]  # fmt: skip
+        starts = [min(r.num_draft_computed_tokens, r.num_computed_tokens) for r in reqs]
+        todo = list(enumerate(starts))
         while todo:
             budget = self.max_num_batched_tokens
             batch: list[tuple[int, int, int]] = []  # (request, start, length)
@@ -285,6 +288,9 @@ class DraftModelProposer:
                 reqs[i].num_draft_computed_tokens = s + n
             todo = later
         assert first is not None  # every request's last token was run
+        for req, start in zip(reqs, starts, strict=True):
+            # Full cached blocks passed now serve later prefix hits with the draft's K/V too.
+            self.pool.cache_draft_blocks(req, start)
         return first
 
     def _forward(

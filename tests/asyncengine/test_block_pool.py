@@ -59,7 +59,20 @@ def pool_state(pool: BlockPool) -> dict[str, Any]:
         "hash_to_block": dict(pool.hash_to_block),
         "free_plain": list(pool._free_plain),
         "free_cached": list(pool._free_cached),
+        "draft_cached": list(pool.draft_cached),
     }
+
+
+def run_draft(pool: BlockPool, req: Request, upto: int | None = None) -> None:
+    """'Run' the draft model over the request's positions up to `upto` (all its known
+    tokens by default), as the draft proposer does."""
+    before = req.num_draft_computed_tokens
+    req.num_draft_computed_tokens = req.num_tokens if upto is None else upto
+    pool.cache_draft_blocks(req, before)
+
+
+def draft_flags(pool: BlockPool, req: Request) -> list[bool]:
+    return [pool.draft_cached[b] for b in req.block_table]
 
 
 # ------------------------------------------------------------------ allocation
@@ -256,6 +269,186 @@ def test_duplicate_content_is_not_hashed_twice() -> None:
     pool.check_integrity([])
 
 
+# ------------------------------------------------------- the draft model's half
+def test_draft_passing_cached_blocks_marks_them() -> None:
+    pool = BlockPool(16, BS)
+    req = make_request(list(range(14)))
+    compute(pool, req)  # three full blocks cached, before the draft ran
+    assert draft_flags(pool, req) == [False] * 4
+    run_draft(pool, req, 6)  # through block 0, into block 1
+    assert draft_flags(pool, req) == [True, False, False, False]
+    run_draft(pool, req)  # all 14: blocks 1 and 2; the partial one holds no hash
+    assert draft_flags(pool, req) == [True, True, True, False]
+    pool.check_integrity([req])
+
+
+def test_a_block_the_draft_passed_first_is_marked_when_cached() -> None:
+    pool = BlockPool(16, BS)
+    req = make_request(list(range(9)))
+    assert pool.allocate_slots(req, 9) == []
+    run_draft(pool, req)  # the draft is ahead of the target: nothing hashed yet
+    assert not any(pool.draft_cached)
+    req.num_computed_tokens = 6
+    pool.cache_full_blocks(req)
+    assert draft_flags(pool, req) == [True, False, False]
+    req.num_computed_tokens = 9
+    pool.cache_full_blocks(req)
+    assert draft_flags(pool, req) == [True, True, False]
+    pool.check_integrity([req])
+
+
+def test_a_block_cached_without_the_draft_is_not_trusted() -> None:
+    pool = BlockPool(16, BS)
+    plain = make_request(list(range(13)))
+    compute(pool, plain)  # never drafted (an n-gram or non-speculating request)
+    pool.free(plain)
+    hit = make_request([*range(12), 50, 51])
+    assert len(admit(pool, hit)) == 3
+    assert hit.num_draft_computed_tokens == 0  # the draft recomputes the whole prompt
+    # Once it has, the shared blocks hold the draft's K/V and serve the next hit.
+    run_draft(pool, hit)
+    nxt = make_request([*range(12), 60])
+    assert len(admit(pool, nxt)) == 3
+    assert nxt.num_draft_computed_tokens == 12
+    pool.check_integrity([hit, nxt])
+
+
+def test_a_hit_gets_the_leading_blocks_holding_the_draft_kv_and_keeps_them() -> None:
+    pool = BlockPool(16, BS)
+    first = make_request(list(range(17)))
+    compute(pool, first)
+    run_draft(pool, first, 9)  # blocks 0 and 1 only
+    table = list(first.block_table)
+    pool.free(first)
+    again = make_request(list(range(17)))
+    assert admit(pool, again) == table[:4]
+    # Never past the first block without the draft's K/V, never past the hit.
+    assert again.num_draft_computed_tokens == 2 * BS
+    assert draft_flags(pool, again)[:4] == [True, True, False, False]  # kept on the hit
+    run_draft(pool, again)
+    pool.free(again)
+    # A hit that stops early (the next token differs) takes only its own blocks' draft K/V.
+    short = make_request([*range(6), 99, 98])
+    assert admit(pool, short) == table[:1]
+    assert short.num_draft_computed_tokens == BS
+    # And a hit whose first block lacks it takes none, whatever follows.
+    pool.draft_cached[table[0]] = False
+    later = make_request(list(range(17)))
+    assert admit(pool, later) == table[:4]
+    assert later.num_draft_computed_tokens == 0
+    pool.check_integrity([short, later])
+
+
+def test_a_start_on_no_blocks_forgets_draft_kv_it_held_before() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(9)))
+    compute(pool, parent)
+    run_draft(pool, parent)
+    child = make_request(list(range(9)))
+    pool.fork(parent, child, 8)
+    assert child.num_draft_computed_tokens == 8
+    pool.free(child)  # as a fork whose first chunk did not fit, back to waiting
+    child.num_computed_tokens = 0
+    pool.free(parent)
+    pool.reset_prefix_cache()
+    assert pool.find_cached_blocks(child) == []
+    assert pool.allocate_slots(child, 9) == []  # no hit: its blocks hold no draft K/V
+    assert child.num_draft_computed_tokens == 0
+    pool.check_integrity([child])
+
+
+def test_eviction_and_reset_clear_the_draft_mark() -> None:
+    pool = BlockPool(3, BS)
+    req = make_request(list(range(9)))
+    compute(pool, req)
+    run_draft(pool, req)
+    head, mid, _ = req.block_table
+    pool.free(req)
+    assert pool.draft_cached[head] and pool.draft_cached[mid]
+    probe = make_request([90, 91, 92, 93, 94])
+    assert pool.allocate_slots(probe, 5) == []  # takes the plain block, then evicts
+    assert mid in probe.block_table and not pool.draft_cached[mid]
+    assert pool.draft_cached[head]
+    assert pool.reset_prefix_cache() == 1
+    assert not any(pool.draft_cached)
+    pool.check_integrity([probe])
+
+
+def test_a_reused_block_written_with_other_tokens_loses_the_mark() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request([1, 2, 3, 4, 5])
+    compute(pool, parent)
+    run_draft(pool, parent)
+    cached = parent.block_table[0]
+    assert pool.draft_cached[cached]
+    child = make_request([1, 2, 3, 9])  # diverges inside the full, cached block
+    pool.fork(parent, child, 3)
+    pool.free(parent)
+    assert pool.allocate_slots(child, 1) == []  # written in place by its only holder
+    assert child.block_table == [cached] and not pool.draft_cached[cached]
+    pool.check_integrity([child])
+
+
+def test_only_blocks_under_the_requests_own_hash_are_marked() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(8)))
+    compute(pool, parent, 8)
+    child = make_request([*range(6), 70, 71])  # shares block 1, full with other tokens
+    pool.fork(parent, child, 6)
+    run_draft(pool, child, 8)
+    assert draft_flags(pool, child) == [True, False]
+    pool.check_integrity([parent, child])
+
+
+def test_copy_on_write_leaves_the_copy_unmarked_until_the_draft_passes_it() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(6)))
+    compute(pool, parent)
+    run_draft(pool, parent)
+    child = make_request([*range(5), 40, 42, 43])
+    pool.fork(parent, child, 5)
+    copies = pool.allocate_slots(child, 3)
+    assert copies is not None and len(copies) == 1
+    ((src, dst),) = copies
+    child.num_computed_tokens += 3
+    pool.cache_full_blocks(child)  # block 1 full now; the copy brought draft K/V up to 5
+    assert pool.block_hash[dst] is not None and not pool.draft_cached[dst]
+    assert pool.draft_cached[child.block_table[0]]
+    child.num_draft_computed_tokens = 5  # (a fork starts at 0; here, what the copy holds)
+    run_draft(pool, child)
+    assert pool.draft_cached[dst] and not pool.draft_cached[src]
+    pool.check_integrity([parent, child])
+
+
+def test_a_fork_takes_the_parents_draft_kv_within_the_shared_positions() -> None:
+    pool = BlockPool(8, BS)
+    parent = make_request(list(range(10)))
+    compute(pool, parent)
+    run_draft(pool, parent, 7)
+    early, late = make_request(list(range(5))), make_request(list(range(9)))
+    pool.fork(parent, early, 5)
+    pool.fork(parent, late, 9)
+    assert (early.num_draft_computed_tokens, late.num_draft_computed_tokens) == (5, 7)
+    pool.check_integrity([parent, early, late])
+
+
+def test_no_draft_marks_without_prefix_caching() -> None:
+    pool = BlockPool(8, BS, enable_prefix_caching=False)
+    req = make_request(list(range(9)))
+    compute(pool, req)
+    run_draft(pool, req)
+    assert not any(pool.draft_cached)
+
+
+def test_check_integrity_refuses_a_draft_mark_without_a_hash() -> None:
+    pool = BlockPool(4, BS)
+    req = make_request(list(range(3)))
+    compute(pool, req)
+    pool.draft_cached[req.block_table[0]] = True
+    with pytest.raises(AssertionError, match="draft-cached"):
+        pool.check_integrity([req])
+
+
 # ---------------------------------------------------------------- copy-on-write
 def test_fork_then_write_into_shared_partial_block_copies() -> None:
     pool = BlockPool(8, BS)
@@ -416,11 +609,13 @@ def test_allocate_slots_failure_leaves_everything_unchanged() -> None:
     cached = pool.find_cached_blocks(req)
     assert len(cached) == 2
     before_pool, before_req = pool_state(pool), copy.deepcopy(
-        (req.block_table, req.num_computed_tokens, req.num_hashed_blocks)
-    )
+        (req.block_table, req.num_computed_tokens, req.num_hashed_blocks,
+         req.num_draft_computed_tokens)
+    )  # fmt: skip
     assert pool.allocate_slots(req, 12, cached) is None
     assert pool_state(pool) == before_pool
-    assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks) == before_req
+    assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks,
+            req.num_draft_computed_tokens) == before_req  # fmt: skip
     # A smaller chunk fits.
     assert pool.allocate_slots(req, 4, cached) == []
     assert req.num_computed_tokens == 8
@@ -542,7 +737,8 @@ def test_swap_space_integrity_catches_a_leak() -> None:
 
 # ---------------------------------------------------------- stateful property
 class KVShadow:
-    """What each physical block would hold: the token id written to each slot.
+    """What each physical block would hold: the token id written to each slot, by the target
+    and, in the block's second half, by the draft model.
 
     Applying the pool's copies to this shadow and checking that every request reads back its
     own tokens catches wrong prefix hits, missing copy-on-write and lost swaps alike.
@@ -552,11 +748,16 @@ class KVShadow:
         self.block_size = block_size
         self.gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.draft_gpu: list[list[int | None]] = [[None] * block_size
+                                                  for _ in range(num_gpu_blocks)]  # fmt: skip
+        self.draft_cpu: list[list[int | None]] = [[None] * block_size
+                                                  for _ in range(num_cpu_blocks)]  # fmt: skip
 
-    def write(self, req: Request, start: int, end: int) -> None:
+    def write(self, req: Request, start: int, end: int, *, draft: bool = False) -> None:
         bs = self.block_size
+        blocks = self.draft_gpu if draft else self.gpu
         for pos in range(start, end):
-            self.gpu[req.block_table[pos // bs]][pos % bs] = req.all_token_ids[pos]
+            blocks[req.block_table[pos // bs]][pos % bs] = req.all_token_ids[pos]
 
     @staticmethod
     def _copy(src: list[list[int | None]], dst: list[list[int | None]],
@@ -566,14 +767,18 @@ class KVShadow:
         for (_, d), data in zip(pairs, moved, strict=True):
             dst[d] = data
 
+    # Copies move both halves, as the model runner copies the draft's K/V too.
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(self.gpu, self.cpu, pairs)
+        self._copy(self.draft_gpu, self.draft_cpu, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(self.cpu, self.gpu, pairs)
+        self._copy(self.draft_cpu, self.draft_gpu, pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._copy(self.gpu, self.gpu, pairs)
+        self._copy(self.draft_gpu, self.draft_gpu, pairs)
 
     def check_gpu(self, req: Request) -> None:
         bs = self.block_size
@@ -581,6 +786,17 @@ class KVShadow:
         assert got == req.all_token_ids[: req.num_computed_tokens], (
             f"{req.request_id} reads back wrong KV"
         )
+        n = req.num_draft_computed_tokens
+        got = [self.draft_gpu[req.block_table[p // bs]][p % bs] for p in range(n)]
+        assert got == req.all_token_ids[:n], f"{req.request_id} reads back wrong draft KV"
+
+    def check_draft_cached(self, pool: BlockPool) -> None:
+        """A block marked as holding the draft's K/V holds it for the tokens of its hash."""
+        for block, marked in enumerate(pool.draft_cached):
+            if marked:
+                want = list(pool.block_tokens[block] or ())
+                assert self.gpu[block] == want, f"draft-cached block {block}: wrong KV"
+                assert self.draft_gpu[block] == want, f"draft-cached block {block}: wrong draft KV"
 
     def check_cpu(self, req: Request, cpu_blocks: list[int]) -> None:
         bs = self.block_size
@@ -588,6 +804,9 @@ class KVShadow:
         assert got == req.all_token_ids[: req.num_computed_tokens], (
             f"{req.request_id} swapped KV is wrong"
         )
+        n = req.num_draft_computed_tokens
+        got = [self.draft_cpu[cpu_blocks[p // bs]][p % bs] for p in range(n)]
+        assert got == req.all_token_ids[:n], f"{req.request_id} swapped draft KV is wrong"
 
 
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=18)  # tiny alphabet: prefixes repeat
@@ -599,11 +818,14 @@ SEL = st.integers(0, 10**6)  # picks among the current requests (modulo their nu
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random add / allocate / compute / fork / free / swap sequences on a small pool.
+    """Random add / allocate / compute / draft / fork / free / swap sequences on a small pool.
 
     A request's tokens are computed in two stages as in the engine: `allocate` reserves
     slots for a chunk (prefix hits first for a fresh request), `compute` writes the chunk,
-    registers full blocks and, at the last known token, appends a sampled token.
+    registers full blocks and, at the last known token, appends a sampled token. `draft`
+    runs the draft model over a request's known tokens it lacks, as far as its slots go and
+    at most one past the target (as a proposal runs it over the token the target computes
+    next); swaps keep the draft's K/V with the target's.
     """
 
     def __init__(self) -> None:
@@ -640,10 +862,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.history.append(tokens)
         self.on_gpu.append(make_request(tokens))
 
-    @initialize(prefix=TOKENS, suffixes=st.lists(TOKENS, min_size=1, max_size=3))
-    def warm_cache(self, prefix: list[int], suffixes: list[list[int]]) -> None:
-        """Start from a used pool: requests sharing a prefix, computed and then freed."""
-        for suffix in suffixes:
+    @initialize(prefix=TOKENS, suffixes=st.lists(st.tuples(TOKENS, st.booleans()),
+                                                 min_size=1, max_size=3))  # fmt: skip
+    def warm_cache(self, prefix: list[int], suffixes: list[tuple[list[int], bool]]) -> None:
+        """Start from a used pool: requests sharing a prefix, computed (some drafted over
+        too) and then freed."""
+        for suffix, drafted in suffixes:
             req = make_request(prefix + suffix)
             cached = self.pool.find_cached_blocks(req)
             copies = self.pool.allocate_slots(req, req.num_tokens - len(cached) * BS, cached)
@@ -652,6 +876,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.kv.write(req, req.num_computed_tokens, req.num_tokens)
             req.num_computed_tokens = req.num_tokens
             self.pool.cache_full_blocks(req)
+            if drafted:
+                start = req.num_draft_computed_tokens
+                self.kv.write(req, start, req.num_tokens, draft=True)
+                req.num_draft_computed_tokens = req.num_tokens
+                self.pool.cache_draft_blocks(req, start)
             self.pool.free(req)
         self.history.append(prefix)
 
@@ -676,15 +905,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
             cached = self.pool.find_cached_blocks(req)
         num_new = min(chunk, req.num_tokens_to_compute - len(cached) * BS)
         before = pool_state(self.pool)
-        before_req = (list(req.block_table), req.num_computed_tokens, req.num_hashed_blocks)
+        before_req = (list(req.block_table), req.num_computed_tokens, req.num_hashed_blocks,
+                      req.num_draft_computed_tokens)  # fmt: skip
         copies = self.pool.allocate_slots(req, num_new, cached)
         if copies is None:
             assert pool_state(self.pool) == before
-            assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks) == before_req
+            assert (req.block_table, req.num_computed_tokens, req.num_hashed_blocks,
+                    req.num_draft_computed_tokens) == before_req  # fmt: skip
             event("allocate: pool short")
             return
         if cached:
             event("allocate: prefix hit")
+            if req.num_draft_computed_tokens:
+                event("allocate: prefix hit with the draft's K/V")
         if copies:
             event("allocate: copy on write")
         assert len(req.block_table) * BS >= req.num_computed_tokens + num_new
@@ -708,6 +941,26 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool.cache_full_blocks(req)
         if req.num_computed_tokens == req.num_tokens and req.num_tokens < MAX_LEN:
             req.append_token(token)
+
+    def _to_draft(self) -> list[Request]:
+        # A write into a block still shared is copied first: the proposer waits for that.
+        return [r for r in self.on_gpu if not self.pool._needs_copy_on_write(r)]
+
+    @precondition(lambda self: self._to_draft())
+    @rule(sel=SEL)
+    def draft(self, sel: int) -> None:
+        req = pick(self._to_draft(), sel)
+        start = min(req.num_draft_computed_tokens, req.num_computed_tokens)
+        end = min(req.num_tokens, req.num_computed_tokens + 1, len(req.block_table) * BS)
+        if end <= start:
+            return
+        # The proposer reserves its slots first: a block it would write with other tokens
+        # than its hash's (a sample forked inside it) leaves the cache there.
+        assert self.pool.allocate_slots(req, 0) == []
+        self.kv.write(req, start, end, draft=True)
+        req.num_draft_computed_tokens = end
+        self.pool.cache_draft_blocks(req, start)
+        event("draft")
 
     @precondition(lambda self: self._to_fork())
     @rule(sel=SEL, decode_both=st.booleans(), token=st.integers(0, 1), back=st.integers(0, 6))
@@ -801,6 +1054,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for req in self.swapped:
             assert req.block_table == []
             self.kv.check_cpu(req, self.swap.tables[req])
+        self.kv.check_draft_cached(self.pool)
         assert set(self.swap.tables) == set(self.swapped)
 
     @invariant()

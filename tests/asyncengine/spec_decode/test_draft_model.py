@@ -2,7 +2,8 @@
 token for token under every scheduling path (swap preemption included), a draft identical to
 the target has every draft accepted (so its K/V in the shared blocks is never stale), sampled
 requests draft by sampling (accepting more than argmax drafts would, seeded ones alike run
-to run), the pool and the swap space are sized for both models' K/V, and a draft of another
+to run), a prefix-cache hit brings the draft's K/V only where the draft ran over the blocks,
+the pool and the swap space are sized for both models' K/V, and a draft of another
 vocabulary, a larger one or a missing one is refused at start."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.request import Request
 from tests.asyncengine.engine_helpers import assert_pool_clean
 from tests.asyncengine.spec_decode.test_decoder import GREEDY, VOCAB, generate, prompts
 
@@ -135,10 +137,20 @@ def test_draft_equal_to_target_accepts_every_draft(
 ) -> None:
     target = pair[0]
     llm = draft_llm(target, draft_config(target, 3), **CASES[case])
+    engine = llm.llm_engine
+    # Tokens of the draft's K/V each prefix-cache hit brought (every draft kept below: it
+    # was the draft's for exactly those tokens).
+    draft_hits: list[int] = []
+    count = engine.pool.num_draft_cached_tokens
+
+    def counting(blocks: list[int]) -> int:
+        draft_hits.append(count(blocks))
+        return draft_hits[-1]
+
+    engine.pool.num_draft_cached_tokens = counting  # type: ignore[method-assign]
     # The second batch finds the first one's prefix in the cache.
     for ps in (prompts() + shared_prefix_prompts()[:1], shared_prefix_prompts()[1:]):
         assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
-    engine = llm.llm_engine
     m = engine.spec_decoder.metrics
     assert m.num_draft_tokens > 0
     assert m.num_accepted_tokens == m.num_draft_tokens
@@ -151,6 +163,7 @@ def test_draft_equal_to_target_accepts_every_draft(
         assert engine.scheduler.num_swaps_out > 0 and engine.scheduler.num_swaps_in > 0
     if case == "default":
         assert engine.pool.prefix_hits > 0
+    assert (max(draft_hits, default=0) > 0) == (case != "no_prefix_caching")
     assert_pool_clean(llm)
 
 
@@ -160,10 +173,13 @@ def test_parallel_sampling_greedy(base: LLM, pair: tuple[Path, Path], case: str)
     params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in base.generate(ps, params, use_tqdm=False)]
     llm = draft_llm(pair[0], draft_config(pair[0], 3), **CASES[case])
+    catch_ups, _ = record_catch_ups(llm)
     for w, out in zip(want, llm.generate(ps, params, use_tqdm=False), strict=True):
         assert [c.token_ids for c in out.outputs] == [w] * 3
     m = llm.llm_engine.spec_decoder.metrics
     assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    # Samples forked from a sequence that had drafted take its draft K/V of the prompt.
+    assert any(index > 0 and runs[0][0] > 0 for (_, index), runs in catch_ups.items())
     if case == "preempt_swap":  # a group's shared blocks go out and back once, both halves
         assert llm.llm_engine.scheduler.num_swaps_in > 0
     assert_pool_clean(llm)
@@ -299,6 +315,140 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(
             for _ in drafts:  # plain argmax steps: EOS is a token like any other here
                 want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
             assert drafts == want[len(tokens) :]
+
+
+# ------------------------------------------------------- the draft through the prefix cache
+Seq = tuple[str, int]  # (request id, sample index)
+
+
+def record_catch_ups(llm: LLM) -> tuple[dict[Seq, list[tuple[int, int]]], dict[Seq, Request]]:
+    """(start, length) of every forward the draft model runs over a sequence's known tokens
+    (its drafting steps feed the previous drafts, not these), by (request id, index); and
+    the sequences themselves."""
+    proposer = llm.llm_engine.spec_decoder.proposer
+    seen: dict[Seq, list[tuple[int, int]]] = {}
+    reqs: dict[Seq, Request] = {}
+    forward = proposer._forward
+
+    def recording(batch, starts, lens, *, host_ids=None, device_ids=None):  # type: ignore[no-untyped-def]
+        if host_ids is not None:
+            for r, s, n in zip(batch, starts, lens, strict=True):
+                seen.setdefault((r.request_id, r.index), []).append((s, n))
+                reqs[r.request_id, r.index] = r
+        return forward(batch, starts, lens, host_ids=host_ids, device_ids=device_ids)
+
+    proposer._forward = recording
+    return seen, reqs
+
+
+def run_one(llm: LLM, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    """One request through the engine alone; its output tokens."""
+    engine = llm.llm_engine
+    engine.add_request(rid, prompt, params)
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done = out
+        engine.check_integrity()
+    assert done is not None and done.request_id == rid
+    return list(done.outputs[0].token_ids)
+
+
+def covered(runs: list[tuple[int, int]]) -> list[int]:
+    return [pos for s, n in runs for pos in range(s, s + n)]
+
+
+def assert_drafts_are_the_drafts_own(draft: Path, seen: list) -> None:  # type: ignore[type-arg]
+    """Each proposal is the draft model's greedy continuation of the request's tokens (HF):
+    draft K/V taken from the prefix cache that was not the draft's for exactly those tokens
+    would change the drafts."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32)
+    with torch.inference_mode():
+        for _, tokens, drafts, _ in seen:
+            want = list(tokens)
+            for _ in drafts:
+                want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+            assert drafts == want[len(tokens) :]
+
+
+def test_a_prefix_hit_takes_the_drafts_kv_with_it(base: LLM, pair: tuple[Path, Path]) -> None:
+    """Requests sharing a 40-token prefix one after another: the later ones run the draft
+    only over what follows the two cached blocks, each position once; their drafts are still
+    the draft model's own and greedy output equals the engine without speculation."""
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4))
+    catch_ups, reqs = record_catch_ups(llm)
+    proposals = record_proposals(llm)
+    ps = shared_prefix_prompts()
+    got = [run_one(llm, str(i), p) for i, p in enumerate(ps)]
+    assert got == generate(base, ps, GREEDY)
+    assert covered(catch_ups["0", 0])[0] == 0
+    for rid in ("1", "2"):
+        assert reqs[rid, 0].metrics.num_cached_prompt_tokens == 32
+        # The uncached tail only (prompt, then the tokens as they come), each position once.
+        positions = covered(catch_ups[rid, 0])
+        assert positions == list(range(32, 32 + len(positions)))
+        assert positions[-1] >= len(ps[int(rid)])
+    m = llm.llm_engine.spec_decoder.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    assert {rid for rid, *_ in proposals} == {"0", "1", "2"}
+    assert_drafts_are_the_drafts_own(draft, proposals)
+    assert_pool_clean(llm)
+
+
+def test_blocks_cached_by_a_request_that_never_drafted_are_not_trusted(
+    base: LLM, pair: tuple[Path, Path]
+) -> None:
+    """A one-token request never drafts: its prompt blocks serve the next request's target
+    but not its draft, which runs over the whole prompt; those blocks then hold the draft's
+    K/V, and the request after takes it."""
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4))
+    catch_ups, reqs = record_catch_ups(llm)
+    proposals = record_proposals(llm)
+    first, second, third = shared_prefix_prompts()
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    assert run_one(llm, "plain", first, one) == generate(base, [first], one)[0]
+    assert ("plain", 0) not in catch_ups and not any(llm.llm_engine.pool.draft_cached)
+    assert run_one(llm, "after-plain", second) == generate(base, [second], GREEDY)[0]
+    assert reqs["after-plain", 0].metrics.num_cached_prompt_tokens == 32
+    assert covered(catch_ups["after-plain", 0])[0] == 0
+    assert run_one(llm, "after-draft", third) == generate(base, [third], GREEDY)[0]
+    assert covered(catch_ups["after-draft", 0])[0] == 32
+    assert_drafts_are_the_drafts_own(draft, proposals)
+    assert_pool_clean(llm)
+
+
+def test_blocks_cached_before_the_draft_ran_are_not_trusted(
+    base: LLM, pair: tuple[Path, Path]
+) -> None:
+    """A prompt computed in chunks has its first blocks cached before its first proposal
+    runs the draft over them: a request admitted then shares them without the draft's K/V."""
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4), max_num_batched_tokens=20)
+    engine = llm.llm_engine
+    catch_ups, _ = record_catch_ups(llm)
+    proposals = record_proposals(llm)
+    first, second, _ = shared_prefix_prompts()
+    engine.add_request("a", first, GREEDY)
+    outs = engine.step() + engine.step()  # 40 of its 43 prompt tokens: two blocks cached
+    engine.add_request("b", second, GREEDY)
+    outs += engine.step()  # a's last 3 prompt tokens, b's 17 past the hit
+    b = engine.scheduler.requests["b"]
+    assert b.metrics.num_cached_prompt_tokens == 32 and b.num_computed_tokens == len(second)
+    assert b.num_draft_computed_tokens == 0
+    assert not catch_ups  # nothing drafted yet
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        engine.check_integrity()
+    final = {o.request_id: list(o.outputs[0].token_ids) for o in outs if o.finished}
+    assert [final["a"], final["b"]] == generate(base, [first, second], GREEDY)
+    assert covered(catch_ups["b", 0])[0] == 0
+    assert_drafts_are_the_drafts_own(draft, proposals)
+    assert_pool_clean(llm)
 
 
 def test_swap_preemption_keeps_the_draft_kv(base: LLM, pair: tuple[Path, Path]) -> None:
