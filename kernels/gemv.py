@@ -43,7 +43,7 @@ from kernels.half_pairs import (
     e4m3_word_dot,
     pack_f16_pair,
 )
-from kernels.rms_norm import fused_add_rms_norm
+from kernels.rms_norm import check_norm_inputs, fused_add_rms_norm
 
 __all__ = [
     "GEMV_CONFIGS",
@@ -506,10 +506,7 @@ def rms_norm_gemv(
     residual)."""
     k = weight.shape[1]
     _check(x, weight, k, str(k))
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"the norm weight must be [{k}] in {x.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError("the residual must match x in shape and dtype")
+    check_norm_inputs(x, residual, norm_weight)
     y, res_out = _launch(
         x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual, glu=glu,
         scale=scale,

@@ -21,6 +21,7 @@ from kernels._triton_utils import (
 )
 
 __all__ = [
+    "check_norm_inputs",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "fused_add_rms_norm_triton",
@@ -28,6 +29,18 @@ __all__ = [
     "rms_norm_ref",
     "rms_norm_triton",
 ]
+
+
+def check_norm_inputs(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+) -> None:
+    """What a matmul with the norm in its prologue needs of its norm's inputs: a weight of
+    x's row length and dtype, and a residual shaped and typed as x."""
+    k = x.shape[-1]
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"the norm weight must be [{k}] in {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("the residual must match x in shape and dtype")
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kernels._triton_utils import interpreter_enabled, pdl_kwargs, pdl_wait, tl, triton, use_pdl
 from kernels.activation import silu_and_mul
 from kernels.gemv import Candidate, fastest_against_library
-from kernels.rms_norm import fused_add_rms_norm
+from kernels.rms_norm import check_norm_inputs, fused_add_rms_norm
 
 __all__ = [
     "SKINNY_CONFIGS",
@@ -120,19 +120,13 @@ def skinny_counters(n: int, device: torch.device | str) -> torch.Tensor:
 
 
 @triton.jit
-def _load_w_tile(w_ptr, rows, kk, K, EVEN_K: tl.constexpr):
-    """W[rows, kk]: rows are in range (wrapped by the caller), only a ragged K is masked."""
-    ptrs = w_ptr + rows[:, None] + kk[None, :]
+def _load_tile(ptr, rows, kk, K, EVEN_K: tl.constexpr):
+    """ptr[rows, kk] of a weight or the residual: rows are in range (wrapped by the caller),
+    only a ragged K is masked."""
+    ptrs = ptr + rows[:, None] + kk[None, :]
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(kk < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_rows(ptr, rows, kk, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(ptr + rows[:, None] + kk[None, :])
-    return tl.load(ptr + rows[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -188,7 +182,7 @@ def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
     if NORM:
         dt = x_ptr.dtype.element_ty
         if HAS_RESIDUAL:
-            res = _load_rows(res_ptr, res_rows, kk, K, EVEN_K)
+            res = _load_tile(res_ptr, res_rows, kk, K, EVEN_K)
             x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)
         normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
         if EVEN_K:
@@ -274,10 +268,10 @@ def _skinny_gemm_kernel(
     # are requested before waiting for it, and under programmatic dependent launch they
     # stream in while that kernel finishes (as in `kernels.gemv`).
     kk = first_tile * BLOCK_K + offs_k
-    w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
+    w = _load_tile(w_ptr, w_rows, kk, K, EVEN_K)
     w_up = w
     if GLU:
-        w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
+        w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
     pdl_wait(USE_PDL)
     res_rows = (offs_m % M).to(tl.int64) * K
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -295,12 +289,12 @@ def _skinny_gemm_kernel(
         acc_up = _tile_product(w_up, x, IEEE, DOT_FP32)
     for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
-        w = _load_w_tile(w_ptr, w_rows, kk, K, EVEN_K)
+        w = _load_tile(w_ptr, w_rows, kk, K, EVEN_K)
         x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr,
                          res_rows, norm_w_ptr, rstd)  # fmt: skip
         acc += _tile_product(w, x, IEEE, DOT_FP32)
         if GLU:
-            w_up = _load_w_tile(w_ptr, up_rows, kk, K, EVEN_K)
+            w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
             acc_up += _tile_product(w_up, x, IEEE, DOT_FP32)
     # Stored as [16, BLOCK_N].
     y = tl.trans(acc)
@@ -368,10 +362,7 @@ def rms_norm_skinny_gemm(
     """rms_norm(x + residual) @ weight^T (+ bias) for M <= 16 rows in one kernel, rounded as
     `fused_add_rms_norm` followed by `skinny_gemm` rounds (glu as there). Returns (y, the new
     residual x + residual, or x itself without a residual)."""
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError("the residual must match x in shape and dtype")
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"the norm weight must be [{x.shape[-1]}], got {list(norm_weight.shape)}")
+    check_norm_inputs(x, residual, norm_weight)
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     y, res_out = _launch(x, weight, bias, config, counters, glu=glu,
