@@ -209,10 +209,6 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         import kernels.prefill_attention as prefill
 
         prefill.HOPPER_PREFILL = False
-    if args.mixed_many_program_tiles:
-        import kernels.paged_attention as pa
-
-        pa.MANY_PROGRAM_TILES_IN_MIXED_STEPS = True
     quant = args.quantization
     model_dir = dummy_model_dir(w["shape"]) if quant is None else quantized_model_dir(
         w["shape"], quant
@@ -248,8 +244,6 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         record["matmul_plans"] = plans
         if split_kv:
             record["split_kv_override"] = split_kv
-        if args.mixed_many_program_tiles:
-            record["mixed_many_program_tiles"] = True
         emit(record)
     if args.profile_steps:
         profile_steps(engine, w, params, args.profile_steps)
@@ -511,9 +505,6 @@ def main() -> None:
                     help="serve the dummy weights in this weight-only format (engine only)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                     help="KV cache element type (engine only): fp8 stores e4m3")
-    ap.add_argument("--mixed-many-program-tiles", action="store_true",
-                    help="mixed steps' short-query attention on the decode launches' "
-                         "many-program tiles (A/B)")  # fmt: skip
     ap.add_argument("--no-hopper-prefill", action="store_true",
                     help="prefill attention on the Triton kernel, not the Gluon one (A/B)")
     ap.add_argument("--tokenizer", default=None,

@@ -37,7 +37,8 @@
 #   bash scripts/gpu_check.sh kvprof       # FP8 decode attention: GPU tests, sweep, ncu per case
 #   bash scripts/gpu_check.sh kvtiles DIR  # decode tiles: GPU tests, sweep, compare DIR, W1/W2 FP8
 #   bash scripts/gpu_check.sh normrows     # few-row matmul with the norm fused: GPU tests, spec bench
-#   bash scripts/gpu_check.sh next         # GPU tests; W2 FP8 mixed-step tiles A/B; verify-step bench
+#   bash scripts/gpu_check.sh next OLD LANDED # L1 from trees OLD, LANDED and this one; W1 from
+#                                          # OLD and this one
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -259,21 +260,16 @@ elif [ "$phase" = normrows ]; then  # the few-row matmul with RMSNorm in its pro
   timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
     2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
   grep -i "skinny\|plan" "$OUT/bench.log" | head -n 20
-elif [ "$phase" = next ]; then  # what 2026-12-03 left to measure: attention, few-row and
-  # speculative GPU tests (swap with a draft model included); W2 FP8 with the mixed steps'
-  # short-query attention on the many-program tiles and without; the verify-step bench
-  # unless SPEC=0 (a call's 600 s hold the tests and the two W2 runs with little to spare)
-  timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
-    tests/kernels/test_skinny_gemm.py tests/asyncengine/spec_decode 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -n 4
-  for flag in --mixed-many-program-tiles ""; do
-    bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
-      --max-num-seqs 1024 $flag | cut -c1-400
-  done
-  if [ "${SPEC:-1}" != 0 ]; then
-    timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
-      2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
-  fi
+elif [ "$phase" = next ]; then  # before/after for hot-path commits: L1 from trees OLD and
+  # LANDED and this one, W1 from OLD and this one (one pass each, alternating)
+  old="${2:?usage: gpu_check.sh next OLD LANDED}"; landed="${3:?usage: gpu_check.sh next OLD LANDED}"
+  one() {  # workload, tree
+    (cd "$2" && PYTHONPATH="${PYTHONPATH/$PWD/$2}" timeout 200 python3 scripts/bench_throughput.py \
+      --workload "$1" --system engine 2>>"$OUT/bench.log") \
+      | sed "s|^{|{\"tree\": \"$(basename "$2")\", |" | tee -a "$OUT/compare.jsonl" | cut -c1-300
+  }
+  for tree in "$old" "$landed" "$PWD"; do one l1 "$tree"; done
+  for tree in "$old" "$PWD"; do one w1 "$tree"; done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4

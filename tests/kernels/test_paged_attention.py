@@ -226,17 +226,6 @@ def test_small_tiles_for_many_decode_programs() -> None:
     assert pa._small_tile_config(1, 2)["TILE"] == 32
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_mixed_steps_on_many_program_tiles_keep_the_result(
-    monkeypatch: pytest.MonkeyPatch, fp8: bool
-) -> None:
-    """The benchmark switch that puts a mixed step's short-query launch on the many-program
-    tiles changes the launch configuration only."""
-    monkeypatch.setattr(pa, "MANY_PROGRAM_TILES_IN_MIXED_STEPS", True)
-    batch = make_paged_batch(*MIXED, 8, 2, head_dim=32, seed=9)
-    _triton_vs_ref(to_fp8(batch, True) if fp8 else batch, atol=2e-5)
-
-
 def test_decode_plans_lists_every_plan_of_a_batch_size() -> None:
     cpu = torch.device("cpu")
     assert pa.decode_plans(1, 1, cpu) == (pa.DecodePlan(4, True), pa.DecodePlan(2, True))
