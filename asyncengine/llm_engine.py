@@ -491,7 +491,11 @@ class LLMEngine:
             self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        launched = self._launch(sched, prev) if not sched.is_empty else None
+        launched = None
+        if not sched.is_empty:
+            launched = self._launch(sched, prev)
+        elif sched.has_block_moves:
+            self._move_blocks(sched)
         t2 = time.perf_counter()
         self._inflight = launched
         if prev is not None:
@@ -536,6 +540,15 @@ class LLMEngine:
             req.num_pending_tokens += 1
         self._prompt_meter.add(prompt_tokens, now)
         return step
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """A step that schedules nothing may still move blocks: preemption can swap out every
+        running sequence (a parallel request whose samples outgrew the pool together)."""
+        try:
+            self.runner.move_blocks(sched)
+        except Exception as e:
+            lost = [r for r in sched.preempted if r.status == RequestStatus.SWAPPED]
+            raise self._step_failed(lost, e) from e
 
     def _resolve(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and apply them to its requests."""

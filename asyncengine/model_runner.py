@@ -631,6 +631,12 @@ class ModelRunner:
                 copy_blocks(cpu, gpu, sched.blocks_to_swap_in)
             copy_blocks(gpu, gpu, sched.blocks_to_copy)
 
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        """The block moves of a step that runs no request (the scheduler swapped out every
+        sequence it had room for none of): a swapped-out request's CPU copy must exist
+        before its GPU blocks are given to another."""
+        self.apply_block_moves(sched.block_moves())
+
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of
         the rows scored for prompt logprobs)."""

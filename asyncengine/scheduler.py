@@ -52,7 +52,20 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to run: no request is scheduled (blocks may still move)."""
         return not self.scheduled
+
+    @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+    def block_moves(self) -> SchedulerOutput:
+        """The step's block moves alone (no requests: what a worker process is sent)."""
+        return SchedulerOutput(
+            blocks_to_copy=self.blocks_to_copy,
+            blocks_to_swap_out=self.blocks_to_swap_out,
+            blocks_to_swap_in=self.blocks_to_swap_in,
+        )
 
 
 class Scheduler:

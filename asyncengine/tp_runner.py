@@ -195,6 +195,10 @@ class TensorParallelModelRunner(ModelRunner):
             )
 
     # --------------------------------------------------------------- a step
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        with self._guard("block moves"):
+            self._call_all("apply_block_moves", sched.block_moves())
+
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
         """Rank 0's step: its inputs are prepared, broadcast, then run. With a step in

@@ -269,7 +269,12 @@ def run_gpu(args: argparse.Namespace) -> None:
     _timed(base, p1, params)
     secs, outs = _timed(base, p1, params)
     one_token_ms = 1e3 * secs / out_len
-    emit({"bench": "spec_verify_step", "k": 0, "ms_per_step": round(one_token_ms, 3)})
+    # Each engine tunes its matmul plans at start, and they differ run to run: recorded so
+    # that a slow engine can be told from a slow machine.
+    from models.linear_tuning import describe_matmul_plans
+
+    emit({"bench": "spec_verify_step", "k": 0, "ms_per_step": round(one_token_ms, 3),
+          "matmul_plans": describe_matmul_plans(base.llm_engine.runner.model)})
     reference = {tuple(p1[0]): outs[0].outputs[0].token_ids}
     batches = {}
     for batch in args.batches:
@@ -291,6 +296,8 @@ def run_gpu(args: argparse.Namespace) -> None:
     del sync
 
     llm = _engine(args, 8)
+    emit({"bench": "spec_matmul_plans",
+          "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
     adaptive_update = dec._update
     # 1. Verify-step cost: one request, k fixed drafts every step (nothing adaptive).

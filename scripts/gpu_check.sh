@@ -38,7 +38,7 @@
 #   bash scripts/gpu_check.sh kvtiles DIR  # decode tiles: GPU tests, sweep, compare DIR, W1/W2 FP8
 #   bash scripts/gpu_check.sh normrows     # few-row matmul with the norm fused: GPU tests, spec bench
 #   bash scripts/gpu_check.sh next OLD LANDED # L1 from trees OLD, LANDED and this one; W1 from
-#                                          # OLD and this one
+#                                          # OLD and this one; the verify-step bench (SPEC=0: not)
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -270,6 +270,10 @@ elif [ "$phase" = next ]; then  # before/after for hot-path commits: L1 from tre
   }
   for tree in "$old" "$landed" "$PWD"; do one l1 "$tree"; done
   for tree in "$old" "$PWD"; do one w1 "$tree"; done
+  if [ "${SPEC:-1}" != 0 ]; then  # then the verify-step bench (its engines' plans recorded)
+    timeout "${SPEC_TIMEOUT:-280}" python3 -m scripts.bench_spec_decode gpu --shape llama2-7b \
+      --batches 1 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-300
+  fi
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4

@@ -14,6 +14,7 @@ from asyncengine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from asyncengine.scheduler import SchedulerOutput
 from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
 
 MAX_TOKENS = 24
@@ -216,3 +217,23 @@ def test_output_kinds_and_logprobs(tiny_llama_dir: Path) -> None:
     )[0].outputs[0]
     assert full.token_ids == ids
     assert full.text == "".join(d.outputs[0].text for d in deltas)
+
+
+def test_a_step_that_runs_nothing_still_moves_its_blocks(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Preemption can swap out every running sequence and schedule none: that step's
+    swap-outs must still be copied, or the requests come back to garbage K/V."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=8,
+              preemption_mode="swap")  # fmt: skip
+    engine = llm.llm_engine
+    runner = engine.runner
+    assert runner.kv_cache is not None and runner.cpu_cache is not None
+    runner.kv_cache.data.normal_()
+    before = runner.kv_cache.data.clone()
+    moves_only = SchedulerOutput(blocks_to_swap_out=[(5, 0), (2, 3)])
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: moves_only)
+    assert engine.step() == []
+    assert engine.step_timing["steps"] == 0  # nothing was launched
+    assert torch.equal(runner.cpu_cache.data[:, :, [0, 3]], before[:, :, [5, 2]])
+    llm.shutdown()
