@@ -39,6 +39,7 @@
 #   bash scripts/gpu_check.sh normrows     # few-row matmul with the norm fused: GPU tests, spec bench
 #   bash scripts/gpu_check.sh next OLD LANDED # L1 from trees OLD, LANDED and this one; W1 from
 #                                          # OLD and this one; the verify-step bench (SPEC=0: not)
+#   bash scripts/gpu_check.sh l1formats DIR # L1 in bf16, GPTQ int4 and FP8 from DIR and this tree
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
@@ -274,6 +275,18 @@ elif [ "$phase" = next ]; then  # before/after for hot-path commits: L1 from tre
     timeout "${SPEC_TIMEOUT:-280}" python3 -m scripts.bench_spec_decode gpu --shape llama2-7b \
       --batches 1 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-300
   fi
+elif [ "$phase" = l1formats ]; then  # L1 in bf16 (two passes), GPTQ int4 and FP8 from tree
+  # DIR and from this one, alternating
+  other="${2:?usage: gpu_check.sh l1formats DIR}"
+  for q in "" "--quantization gptq-int4" "--quantization fp8"; do
+    for tree in "$other" "$PWD"; do
+      (cd "$tree" && PYTHONPATH="${PYTHONPATH/$PWD/$tree}" timeout 150 python3 \
+        scripts/bench_throughput.py --workload l1 --system engine $q \
+        $([ -z "$q" ] && echo --repeat 2) 2>>"$OUT/bench.log") \
+        | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl" \
+        | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
+    done
+  done
 elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate requests
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
@@ -390,7 +403,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
