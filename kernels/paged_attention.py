@@ -13,7 +13,7 @@ Three implementations share the signature:
   head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
   (flash-decoding: several programs per row block, each over a segment of the keys, merged by
-  the last of them to finish) for decode batches too small to fill the GPU. Grids depend on T, B and
+  a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
   constants only, so the decode path can be captured in a CUDA graph. Sequences with at
   least `PREFILL_TILE_MIN_QUERY_LEN` query tokens go to the sm_90-shaped prefill kernel
   (`kernels.prefill_attention`) instead, in a second launch of the same step.
@@ -560,7 +560,6 @@ def _paged_attention_kernel(
     seg_acc_ptr,
     seg_max_ptr,
     seg_sum_ptr,
-    count_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale_log2,
@@ -757,59 +756,46 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Unnormalized partials; every (token, head, segment) is written, empty ones as
-        # (acc 0, max -inf, sum 0), so the merge never reads garbage.
+        # (acc 0, max -inf, sum 0), so the reducer never reads garbage.
         row = tok * NUM_HEADS + head
         stat_offs = row * NUM_SEGMENTS + segment
         tl.store(seg_max_ptr + stat_offs, M, mask=row_valid)
         tl.store(seg_sum_ptr + stat_offs, L, mask=row_valid)
         acc_offs = stat_offs[:, None] * D_PAD + offs_d[None, :]
         tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
-        # The last of the block's segments to arrive merges them all (one atomic per
-        # program), so a split step launches no second kernel: at batch 1 that kernel's
-        # launch and ramp cost as much as its work. The counter goes back to 0 for the next
-        # launch and graph replay.
-        tl.debug_barrier()
-        if HEAD_MAJOR:
-            counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + kv_head
-        else:
-            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SEGMENTS - 1:
-            tl.debug_barrier()
-            _merge_segments(
-                out_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, tok, head, offs_d,
-                row_valid, q_mask, stride_ot, stride_oh, D_PAD=D_PAD, NUM_SEGMENTS=NUM_SEGMENTS,
-            )  # fmt: skip
-            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _merge_segments(
-    out_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, tok, head, offs_d, row_valid, o_mask,
-    stride_ot, stride_oh, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
-    """Rows `row` [BLOCK_M] of the output from all their segments' partials: each segment's
-    (acc, max, sum) rescaled to the largest max. Partials are read past L1 (`.cg`): other
-    programs wrote them."""
+def _reduce_segments_kernel(
+    out_ptr,
+    seg_acc_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * NUM_HEADS + head
     offs_s = tl.arange(0, NUM_SEGMENTS)
-    stat_row = row * NUM_SEGMENTS
-    m = tl.load(seg_max_ptr + stat_row[:, None] + offs_s[None, :], mask=row_valid[:, None],
-                other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-    m_max = tl.max(m, axis=1)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s)
+    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s)
+    m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    denom = tl.zeros_like(m_max)
-    num = tl.zeros([row.shape[0], D_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_SEGMENTS):
-        m_s = tl.load(seg_max_ptr + stat_row + s, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        l_s = tl.load(seg_sum_ptr + stat_row + s, mask=row_valid, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - m_max)  # an empty segment (max -inf) weighs 0
-        acc_s = tl.load(seg_acc_ptr + (stat_row + s)[:, None] * D_PAD + offs_d[None, :],
-                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        denom += w * l_s
-        num += acc_s * w[:, None]
-    out = num / tl.where(denom == 0.0, 1.0, denom)[:, None]  # rows with no keys give zeros
-    o_offs = tok[:, None] * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
+    denom = tl.sum(w * l_seg, axis=0)
+    acc = tl.load(seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -897,28 +883,6 @@ def _with_overrides(
     if "BLOCK_M" in overrides:
         cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
     return cfg
-
-
-_SEGMENT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def segment_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least `n` zeroed split-KV arrival counters on `device`, one per (row block, KV
-    head) program of a split launch. The kernel leaves them zeroed, so one buffer per device
-    serves every launch and graph replay: launches on a device run one after another on the
-    step's stream, and a launch touches its counters only after the kernel before it has
-    finished (programmatic dependent launch waits for that). The buffer grows outside graph
-    capture only; the warm-up step before capture sizes it."""
-    have = _SEGMENT_COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"split-KV attention needs {n} arrival counters during CUDA graph capture; "
-                "run the step once before capturing it"
-            )
-        have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _SEGMENT_COUNTERS[device] = have
-    return have
 
 
 def _split_segments(
@@ -1095,12 +1059,16 @@ def paged_attention_triton(
         seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
         seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
         seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
-        rows = num_seqs if decode_only else num_tokens // small["BLOCK_Q"] + num_seqs
-        counters = segment_counters(rows * num_kv_heads, q.device)
-        launch(small, 0, 2**31 - 1, segments, (seg_acc, seg_max, seg_sum, counters), decode_only)
+        seg_bufs = (seg_acc, seg_max, seg_sum)
+        launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
+            USE_PDL=pdl, **pdl_kwargs(pdl),
+        )  # fmt: skip
         return out
 
-    no_bufs = (out, out, out, out)  # unused in 2D mode
+    no_bufs = (out, out, out)  # unused in 2D mode
     threshold = PREFILL_TILE_MIN_QUERY_LEN
     if decode or (max_query_len is not None and max_query_len < threshold):
         launch(small, 0, 2**31 - 1, 1, no_bufs, decode_only)

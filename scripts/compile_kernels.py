@@ -97,6 +97,8 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
      dict(PREFILL, GROUP=4, BLOCK_Q=32), 8, 3),
     ("kernels.prefill_attention", "_prefill_attention_kernel",
      dict(PREFILL, GROUP=1, BLOCK_Q=128), 8, 3),
+    ("kernels.paged_attention", "_reduce_segments_kernel",
+     dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SEGMENTS=16, USE_PDL=True), 4, 1),
     ("kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=False, HAS_RESIDUAL=False, GLU=False,
           K_PAD=1, USE_PDL=True, BLOCK_N=4, BLOCK_K=1024), 4, 3),

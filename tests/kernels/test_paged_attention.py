@@ -175,30 +175,6 @@ def test_triton_split_kv_decode(segments: int) -> None:
     _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
 
 
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_split_kv_merge_leaves_its_counters_zeroed(decode_only: bool) -> None:
-    """The last segment to arrive merges in the kernel and resets its arrival counter, so
-    the next launch (a graph replay) starts from zero and gives the same result."""
-    batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=16, seed=14)
-    args = batch.args()
-    first = paged_attention_triton(*args, num_segments=4, decode_only=decode_only)
-    counters = pa.segment_counters(1, first.device)
-    assert int(counters.abs().sum()) == 0
-    again = paged_attention_triton(*args, num_segments=4, decode_only=decode_only)
-    assert torch.equal(first, again)
-    assert int(counters.abs().sum()) == 0
-
-
-def test_segment_counters_grow_and_are_shared_per_device() -> None:
-    cpu = torch.device("cpu")
-    small = pa.segment_counters(8, cpu)
-    assert small.numel() >= 8 and small.dtype == torch.int32
-    assert pa.segment_counters(4, cpu) is small
-    big = pa.segment_counters(small.numel() + 1, cpu)
-    assert big.numel() > small.numel() and int(big.abs().sum()) == 0
-    assert pa.segment_counters(1, cpu) is big
-
-
 def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> None:
     cpu = torch.device("cpu")  # one "multiprocessor": only a single program splits
     assert pa.decode_plan(1, 1, cpu) == pa.DecodePlan(4, fuse_rotary=True)
