@@ -254,8 +254,9 @@ def _host_split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> N
 
 
 def run_host_profile(args: argparse.Namespace) -> None:
-    """cProfile of the host over one stream of k = 4 verify steps (fixed drafts, every step
-    verifying): which Python functions stand between a verdict and the next graph."""
+    """cProfile of the host over one stream of k-draft verify steps (fixed drafts, every step
+    verifying), per k of `--profile-k`: which Python functions stand between a verdict and
+    the next graph."""
     import cProfile
     import io
     import pstats
@@ -264,21 +265,22 @@ def run_host_profile(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = _engine(args, 8)
     llm.llm_engine.spec_decoder._update = lambda req, n: None  # keep proposing
-    _set_k(llm, 4, FixedDrafts())
     p1 = _prompts(1, args.prompt_len, llm.llm_engine.model_config.vocab_size)
-    _timed(llm, p1, params)
-    profile = cProfile.Profile()
-    before = dict(llm.llm_engine.step_timing)
-    profile.enable()
-    secs, _ = _timed(llm, p1, params)
-    profile.disable()
-    emit({"bench": "spec_host_profile", "k": 4, "ms_per_step_profiled": round(
-        1e3 * secs / max(llm.llm_engine.step_timing["steps"] - before["steps"], 1), 3),
-        **_phases(llm, before)})  # fmt: skip
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(args.top)
-        print(text.getvalue())
+    for k in args.profile_k:
+        _set_k(llm, k, FixedDrafts())
+        _timed(llm, p1, params)
+        profile = cProfile.Profile()
+        before = dict(llm.llm_engine.step_timing)
+        profile.enable()
+        secs, _ = _timed(llm, p1, params)
+        profile.disable()
+        steps = max(llm.llm_engine.step_timing["steps"] - before["steps"], 1)
+        emit({"bench": "spec_host_profile", "k": k,
+              "ms_per_step_profiled": round(1e3 * secs / steps, 3), **_phases(llm, before)})
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats(key).print_stats(args.top)
+            print(text.getvalue())
     llm.llm_engine.shutdown()
 
 
@@ -409,7 +411,9 @@ def main() -> None:
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--enforce-eager", action="store_true")
     gpu.add_argument("--host-profile", action="store_true",
-                     help="only profile the host's part of k = 4 verify steps (cProfile)")
+                     help="only profile the host's part of verify steps (cProfile)")
+    gpu.add_argument("--profile-k", type=int, nargs="+", default=[4],
+                     help="draft counts --host-profile profiles, one after another")
     gpu.add_argument("--top", type=int, default=30, help="functions listed per profile order")
     args = parser.parse_args()
     if args.mode == "cpu":
