@@ -119,12 +119,10 @@ class EngineArgs:
     def _validate_speculative_config(self) -> None:
         from asyncengine.spec_decode.config import SpeculativeConfig
 
-        spec = SpeculativeConfig.from_dict(self.speculative_config)  # type: ignore[arg-type]
-        if spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "speculative_config.model (a draft model) is not served with "
-                f"tensor_parallel_size > 1, got {self.tensor_parallel_size}"
-            )
+        # Its fields, at start; a draft model's own checks run when it is loaded. Under
+        # tensor parallelism a draft model runs whole on rank 0 (vLLM's draft tensor-parallel
+        # size 1): it is small, and its steps need no collective.
+        SpeculativeConfig.from_dict(self.speculative_config)  # type: ignore[arg-type]
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

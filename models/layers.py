@@ -220,7 +220,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
-        y = all_reduce(y)
+        # The layer's own split, not the process's: a draft model built whole runs on rank 0
+        # of a tensor-parallel target without a collective.
+        if self.tp_size > 1:
+            y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -24,7 +24,9 @@ drafts are the draft's argmax (point masses); a request that samples draws its d
 the draft's own distribution q under its sampling parameters, and q's rows stay on the
 device with the drafts (`Request.spec_draft_probs`) for the verify step, which accepts with
 min(1, p/q) (`draft_sampling`, `rejection_sampler`). The drafts stay on the device until the
-last step; one copy brings them to the host. The draft runs eagerly (no CUDA graphs).
+last step; one copy brings them to the host. The draft runs eagerly (no CUDA graphs). Under
+tensor parallelism it runs whole on rank 0: it is loaded before the ranks start, so its
+layers are built unsplit and need no collective.
 
 Refused at start, naming `speculative_config.model`: a missing directory, a vocabulary other
 than the target's (the config's `vocab_size`, and the tokenizers where both have one), and a

@@ -225,6 +225,11 @@ CASES = {
     "tp2_async_preempt_swap": dict(
         tensor_parallel_size=2, async_scheduling=True, num_kv_blocks=14, preemption_mode="swap"
     ),
+    # a draft model (the target itself: its drafts are all kept) whole on rank 0, its K/V in
+    # rank 0's blocks only, swapped with them
+    "tp2_draft_model_preempt_swap": dict(
+        tensor_parallel_size=2, num_kv_blocks=14, preemption_mode="swap", draft=2
+    ),
 }
 
 
@@ -233,7 +238,12 @@ def test_tp_greedy_equals_tp1(
     tiny_llama_dir: Path, reference: tuple[list[list[int]], list[list[int]]], case: str
 ) -> None:
     prompts, expected = reference
-    llm = make_llm(tiny_llama_dir, **CASES[case])
+    args = dict(CASES[case])
+    draft_k = args.pop("draft", 0)
+    if draft_k:
+        args["speculative_config"] = {"model": str(tiny_llama_dir),
+                                      "num_speculative_tokens": draft_k}  # fmt: skip
+    llm = make_llm(tiny_llama_dir, **args)
     try:
         engine = llm.llm_engine
         assert isinstance(engine.runner, TensorParallelModelRunner)
@@ -253,6 +263,11 @@ def test_tp_greedy_equals_tp1(
         assert (overlapped > 0) == engine.async_scheduling
         if case.endswith("preempt_swap"):
             assert engine.scheduler.num_swaps_out > 0 and engine.scheduler.num_swaps_in > 0
+        if draft_k:
+            metrics = engine.spec_decoder.metrics
+            assert metrics.num_drafts > 0
+            assert metrics.num_accepted_tokens >= 0.9 * metrics.num_draft_tokens  # its own
+            assert engine.runner.draft_kv_cache is not None
         assert_pool_clean(llm)
         pids = engine.runner.workers.pids
     finally:

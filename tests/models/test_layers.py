@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from models.layers import RotaryEmbedding, compute_cos_sin_cache
+from models.layers import RotaryEmbedding, RowParallelLinear, compute_cos_sin_cache
+from models.parallel import set_tensor_parallel
 
 
 def test_equal_rotary_settings_share_one_table() -> None:
@@ -22,3 +24,18 @@ def test_equal_rotary_settings_share_one_table() -> None:
         compute_cos_sin_cache(16, 64, 10000.0, {"rope_type": "linear", "factor": 2.0}),
         atol=0, rtol=0,
     )  # fmt: skip
+
+
+def test_a_row_parallel_layer_built_whole_never_reduces_under_a_split_process() -> None:
+    """A draft model is built before the tensor-parallel ranks start: its layers keep their
+    own split (none) and run on rank 0 with no collective (no process group exists here, so
+    one would raise)."""
+    layer = RowParallelLinear(8, 4)
+    layer.weight.data.normal_()
+    x = torch.randn(3, 8)
+    set_tensor_parallel(0, 2)
+    try:
+        y = layer(x)
+    finally:
+        set_tensor_parallel(0, 1)
+    torch.testing.assert_close(y, F.linear(x, layer.weight))

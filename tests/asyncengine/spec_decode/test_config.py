@@ -49,10 +49,10 @@ def test_not_a_dict() -> None:
         EngineArgs(speculative_config="ngram")  # type: ignore[arg-type]
 
 
-def test_draft_model_with_tensor_parallelism_is_refused() -> None:
+def test_draft_model_with_tensor_parallelism_is_accepted() -> None:
     raw = {"model": "/d", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(speculative_config=raw, tensor_parallel_size=2)
+    args = EngineArgs(speculative_config=raw, tensor_parallel_size=2)
+    assert args.tensor_parallel_size == 2 and args.speculative_config == raw
 
 
 def test_draft_model_with_swap_preemption_is_accepted() -> None:
