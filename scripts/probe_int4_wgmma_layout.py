@@ -5,11 +5,20 @@ The packing (docs/quantization.md, "int4 straight into wgmma's register operand"
 32-bit word holds the eight values one lane needs for one 16-deep k step of a 16-row slab,
 nibble e + 2 hi_r + 4 hi_c being the value at row slab * 16 + 8 hi_r + g and column
 j * 16 + 8 hi_c + 2 q + e, for lane 4 g + q. If the packing did not match the fragment, the
-`assert_trivial` conversion would fail to compile. The prototype has no scales, zero points
-or pipelining: it is a probe for the layout, not a kernel the engine runs.
+`assert_trivial` conversion would fail to compile. The codes become bf16 two at a time, by
+bit tricks in inline PTX: each pair of a row (nibbles i and i + 4) is OR'ed into the mantissas
+of 128.0 (`lop3`), then ((128 + code) - (128 + zero)) * scale runs on the pair (`sub.bf16x2`,
+`mul.rn.bf16x2`), both exact but the final rounding, as `dequantize_weight` rounds. The
+scales are per row and 128-wide group; the zero point is the symmetric 8. There is no
+pipelining: it is a probe for the layout and the instruction count, not a kernel the engine
+runs.
 
-  python scripts/probe_int4_wgmma_layout.py              # ROWS 16, J 4
-  python scripts/probe_int4_wgmma_layout.py --rows 64 --j 2
+It reports the machine code's registers and spills, and the instructions each thread adds
+per weight value. That figure is measured as the difference between J = 4 and J = 2 k steps
+a loop iteration, which is 16 values a thread.
+
+  python scripts/probe_int4_wgmma_layout.py              # ROWS 16
+  python scripts/probe_int4_wgmma_layout.py --rows 64
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,16 +39,43 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
+# Codes of a word -> (128 + code) as bf16 in pairs sharing a row (nibbles i, i + 4), then
+# ((128 + code) - (128 + zero)) * scale on the pair: $8 the word, $9/$11 the scales of the
+# word's two rows and $10/$12 their 128 + zero, each as a bf16x2 of the value twice.
+_DEQUANT_PAIRS = gl.constexpr("""{
+.reg .b32 a, b, c, d, t;
+lop3.b32 a, $8, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, $8, 4;
+lop3.b32 b, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, $8, 8;
+lop3.b32 c, t, 0x000f000f, 0x43004300, 0xea;
+shr.u32 t, $8, 12;
+lop3.b32 d, t, 0x000f000f, 0x43004300, 0xea;
+sub.bf16x2 a, a, $10;
+sub.bf16x2 b, b, $10;
+sub.bf16x2 c, c, $12;
+sub.bf16x2 d, d, $12;
+mul.rn.bf16x2 a, a, $9;
+mul.rn.bf16x2 b, b, $9;
+mul.rn.bf16x2 c, c, $11;
+mul.rn.bf16x2 d, d, $11;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
 
 @gluon.jit
-def _nibble(words, i: gl.constexpr):
-    """Code i of every word, centred (symmetric int4: zero point 8)."""
-    return ((words >> (4 * i)) & 0xF).to(gl.float32) - 8.0
+def _twice(bits16):
+    """A 16-bit value's bits in both halves of an int32 (a bf16x2 operand)."""
+    b = bits16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return (b << 16) | b
 
 
 @gluon.jit
-def _probe_kernel(w_ptr, x_ptr, y_ptr, K, ROWS: gl.constexpr, J: gl.constexpr):
-    """y^T [64, ROWS] = (codes - 8) [64, K] @ x^T [K, ROWS] for one warpgroup."""
+def _probe_kernel(w_ptr, s_ptr, x_ptr, y_ptr, K, ROWS: gl.constexpr, J: gl.constexpr):
+    """y^T [64, ROWS] = ((codes - 8) * scales) [64, K] @ x^T [K, ROWS], one warpgroup."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
     )
@@ -51,21 +88,29 @@ def _probe_kernel(w_ptr, x_ptr, y_ptr, K, ROWS: gl.constexpr, J: gl.constexpr):
     j = gl.arange(0, J, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
     steps = K // 16
     words_at = ((pid * 32 + n_p)[:, None, None] * 4 + q[None, :, None]) * steps + j[None, None, :]
+    row_lo = pid * 64 + (n_p // 8) * 16 + n_p % 8  # the word's rows: row_lo and row_lo + 8
+    spread = gl.zeros([32, 4, J], gl.int32, p_l)
+    zero_pair = gl.full([32, 4, J], 0x43084308, gl.int32, p_l)  # (128 + 8) twice
     x_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16 * J, ROWS], gl.bfloat16)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [16 * J, ROWS], b_l)
     acc = gl.zeros([64, ROWS], gl.float32, acc_l)
     for k0 in range(0, steps, J):
         words = gl.load(w_ptr + words_at + k0)
-        lo_c = gl.join(gl.join(_nibble(words, 0), _nibble(words, 1)),
-                       gl.join(_nibble(words, 2), _nibble(words, 3)))  # fmt: skip
-        hi_c = gl.join(gl.join(_nibble(words, 4), _nibble(words, 5)),
-                       gl.join(_nibble(words, 6), _nibble(words, 7)))  # fmt: skip
+        group = (k0 * 16) // 128
+        s_lo = _twice(gl.load(s_ptr + row_lo * (K // 128) + group))[:, None, None] + spread
+        s_hi = _twice(gl.load(s_ptr + (row_lo + 8) * (K // 128) + group))[:, None, None] + spread
+        v = gl.inline_asm_elementwise(
+            _DEQUANT_PAIRS, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+            [words, s_lo, zero_pair, s_hi, zero_pair], dtype=[gl.bfloat16] * 8, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        lo_c = gl.join(gl.join(v[0], v[1]), gl.join(v[2], v[3]))
+        hi_c = gl.join(gl.join(v[4], v[5]), gl.join(v[6], v[7]))
         t = gl.join(lo_c, hi_c)  # [row pairs, q, j, hi_c, hi_r, e]
         t = gl.reshape(t, [4, 8, 4, J, 2, 2, 2])  # [slab, g, q, j, hi_c, hi_r, e]
         t = gl.permute(t, [0, 5, 1, 3, 4, 2, 6])  # [slab, hi_r, g, j, hi_c, q, e]
-        a = gl.reshape(t, [64, 16 * J]).to(gl.bfloat16)
-        a = gl.convert_layout(a, a_l, assert_trivial=True)
+        a = gl.convert_layout(gl.reshape(t, [64, 16 * J]), a_l, assert_trivial=True)
         offs_k = k0 * 16 + gl.arange(0, 16 * J, layout=gl.SliceLayout(1, x_l))
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, x_l))
         b_smem.store(gl.load(x_ptr + offs_r[None, :] * K + offs_k[:, None]))
@@ -76,34 +121,53 @@ def _probe_kernel(w_ptr, x_ptr, y_ptr, K, ROWS: gl.constexpr, J: gl.constexpr):
     gl.store(y_ptr + r[None, :] * (gl.num_programs(0) * 64) + n[:, None], acc.to(gl.bfloat16))
 
 
-def main() -> None:
+def _compile(rows: int, j: int, arch: int) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    fn = _probe_kernel
+    consts = {"ROWS": rows, "J": j}
+    sig = {"w_ptr": "*i32", "s_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "K": "i32",
+           "ROWS": "constexpr", "J": "constexpr"}  # fmt: skip
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(5)},
+    )  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def _sass_ops(compiled: Any) -> list[str]:
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
+        ).stdout
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+
+
+def main() -> None:
     from scripts.compile_kernels import asm_stats
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16, help="activation rows (wgmma N)")
-    ap.add_argument("--j", type=int, default=4, help="16-deep k steps a loop iteration")
     ap.add_argument("--arch", type=int, default=90)
     args = ap.parse_args()
-    fn = _probe_kernel
-    consts = {"ROWS": args.rows, "J": args.j}
-    sig = {"w_ptr": "*i32", "x_ptr": "*bf16", "y_ptr": "*bf16", "K": "i32",
-           "ROWS": "constexpr", "J": "constexpr"}  # fmt: skip
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-    src = GluonASTSource(
-        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-        attrs=aligned,
-    )  # fmt: skip
-    compiled = triton.compile(src, target=GPUTarget("cuda", args.arch, 32),
-                              options={"num_warps": 4})  # fmt: skip
-    ptx = compiled.asm["ptx"]
+    two, four = _compile(args.rows, 2, args.arch), _compile(args.rows, 4, args.arch)
+    ptx = four.asm["ptx"]
     counts = {op: len(re.findall(re.escape(op), ptx))
               for op in ("ldmatrix", "st.shared", "shfl", "wgmma.mma_async")}  # fmt: skip
-    print(json.dumps({"rows": args.rows, "j": args.j, "trivial_conversion": True,
-                      **asm_stats(compiled), "ptx": counts}))  # fmt: skip
+    extra = len(_sass_ops(four)) - len(_sass_ops(two))
+    print(json.dumps({"rows": args.rows, "j": 4, "trivial_conversion": True,
+                      **asm_stats(four), "ptx": counts,
+                      "instructions_per_value": round(extra / 16, 2)}))  # fmt: skip
 
 
 if __name__ == "__main__":

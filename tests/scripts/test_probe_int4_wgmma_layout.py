@@ -1,6 +1,7 @@
 """The int4 packing lands in wgmma's register operand with no data movement: the probe
-compiles for sm_90 (its `assert_trivial` conversion would fail otherwise) and its machine
-code multiplies from registers without `ldmatrix`, shuffles or a spill."""
+compiles for sm_90 (its `assert_trivial` conversion would fail otherwise), its machine code
+multiplies from registers without `ldmatrix`, shuffles or a spill, and the bit-trick
+conversion keeps the instructions a weight value costs below the CUDA-core GEMV's 3.7."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ def test_int4_codes_reach_the_register_operand_untouched(tmp_path: Path, rows: i
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "probe_int4_wgmma_layout.py"),
-         "--rows", str(rows), "--j", "2"],
+         "--rows", str(rows)],
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
     stats = json.loads(lines[-1])
-    assert stats["trivial_conversion"] and stats["HGMMA"] == 2
+    assert stats["trivial_conversion"] and stats["HGMMA"] == 4
     assert stats["ptx"]["ldmatrix"] == 0 and stats["ptx"]["shfl"] == 0
     assert stats["local_bytes"] == 0 and stats["LDL"] == 0 and stats["STL"] == 0
+    if rows == 8:  # a decode step's width, where the one-row GEMV's 3.7 is the comparison
+        assert 0 < stats["instructions_per_value"] < 3.7
