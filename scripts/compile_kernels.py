@@ -328,11 +328,9 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
     )  # fmt: skip
 
 
-def asm_stats(compiled: Any) -> dict[str, int]:
-    """What the machine code of a compiled variant uses, read with the tools Triton bundles:
-    registers and local-memory (spill) bytes per thread, spill instructions (LDL/STL),
-    tensor-core instructions (HGMMA = wgmma; HMMA = the older mma.sync) and asynchronous
-    global-to-shared copies (LDGSTS = cp.async)."""
+def sass_ops(compiled: Any) -> tuple[list[str], str]:
+    """The opcodes of a compiled variant's machine code, in order, and its resource usage
+    (`cuobjdump -res-usage`), read with the tools Triton bundles."""
     import re
     import subprocess
     import tempfile
@@ -349,11 +347,21 @@ def asm_stats(compiled: Any) -> dict[str, int]:
         sass = subprocess.run(
             [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
         ).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    return ops, usage
+
+
+def asm_stats(compiled: Any) -> dict[str, int]:
+    """What the machine code of a compiled variant uses: registers and local-memory (spill)
+    bytes per thread, spill instructions (LDL/STL), tensor-core instructions (HGMMA = wgmma;
+    HMMA = the older mma.sync) and asynchronous global-to-shared copies (LDGSTS = cp.async)."""
+    import re
+
+    ops, usage = sass_ops(compiled)
     stats = {}
     for key, name in (("REG", "regs"), ("LOCAL", "local_bytes")):
         found = re.search(rf"\b{key}:(\d+)", usage)
         stats[name] = int(found.group(1)) if found else -1
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     for op in ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL"):
         stats[op] = ops.count(op)
     return stats

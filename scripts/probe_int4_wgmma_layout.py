@@ -137,24 +137,8 @@ def _compile(rows: int, j: int, arch: int) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
-def _sass_ops(compiled: Any) -> list[str]:
-    import subprocess
-    import tempfile
-
-    import triton
-
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run(
-            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
-        ).stdout
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-
-
 def main() -> None:
-    from scripts.compile_kernels import asm_stats
+    from scripts.compile_kernels import asm_stats, sass_ops
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16, help="activation rows (wgmma N)")
@@ -164,7 +148,7 @@ def main() -> None:
     ptx = four.asm["ptx"]
     counts = {op: len(re.findall(re.escape(op), ptx))
               for op in ("ldmatrix", "st.shared", "shfl", "wgmma.mma_async")}  # fmt: skip
-    extra = len(_sass_ops(four)) - len(_sass_ops(two))
+    extra = len(sass_ops(four)[0]) - len(sass_ops(two)[0])
     print(json.dumps({"rows": args.rows, "j": 4, "trivial_conversion": True,
                       **asm_stats(four), "ptx": counts,
                       "instructions_per_value": round(extra / 16, 2)}))  # fmt: skip
