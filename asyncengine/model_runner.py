@@ -635,7 +635,7 @@ class ModelRunner:
         """The block moves of a step that runs no request (the scheduler swapped out every
         sequence it had room for none of): a swapped-out request's CPU copy must exist
         before its GPU blocks are given to another."""
-        self.apply_block_moves(sched.block_moves())
+        self.apply_block_moves(sched)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the rows that need logits (and, in `inputs.prompt_hidden`, of

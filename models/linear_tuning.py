@@ -196,14 +196,11 @@ def _plan_groups(
         weights = [m.weight for m in layers]
         biases = [m.bias for m in layers] if key.has_bias else None
         gated = key.input_transform is InputTransform.SILU_AND_MUL
-        choice = tune_gemv(
-            weights, biases, configs=configs, gated=gated,
-            normed=key.input_transform is InputTransform.RMS_NORM,
-        )  # fmt: skip
-        choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
-        # A normed input is timed in the few-row matmul's prologue and as the norm kernel
-        # before it (or before the library), as at one row.
+        # A normed input is timed in the matmul's prologue and as the norm kernel before it
+        # (or before the library), at one row and at a few.
         normed = key.input_transform is InputTransform.RMS_NORM
+        choice = tune_gemv(weights, biases, configs=configs, gated=gated, normed=normed)
+        choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
         few[key] = [
             tune_skinny(weights, biases, rows, gated=gated, configs=skinny_configs, normed=normed)
             for rows in ladder
