@@ -42,6 +42,8 @@ HBM_GBPS = 4250.0  # measured device-to-device copy rate of an H200
 BF16_TFLOPS = 787.5  # measured dense bf16 matmul rate of an H200
 FP8_TFLOPS = 1979.0  # the H200's published dense FP8 tensor-core rate
 WORKLOADS = {"W1": (32, 32), "W2": (32, 8)}  # (q heads, kv heads), head_dim 128
+# (batch, keys) of each workload's decode steps: W1's mean context is 640 keys.
+DECODE_SHAPES = {"W1": (256, 640), "W2": (256, 1500)}
 HEAD_DIM, HIDDEN, BLOCK_SIZE = 128, 4096, 16
 INTERMEDIATE = {"W1": 11008, "W2": 14336}
 VOCAB = {"W1": 32000, "W2": 128256}
@@ -220,9 +222,8 @@ def sweep_fp8_kv_decode() -> None:
     """Decode attention over an e4m3 cache beside the bf16 cache at the throughput shapes
     (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): launch order, tiles,
     warps and stages."""
-    cases = {"W1": (256, 640), "W2": (256, 1500)}
     for wl, heads in WORKLOADS.items():
-        bsz, ctx = cases[wl]
+        bsz, ctx = DECODE_SHAPES[wl]
         for kv_fp8 in (False, True):
             args, nbytes, scales = _attention_inputs(
                 [1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8

@@ -285,6 +285,7 @@ def run_host_profile(args: argparse.Namespace) -> None:
 
 
 def _default_model(args: argparse.Namespace) -> None:
+    """Without --model: dummy weights of the --shape architecture."""
     if args.model is None:
         from scripts.bench_common import dummy_model_dir
 
@@ -292,10 +293,7 @@ def _default_model(args: argparse.Namespace) -> None:
 
 
 def run_gpu(args: argparse.Namespace) -> None:
-    if args.model is None:
-        from scripts.bench_common import dummy_model_dir
-
-        args.model, args.load_format = str(dummy_model_dir(args.shape)), "dummy"
+    _default_model(args)
     prompt_len, out_len = args.prompt_len, args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 

@@ -19,24 +19,21 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import WORKLOADS, _attention_inputs
+from bench_kernels import DECODE_SHAPES, WORKLOADS, _attention_inputs
 
 from kernels.paged_attention import paged_attention_triton
-
-# (batch, context) of each workload's decode steps, as in `bench_kernels.py --only kvfp8`.
-SHAPES = {"W1": (256, 640), "W2": (256, 1500)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(SHAPES), default="W1")
+    parser.add_argument("--workload", choices=sorted(DECODE_SHAPES), default="W1")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="fp8")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument(
         "--tiles", default="{}", help="JSON overrides of the decode tile config (small_tiles)"
     )
     args = parser.parse_args()
-    batch, ctx = SHAPES[args.workload]
+    batch, ctx = DECODE_SHAPES[args.workload]
     inputs, nbytes, scales = _attention_inputs(
         [1] * batch, [ctx] * batch, *WORKLOADS[args.workload], kv_fp8=args.kv == "fp8"
     )
