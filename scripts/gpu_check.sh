@@ -78,6 +78,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 phase="${1:-check}"
 bench() { python3 scripts/bench_throughput.py "$@" 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"; }
+tree_bench() {  # TREE ARGS...: bench_throughput.py of another tree, its lines tagged with it
+  local tree="$1"; shift  # (TREE_TIMEOUT: seconds a run may take)
+  # This tree's entry of PYTHONPATH becomes TREE's (substituted before the cd changes $PWD).
+  (export PYTHONPATH="${PYTHONPATH/$PWD/$tree}"; cd "$tree" && timeout "${TREE_TIMEOUT:-600}" \
+    python3 scripts/bench_throughput.py \
+    --system engine "$@" 2>>"$OUT/bench.log") \
+    | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
+}
 serving() {  # W1's model and lengths behind `asyncengine serve`
   python3 scripts/bench_serving.py --shape llama2-7b --device cuda --input-len 512 \
     --output-len 256 --skip-tokenizer-init --load-format dummy "$@" 2>>"$OUT/bench.log" \
@@ -101,11 +109,7 @@ elif [ "$phase" = bench ]; then
 elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternating
   other="${2:?usage: gpu_check.sh compare DIR}"
   for w in l1 w1; do
-    for tree in "$other" "$PWD"; do
-      (cd "$tree" && PYTHONPATH="${PYTHONPATH/$PWD/$tree}" python3 scripts/bench_throughput.py \
-        --workload "$w" --system engine --repeat "${REPEAT:-2}" 2>>"$OUT/bench.log") \
-        | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
-    done
+    for tree in "$other" "$PWD"; do tree_bench "$tree" --workload "$w" --repeat "${REPEAT:-2}"; done
   done
 elif [ "$phase" = house ]; then  # an engine gives its memory back (two 7B engines in one
   # process), the Gluon prefill tests, then L1/W1 from another tree DIR and from this one
@@ -264,13 +268,10 @@ elif [ "$phase" = normrows ]; then  # the few-row matmul with RMSNorm in its pro
 elif [ "$phase" = next ]; then  # before/after for hot-path commits: L1 from trees OLD and
   # LANDED and this one, W1 from OLD and this one (one pass each, alternating)
   old="${2:?usage: gpu_check.sh next OLD LANDED}"; landed="${3:?usage: gpu_check.sh next OLD LANDED}"
-  one() {  # workload, tree
-    (cd "$2" && PYTHONPATH="${PYTHONPATH/$PWD/$2}" timeout 200 python3 scripts/bench_throughput.py \
-      --workload "$1" --system engine 2>>"$OUT/bench.log") \
-      | sed "s|^{|{\"tree\": \"$(basename "$2")\", |" | tee -a "$OUT/compare.jsonl" | cut -c1-300
-  }
-  for tree in "$old" "$landed" "$PWD"; do one l1 "$tree"; done
-  for tree in "$old" "$PWD"; do one w1 "$tree"; done
+  for tree in "$old" "$landed" "$PWD"; do
+    TREE_TIMEOUT=200 tree_bench "$tree" --workload l1 | cut -c1-300
+  done
+  for tree in "$old" "$PWD"; do TREE_TIMEOUT=200 tree_bench "$tree" --workload w1 | cut -c1-300; done
   if [ "${SPEC:-1}" != 0 ]; then  # then the verify-step bench (its engines' plans recorded)
     timeout "${SPEC_TIMEOUT:-280}" python3 -m scripts.bench_spec_decode gpu --shape llama2-7b \
       --batches 1 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-300
@@ -280,10 +281,7 @@ elif [ "$phase" = l1formats ]; then  # L1 in bf16 (two passes), GPTQ int4 and FP
   other="${2:?usage: gpu_check.sh l1formats DIR}"
   for q in "" "--quantization gptq-int4" "--quantization fp8"; do
     for tree in "$other" "$PWD"; do
-      (cd "$tree" && PYTHONPATH="${PYTHONPATH/$PWD/$tree}" timeout 150 python3 \
-        scripts/bench_throughput.py --workload l1 --system engine $q \
-        $([ -z "$q" ] && echo --repeat 2) 2>>"$OUT/bench.log") \
-        | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl" \
+      TREE_TIMEOUT=150 tree_bench "$tree" --workload l1 $q $([ -z "$q" ] && echo --repeat 2) \
         | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
     done
   done
