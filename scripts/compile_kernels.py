@@ -328,6 +328,40 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
     )  # fmt: skip
 
 
+# The Gluon int4 wgmma matmul (`kernels.int4_wgmma`): one and 16 rows with the scale on
+# the accumulator, 64 rows with it on the weights, symmetric and with zero points.
+INT4_WGMMA_VARIANTS = [
+    dict(ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False, SCALE_ON_ACC=True,
+         SPLIT_K=True),
+    dict(ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True, SCALE_ON_ACC=True,
+         SPLIT_K=True),
+    dict(ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=False),
+]  # fmt: skip
+
+
+def lower_int4_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
+    """Compile one variant of the Gluon int4 wgmma matmul."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import int4_wgmma
+
+    fn = int4_wgmma._int4_wgmma_kernel
+    signature = {p: "i32" for p in fn.arg_names}
+    signature.update(w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", x_ptr="*bf16", b_ptr="*bf16",
+                     y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
+    signature.update({k: "constexpr" for k in constexprs})
+    aligned = [fn.arg_names.index(p) for p in signature if p.endswith("_ptr")]
+    aligned += [fn.arg_names.index(p) for p in ("N", "K", "stride_xm", "stride_ym")]
+    src = GluonASTSource(
+        fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
 def sass_ops(compiled: Any) -> tuple[list[str], str]:
     """The opcodes of a compiled variant's machine code, in order, and its resource usage
     (`cuobjdump -res-usage`), read with the tools Triton bundles."""
@@ -395,13 +429,20 @@ def main() -> int:
             ("_hopper_prefill_kernel", c, lambda c=c: lower_hopper_prefill(c, args.arch))
             for c in GLUON_VARIANTS
         ]
+    from kernels import int4_wgmma
+
+    if int4_wgmma.available() and not args.fp8_kv and args.only in (None, "quant", "int4"):
+        jobs += [
+            ("_int4_wgmma_kernel", c, lambda c=c: lower_int4_wgmma(c, args.arch))
+            for c in INT4_WGMMA_VARIANTS
+        ]
     for kernel, constexprs, lower in jobs:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
         t0 = time.perf_counter()
         try:
             compiled = lower()
             row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": len(compiled.asm["cubin"])}
-            if kernel == "_hopper_prefill_kernel":
+            if kernel in ("_hopper_prefill_kernel", "_int4_wgmma_kernel"):
                 row["config"] = {k: v for k, v in constexprs.items() if not isinstance(v, bool)}
             if args.asm_stats:
                 row.update(asm_stats(compiled))
