@@ -50,6 +50,7 @@ from kernels.quant_linear import unpack_int_weight
 try:  # Gluon ships with Triton 3.5+; CPU-only installs without it fall back.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
@@ -173,7 +174,9 @@ def unpack_int4_wgmma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 if _GLUON:
+    # Renamed after Triton 3.6 (same arguments): the CTA barrier and the asynchronous copy.
     _sync_threads = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    _copy_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _CHUNK_K = gl.constexpr(CHUNK_K)
     _ITER_K = gl.constexpr(ITER_K)
     _WORDS_PER_CHUNK = gl.constexpr(WORDS_PER_CHUNK)
@@ -254,13 +257,13 @@ if _GLUON:
                 _CODES_LESS_ZERO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
                 [words, z_lo, z_hi], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1,
             )  # fmt: skip
-        # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hc, hr, e] -> [64 rows, 64 columns]. The
-        # join made last is the registers' fastest bit: joining over e last pairs each
-        # register's two values as wgmma reads them, so no byte permutes are needed.
+        # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hr, hc, e] -> [64 rows, 64 columns]. A
+        # join appends its axis last, and that axis is the registers' fastest: joining over
+        # e last pairs each register's two values as wgmma reads them (no byte permutes).
         e0 = gl.join(gl.join(v[0], v[2]), gl.join(v[4], v[6]))
         e1 = gl.join(gl.join(v[1], v[3]), gl.join(v[5], v[7]))
-        t = gl.reshape(gl.join(e0, e1), [4, 8, 4, 4, 2, 2, 2])
-        t = gl.permute(t, [0, 5, 1, 3, 4, 2, 6])  # [w, hr, g, j, hc, q, e]
+        t = gl.reshape(gl.join(e0, e1), [4, 8, 4, 4, 2, 2, 2])  # [w, g, q, j, hr, hc, e]
+        t = gl.permute(t, [0, 4, 1, 3, 5, 2, 6])  # [w, hr, g, j, hc, q, e]
         return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
@@ -277,8 +280,10 @@ if _GLUON:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         # Words [32 row pairs (w, g), 4 (q), 4 (j)]: lanes over (g, q), warps over w.
         p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-        x_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_CHUNK_K, ROWS], gl.bfloat16)
+        # x's chunks [ROWS, 64] in 16-byte pieces along K (contiguous in memory and in the
+        # K-major shared tile alike, so each is one asynchronous copy).
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], gl.bfloat16)
         ITERS: gl.constexpr = K_SPLIT // _ITER_K
 
         pid_n = gl.program_id(0)
@@ -286,16 +291,16 @@ if _GLUON:
         first = pid_k * ITERS
         n_iters = gl.minimum(ITERS, K // _ITER_K - first)
 
-        # The activation slice, x^T [K_SPLIT, ROWS] as 64-deep wgmma operands, loaded once.
-        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, _CHUNK_K, ROWS], b_l)
-        offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(1, x_l))
-        offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(0, x_l))
-        x_at = x_ptr + offs_xr[None, :] * stride_xm + (first * _ITER_K + offs_xk)[:, None]
-        x_mask = (offs_xr < M)[None, :]
+        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
+        # chunk's copy is in flight at once (and the first weights' loads behind them).
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
+        offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
+        offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
+        x_at = x_ptr + offs_xr[:, None] * stride_xm + (first * _ITER_K + offs_xk)[None, :]
+        x_mask = (offs_xr < M)[:, None]
         for i in range(2 * n_iters):
-            xs.index(i).store(gl.load(x_at + i * _CHUNK_K, mask=x_mask, other=0.0))
-        fence_async_shared()
-        _sync_threads()
+            _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
+        async_copy.commit_group()
 
         n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
@@ -312,13 +317,20 @@ if _GLUON:
 
         acc = gl.zeros([64, ROWS], gl.float32, acc_l)
         acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
+        # Weight words two iterations ahead (8 KB a program in flight); past the split's end
+        # the last iteration's words are reloaded, harmlessly.
+        last = 2 * (first + n_iters - 1)
         words0 = gl.load(w_tile + (2 * first) * _WORDS_PER_CHUNK)
         words1 = gl.load(w_tile + (2 * first + 1) * _WORDS_PER_CHUNK)
+        next_at = gl.minimum(2 * first + 2, last)
+        next0 = gl.load(w_tile + next_at * _WORDS_PER_CHUNK)
+        next1 = gl.load(w_tile + (next_at + 1) * _WORDS_PER_CHUNK)
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _sync_threads()
         for it in range(n_iters):
             step = first + it
-            # The next iteration's words now, so their latency hides behind this one's work
-            # (the last iteration reloads its own, harmlessly).
-            ahead = 2 * (first + gl.minimum(it + 1, n_iters - 1))
+            ahead = gl.minimum(2 * (step + 2), last)
             ahead0 = gl.load(w_tile + ahead * _WORDS_PER_CHUNK)
             ahead1 = gl.load(w_tile + (ahead + 1) * _WORDS_PER_CHUNK)
             group = step // GROUP_ITERS
@@ -328,19 +340,23 @@ if _GLUON:
                 s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, False)
             a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
             a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+            x0 = xs.index(2 * it).permute((1, 0))
+            x1 = xs.index(2 * it + 1).permute((1, 0))
             if SCALE_ON_ACC:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
-                acc_g = warpgroup_mma(a0, xs.index(2 * it), acc_g, use_acc=keep)
-                acc_g = warpgroup_mma(a1, xs.index(2 * it + 1), acc_g)
+                acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
+                acc_g = warpgroup_mma(a1, x1, acc_g)
                 if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
                     s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                     acc += acc_g * s[:, None]
             else:
-                acc = warpgroup_mma(a0, xs.index(2 * it), acc)
-                acc = warpgroup_mma(a1, xs.index(2 * it + 1), acc)
-            words0 = ahead0
-            words1 = ahead1
+                acc = warpgroup_mma(a0, x0, acc)
+                acc = warpgroup_mma(a1, x1, acc)
+            words0 = next0
+            words1 = next1
+            next0 = ahead0
+            next1 = ahead1
 
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
         r_mask = (offs_r < M)[None, :]
