@@ -64,6 +64,7 @@ from models.quantization.kinds import (
     agrees_with_reference,
     reference_of,
     reference_output,
+    release_unplanned_copies,
     tuning_kinds,
 )
 
@@ -559,6 +560,8 @@ def tune_decode_gemvs(
     plans.update(quant_plans)
     for layer, plan in plans.items():
         layer.set_plan(plan)
+    for layer in quant_plans:
+        release_unplanned_copies(layer)
     return timings
 
 

@@ -3,14 +3,18 @@
 `models.quantization.fp8`): by default the few that a rule table (`INT_TUNING_RULES`) names
 per weight width and row range, every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
 
-All four read the layer's one internal layout (`kernels.quant_linear`: `qweight`, `scales`,
-`zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer` builds at
-load, so switching between them stores nothing: `DequantMatmul` (dequantize with torch ops,
-then the library's matmul: the CPU path and the oracle), `TritonDequantMatmul` (the same
-with one Triton dequantization pass: on the GPU, a choice for large batches),
+All but one read the layer's one internal layout (`kernels.quant_linear`: `qweight`,
+`scales`, `zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer`
+builds at load, so switching between them stores nothing: `DequantMatmul` (dequantize
+with torch ops, then the library's matmul: the CPU path and the oracle),
+`TritonDequantMatmul` (the same with one Triton dequantization pass: on the GPU, a choice
+for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
 rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
 without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
+`Int4Wgmma` (int4 on Hopper's tensor cores, 1-64 rows: `kernels.int4_wgmma`) reads a second
+copy of the codes packed for it at load (`wgmma_words`, half a byte a weight), which
+`release_unplanned_copies` drops once tuning has planned the layer without it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from kernels import envs
+from kernels import envs, int4_wgmma
 from kernels.activation import silu_and_mul
 from kernels.quant_linear import (
     QuantGemmConfig,
@@ -101,6 +105,8 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
+    if has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS:
+        kinds.append(Int4Wgmma())
     return kinds
 
 
@@ -114,13 +120,15 @@ class IntRule:
     """The kinds timed for integer weights at a ladder step of up to `max_rows` rows (None:
     any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
     (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
-    warps, stages, split_k), and whether dequantize + BLAS is one."""
+    warps, stages, split_k), whether dequantize + BLAS is one, and whether the int4 wgmma
+    matmul is (where the layer has its copy of the codes)."""
 
     max_rows: int | None
     at_once: tuple[tuple[int, int, int], ...] = ()
     loops: tuple[tuple[int, int, int, int, bool], ...] = ()
     gemms: tuple[tuple[int, int, int, int, int, int], ...] = ()
     dequantize: bool = False
+    wgmma: bool = False
 
 
 # From 3 rows up the GEMM tiles follow the H200's W1 measurement (2026-12-03: Llama-2-7B
@@ -137,8 +145,9 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # is timed at its top (`models.linear_tuning.QUANT_ROW_LADDER`), where on these layers its
 # tiles lose: they are there for the 128-row wins, which only a 128-row step would use.
 _FROM_5_ROWS = (
-    IntRule(16, gemms=_SMALL_GEMM, dequantize=True),
-    IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
+    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True),
+    IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
+            wgmma=True),
     IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
     IntRule(None, dequantize=True),
 )
@@ -149,8 +158,8 @@ _FROM_5_ROWS = (
 # rows; not timed at 4).
 INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     4: (
-        IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4))),
-        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM),
+        IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4)), wgmma=True),
+        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM, wgmma=True),
         *_FROM_5_ROWS,
     ),
     8: (
@@ -192,9 +201,23 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     if layer.qweight.is_cuda or rows <= CPU_GEMM_MAX_ROWS:
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
+    if rule.wgmma and has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS:
+        kinds.append(Int4Wgmma())
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
     return kinds
+
+
+def has_wgmma_copy(layer: torch.nn.Module) -> bool:
+    """Whether `layer` holds the codes packed for `Int4Wgmma` (made at load where it can
+    serve the layer: `models.quantization.layer`)."""
+    return getattr(layer, "wgmma_words", None) is not None
+
+
+def release_unplanned_copies(layer: torch.nn.Module) -> None:
+    """Drop the layer's wgmma copy of its codes when its plan does not run `Int4Wgmma`."""
+    if has_wgmma_copy(layer) and not any(isinstance(k, Int4Wgmma) for k in layer.plan.kinds()):
+        Int4Wgmma().release(layer)
 
 
 def _operands(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -299,3 +322,44 @@ class QuantTritonGemvAtOnce(QuantTritonGemv):
         bits, group = layer.quant_config.bits, layer.group_size
         return quant_gemv(x.contiguous(), layer.qweight, layer.scales, layer.zeros, bits, group,
                           bias, self.config, layer.gemv_counters, gated=True)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Int4Wgmma(MatmulKind):
+    """The int4 matmul on Hopper's tensor cores (`kernels.int4_wgmma`), the codes repacked
+    at load into wgmma's register-operand layout (`wgmma_words`; `wgmma_has_zero`: whether
+    any zero point differs from 8). Its split-K arrival counters are the GEMV's."""
+
+    name: ClassVar[str] = "int4 wgmma"
+    max_rows: ClassVar[int | None] = int4_wgmma.MAX_ROWS
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not has_wgmma_copy(layer):  # a plan read from the cache after a release
+            pack_wgmma_copy(layer)
+
+    def release(self, layer: torch.nn.Module) -> None:
+        layer.wgmma_words = None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
+        gated: bool = False, glu: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        x, _, scales, zeros = _operands(layer, x)
+        return int4_wgmma.int4_wgmma_matmul(
+            x, layer.wgmma_words, scales, zeros, layer.group_size, bias,
+            counters=layer.gemv_counters, has_zero=layer.wgmma_has_zero,
+        )  # fmt: skip
+
+
+def wgmma_serves(layer: torch.nn.Module) -> bool:
+    """Whether `Int4Wgmma` can serve `layer` (int4 codes, bf16, an sm_90 GPU, its shapes)."""
+    bits = layer.quant_config.bits
+    k, n = layer.qweight.shape[0] * (32 // bits), layer.qweight.shape[1]  # this rank's shard
+    probe = torch.empty(1, k, device=layer.qweight.device, dtype=layer.scales.dtype)
+    return int4_wgmma.supported(probe, n, k, bits, layer.group_size)
+
+
+def pack_wgmma_copy(layer: torch.nn.Module) -> None:
+    """Give `layer` the codes packed for `Int4Wgmma`, and whether it must read zero points."""
+    layer.wgmma_words = int4_wgmma.pack_int4_wgmma(layer.qweight)
+    layer.wgmma_has_zero = not bool((layer.zeros == 8).all())

@@ -26,6 +26,8 @@ from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
     TritonDequantMatmul,
+    pack_wgmma_copy,
+    wgmma_serves,
 )
 from models.weight_loaders import set_weight_loader
 
@@ -111,6 +113,10 @@ def process_quantized_linear(layer: nn.Module) -> None:
     # The GEMV's split-K arrival counters: allocated once, outside any CUDA graph capture.
     layer.register_buffer("gemv_counters", gemv_counters(
         QUANT_GEMV_MAX_ROWS, layer.qweight.shape[1], layer.qweight.device), False)
+    if layer.qweight.is_cuda and wgmma_serves(layer):
+        # Packed now, before the memory profile, so that the KV cache is sized with it;
+        # tuning drops it where the plan does not use it.
+        pack_wgmma_copy(layer)
     declared = layer.input_transform
     if layer.qweight.is_cuda:
         # Large batches dequantize into a temporary weight; planning it from the start makes

@@ -15,15 +15,18 @@ import torch
 from kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
 from models.config import ModelConfig
 from models.loader import load_model
-from models.matmul_plan import MatmulKind
+from models.matmul_plan import MatmulKind, MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
 from models.quantization.kinds import (
     DequantMatmul,
+    Int4Wgmma,
     QuantTritonGemm,
     QuantTritonGemv,
     QuantTritonGemvAtOnce,
     agrees_with_reference,
     all_int_kinds,
+    pack_wgmma_copy,
+    release_unplanned_copies,
     tuning_kinds,
 )
 from tests.quant_writers import Scheme
@@ -182,3 +185,60 @@ def test_short_rows_keep_a_gemv_that_reads_the_whole_row(monkeypatch: pytest.Mon
     ]  # fmt: skip
     assert _names(tuning_kinds(_shape(64, 64), 2))[0] == "GEMV gemv n32 k64x1 at once w1 pairs"
     assert _names(tuning_kinds(_shape(2048, 2048), 1))[0] == "GEMV gemv n32 k128x2 at once w1 pairs"
+
+
+def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_64_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A layer holding the codes packed for `Int4Wgmma` has it timed at every ladder step
+    it serves (1-64 rows), beside the rules' other kinds; without the copy, never."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    plain = _shape(128, 4096, cuda=True)
+    layer = _shape(128, 4096, cuda=True)
+    layer.wgmma_words = torch.empty(0, dtype=torch.int32)
+    for rows in (1, 2, 4, 8, 16, 64):
+        got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
+        assert [k for k in got if not isinstance(k, Int4Wgmma)] == without, rows
+        assert sum(isinstance(k, Int4Wgmma) for k in got) == 1, rows
+        assert Int4Wgmma() in all_int_kinds(layer, rows)
+    for rows in (256, 1024):
+        assert tuning_kinds(layer, rows) == tuning_kinds(plain, rows)
+        assert Int4Wgmma() not in all_int_kinds(layer, rows)
+
+
+def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
+    words = torch.empty(8, dtype=torch.int32)
+    kept = SimpleNamespace(wgmma_words=words, plan=MatmulPlan((
+        PlanEntry(Int4Wgmma(), 16), PlanEntry(DequantMatmul()),
+    )))  # fmt: skip
+    dropped = SimpleNamespace(wgmma_words=words, plan=MatmulPlan((PlanEntry(DequantMatmul()),)))
+    release_unplanned_copies(kept)
+    release_unplanned_copies(dropped)
+    assert kept.wgmma_words is words and dropped.wgmma_words is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU (wgmma)",
+)
+@pytest.mark.parametrize("sym", [True, False])
+def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool) -> None:
+    from kernels.quant_linear import pack_int_weight
+
+    n, k, group = 1024, 4096, 128
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.full((k // group, n), 8.0) if sym else torch.randint(0, 16, (k // group, n))
+    layer = SimpleNamespace(
+        quant_config=QuantConfig("gptq", 4, group), group_size=group, in_features=k,
+        out_features=n, input_perm=None, qweight=pack_int_weight(codes, 4).cuda(),
+        scales=(torch.rand(k // group, n, generator=gen) * 0.01).to(torch.bfloat16).cuda(),
+        zeros=zeros.to(torch.bfloat16).cuda(),
+        gemv_counters=torch.zeros(n, dtype=torch.int32, device="cuda"),
+    )  # fmt: skip
+    pack_wgmma_copy(layer)
+    assert layer.wgmma_has_zero == (not sym)
+    for rows in (1, 5, 16, 64):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        assert agrees_with_reference(Int4Wgmma(), layer, x, None), rows
