@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._triton_utils import pdl_kwargs, use_pdl
 from kernels.quant_linear import unpack_int_weight
 
 try:  # Gluon ships with Triton 3.5+; CPU-only installs without it fall back.
@@ -271,7 +272,7 @@ if _GLUON:
         w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         stride_xm, stride_ym, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
-        SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr,
+        SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
     ):  # fmt: skip
         """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module)."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -291,17 +292,6 @@ if _GLUON:
         first = pid_k * ITERS
         n_iters = gl.minimum(ITERS, K // _ITER_K - first)
 
-        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
-        # chunk's copy is in flight at once (and the first weights' loads behind them).
-        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
-        offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
-        offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
-        x_at = x_ptr + offs_xr[:, None] * stride_xm + (first * _ITER_K + offs_xk)[None, :]
-        x_mask = (offs_xr < M)[:, None]
-        for i in range(2 * n_iters):
-            _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
-        async_copy.commit_group()
-
         n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
@@ -318,13 +308,31 @@ if _GLUON:
         acc = gl.zeros([64, ROWS], gl.float32, acc_l)
         acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
         # Weight words two iterations ahead (8 KB a program in flight); past the split's end
-        # the last iteration's words are reloaded, harmlessly.
+        # the last iteration's words are reloaded, harmlessly. No kernel writes the weights,
+        # so the first ones are requested before waiting for the previous kernel (PDL).
         last = 2 * (first + n_iters - 1)
         words0 = gl.load(w_tile + (2 * first) * _WORDS_PER_CHUNK)
         words1 = gl.load(w_tile + (2 * first + 1) * _WORDS_PER_CHUNK)
         next_at = gl.minimum(2 * first + 2, last)
         next0 = gl.load(w_tile + next_at * _WORDS_PER_CHUNK)
         next1 = gl.load(w_tile + (next_at + 1) * _WORDS_PER_CHUNK)
+        if USE_PDL:
+            # x, the partial sums and the counters may still be the previous kernel's.
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
+        # chunk's copy is in flight at once (the weights' first loads already are).
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
+        offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
+        offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
+        x_at = x_ptr + offs_xr[:, None] * stride_xm + (first * _ITER_K + offs_xk)[None, :]
+        x_mask = (offs_xr < M)[:, None]
+        for i in range(2 * n_iters):
+            _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
+        async_copy.commit_group()
+
         async_copy.wait_group(0)
         fence_async_shared()
         _sync_threads()
@@ -427,10 +435,12 @@ def int4_wgmma_matmul(
     else:
         parts = counters = y
     group_iters = group_size // ITER_K
+    pdl = use_pdl(x)
     _int4_wgmma_kernel[(tiles, splits)](
         words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
         x.stride(0), y.stride(0), ROWS=config.rows, K_SPLIT=config.k_split,
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
-        SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, num_warps=4,
+        SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl, num_warps=4,
+        **pdl_kwargs(pdl),
     )  # fmt: skip
     return y

@@ -332,7 +332,7 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
 # the accumulator, 64 rows with it on the weights, symmetric and with zero points.
 INT4_WGMMA_VARIANTS = [
     dict(ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False, SCALE_ON_ACC=True,
-         SPLIT_K=True),
+         SPLIT_K=True, USE_PDL=True),
     dict(ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True, SCALE_ON_ACC=True,
          SPLIT_K=True),
     dict(ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,

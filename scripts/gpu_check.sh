@@ -43,6 +43,7 @@
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh int4         # int4 wgmma matmul: GPU tests, kernels at 1-64 rows
+#   bash scripts/gpu_check.sh int4l1 DIR   # its GPU tests and kernels, L1 GPTQ int4 from DIR and here
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -403,12 +404,24 @@ elif [ "$phase" = int4 ]; then  # the int4 wgmma matmul: its GPU tests, then ker
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
   timeout 420 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
     | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
+elif [ "$phase" = int4l1 ]; then  # the int4 wgmma kind in the engine: GPU tests, kernels,
+  # then L1 in GPTQ int4 from DIR and from this tree (with the plans each tuned)
+  other="${2:?usage: gpu_check.sh int4l1 DIR}"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_wgmma.py \
+    tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 300 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
+    > "$OUT/int4_kernels.jsonl"
+  for tree in "$other" "$PWD"; do
+    TREE_TIMEOUT=240 tree_bench "$tree" --workload l1 --quantization gptq-int4 \
+      | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
+  done
+  grep -h "quantized .* rows: " "$OUT/bench.log" | sed 's/.*quantized/quantized/' | tail -n 24
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
