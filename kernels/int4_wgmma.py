@@ -78,11 +78,18 @@ WORDS_PER_CHUNK = BLOCK_N * CHUNK_K // 8  # 512 int32 words: 128 threads x 4
 # wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
 ITER_K = 2 * CHUNK_K
 MAX_ROWS = 64
-# Shared memory the activation slice of one program may take: small enough that several
-# programs share a multiprocessor (their loads in flight are what hides the memory latency).
-X_SLICE_BYTES = 32 * 1024
-# Programs to aim for at one row: enough per multiprocessor to keep the weights streaming.
-TARGET_PROGRAMS = 132 * 8
+# Shared memory the activation slice of one program may take: 32 rows of 1024 features
+# (the 32-row optimum below), two programs to a multiprocessor at 64 rows.
+X_SLICE_BYTES = 64 * 1024
+# Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
+# grow (each split's float32 partial sums grow with them), each split at least
+# `MIN_SPLIT_ITERS` iterations long (4 from 16 rows). On the 7B layers (bench_kernels
+# --only int4, 2026-12-03) the fastest splits were: at 1-8 rows 3 iterations for q/k/v and
+# down, 5 for gate/up, 2-4 for o, within 8 % of each other from half to twice those (8
+# programs per multiprocessor cost q/k/v 10 %); at 16 rows 7 (q/k/v), 4 (o), 8 (gate/up),
+# 12 (down); at 32 and 64 rows as long as the activation slice allows (8 and 4).
+TARGET_PROGRAMS = 132 * 16
+MIN_SPLIT_ITERS = 2
 
 
 @dataclass(frozen=True)
@@ -128,17 +135,20 @@ def _groups_fit(k: int, group_size: int) -> bool:
 def int4_wgmma_config(m: int, n: int, k: int, group_size: int,
                       scale_on_acc: bool | None = None) -> Int4WgmmaConfig:  # fmt: skip
     """The launch for M = m rows: rows padded to a power of two from 8; K split so that the
-    grid reaches about `TARGET_PROGRAMS` programs, each split whole groups (or whole
-    iterations when a group spans several splits) and its activation slice within
-    `X_SLICE_BYTES`; the scale on the accumulator up to 16 rows unless told."""
+    grid reaches about `TARGET_PROGRAMS` programs (fewer past 8 rows), each split whole
+    groups (or whole iterations when a group spans several splits) and its activation slice
+    within `X_SLICE_BYTES`; the scale on the accumulator up to 16 rows unless told."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > MAX_ROWS:
         raise ValueError(f"int4_wgmma serves up to {MAX_ROWS} rows, got {m}")
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
-    want = max(1, TARGET_PROGRAMS // (n // BLOCK_N))
-    per_split = max(unit, min(most, math.ceil(iters / want / unit) * unit))
+    programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
+    want = max(1, programs // (n // BLOCK_N))
+    least = MIN_SPLIT_ITERS if rows <= 8 else 2 * MIN_SPLIT_ITERS
+    per_split = max(least, math.ceil(iters / want))
+    per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
     if scale_on_acc is None:
         scale_on_acc = rows <= 16
     return Int4WgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)

@@ -44,6 +44,7 @@
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
 #   bash scripts/gpu_check.sh int4         # int4 wgmma matmul: GPU tests, kernels at 1-64 rows
 #   bash scripts/gpu_check.sh int4l1 DIR   # its GPU tests and kernels, L1 GPTQ int4 from DIR and here
+#                                          # (W1=1: then W1 in GPTQ int4 and bf16 from here)
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -415,7 +416,12 @@ elif [ "$phase" = int4l1 ]; then  # the int4 wgmma kind in the engine: GPU tests
     TREE_TIMEOUT=240 tree_bench "$tree" --workload l1 --quantization gptq-int4 \
       | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
   done
-  grep -h "quantized .* rows: " "$OUT/bench.log" | sed 's/.*quantized/quantized/' | tail -n 24
+  if [ -n "${W1:-}" ]; then  # W1=1: then W1 in GPTQ int4 and in bf16 from this tree
+    for q in "--quantization gptq-int4" ""; do
+      timeout 200 python3 scripts/bench_throughput.py --workload w1 --system engine $q \
+        2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+    done
+  fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
