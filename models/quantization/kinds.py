@@ -121,7 +121,8 @@ class IntRule:
     any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
     (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
     warps, stages, split_k), whether dequantize + BLAS is one, and whether the int4 wgmma
-    matmul is (where the layer has its copy of the codes)."""
+    matmul is (where the layer has its copy of the codes): beside the others, or alone
+    (`wgmma_alone`: the others are then not timed)."""
 
     max_rows: int | None
     at_once: tuple[tuple[int, int, int], ...] = ()
@@ -129,6 +130,7 @@ class IntRule:
     gemms: tuple[tuple[int, int, int, int, int, int], ...] = ()
     dequantize: bool = False
     wgmma: bool = False
+    wgmma_alone: bool = False
 
 
 # From 3 rows up the GEMM tiles follow the H200's W1 measurement (2026-12-03: Llama-2-7B
@@ -144,8 +146,16 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # layer by 1.15-1.97x over the best tile, so above that no GEMM is timed. The 65-256 step
 # is timed at its top (`models.linear_tuning.QUANT_ROW_LADDER`), where on these layers its
 # tiles lose: they are there for the 128-row wins, which only a 128-row step would use.
+#
+# The int4 wgmma matmul, where a layer has its copy of the codes, is timed at every step up
+# to 64 rows, and alone from 2 to 16: there it was 1.5-2.2x ahead of the best of the kinds
+# below on every Llama-2-7B layer (H200, 2026-12-03, `bench_kernels --only int4`: per layer
+# of four matmuls 57.0 us against 87.0 at 2 rows, 58.3 / 126.6 at 4, 61.2 / 130.7 at 8,
+# 75.7 / 131.1 at 16; at 32 rows 105 / 174, where it beats bf16 cuBLAS's 116). At one row
+# the at-once GEMVs won q/k/v, o and down (52.8 us a layer against its 54.7; it won
+# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237).
 _FROM_5_ROWS = (
-    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True),
+    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True),
     IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
             wgmma=True),
     IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
@@ -158,8 +168,11 @@ _FROM_5_ROWS = (
 # rows; not timed at 4).
 INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     4: (
-        IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4)), wgmma=True),
-        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM, wgmma=True),
+        IntRule(1, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4)), wgmma=True),
+        IntRule(2, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4)), wgmma=True,
+                wgmma_alone=True),
+        IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM, wgmma=True,
+                wgmma_alone=True),
         *_FROM_5_ROWS,
     ),
     8: (
@@ -189,6 +202,9 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     names it or nothing else fits."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
+    wgmma = rule.wgmma and has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS
+    if wgmma and rule.wgmma_alone:
+        return [Int4Wgmma()]
     kinds: list[MatmulKind] = []
     if rows <= QUANT_GEMV_MAX_ROWS:
         # A row shorter than a rule's rows per program is read whole by each program (the
@@ -201,7 +217,7 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     if layer.qweight.is_cuda or rows <= CPU_GEMM_MAX_ROWS:
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
-    if rule.wgmma and has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS:
+    if wgmma:
         kinds.append(Int4Wgmma())
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
