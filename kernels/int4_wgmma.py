@@ -196,8 +196,9 @@ if _GLUON:
     _WORDS_PER_CHUNK = gl.constexpr(WORDS_PER_CHUNK)
 
     # $8 a word; $9 / $10 the 128 + zero of its low / high row, twice as bf16x2. Register r
-    # of the fragment is nibbles r and r + 4; registers 0 and 2 are the low row's.
-    _CODES_LESS_ZERO = gl.constexpr("""{
+    # of the fragment is nibbles r and r + 4 (a, b, c, d); registers 0 and 2 are the low
+    # row's. With the scale on the fragment, $11 / $12 are the rows' scales as bf16x2.
+    _LESS_ZERO = """
     .reg .b32 a, b, c, d, t;
     lop3.b32 a, $8, 0x000f000f, 0x43004300, 0xea;
     shr.u32 t, $8, 4;
@@ -210,35 +211,21 @@ if _GLUON:
     sub.bf16x2 b, b, $10;
     sub.bf16x2 c, c, $9;
     sub.bf16x2 d, d, $10;
-    mov.b32 {$0, $1}, a;
-    mov.b32 {$2, $3}, b;
-    mov.b32 {$4, $5}, c;
-    mov.b32 {$6, $7}, d;
-    }""")
-
-    # The same, then times the scales: $11 / $12 those of the low / high row as bf16x2.
-    _CODES_SCALED = gl.constexpr("""{
-    .reg .b32 a, b, c, d, t;
-    lop3.b32 a, $8, 0x000f000f, 0x43004300, 0xea;
-    shr.u32 t, $8, 4;
-    lop3.b32 b, t, 0x000f000f, 0x43004300, 0xea;
-    shr.u32 t, $8, 8;
-    lop3.b32 c, t, 0x000f000f, 0x43004300, 0xea;
-    shr.u32 t, $8, 12;
-    lop3.b32 d, t, 0x000f000f, 0x43004300, 0xea;
-    sub.bf16x2 a, a, $9;
-    sub.bf16x2 b, b, $10;
-    sub.bf16x2 c, c, $9;
-    sub.bf16x2 d, d, $10;
+    """
+    _TIMES_SCALE = """
     mul.rn.bf16x2 a, a, $11;
     mul.rn.bf16x2 b, b, $12;
     mul.rn.bf16x2 c, c, $11;
     mul.rn.bf16x2 d, d, $12;
+    """
+    _OUT = """
     mov.b32 {$0, $1}, a;
     mov.b32 {$2, $3}, b;
     mov.b32 {$4, $5}, c;
     mov.b32 {$6, $7}, d;
-    }""")
+    """
+    _CODES_LESS_ZERO = gl.constexpr("{" + _LESS_ZERO + _OUT + "}")
+    _CODES_SCALED = gl.constexpr("{" + _LESS_ZERO + _TIMES_SCALE + _OUT + "}")
 
     @gluon.jit
     def _twice(bits16):

@@ -549,24 +549,20 @@ def _tinygemm_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     return w, torch.stack([scales.float(), offset], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
-                rows_list: tuple[int, ...] = QUANT_ROWS) -> None:  # fmt: skip
-    """At each row count: bf16 cuBLAS on the dequantized weight, dequantize + cuBLAS (the
-    Triton pass, then the matmul: `TritonDequantMatmul`), torch's int4 kernel where it runs,
-    every GEMM candidate, and at a few rows the GEMV candidates. Weights cycle over enough
-    copies that L2 serves none of the reads (the bf16 ones too)."""
-    import torch.nn.functional as F
+def _cycle_over(call: Callable[..., Any], pool: list[Any]) -> Callable[[], Any]:
+    """A no-argument call of `call` on the next of `pool`'s argument tuples each time."""
+    turn = itertools.count()
+    return lambda: call(*pool[next(turn) % len(pool)])
 
-    from kernels.gemv_split_k import gemv_counters
-    from kernels.quant_linear import (
-        dequantize_weight,
-        dequantize_weight_triton,
-        pack_int_weight,
-        quant_gemm,
-        quant_gemm_candidates,
-        quant_gemv,
-        quant_gemv_candidates,
-    )
+
+def _int_weight_copies(n: int, k: int, bits: int, group: int
+                       ) -> tuple[int, list[tuple[torch.Tensor, ...]], list[Any], str | None,
+                                  list[torch.Tensor]]:  # fmt: skip
+    """Random symmetric integer weights [N, K] in the kernels' layout, as many copies as keep
+    L2 from serving any read: (bytes of one, the copies as (qweight, scales, zeros), torch's
+    int4 operands of each (tinygemm; none with the reason where it cannot run), and enough
+    dequantized bf16 copies [N, K] for cuBLAS)."""
+    from kernels.quant_linear import dequantize_weight, pack_int_weight
 
     g = k // group
     wbytes = n * k * bits // 8 + 2 * 2 * g * n
@@ -586,11 +582,31 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
     dense_copies = max(2, math.ceil(512 * 2**20 / (2 * n * k)))
     dense = [dequantize_weight(*weights[i], bits, group).t().contiguous()
              for i in range(min(dense_copies, copies))]  # fmt: skip
+    return wbytes, weights, tiny, tiny_error, dense
+
+
+def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
+                rows_list: tuple[int, ...] = QUANT_ROWS) -> None:  # fmt: skip
+    """At each row count: bf16 cuBLAS on the dequantized weight, dequantize + cuBLAS (the
+    Triton pass, then the matmul: `TritonDequantMatmul`), torch's int4 kernel where it runs,
+    every GEMM candidate, and at a few rows the GEMV candidates. Weights cycle over enough
+    copies that L2 serves none of the reads (the bf16 ones too)."""
+    import torch.nn.functional as F
+
+    from kernels.gemv_split_k import gemv_counters
+    from kernels.quant_linear import (
+        dequantize_weight_triton,
+        quant_gemm,
+        quant_gemm_candidates,
+        quant_gemv,
+        quant_gemv_candidates,
+    )
+
+    wbytes, weights, tiny, tiny_error, dense = _int_weight_copies(n, k, bits, group)
     counters = gemv_counters(16, n, "cuda")
 
     def cycling(call: Callable[..., Any], pool: list[Any] = weights) -> Callable[[], Any]:
-        turn = itertools.count()
-        return lambda: call(*pool[next(turn) % len(pool)])
+        return _cycle_over(call, pool)
 
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -638,34 +654,17 @@ def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
     from kernels import int4_wgmma as wg
     from kernels.gemv_split_k import gemv_counters
     from kernels.quant_linear import (
-        dequantize_weight,
-        pack_int_weight,
         quant_gemm,
         quant_gemm_candidates,
         quant_gemv,
         quant_gemv_candidates,
     )
 
-    g = k // group
-    wbytes = n * k // 2 + 2 * 2 * g * n
-    copies = max(4, math.ceil(512 * 2**20 / wbytes))
-    weights, packed, tiny = [], [], []
-    for _ in range(copies):
-        q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
-        scales = torch.rand(g, n, device="cuda", dtype=torch.bfloat16) * 0.002
-        zeros = torch.full((g, n), 8.0, device="cuda", dtype=torch.bfloat16)
-        qweight = pack_int_weight(q, 4)
-        weights.append((qweight, scales, zeros))
-        packed.append((wg.pack_int4_wgmma(qweight), scales, zeros))
-        tiny.append(_tinygemm_weight(q, scales, zeros))
-    dense_copies = max(2, math.ceil(512 * 2**20 / (2 * n * k)))
-    dense = [(dequantize_weight(*weights[i], 4, group).t().contiguous(),)
-             for i in range(min(dense_copies, copies))]  # fmt: skip
+    wbytes, weights, tiny, _, dense_weights = _int_weight_copies(n, k, 4, group)
+    packed = [(wg.pack_int4_wgmma(qweight), scales, zeros) for qweight, scales, zeros in weights]
+    dense = [(d,) for d in dense_weights]
     counters = gemv_counters(64, n, "cuda")
-
-    def cycling(call: Callable[..., Any], pool: list[Any]) -> Callable[[], Any]:
-        turn = itertools.count()
-        return lambda: call(*pool[next(turn) % len(pool)])
+    cycling = _cycle_over
 
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
