@@ -95,18 +95,15 @@ MIN_SPLIT_ITERS = 2
 @dataclass(frozen=True)
 class Int4WgmmaConfig:
     """A launch: `rows` (wgmma N, the activation rows padded up), `k_split` input features
-    per program, where the scale is applied (`scale_on_acc`), and how many 64-feature
-    tiles a program walks through (`walk`, one K split of each)."""
+    per program, and where the scale is applied (`scale_on_acc`)."""
 
     rows: int
     k_split: int
     scale_on_acc: bool
-    walk: int = 1
 
     def __str__(self) -> str:
         where = "acc" if self.scale_on_acc else "weights"
-        walk = f", walk={self.walk}" if self.walk > 1 else ""
-        return f"int4_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}{walk})"
+        return f"int4_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where})"
 
 
 def available() -> bool:
@@ -268,22 +265,13 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
-    def _next_step(it, tile, n_iters, G):
-        """The (iteration, tile) after (it, tile) in a program's walk: its K split's
-        iterations of one tile, then of the tile G further."""
-        wrap = (it + 1 == n_iters).to(gl.int32)
-        return (it + 1) * (1 - wrap), tile + wrap * G
-
-    @gluon.jit
     def _int4_wgmma_kernel(
         w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         stride_xm, stride_ym, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
     ):  # fmt: skip
-        """y [M, N] over K split pid_k for the 64-feature tiles pid_g, pid_g + G, ... (G the
-        grid's first size): one walk through them, so that the activation slice is copied
-        once and the weight stream runs on from one tile into the next (see the module)."""
+        """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module)."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
         )
@@ -296,52 +284,43 @@ if _GLUON:
         b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], gl.bfloat16)
         ITERS: gl.constexpr = K_SPLIT // _ITER_K
 
-        pid_g = gl.program_id(0)
+        pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        G = gl.num_programs(0)
         first = pid_k * ITERS
         n_iters = gl.minimum(ITERS, K // _ITER_K - first)
-        tiles = N // 64
-        total = gl.cdiv(tiles - pid_g, G) * n_iters  # iterations of the whole walk
 
         n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
         lane_words = (n_p[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :]
-        w_lane = w_ptr + lane_words
-        tile_words = (K // _CHUNK_K) * _WORDS_PER_CHUNK
-        row_in_tile = (n_p // 8) * 16 + n_p % 8  # the words' rows: these and 8 below
+        w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * _WORDS_PER_CHUNK + lane_words
+        row_lo = pid_n * 64 + (n_p // 8) * 16 + n_p % 8  # the words' rows: row_lo, row_lo + 8
         spread = gl.zeros([32, 4, 4], gl.int32, p_l)
         z_lo = gl.full([32, 4, 4], 0x43084308, gl.int32, p_l)  # 128 + 8, twice
         z_hi = z_lo
         s_lo = z_lo
         s_hi = z_lo
-        offs_64 = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
 
         acc = gl.zeros([64, ROWS], gl.float32, acc_l)
         acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
-        # Weight words two iterations ahead (8 KB a program in flight); past the walk's end
+        # Weight words two iterations ahead (8 KB a program in flight); past the split's end
         # the last iteration's words are reloaded, harmlessly. No kernel writes the weights,
         # so the first ones are requested before waiting for the previous kernel (PDL).
-        it = 0
-        tile = pid_g
-        at = w_lane + tile * tile_words + (2 * first) * _WORDS_PER_CHUNK
-        words0 = gl.load(at)
-        words1 = gl.load(at + _WORDS_PER_CHUNK)
-        p_it, p_tile = _next_step(it, tile, n_iters, G)
-        if total == 1:
-            p_it, p_tile = it, tile
-        at = w_lane + p_tile * tile_words + (2 * (first + p_it)) * _WORDS_PER_CHUNK
-        next0 = gl.load(at)
-        next1 = gl.load(at + _WORDS_PER_CHUNK)
+        last = 2 * (first + n_iters - 1)
+        words0 = gl.load(w_tile + (2 * first) * _WORDS_PER_CHUNK)
+        words1 = gl.load(w_tile + (2 * first + 1) * _WORDS_PER_CHUNK)
+        next_at = gl.minimum(2 * first + 2, last)
+        next0 = gl.load(w_tile + next_at * _WORDS_PER_CHUNK)
+        next1 = gl.load(w_tile + (next_at + 1) * _WORDS_PER_CHUNK)
         if USE_PDL:
             # x, the partial sums and the counters may still be the previous kernel's.
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)  # fmt: skip
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                       dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-        # The activation slice as 64-deep wgmma operands, copied once for every tile of the
-        # walk, asynchronously: every chunk's copy is in flight at once.
+        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
+        # chunk's copy is in flight at once (the weights' first loads already are).
         xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
         offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
         offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
@@ -350,23 +329,16 @@ if _GLUON:
         for i in range(2 * n_iters):
             _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
         async_copy.commit_group()
+
         async_copy.wait_group(0)
         fence_async_shared()
         _sync_threads()
-
-        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
-        r_mask = (offs_r < M)[None, :]
-        for f in range(total):
+        for it in range(n_iters):
             step = first + it
-            # Two steps on from (it, tile); past the end, the last step again.
-            f_it, f_tile = _next_step(p_it, p_tile, n_iters, G)
-            if f + 2 >= total:
-                f_it, f_tile = p_it, p_tile
-            at = w_lane + f_tile * tile_words + (2 * (first + f_it)) * _WORDS_PER_CHUNK
-            ahead0 = gl.load(at)
-            ahead1 = gl.load(at + _WORDS_PER_CHUNK)
+            ahead = gl.minimum(2 * (step + 2), last)
+            ahead0 = gl.load(w_tile + ahead * _WORDS_PER_CHUNK)
+            ahead1 = gl.load(w_tile + (ahead + 1) * _WORDS_PER_CHUNK)
             group = step // GROUP_ITERS
-            row_lo = tile * 64 + row_in_tile
             if HAS_ZERO:
                 z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread, True)
             if not SCALE_ON_ACC:
@@ -375,7 +347,6 @@ if _GLUON:
             a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
             x0 = xs.index(2 * it).permute((1, 0))
             x1 = xs.index(2 * it + 1).permute((1, 0))
-            offs_n = tile * 64 + offs_64
             if SCALE_ON_ACC:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
@@ -387,40 +358,27 @@ if _GLUON:
             else:
                 acc = warpgroup_mma(a0, x0, acc)
                 acc = warpgroup_mma(a1, x1, acc)
-            if it == n_iters - 1:
-                _finish_tile(acc, tile, pid_k, b_ptr, y_ptr, part_ptr, count_ptr, M, N,
-                             stride_ym, offs_n, offs_r, r_mask, acc_l, ROWS, HAS_BIAS,
-                             SPLIT_K)  # fmt: skip
-                acc = gl.zeros([64, ROWS], gl.float32, acc_l)
             words0 = next0
             words1 = next1
             next0 = ahead0
             next1 = ahead1
-            it, tile = _next_step(it, tile, n_iters, G)
-            p_it, p_tile = f_it, f_tile
 
-    @gluon.jit
-    def _finish_tile(acc, tile, pid_k, b_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_ym,
-                     offs_n, offs_r, r_mask, acc_l: gl.constexpr, ROWS: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):  # fmt: skip
-        """A tile's products over this split: stored, or with K splits kept as partial sums
-        that the last split of the tile to arrive adds up and stores."""
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
+        r_mask = (offs_r < M)[None, :]
         if SPLIT_K:
             n_splits = gl.num_programs(1)
             gl.store(part_ptr + (pid_k * M + offs_r[None, :]) * N + offs_n[:, None], acc,
                      mask=r_mask)  # fmt: skip
             _sync_threads()
-            counter = count_ptr + tile
+            counter = count_ptr + pid_n
             if gl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
                 _sync_threads()
-                total = gl.zeros([64, ROWS], gl.float32, acc_l)
+                acc = gl.zeros([64, ROWS], gl.float32, acc_l)
                 for sp in range(n_splits):
-                    total += gl.load(
-                        part_ptr + (sp * M + offs_r[None, :]) * N + offs_n[:, None],
-                        mask=r_mask, other=0.0, cache_modifier=".cg",
-                    )  # fmt: skip
+                    acc += gl.load(part_ptr + (sp * M + offs_r[None, :]) * N + offs_n[:, None],
+                                   mask=r_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
                 gl.atomic_xchg(counter, 0)
-                _store_tile(total, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
+                _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
         else:
             _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
 
@@ -475,7 +433,7 @@ def int4_wgmma_matmul(
         parts = counters = y
     group_iters = group_size // ITER_K
     pdl = use_pdl(x)
-    _int4_wgmma_kernel[(math.ceil(tiles / config.walk), splits)](
+    _int4_wgmma_kernel[(tiles, splits)](
         words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
         x.stride(0), y.stride(0), ROWS=config.rows, K_SPLIT=config.k_split,
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,

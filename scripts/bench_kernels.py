@@ -25,7 +25,6 @@ quantization time separately (`quant_ms`) from the GEMM's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -693,9 +692,6 @@ def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
             for factor in (0.5, 1, 2):
                 k_split = max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
                 launches.add(wg.Int4WgmmaConfig(base.rows, k_split, on_acc))
-        for walk in (2, 4):  # programs walking several tiles, at the default split and half
-            for k_split in (default.k_split, max(wg.ITER_K, default.k_split // 2)):
-                launches.add(dataclasses.replace(default, k_split=k_split, walk=walk))
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.int4_wgmma_matmul(
                 x, w, s, z, group, None, c, counters, has_zero=False), packed))

@@ -174,25 +174,3 @@ def test_gpu_strided_rows_of_a_wider_input() -> None:
     ref = quant_matmul_ref(x.contiguous(), qweight, scales, zeros, 4, group).float()
     got = int4_wgmma_matmul(x, pack_int4_wgmma(qweight), scales, zeros, group).float()
     assert (got - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
-
-
-@requires_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize(("walk", "k_split", "m"), [(2, 256, 1), (3, 512, 5), (4, 4096, 16),
-                                                     (5, 384, 33)])  # fmt: skip
-def test_gpu_programs_walking_several_tiles_match(walk: int, k_split: int, m: int) -> None:
-    """A program walking `walk` tiles (the last ones short of a full walk) with one K split
-    each: the weight stream runs from one tile into the next, the counters stay per tile."""
-    n, k, group = 1344, 4096, 128  # 21 tiles: no walk divides them
-    qweight, scales, zeros = _operands(n, k, group, symmetric=False, seed=walk)
-    words = pack_int4_wgmma(qweight)
-    counters = torch.zeros(n // 64, device="cuda", dtype=torch.int32)
-    base = int4_wgmma_config(m, n, k, group)
-    cfg = type(base)(rows=base.rows, k_split=k_split, scale_on_acc=base.scale_on_acc,
-                     walk=walk)  # fmt: skip
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ref = quant_matmul_ref(x, qweight, scales, zeros, 4, group).float()
-    for _ in range(2):
-        got = int4_wgmma_matmul(x, words, scales, zeros, group, None, cfg, counters).float()
-        assert (got - ref).abs().max().item() <= 0.01 * ref.abs().max().item(), cfg
-    assert int(counters.abs().sum()) == 0
