@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton_utils import pdl_kwargs, use_pdl
+from kernels.gemv_split_k import check_gemv_counters
 from kernels.quant_linear import unpack_int_weight
 
 try:  # Gluon ships with Triton 3.5+; CPU-only installs without it fall back.
@@ -67,6 +68,8 @@ __all__ = [
     "int4_wgmma_config",
     "int4_wgmma_matmul",
     "pack_int4_wgmma",
+    "reads_zeros",
+    "serves_weight",
     "supported",
     "unpack_int4_wgmma",
 ]
@@ -111,20 +114,27 @@ def available() -> bool:
     return _GLUON
 
 
-def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
-    """Whether `int4_wgmma_matmul` serves x [M, K] against an [N, K] weight: an sm_90 GPU,
-    bf16, 4-bit codes, at most `MAX_ROWS` rows, N a multiple of 64, K of 128, and groups
-    of whole iterations (128 input features) or one per row."""
+def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits: int,
+                  group_size: int) -> bool:  # fmt: skip
+    """Whether `int4_wgmma_matmul` serves an [N, K] weight on `device` for activations of
+    `dtype`: an sm_90 GPU, bf16, 4-bit codes, N a multiple of 64, K of 128, and groups of
+    whole iterations (128 input features) or one per row."""
     return (
         available()
-        and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) == (9, 0)
-        and x.dtype == torch.bfloat16
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and dtype == torch.bfloat16
         and bits == 4
-        and 0 < x.shape[0] <= MAX_ROWS
         and n % BLOCK_N == 0
         and _groups_fit(k, group_size)
     )
+
+
+def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
+    """Whether `int4_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
+    (`serves_weight`) and at most `MAX_ROWS` rows."""
+    return 0 < x.shape[0] <= MAX_ROWS and serves_weight(x.device, x.dtype, n, k, bits,
+                                                        group_size)  # fmt: skip
 
 
 def _groups_fit(k: int, group_size: int) -> bool:
@@ -392,9 +402,10 @@ if _GLUON:
         gl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=r_mask)
 
 
-def _symmetric(zeros: torch.Tensor) -> bool:
-    """Whether every zero point is 8, the kernel's built-in one."""
-    return bool((zeros == 8).all())
+def reads_zeros(zeros: torch.Tensor) -> bool:
+    """Whether the kernel must read the zero points: some differ from 8, its built-in one
+    (a device sync: decide it once, at load)."""
+    return not bool((zeros == 8).all())
 
 
 def int4_wgmma_matmul(
@@ -419,7 +430,7 @@ def int4_wgmma_matmul(
     if m > config.rows:
         raise ValueError(f"{config} serves at most {config.rows} rows, got {m}")
     if has_zero is None:
-        has_zero = not _symmetric(zeros)
+        has_zero = reads_zeros(zeros)
     tiles = n // BLOCK_N
     splits = math.ceil(k / config.k_split)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -427,8 +438,7 @@ def int4_wgmma_matmul(
         parts = torch.empty(splits * m * n, device=x.device, dtype=torch.float32)
         if counters is None:
             counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
-        elif counters.numel() < tiles:
-            raise ValueError(f"{counters.numel()} split-K counters; {tiles} tiles need {tiles}")
+        check_gemv_counters(counters, 1, tiles)
     else:
         parts = counters = y
     group_iters = group_size // ITER_K

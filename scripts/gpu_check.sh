@@ -89,6 +89,12 @@ tree_bench() {  # TREE ARGS...: bench_throughput.py of another tree, its lines t
     --system engine "$@" 2>>"$OUT/bench.log") \
     | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
 }
+int4_kernels() {  # the int4 wgmma matmul's and kind's GPU tests, then its kernel bench
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_wgmma.py \
+    tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  timeout 420 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
+    | tee "$OUT/int4_kernels.jsonl"
+}
 serving() {  # W1's model and lengths behind `asyncengine serve`
   python3 scripts/bench_serving.py --shape llama2-7b --device cuda --input-len 512 \
     --output-len 256 --skip-tokenizer-init --load-format dummy "$@" 2>>"$OUT/bench.log" \
@@ -401,26 +407,17 @@ elif [ "$phase" = structured ]; then  # issue #31: constrained decoding on the G
   bench --workload w1 --system engine --structured-outputs json --sync
 elif [ "$phase" = int4 ]; then  # the int4 wgmma matmul: its GPU tests, then kernel against
   # kernel at 1-64 rows on the 7B layers (bf16 cuBLAS, tinygemm, the Triton kinds)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_wgmma.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
-  timeout 420 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
-    | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
+  int4_kernels | cut -c1-260
 elif [ "$phase" = int4l1 ]; then  # the int4 wgmma kind in the engine: GPU tests, kernels,
   # then L1 in GPTQ int4 from DIR and from this tree (with the plans each tuned)
   other="${2:?usage: gpu_check.sh int4l1 DIR}"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_wgmma.py \
-    tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
-  timeout 300 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
-    > "$OUT/int4_kernels.jsonl"
+  int4_kernels > /dev/null
   for tree in "$other" "$PWD"; do
     TREE_TIMEOUT=240 tree_bench "$tree" --workload l1 --quantization gptq-int4 \
       | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
   done
   if [ -n "${W1:-}" ]; then  # W1=1: then W1 in GPTQ int4 and in bf16 from this tree
-    for q in "--quantization gptq-int4" ""; do
-      timeout 200 python3 scripts/bench_throughput.py --workload w1 --system engine $q \
-        2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
-    done
+    for q in "--quantization gptq-int4" ""; do bench --workload w1 --system engine $q | cut -c1-300; done
   fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \

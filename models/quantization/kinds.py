@@ -371,11 +371,11 @@ def wgmma_serves(layer: torch.nn.Module) -> bool:
     """Whether `Int4Wgmma` can serve `layer` (int4 codes, bf16, an sm_90 GPU, its shapes)."""
     bits = layer.quant_config.bits
     k, n = layer.qweight.shape[0] * (32 // bits), layer.qweight.shape[1]  # this rank's shard
-    probe = torch.empty(1, k, device=layer.qweight.device, dtype=layer.scales.dtype)
-    return int4_wgmma.supported(probe, n, k, bits, layer.group_size)
+    return int4_wgmma.serves_weight(layer.qweight.device, layer.scales.dtype, n, k, bits,
+                                    layer.group_size)  # fmt: skip
 
 
 def pack_wgmma_copy(layer: torch.nn.Module) -> None:
     """Give `layer` the codes packed for `Int4Wgmma`, and whether it must read zero points."""
     layer.wgmma_words = int4_wgmma.pack_int4_wgmma(layer.qweight)
-    layer.wgmma_has_zero = not bool((layer.zeros == 8).all())
+    layer.wgmma_has_zero = int4_wgmma.reads_zeros(layer.zeros)
