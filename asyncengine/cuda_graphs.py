@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kernels.paged_attention import DecodePlan, decode_plans
+from asyncengine_kernels.paged_attention import DecodePlan, decode_plans
 from models.forward_context import AttentionMetadata, set_forward_context
 
 if TYPE_CHECKING:

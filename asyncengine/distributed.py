@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from kernels import envs
+from asyncengine_kernels import envs
 from models.parallel import set_tensor_parallel
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.fp8_format import FP8_E4M3_MAX
+from asyncengine_kernels.fp8_format import FP8_E4M3_MAX
 from models.forward_context import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, pack, unpack
 from asyncengine.structured_outputs.masks import GrammarMasker
-from kernels.kv_cache_write import as_bytes
-from kernels.paged_attention import DecodePlan, decode_plan
+from asyncengine_kernels.kv_cache_write import as_bytes
+from asyncengine_kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_decode_gemvs

@@ -2,8 +2,8 @@
 
 It applies, in the order HF and vLLM do, the min_tokens ban, the repetition / frequency /
 presence penalties, greedy argmax or temperature plus top-k / top-p / min-p sampling (the
-filtering and the exponential race live in `kernels.sampling`), and gathers logprobs of the raw
-logits. `forward` never syncs with the host; the engine copies the sampled ids once.
+filtering and the exponential race live in `asyncengine_kernels.sampling`), and gathers logprobs of
+the raw logits. `forward` never syncs with the host; the engine copies the sampled ids once.
 It touches no engine state: everything it needs arrives in a `SamplingMetadata`.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.sampling_params import SamplingParams
-from kernels.sampling import sample_from_logits
+from asyncengine_kernels.sampling import sample_from_logits
 
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (SamplingParams.is_greedy)
 

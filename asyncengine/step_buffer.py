@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.paged_attention import DecodePlan
+from asyncengine_kernels.paged_attention import DecodePlan
 
 ALIGN = 16
 

@@ -23,9 +23,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from asyncengine.config import EngineArgs
+from asyncengine_kernels import envs
 from frontends.fleet import FleetError, add_fleet_args
 from frontends.openai_api.tool_parsers import PARSERS
-from kernels import envs
 
 logger = logging.getLogger("asyncengine.cli")
 

@@ -27,8 +27,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from asyncengine.errors import ErrorCode
 from asyncengine.stats_schema import EngineStats
+from asyncengine_kernels import envs
 from frontends import protocol as p
-from kernels import envs
 
 
 class ServerError(Exception):

@@ -3,10 +3,10 @@ when given the rotary table), then attends over it.
 
 A decode-only step whose plan (`AttentionMetadata.decode_plan`, decided by the model runner)
 fuses rotary folds the rotary and the K/V write into the attention kernel itself
-(`kernels.rotary_paged_attention`): one kernel per layer instead of two.
+(`asyncengine_kernels.rotary_paged_attention`): one kernel per layer instead of two.
 
-On the CPU the layer runs `kernels.cpu_attention`, which works out what it needs from the
-step's metadata once per step (in the first layer) rather than once per layer.
+On the CPU the layer runs `asyncengine_kernels.cpu_attention`, which works out what it needs from
+the step's metadata once per step (in the first layer) rather than once per layer.
 
 With an FP8 cache (`kv_cache_dtype="fp8"`) every op quantizes K and V as it writes them and
 dequantizes inside attention, with the layer's `k_scale` and `v_scale`: float32 buffers of one
@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import (
+from asyncengine_kernels import (
     paged_attention,
     paged_decode_attention_with_rotary,
     rotary_and_write_kv,
     write_kv_cache,
 )
-from kernels.cpu_attention import cpu_attention_step, step_index
-from kernels.paged_attention import DecodePlan, DecodeRotary
+from asyncengine_kernels.cpu_attention import cpu_attention_step, step_index
+from asyncengine_kernels.paged_attention import DecodePlan, DecodeRotary
 from models.forward_context import get_attention_metadata
 from models.parallel import local_kv_heads
 

@@ -1,5 +1,5 @@
 """The forward context: the attention metadata of the step being run
-(`kernels.attention_metadata`), shared by every layer of a forward pass.
+(`asyncengine_kernels.attention_metadata`), shared by every layer of a forward pass.
 
 The model runner sets it around `model(...)`; attention layers read it. Keeping it out of the
 forward signatures lets the same model run eagerly, under CUDA graphs (with static buffers)
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kernels.attention_metadata import AttentionMetadata
+from asyncengine_kernels.attention_metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "get_attention_metadata", "set_forward_context"]
 

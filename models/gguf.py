@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kernels import envs
+from asyncengine_kernels import envs
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_add_rms_norm, rms_norm
+from asyncengine_kernels import fused_add_rms_norm, rms_norm
 from models.matmul_plan import InputTransform, PlannedMatmul
 from models.parallel import (
     all_gather_last_dim,

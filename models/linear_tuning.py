@@ -1,15 +1,15 @@
 """Start-up choice of each linear layer's matmul plan (`models.matmul_plan`), made by timing.
 
-- GPU, batch 1: the Triton GEMV (`kernels.gemv`, tiled and whole-row configs) against
+- GPU, batch 1: the Triton GEMV (`asyncengine_kernels.gemv`, tiled and whole-row configs) against
   cuBLAS, in a CUDA graph over the layers' own weights; for a layer whose input needs
   SiLU-and-mul or RMSNorm first, also with that transform fused into the GEMV; for the MLP,
   also with SiLU-and-mul in the gate/up GEMV's epilogue.
 - GPU, 2-16 rows: at each of a ladder of row counts, the few-row Triton matmul
-  (`kernels.skinny_gemm`, which reads each weight tile once for all rows) against cuBLAS,
-  likewise with a SiLU-and-mul input fused or not, and the MLP timed as a pair.
+  (`asyncengine_kernels.skinny_gemm`, which reads each weight tile once for all rows) against
+  cuBLAS, likewise with a SiLU-and-mul input fused or not, and the MLP timed as a pair.
 - CPU, small batches: at each of a ladder of row counts, the panel-packed kernel
-  (`kernels.cpu_gemm`) and a oneDNN-packed weight (`kernels.cpu_linear`) against the BLAS
-  call; each row range takes the fastest.
+  (`asyncengine_kernels.cpu_gemm`) and a oneDNN-packed weight (`asyncengine_kernels.cpu_linear`)
+  against the BLAS call; each row range takes the fastest.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
   kinds of the layer's format that its rule table names for those rows
   (`models.quantization.kinds.tuning_kinds`: for integer weights at-once GEMVs (few rows),
@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kernels.activation import silu_and_mul
-from kernels.cpu_gemm import gemm_available
-from kernels.cpu_linear import cpu_packing_available
-from kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
-from kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyChoice, SkinnyConfig, tune_skinny
+from asyncengine_kernels.activation import silu_and_mul
+from asyncengine_kernels.cpu_gemm import gemm_available
+from asyncengine_kernels.cpu_linear import cpu_packing_available
+from asyncengine_kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
+from asyncengine_kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyChoice, SkinnyConfig, tune_skinny
 from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
     Blas,
@@ -153,11 +153,12 @@ def plan_decode_gemvs(
 ) -> tuple[Plans, dict[tuple[int, int], dict[str, float]]]:  # fmt: skip
     """Time the Triton GEMV against the BLAS library once per layer group (CUDA, batch 1)
     over the layers of that group, and plan the faster one for batch 1; then, at each row
-    count of `ladder`, the few-row Triton matmul (`kernels.skinny_gemm`) against the library,
-    planning the faster for the rows above the previous count. Returns the plans per layer
+    count of `ladder`, the few-row Triton matmul (`asyncengine_kernels.skinny_gemm`) against the
+    library, planning the faster for the rows above the previous count. Returns the plans per layer
     and the timings per weight shape (few-row ones named "<rows> rows: <form>"). `configs`,
-    `skinny_configs`: the Triton configs to try (default: all, `kernels.gemv.gemv_candidates`,
-    `kernels.skinny_gemm.SKINNY_CONFIGS`); an empty ladder times no few-row matmul.
+    `skinny_configs`: the Triton configs to try (default: all,
+    `asyncengine_kernels.gemv.gemv_candidates`,
+    `asyncengine_kernels.skinny_gemm.SKINNY_CONFIGS`); an empty ladder times no few-row matmul.
 
     The MLP is then timed as a pair, at batch 1 and at each row count: SiLU-and-mul applied
     by the down projection to its [gate, up] input (either form above), against the gate/up

@@ -13,7 +13,7 @@ looked at. An entry names:
 - `kind`, a `MatmulKind` object: `Blas` (F.linear), `TritonGemv` (batch 1; its `GemvConfig`
   says tiled or whole-row), `TritonSkinnyGemm` (2-16 rows, each weight tile read once for
   all of them), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches),
-  `CpuGemm` (`kernels.cpu_gemm`'s panel-packed kernel, small CPU batches);
+  `CpuGemm` (`asyncengine_kernels.cpu_gemm`'s panel-packed kernel, small CPU batches);
 - `input`, the transform this entry applies to the layer's input, and `fuse_input`, whether
   the kernel does it in its prologue rather than a kernel of its own before it. A layer
   declared with a [gate, up] input may have `input=NONE` where its producer's entry applies
@@ -38,16 +38,16 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul
-from kernels.cpu_gemm import (
+from asyncengine_kernels.activation import silu_and_mul
+from asyncengine_kernels.cpu_gemm import (
     gemm_linear,
     gemm_linear_gated,
     gemm_linear_normed,
     pack_gemm_weight,
 )
-from kernels.cpu_linear import pack_weight, packed_linear
-from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
-from kernels.skinny_gemm import (
+from asyncengine_kernels.cpu_linear import pack_weight, packed_linear
+from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
+from asyncengine_kernels.skinny_gemm import (
     SKINNY_MAX_ROWS,
     SkinnyConfig,
     rms_norm_skinny_gemm,
@@ -153,7 +153,8 @@ class Blas(MatmulKind):
 
 @dataclass(frozen=True)
 class TritonGemv(MatmulKind):
-    """The batch-1 Triton GEMV (`kernels.gemv`), tiled or whole-row as its config says."""
+    """The batch-1 Triton GEMV (`asyncengine_kernels.gemv`), tiled or whole-row as its config
+    says."""
 
     config: GemvConfig
     name: ClassVar[str] = "Triton GEMV"
@@ -182,8 +183,8 @@ class TritonGemv(MatmulKind):
 
 @dataclass(frozen=True)
 class TritonSkinnyGemm(MatmulKind):
-    """The few-row Triton matmul (`kernels.skinny_gemm`): up to 16 rows, each weight tile
-    read once for all of them. Its split-K arrival counters live on the layer as
+    """The few-row Triton matmul (`asyncengine_kernels.skinny_gemm`): up to 16 rows, each weight
+    tile read once for all of them. Its split-K arrival counters live on the layer as
     `skinny_counters`."""
 
     config: SkinnyConfig
@@ -223,7 +224,8 @@ class TritonSkinnyGemm(MatmulKind):
 
 @dataclass(frozen=True)
 class CpuPacked(MatmulKind):
-    """oneDNN with a prepacked float32 weight (`kernels.cpu_linear`), kept on the layer as
+    """oneDNN with a prepacked float32 weight (`asyncengine_kernels.cpu_linear`), kept on the layer
+    as
     `packed_weight` beside the dense one."""
 
     name: ClassVar[str] = "oneDNN-packed"
@@ -243,8 +245,8 @@ class CpuPacked(MatmulKind):
 
 @dataclass(frozen=True)
 class CpuGemm(MatmulKind):
-    """The small-batch float32 kernel that reads the weight once (`kernels.cpu_gemm`), on a
-    panel-packed copy kept on the layer as `gemm_weight` beside the dense one. It forms a
+    """The small-batch float32 kernel that reads the weight once (`asyncengine_kernels.cpu_gemm`),
+    on a panel-packed copy kept on the layer as `gemm_weight` beside the dense one. It forms a
     RMSNorm or SiLU-and-mul input itself, in the same call."""
 
     name: ClassVar[str] = "CPU GEMM"

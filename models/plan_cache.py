@@ -5,14 +5,15 @@ times some forty kernels per layer shape: on an H200 that adds one to two minute
 start of a 7B model. A start on the same GPU, with the same software, kernels and layer
 shapes, reads the choices back instead. The key holds everything a choice depends on:
 - the GPU's name and compute capability, and the torch and Triton versions;
-- a digest of the kernel sources (`kernels/*.py`, `models/quantization/*.py`), so any change
+- a digest of the kernel sources (`asyncengine_kernels/*.py`, `models/quantization/*.py`), so any
+change
   to a kernel tunes again;
 - the layer group (shape, format, group size, dtype, bias, input transform), the row ladder
   and the candidate kinds at each row count.
 
 A different value of any of them is another entry. The tuner still checks the chosen kinds
 against the reference before planning them, and times anew where one disagrees. An entry
-is one small JSON file under `kernels.envs.cache_dir() / "matmul_plans"`: deleting the
+is one small JSON file under `asyncengine_kernels.envs.cache_dir() / "matmul_plans"`: deleting the
 folder makes the next start tune again.
 """
 
@@ -30,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import envs
+from asyncengine_kernels import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE_PACKAGES = ("kernels", "models.quantization")
+_SOURCE_PACKAGES = ("asyncengine_kernels", "models.quantization")
 
 
 @functools.cache

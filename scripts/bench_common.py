@@ -161,13 +161,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def triton_variants() -> dict[str, int]:
-    """Compiled variants per Triton kernel of `kernels` so far: a pass that adds any paid for
-    a compile (or a disk-cache load) inside the timed region."""
+    """Compiled variants per Triton kernel of `asyncengine_kernels` so far: a pass that adds any
+    paid for a compile (or a disk-cache load) inside the timed region."""
     import sys
 
     counts: dict[str, int] = {}
     for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("kernels.") or mod is None:
+        if not mod_name.startswith("asyncengine_kernels.") or mod is None:
             continue
         for name, fn in vars(mod).items():
             caches = getattr(fn, "device_caches", None)
@@ -178,7 +178,7 @@ def triton_variants() -> dict[str, int]:
                 cache = entry[0] if isinstance(entry, tuple) else entry
                 n += len(cache) if hasattr(cache, "__len__") else 0
             if n:
-                counts[f"{mod_name.removeprefix('kernels.')}.{name}"] = n
+                counts[f"{mod_name.removeprefix('asyncengine_kernels.')}.{name}"] = n
     return counts
 
 

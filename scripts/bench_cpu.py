@@ -184,9 +184,9 @@ class EngineSystem:
             "matmul_blas": ("aten::mm", "aten::addmm"),
             "matmul_onednn_packed": ("mkldnn::_linear_pointwise", "aten::mkldnn_linear",
                                      "aten::to_mkldnn", "aten::_to_dense"),
-            # The C kernels (kernels/cpu_gemm.py, kernels/cpu_decode_attention.py), labelled
-            # for the profiler by _labelled_native_kernels; the GEMM includes the RMSNorm or
-            # SiLU-and-mul it forms.
+            # The C kernels (asyncengine_kernels/cpu_gemm.py,
+            # asyncengine_kernels/cpu_decode_attention.py), labelled for the profiler by
+            # _labelled_native_kernels; the GEMM includes the RMSNorm or SiLU-and-mul it forms.
             "matmul_cpu_gemm": ("cpu_gemm",),
             "attention_c_decode": ("cpu_decode_attention",),
             "attention_sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
@@ -207,8 +207,8 @@ def _labelled_native_kernels() -> Iterator[None]:
     """Name the C kernels' calls for torch.profiler (ctypes calls are no torch ops)."""
     from torch.profiler import record_function
 
-    import kernels.cpu_attention as cpu_attention
-    from kernels.cpu_gemm import CpuGemmLib
+    import asyncengine_kernels.cpu_attention as cpu_attention
+    from asyncengine_kernels.cpu_gemm import CpuGemmLib
 
     def labelled(fn: Any, label: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

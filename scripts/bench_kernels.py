@@ -143,7 +143,7 @@ def _attention_case(
     causal_flops: bool = False,
     **kwargs: Any,
 ) -> None:
-    from kernels.paged_attention import paged_attention_triton
+    from asyncengine_kernels.paged_attention import paged_attention_triton
 
     args, nbytes, _ = _attention_inputs(q_lens, seq_lens, *heads)
     out = torch.empty_like(args[0])
@@ -159,7 +159,7 @@ def _attention_case(
 
 
 def bench_attention() -> None:
-    from kernels.paged_attention import decode_plan
+    from asyncengine_kernels.paged_attention import decode_plan
 
     for wl, heads in WORKLOADS.items():
         for ctx in (640, 2000):
@@ -190,7 +190,7 @@ def _sweep_case(
     shape: dict[str, Any], args: tuple, out: torch.Tensor, nbytes: int, cfg: dict[str, int],
     scales: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    from kernels.paged_attention import paged_attention_triton
+    from asyncengine_kernels.paged_attention import paged_attention_triton
 
     ms = bench(
         lambda: paged_attention_triton(
@@ -261,8 +261,8 @@ def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict
 
 
 def sweep_prefill() -> None:
-    """Prefill-launch configs (`kernels.prefill_attention`) for causal prefill (8 x 512 and
-    1 x 4096 tokens); `--only prefill` runs the narrower sweep at 2k-8k tokens."""
+    """Prefill-launch configs (`asyncengine_kernels.prefill_attention`) for causal prefill (8 x 512
+    and 1 x 4096 tokens); `--only prefill` runs the narrower sweep at 2k-8k tokens."""
     for wl, heads in WORKLOADS.items():
         for (num, qlen), bm, tile, warps, stages in itertools.product(
             ((8, 512), (1, 4096)), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
@@ -288,8 +288,8 @@ def _prefill_impl_case(
     hopper: bool, hopper_cfg: dict[str, int] | None = None, **kwargs: Any,
 ) -> None:
     """One causal prefill case with the Gluon Hopper kernel on or off (and its config)."""
-    import kernels.prefill_attention as pf
-    import kernels.prefill_attention_hopper as hp
+    import asyncengine_kernels.prefill_attention as pf
+    import asyncengine_kernels.prefill_attention_hopper as hp
 
     saved = (pf.HOPPER_PREFILL, dict(hp.HOPPER_PREFILL_CONFIG))
     pf.HOPPER_PREFILL = hopper
@@ -318,7 +318,7 @@ HOPPER_SWEEP = (
 def bench_prefill(sweep: bool) -> None:
     """Causal prefill at 2k-8k tokens: the unified kernel's large tiles (the oldest path), the
     Triton sm_90 prefill kernel and the warp-specialized Gluon kernel
-    (`kernels.prefill_attention_hopper`), each at its default configuration; the Gluon
+    (`asyncengine_kernels.prefill_attention_hopper`), each at its default configuration; the Gluon
     kernel's tile and stage counts on every case; then (with `sweep`) the Triton prefill
     kernel over BLOCK_M x TILE x warps x stages on two of them. TFLOP/s count 4 * Hq * D per
     visible (query, key) pair."""
@@ -359,7 +359,7 @@ def bench_prefill(sweep: bool) -> None:
 
 
 def _norm_case(shape: dict[str, Any], tokens: int) -> None:
-    from kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton
+    from asyncengine_kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton
 
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     res, w = torch.randn_like(x), torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -370,7 +370,7 @@ def _norm_case(shape: dict[str, Any], tokens: int) -> None:
 
 
 def _rotary_case(shape: dict[str, Any], tokens: int, heads: tuple[int, int]) -> None:
-    from kernels.rotary import apply_rotary_emb_triton
+    from asyncengine_kernels.rotary import apply_rotary_emb_triton
 
     q = torch.randn(tokens, heads[0], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, heads[1], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -381,7 +381,7 @@ def _rotary_case(shape: dict[str, Any], tokens: int, heads: tuple[int, int]) -> 
 
 
 def _silu_case(shape: dict[str, Any], tokens: int, inter: int) -> None:
-    from kernels.activation import silu_and_mul_triton
+    from asyncengine_kernels.activation import silu_and_mul_triton
 
     x = torch.randn(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
     ms = bench(lambda: silu_and_mul_triton(x))
@@ -389,7 +389,7 @@ def _silu_case(shape: dict[str, Any], tokens: int, inter: int) -> None:
 
 
 def _kv_write_case(shape: dict[str, Any], tokens: int, num_kv_heads: int) -> None:
-    from kernels.kv_cache_write import write_kv_cache_triton
+    from asyncengine_kernels.kv_cache_write import write_kv_cache_triton
 
     key = torch.randn(tokens, num_kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     value = torch.randn_like(key)
@@ -413,7 +413,7 @@ def bench_elementwise() -> None:
 
 
 def _sampling_case(shape: dict[str, Any], bsz: int, vocab: int, filters: bool) -> None:
-    from kernels.sampling import sample_from_logits_triton
+    from asyncengine_kernels.sampling import sample_from_logits_triton
 
     logits = torch.randn(bsz, vocab, device="cuda") * 4
     noise = torch.empty_like(logits).exponential_()
@@ -444,7 +444,7 @@ GEMV_SHAPES = {
 def _gemv_case(shape: dict[str, Any], n: int, k: int) -> None:
     import torch.nn.functional as F
 
-    from kernels.gemv import gemv_candidates, gemv_triton
+    from asyncengine_kernels.gemv import gemv_candidates, gemv_triton
 
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     # Enough distinct weights (as the layers are) that L2 serves none of the reads.
@@ -487,9 +487,9 @@ def _skinny_case(shape: dict[str, Any], n: int, k: int, form: str) -> None:
     fraction is of the weight's bytes over 4.25 TB/s."""
     import torch.nn.functional as F
 
-    from kernels.activation import silu_and_mul
-    from kernels.gemv import gemv_candidates, gemv_triton
-    from kernels.skinny_gemm import SKINNY_CONFIGS, skinny_counters, skinny_gemm
+    from asyncengine_kernels.activation import silu_and_mul
+    from asyncengine_kernels.gemv import gemv_candidates, gemv_triton
+    from asyncengine_kernels.skinny_gemm import SKINNY_CONFIGS, skinny_counters, skinny_gemm
 
     gated, glu = form == "gated", form == "glu"
     copies = max(2, math.ceil(512 * 2**20 / (2 * n * k)))
@@ -561,7 +561,7 @@ def _int_weight_copies(n: int, k: int, bits: int, group: int
     L2 from serving any read: (bytes of one, the copies as (qweight, scales, zeros), torch's
     int4 operands of each (tinygemm; none with the reason where it cannot run), and enough
     dequantized bf16 copies [N, K] for cuBLAS)."""
-    from kernels.quant_linear import dequantize_weight, pack_int_weight
+    from asyncengine_kernels.quant_linear import dequantize_weight, pack_int_weight
 
     g = k // group
     wbytes = n * k * bits // 8 + 2 * 2 * g * n
@@ -592,8 +592,8 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
     copies that L2 serves none of the reads (the bf16 ones too)."""
     import torch.nn.functional as F
 
-    from kernels.gemv_split_k import gemv_counters
-    from kernels.quant_linear import (
+    from asyncengine_kernels.gemv_split_k import gemv_counters
+    from asyncengine_kernels.quant_linear import (
         dequantize_weight_triton,
         quant_gemm,
         quant_gemm_candidates,
@@ -650,9 +650,9 @@ def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
     and the wgmma kernel at its default launch and with the scale on either side."""
     import torch.nn.functional as F
 
-    from kernels import int4_wgmma as wg
-    from kernels.gemv_split_k import gemv_counters
-    from kernels.quant_linear import (
+    from asyncengine_kernels import int4_wgmma as wg
+    from asyncengine_kernels.gemv_split_k import gemv_counters
+    from asyncengine_kernels.quant_linear import (
         quant_gemm,
         quant_gemm_candidates,
         quant_gemv,
@@ -711,7 +711,7 @@ FP8_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
 def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
-    from kernels.fp8_linear import (
+    from asyncengine_kernels.fp8_linear import (
         FP8_GEMV_MIN_BLOCK_N,
         fp8_gemm,
         fp8_gemm_candidates,
@@ -721,7 +721,7 @@ def _fp8_case(shape: dict[str, Any], n: int, k: int) -> None:
         quantize_rows,
         quantize_weight_per_channel,
     )
-    from kernels.gemv_split_k import gemv_counters
+    from asyncengine_kernels.gemv_split_k import gemv_counters
 
     wbytes = n * k + 4 * n
     # Enough distinct weights (as the layers are) that L2 serves none of the reads.
@@ -775,17 +775,22 @@ def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None
     whole-row kernel, else the norm kernel first), "gated" (down: SiLU-and-mul of
     [gate, up]) or "plain" (o). The bf16 whole-row GEMV with the same transform is the
     16-bit reference."""
-    from kernels.activation import silu_and_mul
-    from kernels.fp8_linear import (
+    from asyncengine_kernels.activation import silu_and_mul
+    from asyncengine_kernels.fp8_linear import (
         FP8_GEMV_MIN_BLOCK_N,
         FP8_WHOLE_ROW_CONFIGS,
         fp8_gemv,
         fp8_gemv_candidates,
         quantize_weight_per_channel,
     )
-    from kernels.gemv import PERSISTENT_GEMV_CONFIGS, GemvConfig, gemv_triton, rms_norm_gemv
-    from kernels.gemv_split_k import gemv_counters
-    from kernels.rms_norm import fused_add_rms_norm
+    from asyncengine_kernels.gemv import (
+        PERSISTENT_GEMV_CONFIGS,
+        GemvConfig,
+        gemv_triton,
+        rms_norm_gemv,
+    )
+    from asyncengine_kernels.gemv_split_k import gemv_counters
+    from asyncengine_kernels.rms_norm import fused_add_rms_norm
 
     copies = max(4, math.ceil(512 * 2**20 / (n * k)))
     weights = []

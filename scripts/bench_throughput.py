@@ -187,7 +187,7 @@ def make_prompts(w: dict, vocab: int, seed: int) -> list[list[int]]:
 
 def override_split_kv(spec: str) -> dict[str, int]:
     """Patch the decode attention's split heuristic (and small-tile key count) for a run."""
-    pa = importlib.import_module("kernels.paged_attention")
+    pa = importlib.import_module("asyncengine_kernels.paged_attention")
     values = [int(v) for v in spec.split(",")]
     pa.SPLIT_KV_PROGRAMS_PER_SM, pa.MAX_SPLIT_SEGMENTS = values[0], values[1]
     if len(values) > 2:
@@ -206,7 +206,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
     # Before the engine exists: its CUDA graphs capture the decode attention's launches.
     split_kv = override_split_kv(args.split_kv) if args.split_kv else None
     if args.no_hopper_prefill:
-        import kernels.prefill_attention as prefill
+        import asyncengine_kernels.prefill_attention as prefill
 
         prefill.HOPPER_PREFILL = False
     quant = args.quantization

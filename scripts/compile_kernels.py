@@ -78,162 +78,162 @@ PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=Fals
 SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False, USE_PDL=True)
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=False), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=True,
           ROTARY=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=64, BLOCK_Q=64, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False), 4, 2),
-    ("kernels.prefill_attention", "_prefill_attention_kernel",
+    ("asyncengine_kernels.prefill_attention", "_prefill_attention_kernel",
      dict(PREFILL, GROUP=4, BLOCK_Q=32), 8, 3),
-    ("kernels.prefill_attention", "_prefill_attention_kernel",
+    ("asyncengine_kernels.prefill_attention", "_prefill_attention_kernel",
      dict(PREFILL, GROUP=1, BLOCK_Q=128), 8, 3),
-    ("kernels.paged_attention", "_reduce_segments_kernel",
+    ("asyncengine_kernels.paged_attention", "_reduce_segments_kernel",
      dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SEGMENTS=16, USE_PDL=True), 4, 1),
-    ("kernels.gemv", "_gemv_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=False, HAS_RESIDUAL=False, GLU=False,
           K_PAD=1, USE_PDL=True, BLOCK_N=4, BLOCK_K=1024), 4, 3),
-    ("kernels.gemv", "_gemv_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=True, NORM=False, HAS_RESIDUAL=False, GLU=False,
           K_PAD=1, USE_PDL=True, BLOCK_N=16, BLOCK_K=512), 8, 3),
-    ("kernels.gemv", "_gemv_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=True, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, GLU=False,
           K_PAD=4096, USE_PDL=True, BLOCK_N=8, BLOCK_K=512), 4, 4),
-    ("kernels.gemv", "_gemv_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=True, HAS_RESIDUAL=True, GLU=True,
           K_PAD=4096, USE_PDL=True, BLOCK_N=4, BLOCK_K=1024), 4, 3),
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=4096,
           USE_PDL=True, BLOCK_N=2), 4, 3),
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, GATED=False, NORM=True, HAS_RESIDUAL=True, GLU=True, K_PAD=4096,
           USE_PDL=True, BLOCK_N=2), 8, 3),
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, GATED=True, NORM=False, HAS_RESIDUAL=False, GLU=False, K_PAD=8192,
           USE_PDL=True, BLOCK_N=1), 4, 4),
     # FP8 layers' one-row whole-row GEMV: e4m3 rows, the norm fused (q/k/v, gate/up).
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
           GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=4), 4, 3),
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
           GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=8), 8, 2),
-    ("kernels.gemv", "_gemv_rows_kernel",
+    ("asyncengine_kernels.gemv", "_gemv_rows_kernel",
      dict(HAS_BIAS=False, HAS_SCALE=True, GATED=False, NORM=True, HAS_RESIDUAL=True,
           GLU=False, K_PAD=4096, USE_PDL=True, BLOCK_N=4, PAIRS=True), 4, 3),
     # The few-row matmul (wgmma) with and without K splits, the gated input and the GLU
     # epilogue.
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=True, GATED=False, GLU=False, SPLIT=False, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=True, GLU=False, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
     # RMSNorm and the residual add in the prologue (qkv; gate/up with the GLU epilogue).
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=False, BLOCK_N=64,
           BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
-    ("kernels.skinny_gemm", "_skinny_gemm_kernel",
+    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
     # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile split along K,
     # tiles spanning four groups (g32) and inside one (per channel), the 128-row tile.
-    ("kernels.quant_linear", "_quant_gemm_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
           SPLIT=True), 4, 4),
-    ("kernels.quant_linear", "_quant_gemm_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=32, BITS=4, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128), 4, 3),
-    ("kernels.quant_linear", "_quant_gemm_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=4096, BITS=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
           SPLIT=True), 4, 3),
-    ("kernels.quant_linear", "_quant_gemm_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
      dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64), 4, 3),
-    ("kernels.quant_linear", "_dequantize_kernel",
+    ("asyncengine_kernels.quant_linear", "_dequantize_kernel",
      dict(GROUP_SIZE=128, BITS=4, BLOCK_K=64, BLOCK_N=128), 4, 1),
-    ("kernels.quant_linear", "_dequantize_kernel",
+    ("asyncengine_kernels.quant_linear", "_dequantize_kernel",
      dict(GROUP_SIZE=4096, BITS=8, BLOCK_K=64, BLOCK_N=128), 4, 1),
-    ("kernels.quant_linear", "_quant_gemv_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, BLOCK_N=128, BLOCK_K=128), 4, 3),
-    ("kernels.quant_linear", "_quant_gemv_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=True, SPLIT_K=8, BLOCK_N=64, BLOCK_K=64), 4, 3),
-    ("kernels.quant_linear", "_quant_gemv_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=False, SPLIT_K=4, BLOCK_N=64, BLOCK_K=32), 4, 3),
     # The same GEMVs with products in half-precision pairs (inline PTX).
-    ("kernels.quant_linear", "_quant_gemv_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=2, BLOCK_N=256, BLOCK_K=128,
           PAIRS=True), 4, 3),
-    ("kernels.quant_linear", "_quant_gemv_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
      dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=True, SPLIT_K=4, BLOCK_N=128, BLOCK_K=128,
           PAIRS=True), 4, 3),
     # All of a program's tiles loaded at once, no K loop.
-    ("kernels.quant_linear", "_quant_gemv_at_once_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_at_once_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=16, BLOCK_N=32, BLOCK_K=128,
           TILES=8, USE_PDL=True), 4, 1),
-    ("kernels.quant_linear", "_quant_gemv_at_once_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_at_once_kernel",
      dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=True, SPLIT_K=1, BLOCK_N=64, BLOCK_K=32,
           TILES=8, USE_PDL=False), 4, 1),
-    ("kernels.quant_linear", "_quant_gemv_at_once_kernel",
+    ("asyncengine_kernels.quant_linear", "_quant_gemv_at_once_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=16, BLOCK_N=32, BLOCK_K=128,
           TILES=4, USE_PDL=True, GATED=True), 2, 1),
-    ("kernels.fp8_linear", "_fp8_gemm_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemm_kernel",
      dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8, 3),
-    ("kernels.fp8_linear", "_fp8_gemm_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemm_kernel",
      dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8), 4, 4),
-    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 4, 4),
-    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024), 4, 3),
-    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=True, EVEN_K=False, GATED=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256), 4, 4),
-    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=False, EVEN_K=True, GATED=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024), 4, 3),
-    ("kernels.fp8_linear", "_fp8_gemv_kernel",
+    ("asyncengine_kernels.fp8_linear", "_fp8_gemv_kernel",
      dict(HAS_BIAS=True, EVEN_K=True, GATED=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512,
           USE_PDL=True, SPLIT_K=8), 4, 4),
-    ("kernels.fp8_linear", "_quantize_rows_kernel",
+    ("asyncengine_kernels.fp8_linear", "_quantize_rows_kernel",
      dict(GATED=False, NORM=True, HAS_RESIDUAL=True, STATIC=False, K_PAD=4096), 8, 1),
-    ("kernels.fp8_linear", "_quantize_rows_kernel",
+    ("asyncengine_kernels.fp8_linear", "_quantize_rows_kernel",
      dict(GATED=True, NORM=False, HAS_RESIDUAL=False, STATIC=True, K_PAD=16384), 16, 1),
-    ("kernels.rms_norm", "_rms_norm_kernel",
+    ("asyncengine_kernels.rms_norm", "_rms_norm_kernel",
      dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True, USE_PDL=True), 8, 1),
-    ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
+    ("asyncengine_kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True), 4, 1),
     # FP8 KV cache: split-KV decode (MHA, and GQA with rotary fused), short-query and
     # prefill tiles, and the two cache writers.
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=True, KV_FP8=True, KV_DOT_F16=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
-    ("kernels.paged_attention", "_paged_attention_kernel",
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=64, BLOCK_Q=16, TILE=64, NUM_SEGMENTS=1, DECODE=False,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
-    ("kernels.prefill_attention", "_prefill_attention_kernel",
+    ("asyncengine_kernels.prefill_attention", "_prefill_attention_kernel",
      dict(PREFILL, GROUP=4, BLOCK_Q=32, KV_FP8=True, KV_DOT_F16=True), 8, 3),
-    ("kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
+    ("asyncengine_kernels.rotary_kv_cache", "_rotary_and_write_kv_kernel",
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True, KV_FP8=True), 4, 1),
-    ("kernels.kv_cache_write", "_write_kv_cache_kernel",
+    ("asyncengine_kernels.kv_cache_write", "_write_kv_cache_kernel",
      dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128, BLOCK_SIZE=16, KV_FP8=True), 4, 1),
 ]  # fmt: skip
 
@@ -289,8 +289,8 @@ def lower_variant(
     )
 
 
-# The Gluon Hopper prefill kernel (`kernels.prefill_attention_hopper`): W2's GQA group of 4
-# and W1's 1 at the default tiles (with and without ping-pong), and 128-key tiles without
+# The Gluon Hopper prefill kernel (`asyncengine_kernels.prefill_attention_hopper`): W2's GQA group
+# of 4 and W1's 1 at the default tiles (with and without ping-pong), and 128-key tiles without
 # the overlap.
 GLUON_VARIANTS = [
     dict(GROUP=4, TILE=64, NUM_STAGES=4, PIPELINE=True, PINGPONG=False),
@@ -307,7 +307,7 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import prefill_attention_hopper as hopper
+    from asyncengine_kernels import prefill_attention_hopper as hopper
 
     fn = hopper._hopper_prefill_kernel
     layout = gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16)
@@ -328,7 +328,7 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
     )  # fmt: skip
 
 
-# The Gluon int4 wgmma matmul (`kernels.int4_wgmma`): one and 16 rows with the scale on
+# The Gluon int4 wgmma matmul (`asyncengine_kernels.int4_wgmma`): one and 16 rows with the scale on
 # the accumulator, 64 rows with it on the weights, symmetric and with zero points.
 INT4_WGMMA_VARIANTS = [
     dict(ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False, SCALE_ON_ACC=True,
@@ -346,7 +346,7 @@ def lower_int4_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import int4_wgmma
+    from asyncengine_kernels import int4_wgmma
 
     fn = int4_wgmma._int4_wgmma_kernel
     signature = {p: "i32" for p in fn.arg_names}
@@ -422,14 +422,14 @@ def main() -> int:
             lower_variant(*v, args.arch))
         for module, kernel, constexprs, warps, stages in variants
     ]  # fmt: skip
-    from kernels import prefill_attention_hopper as hopper
+    from asyncengine_kernels import prefill_attention_hopper as hopper
 
     if hopper.available() and not args.fp8_kv and args.only in (None, "prefill", "hopper"):
         jobs += [
             ("_hopper_prefill_kernel", c, lambda c=c: lower_hopper_prefill(c, args.arch))
             for c in GLUON_VARIANTS
         ]
-    from kernels import int4_wgmma
+    from asyncengine_kernels import int4_wgmma
 
     if int4_wgmma.available() and not args.fp8_kv and args.only in (None, "quant", "int4"):
         jobs += [

@@ -90,7 +90,7 @@ tree_bench() {  # TREE ARGS...: bench_throughput.py of another tree, its lines t
     | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
 }
 int4_kernels() {  # the int4 wgmma matmul's and kind's GPU tests, then its kernel bench
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_wgmma.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_int4_wgmma.py \
     tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   timeout 420 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
     | tee "$OUT/int4_kernels.jsonl"
@@ -123,7 +123,7 @@ elif [ "$phase" = compare ]; then  # the same workloads from two trees, alternat
 elif [ "$phase" = house ]; then  # an engine gives its memory back (two 7B engines in one
   # process), the Gluon prefill tests, then L1/W1 from another tree DIR and from this one
   python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/asyncengine/test_engine_shutdown.py \
-    tests/kernels/test_prefill_attention_hopper.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
+    tests/asyncengine_kernels/test_prefill_attention_hopper.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
   bash "$0" compare "${2:?usage: gpu_check.sh house DIR}"
 elif [ "$phase" = capabilities ]; then  # L1/W1 from DIR and this tree (one pass each), then
   # W1 free against JSON-constrained (the tokenizer carried in .device_tok)
@@ -156,7 +156,7 @@ elif [ "$phase" = spec ]; then  # engine GPU tests (greedy = HF, graphs, prompt 
     | tee "$OUT/spec_decode.jsonl"
 elif [ "$phase" = rows ]; then  # few-row matmuls and speculative decoding: their GPU tests,
   # the verify step and latency by acceptance, L1 and W1, the few-row kernels against cuBLAS
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_gemm.py \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_skinny_gemm.py \
     tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   timeout 270 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
     2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-900
@@ -190,8 +190,8 @@ elif [ "$phase" = session ]; then  # GPU tests of speculative decoding, graphs a
   # (empty caches), then L1 per quantized format; L1/W1 from DIR and from this tree; W1 with
   # every request JSON-constrained (the tokenizer carried in .device_tok)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/spec_decode \
-    tests/asyncengine/test_cuda_graphs.py tests/kernels/test_quant_linear.py \
-    tests/kernels/test_fp8_linear.py tests/models/test_linear_tuning.py 2>&1 \
+    tests/asyncengine/test_cuda_graphs.py tests/asyncengine_kernels/test_quant_linear.py \
+    tests/asyncengine_kernels/test_fp8_linear.py tests/models/test_linear_tuning.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 6
   timeout 240 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
     2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
@@ -210,7 +210,7 @@ elif [ "$phase" = session ]; then  # GPU tests of speculative decoding, graphs a
   fi
 elif [ "$phase" = qgemm ]; then  # the integer GEMM on 16-bit tiles: GPU tests, kernels at W1's
   # layers and rows against cuBLAS / dequantize + cuBLAS / tinygemm, L1 and W1 per format
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_quant_linear.py \
     tests/models/test_linear_tuning.py tests/models/quantization 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 6
   timeout 150 python3 scripts/bench_kernels.py --only quant --quant-rows ${2:-16 64 128 256} \
@@ -240,7 +240,7 @@ elif [ "$phase" = stage ]; then  # small decode steps staged whole into the grap
   done
 elif [ "$phase" = kvprof ]; then  # FP8 decode attention: the attention GPU tests, the
   # sweep (launch order, tiles, warps, stages), then Nsight Compute on one launch per case
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_paged_attention.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
   timeout 300 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
     | tee "$OUT/kernels.jsonl" | cut -c1-240
@@ -258,7 +258,7 @@ elif [ "$phase" = kvprof ]; then  # FP8 decode attention: the attention GPU test
   done
 elif [ "$phase" = kvtiles ]; then  # decode attention tiles for many programs: attention and
   # engine GPU tests, the sweep, L1/W1 from DIR and this tree, W1 FP8 KV, W2 FP8 weights + KV
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_paged_attention.py \
     tests/asyncengine/test_gpu_engine.py tests/asyncengine/test_cuda_graphs.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 4
   timeout 200 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" > "$OUT/kernels.jsonl"
@@ -268,7 +268,7 @@ elif [ "$phase" = kvtiles ]; then  # decode attention tiles for many programs: a
     | cut -c1-400
 elif [ "$phase" = normrows ]; then  # the few-row matmul with RMSNorm in its prologue: its GPU
   # tests and the tuner's, then the verify step and latency by acceptance (the plans logged)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_skinny_gemm.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_skinny_gemm.py \
     tests/models/test_linear_tuning.py tests/asyncengine/spec_decode 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 4
   timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
@@ -300,7 +300,7 @@ elif [ "$phase" = nsample ]; then  # parallel sampling: n = 8 against 8 separate
   bench --workload w1 --system engine --num-requests 64 --n 8
   bench --workload w1 --system engine --num-requests 64 --n 8 --n-as-requests
 elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then L1/W1 per format
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_quant_linear.py \
     tests/models/quantization 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   bench --workload l1 --system engine --quantization gptq-int4 --profile-steps 4
   bench --workload l1 --system engine --quantization gptq-int8
@@ -311,10 +311,10 @@ elif [ "$phase" = quant ]; then  # quantized kernels and models on the GPU, then
   python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" | tee "$OUT/kernels.jsonl" \
     | tail -n 8
 elif [ "$phase" = fp8 ]; then  # FP8 weights and KV cache: GPU tests, then L1/W1/W2 beside bf16
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_linear.py \
-    tests/kernels/test_kv_cache_write.py tests/kernels/test_rotary_kv_cache.py \
-    tests/kernels/test_paged_attention.py tests/kernels/test_rotary_paged_attention.py \
-    tests/kernels/test_quant_linear.py tests/asyncengine/test_kv_cache_dtype.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_fp8_linear.py \
+    tests/asyncengine_kernels/test_kv_cache_write.py tests/asyncengine_kernels/test_rotary_kv_cache.py \
+    tests/asyncengine_kernels/test_paged_attention.py tests/asyncengine_kernels/test_rotary_paged_attention.py \
+    tests/asyncengine_kernels/test_quant_linear.py tests/asyncengine/test_kv_cache_dtype.py \
     tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
   bench --workload l1 --system engine --quantization fp8
   bench --workload l1 --system engine --quantization gptq-int4
@@ -322,8 +322,8 @@ elif [ "$phase" = fp8 ]; then  # FP8 weights and KV cache: GPU tests, then L1/W1
   bench --workload w1 --system engine --kv-cache-dtype fp8
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512
 elif [ "$phase" = fp8speed ]; then  # FP8 KV: attention GPU tests, decode sweep, W1 and W2
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
-    tests/kernels/test_rotary_paged_attention.py tests/asyncengine/test_kv_cache_dtype.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_paged_attention.py \
+    tests/asyncengine_kernels/test_rotary_paged_attention.py tests/asyncengine/test_kv_cache_dtype.py \
     tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" | tee "$OUT/kvfp8.jsonl" \
     | python3 -c "import json,sys; [print(r.get('workload'), r.get('kv'), {k: r[k] for k in ('TILE','num_warps','num_stages','KV_DOT_F16') if k in r}, r.get('ms'), r.get('frac_hbm'), r.get('error','')) for r in map(json.loads, sys.stdin)]"
@@ -331,8 +331,8 @@ elif [ "$phase" = fp8speed ]; then  # FP8 KV: attention GPU tests, decode sweep,
   bench --workload w1 --system engine
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs "${2:-512}"
 elif [ "$phase" = attn ]; then  # attention kernels: GPU tests, prefill bench, W1 both KV dtypes
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_paged_attention.py \
-    tests/kernels/test_rotary_paged_attention.py tests/kernels/test_prefill_attention.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_paged_attention.py \
+    tests/asyncengine_kernels/test_rotary_paged_attention.py tests/asyncengine_kernels/test_prefill_attention.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only prefill 2>>"$OUT/bench.log" | tee "$OUT/prefill.jsonl" \
     | tail -n 3
@@ -340,8 +340,8 @@ elif [ "$phase" = attn ]; then  # attention kernels: GPU tests, prefill bench, W
   bench --workload w1 --system engine
 elif [ "$phase" = prefill ]; then  # the Gluon prefill kernel: GPU tests (its own, attention,
   # engine greedy vs HF, CUDA graphs), the prefill bench, W1 and L1 with it and without, W2
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_prefill_attention_hopper.py \
-    tests/kernels/test_prefill_attention.py tests/kernels/test_paged_attention.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_prefill_attention_hopper.py \
+    tests/asyncengine_kernels/test_prefill_attention.py tests/asyncengine_kernels/test_paged_attention.py \
     tests/asyncengine/test_gpu_engine.py tests/asyncengine/test_cuda_graphs.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 scripts/bench_kernels.py --only prefill --no-prefill-sweep 2>>"$OUT/bench.log" \
@@ -369,8 +369,8 @@ elif [ "$phase" = w2 ]; then  # W2 in bf16 and with FP8 weights and KV cache
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 ${2:+--max-num-seqs $2}
   bench --workload w2 --system engine
 elif [ "$phase" = pairs ]; then  # one-row GEMVs in half-precision pairs: GPU tests, kernels, L1
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_half_pairs.py \
-    tests/kernels/test_quant_linear.py tests/kernels/test_fp8_linear.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_half_pairs.py \
+    tests/asyncengine_kernels/test_quant_linear.py tests/asyncengine_kernels/test_fp8_linear.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 6
   timeout 150 python3 scripts/bench_kernels.py --only quant 2>>"$OUT/bench.log" \
     | tee "$OUT/quant_kernels.jsonl" | tail -n 3
@@ -378,7 +378,7 @@ elif [ "$phase" = pairs ]; then  # one-row GEMVs in half-precision pairs: GPU te
   bench --workload l1 --system engine --quantization gptq-int8
   bench --workload l1 --system engine --quantization fp8 --profile-steps 4
 elif [ "$phase" = gemv ]; then  # one-row quantized GEMVs: GPU tests, kernels (1 row), then L1
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_linear.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_quant_linear.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only quant --quant-rows 1 2>>"$OUT/bench.log" \
     | tee "$OUT/quant_kernels.jsonl" | python3 scripts/best_kernels.py
@@ -387,7 +387,7 @@ elif [ "$phase" = gemv ]; then  # one-row quantized GEMVs: GPU tests, kernels (1
     bench --workload l1 --system engine --quantization gptq-int8
   fi
 elif [ "$phase" = fp8row ]; then  # FP8 one-row GEMVs (whole-row, pairs): tests, kernels, L1
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_gemv.py \
     tests/models/quantization/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 4
   python3 scripts/bench_kernels.py --only fp8row 2>>"$OUT/bench.log" \
     | tee "$OUT/fp8row_kernels.jsonl" | python3 scripts/best_kernels.py

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import DECODE_SHAPES, WORKLOADS, _attention_inputs
 
-from kernels.paged_attention import paged_attention_triton
+from asyncengine_kernels.paged_attention import paged_attention_triton
 
 
 def main() -> None:

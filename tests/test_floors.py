@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"kernels": 0, "models": 1, "asyncengine": 2, "frontends": 3}
+FLOORS = {"asyncengine_kernels": 0, "models": 1, "asyncengine": 2, "frontends": 3}
 
 
 def _modules() -> list[Path]:
@@ -49,7 +49,7 @@ def upward_imports() -> list[str]:
 
 def test_every_package_is_walked() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in _modules()}
-    assert {"kernels/envs.py", "models/loader.py", "asyncengine/llm_engine.py",
+    assert {"asyncengine_kernels/envs.py", "models/loader.py", "asyncengine/llm_engine.py",
             "frontends/cli.py"} <= names  # fmt: skip
 
 
@@ -60,13 +60,13 @@ def test_floors_import_only_downward() -> None:
 @pytest.mark.parametrize(
     ("source", "floor", "expected"),
     [
-        ("from models.forward_context import AttentionMetadata", "kernels", ["models"]),
+        ("from models.forward_context import AttentionMetadata", "asyncengine_kernels", ["models"]),
         ("import asyncengine.envs", "models", ["asyncengine"]),
         ("def f():\n    from frontends import cli", "asyncengine", ["frontends"]),
         ("if TYPE_CHECKING:\n    from asyncengine.config import EngineArgs", "models",
          ["asyncengine"]),
         ("from . import layers", "models", []),
-        ("from kernels import rms_norm", "frontends", []),
+        ("from asyncengine_kernels import rms_norm", "frontends", []),
     ],
 )  # fmt: skip
 def test_the_walk_sees_each_kind_of_import(
@@ -84,8 +84,8 @@ ENV_READ = re.compile(r"""(environ\.get\(|environ\[|getenv\()\s*f?["']ASYNCENGIN
 
 
 def test_only_the_envs_module_reads_asyncengine_variables() -> None:
-    """One configuration surface: an `ASYNCENGINE_*` variable is read in `kernels/envs.py`
-    alone (which builds the names from its prefix)."""
+    """One configuration surface: an `ASYNCENGINE_*` variable is read in
+    `asyncengine_kernels/envs.py` alone (which builds the names from its prefix)."""
     assert ENV_READ.search('os.environ.get("ASYNCENGINE_HOPPER_PREFILL", "1")')
     readers = [p.relative_to(ROOT).as_posix() for p in _modules()
                if ENV_READ.search(p.read_text())]  # fmt: skip

@@ -51,7 +51,7 @@ from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.spec_decode.draft_sampling import DraftSampling
 from asyncengine.step_buffer import StepHeader, pack, unpack
-from kernels.paged_attention import decode_plan
+from asyncengine_kernels.paged_attention import decode_plan
 from models.config import ModelConfig
 from models.forward_context import set_forward_context
 from models.loader import load_model, resolve_model_path

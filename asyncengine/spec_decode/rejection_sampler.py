@@ -31,7 +31,7 @@ from asyncengine.sampler import (
     exponential_noise,
     host_to_device,
 )
-from kernels.sampling import apply_top_k_top_p_min_p_ref
+from asyncengine_kernels.sampling import apply_top_k_top_p_min_p_ref
 
 
 def filtered_probs(

@@ -3,8 +3,8 @@
 
 `config` reads the format from config.json, `formats` turns each format's tensors into one
 canonical form, `layer` gives linear layers those parameters and repacks them for the
-kernels (`kernels.quant_linear`), `kinds` are the matmul-plan kinds that run them, and
-`fp8` holds FP8's parameters, repacking and kinds (`kernels.fp8_linear`).
+kernels (`asyncengine_kernels.quant_linear`), `kinds` are the matmul-plan kinds that run them, and
+`fp8` holds FP8's parameters, repacking and kinds (`asyncengine_kernels.fp8_linear`).
 """
 
 from models.quantization.config import (

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from kernels.fp8_linear import FP8_DTYPE, quantize_weight_per_channel
+from asyncengine_kernels.fp8_linear import FP8_DTYPE, quantize_weight_per_channel
 from models.quantization.config import QuantConfig
 
 # AWQ packs eight output columns per word in this order: nibble i holds column ORDER[i].

@@ -8,14 +8,14 @@ with different scales need no requantization) and, for static activations, `inpu
 float32 (one per layer: the fused projections share their input and take the largest of
 their checkpoint scales, so none of them clips). Column-parallel shards take their rows of
 both; row-parallel shards replicate the channel scales. `process_fp8_linear` then keeps
-`qweight` [N, K] e4m3 and `scales` [N] float32 (`kernels.fp8_linear`'s layout) and plans
+`qweight` [N, K] e4m3 and `scales` [N] float32 (`asyncengine_kernels.fp8_linear`'s layout) and plans
 the layer.
 
 Kinds: `Fp8DequantMatmul` (the torch reference: the CPU path and the oracle, W8A8 or weight-
 only), `Fp8ScaledMM` (cuBLASLt) and `Fp8TritonGemm` (W8A8: the activation quantized per
-token, or with the static scale, by `kernels.fp8_linear.quantize_rows`, which also forms an
-RMSNorm or SiLU-and-mul input in the same pass), `Fp8Gemv` (weight-only, 1-16 rows; it
-forms a SiLU-and-mul input itself) and `Fp8WholeRowGemv` (one row on `kernels.gemv`'s
+token, or with the static scale, by `asyncengine_kernels.fp8_linear.quantize_rows`, which also forms
+an RMSNorm or SiLU-and-mul input in the same pass), `Fp8Gemv` (weight-only, 1-16 rows; it
+forms a SiLU-and-mul input itself) and `Fp8WholeRowGemv` (one row on `asyncengine_kernels.gemv`'s
 persistent form, which forms either input once per program). `tuning_kinds` names those the
 start-up tuner times: the few a rule table names per row range (`FP8_TUNING_RULES`), or
 every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
@@ -29,8 +29,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kernels import envs
-from kernels.fp8_linear import (
+from asyncengine_kernels import envs
+from asyncengine_kernels.fp8_linear import (
     FP8_DTYPE,
     FP8_GEMV_MAX_ROWS,
     FP8_GEMV_MIN_BLOCK_N,
@@ -46,8 +46,8 @@ from kernels.fp8_linear import (
     quantize_rows,
     scaled_mm_fits,
 )
-from kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
-from kernels.gemv_split_k import gemv_counters
+from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
+from asyncengine_kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import QuantConfig
 from models.weight_loaders import set_weight_loader
@@ -283,7 +283,8 @@ class Fp8ScaledMM(_W8A8):
 
 @dataclass(frozen=True)
 class Fp8TritonGemm(_W8A8):
-    """The Triton `tl.dot` GEMM on both e4m3 operands (`kernels.fp8_linear.fp8_gemm`)."""
+    """The Triton `tl.dot` GEMM on both e4m3 operands
+    (`asyncengine_kernels.fp8_linear.fp8_gemm`)."""
 
     config: Fp8GemmConfig
     name: ClassVar[str] = "fp8 Triton GEMM"
@@ -298,7 +299,7 @@ class Fp8TritonGemm(_W8A8):
 
 @dataclass(frozen=True)
 class Fp8Gemv(MatmulKind):
-    """The weight-only GEMV (`kernels.fp8_linear.fp8_gemv`) for 1-16 rows."""
+    """The weight-only GEMV (`asyncengine_kernels.fp8_linear.fp8_gemv`) for 1-16 rows."""
 
     config: Fp8GemvConfig
     name: ClassVar[str] = "fp8 Triton GEMV (W8A16)"
@@ -322,7 +323,7 @@ class Fp8Gemv(MatmulKind):
 
 @dataclass(frozen=True)
 class Fp8WholeRowGemv(MatmulKind):
-    """One row (weight-only, W8A16) on `kernels.gemv`'s persistent whole-row GEMV: a few
+    """One row (weight-only, W8A16) on `asyncengine_kernels.gemv`'s persistent whole-row GEMV: a few
     programs per multiprocessor each form the input once, its RMSNorm or SiLU-and-mul
     included, and stream whole e4m3 rows against it, the row scales applied in the epilogue.
     A fused norm then costs once per program, not once per row block."""

@@ -3,7 +3,7 @@
 `models.quantization.fp8`): by default the few that a rule table (`INT_TUNING_RULES`) names
 per weight width and row range, every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
 
-All but one read the layer's one internal layout (`kernels.quant_linear`: `qweight`,
+All but one read the layer's one internal layout (`asyncengine_kernels.quant_linear`: `qweight`,
 `scales`, `zeros`, and `input_perm` for GPTQ act-order) that `models.quantization.layer`
 builds at load, so switching between them stores nothing: `DequantMatmul` (dequantize
 with torch ops, then the library's matmul: the CPU path and the oracle),
@@ -12,8 +12,8 @@ for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
 rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
 without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
-`Int4Wgmma` (int4 on Hopper's tensor cores, 1-64 rows: `kernels.int4_wgmma`) reads a second
-copy of the codes packed for it at load (`wgmma_words`, half a byte a weight), which
+`Int4Wgmma` (int4 on Hopper's tensor cores, 1-64 rows: `asyncengine_kernels.int4_wgmma`) reads a
+second copy of the codes packed for it at load (`wgmma_words`, half a byte a weight), which
 `release_unplanned_copies` drops once tuning has planned the layer without it.
 """
 
@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import torch
 
-from kernels import envs, int4_wgmma
-from kernels.activation import silu_and_mul
-from kernels.quant_linear import (
+from asyncengine_kernels import envs, int4_wgmma
+from asyncengine_kernels.activation import silu_and_mul
+from asyncengine_kernels.quant_linear import (
     QuantGemmConfig,
     QuantGemvConfig,
     at_once_gemv_config,
@@ -135,9 +135,9 @@ class IntRule:
 
 # From 3 rows up the GEMM tiles follow the H200's W1 measurement (2026-12-03: Llama-2-7B
 # layers in int4 and int8 g128 at 16, 64, 128 and 256 rows, each tile of
-# `kernels.quant_linear.QUANT_GEMM_SHAPES` against dequantize + cuBLAS; docs/quantization.md,
-# "The integer GEMM on 16-bit tiles"). At 16 rows the small tile split 4 along K won every
-# layer (2.3x ahead of dequantize + cuBLAS on gate/up int4) and its unsplit form none.
+# `asyncengine_kernels.quant_linear.QUANT_GEMM_SHAPES` against dequantize + cuBLAS;
+# docs/quantization.md, "The integer GEMM on 16-bit tiles"). At 16 rows the small tile split 4 along
+# K won every layer (2.3x ahead of dequantize + cuBLAS on gate/up int4) and its unsplit form none.
 _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # At 64 rows 64x64x128 won gate/up and q/k/v int8, its split-2 form q/k/v int4 and down,
 # dequantize + cuBLAS o. At 128 rows 128x64x64 won gate/up; the split-2 tile came within
@@ -277,7 +277,8 @@ class TritonDequantMatmul(MatmulKind):
 
 @dataclass(frozen=True)
 class QuantTritonGemm(MatmulKind):
-    """The Triton GEMM dequantizing inside its K loop (`kernels.quant_linear.quant_gemm`)."""
+    """The Triton GEMM dequantizing inside its K loop
+    (`asyncengine_kernels.quant_linear.quant_gemm`)."""
 
     config: QuantGemmConfig
     name: ClassVar[str] = "quantized Triton GEMM"
@@ -298,7 +299,7 @@ class QuantTritonGemm(MatmulKind):
 
 @dataclass(frozen=True)
 class QuantTritonGemv(MatmulKind):
-    """The Triton GEMV with dequantization fused (`kernels.quant_linear.quant_gemv`)."""
+    """The Triton GEMV with dequantization fused (`asyncengine_kernels.quant_linear.quant_gemv`)."""
 
     config: QuantGemvConfig
     name: ClassVar[str] = "quantized Triton GEMV"
@@ -342,8 +343,8 @@ class QuantTritonGemvAtOnce(QuantTritonGemv):
 
 @dataclass(frozen=True)
 class Int4Wgmma(MatmulKind):
-    """The int4 matmul on Hopper's tensor cores (`kernels.int4_wgmma`), the codes repacked
-    at load into wgmma's register-operand layout (`wgmma_words`; `wgmma_has_zero`: whether
+    """The int4 matmul on Hopper's tensor cores (`asyncengine_kernels.int4_wgmma`), the codes
+    repacked at load into wgmma's register-operand layout (`wgmma_words`; `wgmma_has_zero`: whether
     any zero point differs from 8). Its split-K arrival counters are the GEMV's."""
 
     name: ClassVar[str] = "int4 wgmma"

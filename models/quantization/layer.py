@@ -5,8 +5,8 @@ While loading, a quantized layer holds its shard of the canonical form that
 [N, G], `weight_perm` [K] for act-order); the linear layers' own `weight_loader`s shard them
 like a 16-bit weight (column-parallel along N; row-parallel along K and, groups aligned, G).
 `process_quantized_linear` then packs them into the kernels' layout
-(`kernels.quant_linear`), drops the canonical tensors, and gives the layer a plan that reads
-it: the dequantize-then-matmul reference on the CPU; on the GPU the Triton GEMM for small
+(`asyncengine_kernels.quant_linear`), drops the canonical tensors, and gives the layer a plan that
+reads it: the dequantize-then-matmul reference on the CPU; on the GPU the Triton GEMM for small
 batches and the reference for large ones, until the start-up tuner refines it.
 FP8 layers take their own parameters and plan (`models.quantization.fp8`).
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.gemv_split_k import gemv_counters
-from kernels.quant_linear import QuantGemmConfig, pack_int_weight
+from asyncengine_kernels.gemv_split_k import gemv_counters
+from asyncengine_kernels.quant_linear import QuantGemmConfig, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
 from models.quantization.fp8 import check_fp8_device, create_fp8_weights, process_fp8_linear

@@ -21,9 +21,9 @@ from asyncengine.cuda_graphs import (
     capture_sizes,
     static_fields,
 )
-from kernels.paged_attention import DecodePlan, paged_attention_triton
+from asyncengine_kernels.paged_attention import DecodePlan, paged_attention_triton
 from models.forward_context import AttentionMetadata
-from tests.kernels.kernel_cases import make_paged_batch
+from tests.asyncengine_kernels.kernel_cases import make_paged_batch
 
 
 class _OneKVHeadModel(nn.Module):
@@ -97,7 +97,7 @@ def test_prefill_padding_leaves_the_step_rows_unchanged(
     """Stage a step into the static buffers and run attention over the padded (t, b) shape
     without the host's max_query_len hint, as the graph does: the step's rows equal the
     unpadded step's, padding rows are zeros and write nowhere."""
-    pa = importlib.import_module("kernels.paged_attention")
+    pa = importlib.import_module("asyncengine_kernels.paged_attention")
     monkeypatch.setattr(pa, "PREFILL_TILE_MIN_QUERY_LEN", 8)  # the prefill launch runs too
     small = {"BLOCK_M": 32, "TILE": 16}
     batch = make_paged_batch(q_lens, seq_lens, 8, 2, head_dim=32, seed=3)

@@ -19,8 +19,8 @@ from asyncengine.kv_calibration import (
     calibration_token_ids,
     should_calibrate,
 )
-from kernels.kv_cache_write import as_bytes
-from kernels.rotary import apply_rotary_emb_ref
+from asyncengine_kernels.kv_cache_write import as_bytes
+from asyncengine_kernels.rotary import apply_rotary_emb_ref
 from models.config import ModelConfig
 from models.loader import load_model
 from scripts import eval_quant

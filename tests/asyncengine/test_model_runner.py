@@ -14,7 +14,7 @@ from asyncengine.llm_engine import LLMEngine
 from asyncengine.model_runner import InflightStep, KVCache, copy_blocks
 from asyncengine.request import Request
 from asyncengine.scheduler import ScheduledRequest, SchedulerOutput
-from kernels.paged_attention import DecodePlan
+from asyncengine_kernels.paged_attention import DecodePlan
 
 
 def _engine(model_dir: Path) -> LLMEngine:

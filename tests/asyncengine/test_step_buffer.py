@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncengine.step_buffer import ALIGN, STEP_FIELDS, StepHeader, layout, pack, unpack
-from kernels.paged_attention import DecodePlan
+from asyncengine_kernels.paged_attention import DecodePlan
 
 HEADER = StepHeader(
     num_tokens=5,

@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.llm_engine import LLMEngine
+from asyncengine_kernels import envs
 from frontends.openai_api import OpenAIConfig, OpenAIServer, serve_openai
-from kernels import envs
 
 from .conftest import UNIT, all_blocks_free, engine_args, offline_greedy
 

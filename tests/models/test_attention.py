@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import models.attention
-from kernels.kv_cache_write import quantize_kv
-from kernels.paged_attention import DecodePlan
+from asyncengine_kernels.kv_cache_write import quantize_kv
+from asyncengine_kernels.paged_attention import DecodePlan
 from models.attention import Attention
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.layers import compute_cos_sin_cache

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import models.linear_tuning as tuning
-from kernels.activation import silu_and_mul_ref
-from kernels.cpu_gemm import gemm_available
-from kernels.cpu_linear import cpu_packing_available
-from kernels.gemv import GemvChoice, GemvConfig
-from kernels.rms_norm import fused_add_rms_norm_ref
-from kernels.skinny_gemm import SkinnyChoice, SkinnyConfig
+from asyncengine_kernels.activation import silu_and_mul_ref
+from asyncengine_kernels.cpu_gemm import gemm_available
+from asyncengine_kernels.cpu_linear import cpu_packing_available
+from asyncengine_kernels.gemv import GemvChoice, GemvConfig
+from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref
+from asyncengine_kernels.skinny_gemm import SkinnyChoice, SkinnyConfig
 from models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -600,7 +600,7 @@ def test_quantized_plans_are_read_back_from_the_cache(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
-    from kernels.quant_linear import quant_matmul_ref
+    from asyncengine_kernels.quant_linear import quant_matmul_ref
 
     model = _quantized_model("cuda", torch.bfloat16)
     tuning.tune_decode_gemvs(model)
@@ -631,7 +631,7 @@ def test_gpu_quantized_plans_round_trip_through_the_cache(tmp_path: Path) -> Non
 
 def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
     """FP8 layers quantized at load from random 16-bit weights (dynamic activations)."""
-    from kernels.fp8_linear import quantize_weight_per_channel
+    from asyncengine_kernels.fp8_linear import quantize_weight_per_channel
     from models.quantization.config import ONLINE_FP8, set_current_quant_config
     from models.quantization.layer import process_quantized_linear
 
@@ -716,8 +716,8 @@ def test_fp8_layers_are_planned_per_row_range_with_fused_inputs(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_layers_are_tuned_and_stay_correct() -> None:
-    from kernels.fp8_linear import fp8_linear_ref
-    from kernels.rms_norm import fused_add_rms_norm
+    from asyncengine_kernels.fp8_linear import fp8_linear_ref
+    from asyncengine_kernels.rms_norm import fused_add_rms_norm
     from models.layers import RMSNorm
 
     model = _fp8_model("cuda", torch.bfloat16)
@@ -742,7 +742,7 @@ def test_fp8_kinds_are_timed_on_the_input_their_plan_forms() -> None:
     """An RMSNorm layer's kinds are timed on rms_norm(x + residual): formed by the W8A8
     kind's activation quantization, by a norm kernel before the reference; both compute
     the same product."""
-    from kernels.fp8_linear import Fp8GemmConfig
+    from asyncengine_kernels.fp8_linear import Fp8GemmConfig
     from models.quantization.fp8 import Fp8DequantMatmul, Fp8TritonGemm
 
     model = _fp8_model("cpu", torch.float32)

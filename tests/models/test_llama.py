@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_linear import PACKED_MAX_ROWS
-from kernels.gemv import GemvConfig
+from asyncengine_kernels.cpu_linear import PACKED_MAX_ROWS
+from asyncengine_kernels.gemv import GemvConfig
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.linear_tuning import cpu_kinds

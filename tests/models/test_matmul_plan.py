@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref
-from kernels.cpu_gemm import gemm_available
-from kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
-from kernels.gemv import GemvConfig
-from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.skinny_gemm import SkinnyConfig
+from asyncengine_kernels.activation import silu_and_mul_ref
+from asyncengine_kernels.cpu_gemm import gemm_available
+from asyncengine_kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
+from asyncengine_kernels.gemv import GemvConfig
+from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from asyncengine_kernels.skinny_gemm import SkinnyConfig
 from models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

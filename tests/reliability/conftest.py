@@ -30,8 +30,8 @@ from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.config import EngineArgs
 from asyncengine.llm_engine import LLMEngine
 from asyncengine.sampling_params import SamplingParams
+from asyncengine_kernels import envs
 from frontends.server import EngineServer, ServerConfig, serve_engine
-from kernels import envs
 from tests.frontends.conftest import wait_idle as _wait_idle
 
 UNIT = envs.test_timeout_factor()  # seconds

@@ -33,9 +33,9 @@ from websockets.exceptions import ConnectionClosed
 
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.errors import ErrorCode
+from asyncengine_kernels import envs
 from frontends import protocol as p
 from frontends.server import EngineServer
-from kernels import envs
 
 from .conftest import (
     UNIT,

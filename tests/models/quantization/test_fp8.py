@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncengine import LLM, SamplingParams
-from kernels.fp8_linear import Fp8GemmConfig, Fp8GemvConfig, fp8_dense_weight
-from kernels.rms_norm import fused_add_rms_norm_ref
+from asyncengine_kernels.fp8_linear import Fp8GemmConfig, Fp8GemvConfig, fp8_dense_weight
+from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref
 from models.config import ModelConfig
 from models.layers import LinearBase
 from models.loader import load_model
@@ -362,10 +362,10 @@ def test_w8a8_kinds_form_a_normed_or_gated_input_themselves(quantized: Make) -> 
 
 
 def test_the_whole_row_gemv_forms_a_normed_or_gated_row_itself(quantized: Make) -> None:
-    """`Fp8WholeRowGemv`: one row on `kernels.gemv`'s persistent form over the e4m3 rows,
-    timed at one row where the row fits, equal to the weight-only reference with the norm
+    """`Fp8WholeRowGemv`: one row on `asyncengine_kernels.gemv`'s persistent form over the e4m3
+    rows, timed at one row where the row fits, equal to the weight-only reference with the norm
     or the activation formed in the kernel."""
-    from kernels.gemv import GemvConfig
+    from asyncengine_kernels.gemv import GemvConfig
 
     layers = _layers(quantized)
     qkv, norm, down = layers["qkv"], layers["norm"], layers["down"]

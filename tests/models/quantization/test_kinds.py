@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
+from asyncengine_kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
 from models.config import ModelConfig
 from models.loader import load_model
 from models.matmul_plan import MatmulKind, MatmulPlan, PlanEntry
@@ -70,7 +70,7 @@ def test_the_triton_kinds_agree_and_a_corrupted_one_does_not(quantized: Make) ->
 def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
     """The down projection's [gate, up] input: the at-once GEMV fused, as the reference
     takes the activated input; the tuner offers it with the fusion declared."""
-    from kernels.activation import silu_and_mul
+    from asyncengine_kernels.activation import silu_and_mul
     from models.matmul_plan import InputTransform
 
     layer = _down_proj(quantized, Scheme("gptq", 4, 32, sym=True))
@@ -228,7 +228,7 @@ def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
 )
 @pytest.mark.parametrize("sym", [True, False])
 def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool) -> None:
-    from kernels.quant_linear import pack_int_weight
+    from asyncengine_kernels.quant_linear import pack_int_weight
 
     n, k, group = 1024, 4096, 128
     gen = torch.Generator().manual_seed(5)

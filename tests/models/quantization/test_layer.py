@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
-from kernels.quant_linear import dequantize_weight
+from asyncengine_kernels.quant_linear import dequantize_weight
 from models.config import ModelConfig
 from models.loader import load_model
 from models.parallel import set_tensor_parallel

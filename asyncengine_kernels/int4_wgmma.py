@@ -1,0 +1,453 @@
+"""int4 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's register
+operand (Gluon), for decode batches of up to 64 rows.
+
+Marlin's idea on sm_90: the weights are repacked once, at load, so that what a thread loads
+is already its share of the MMA's left operand; no shuffles and no shared-memory round trip
+for the weights, which are the bytes that matter at decode batch sizes.
+
+Layout (`pack_int4_wgmma`): the product is formed transposed, y^T [N, M] = W [N, K] x^T, one
+warpgroup per 64 output features. For 64 input features (one loop iteration: four 16-deep
+wgmma steps j) a thread holds four 32-bit words, one per j, stored contiguously (one 16-byte
+load), and the 128 threads' words are contiguous too (2 KB an iteration, coalesced):
+- thread 32 w + 4 g + q (warp w, lane group g, lane in group q) owns, at step j, the A
+  fragment values at rows 16 w + 8 hr + g and columns 16 j + 8 hc + 2 q + e (hr, hc, e in
+  {0, 1}), which is wgmma's register-operand layout (four 32-bit registers r = hr + 2 hc,
+  each two values e);
+- nibble 4 e + r of the word holds that value, so `(word >> 4 r) & 0x000f000f` puts both
+  values of register r in place, and OR'ed into 128.0's bf16 bits (`lop3`) they read as
+  128 + code: one shift and one `lop3` per two values, no conversion instruction.
+
+The codes then lose the zero point, (128 + code) - (128 + zero) with `sub.bf16x2` (exact).
+The scale is applied where it is cheapest:
+- `SCALE_ON_ACC` (few rows): the integers (code - zero) enter the MMA exactly, each group's
+  products accumulate in a float32 tile of their own, and the group's per-feature scale
+  multiplies that tile once: a few float32 operations per group instead of one `mul` per
+  two weight values. It is more exact than dequantizing (no rounding of the weights).
+- otherwise (more rows, where the per-group float32 work grows with them): `mul.rn.bf16x2`
+  on the fragment, rounding as `asyncengine_kernels.quant_linear.dequantize_weight` does.
+
+The activation slice of a program's K range sits in shared memory for the whole loop (the
+wgmma's second operand), loaded once; the weight words of the next iteration are loaded
+while the current one is multiplied. K is split across programs so that the grid fills the
+GPU at one row; the last split of a tile to arrive adds the others' float32 partial sums
+(`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
+
+Contract: `quant_matmul_ref`'s, for bf16 activations, 4-bit codes, N a multiple of 64, K a
+multiple of 64, and groups that are a multiple of 64 input features (or one per row).
+`available()` says whether this Triton build has Gluon's Hopper module; `supported()`
+whether a launch qualifies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine_kernels._triton_utils import pdl_kwargs, use_pdl
+from asyncengine_kernels.gemv_split_k import check_gemv_counters
+from asyncengine_kernels.quant_linear import unpack_int_weight
+
+try:  # Gluon ships with Triton 3.5+; CPU-only installs without it fall back.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+    )
+
+    _GLUON = True
+except Exception:
+    _GLUON = False
+
+__all__ = [
+    "Int4WgmmaConfig",
+    "available",
+    "int4_wgmma_config",
+    "int4_wgmma_matmul",
+    "pack_int4_wgmma",
+    "reads_zeros",
+    "serves_weight",
+    "supported",
+    "unpack_int4_wgmma",
+]
+
+BLOCK_N = 64  # output features per program: one warpgroup's wgmma M
+CHUNK_K = 64  # input features a thread's 16-byte load covers: four 16-deep wgmma steps
+WORDS_PER_CHUNK = BLOCK_N * CHUNK_K // 8  # 512 int32 words: 128 threads x 4
+# Input features per loop iteration: two chunks, so that the loop's own instructions (the
+# wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
+ITER_K = 2 * CHUNK_K
+MAX_ROWS = 64
+# Shared memory the activation slice of one program may take: 32 rows of 1024 features
+# (the 32-row optimum below), two programs to a multiprocessor at 64 rows.
+X_SLICE_BYTES = 64 * 1024
+# Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
+# grow (each split's float32 partial sums grow with them), each split at least
+# `MIN_SPLIT_ITERS` iterations long (4 from 16 rows). On the 7B layers (bench_kernels
+# --only int4, 2026-12-03) the fastest splits were: at 1-8 rows 3 iterations for q/k/v and
+# down, 5 for gate/up, 2-4 for o, within 8 % of each other from half to twice those (8
+# programs per multiprocessor cost q/k/v 10 %); at 16 rows 7 (q/k/v), 4 (o), 8 (gate/up),
+# 12 (down); at 32 and 64 rows as long as the activation slice allows (8 and 4).
+TARGET_PROGRAMS = 132 * 16
+MIN_SPLIT_ITERS = 2
+
+
+@dataclass(frozen=True)
+class Int4WgmmaConfig:
+    """A launch: `rows` (wgmma N, the activation rows padded up), `k_split` input features
+    per program, and where the scale is applied (`scale_on_acc`)."""
+
+    rows: int
+    k_split: int
+    scale_on_acc: bool
+
+    def __str__(self) -> str:
+        where = "acc" if self.scale_on_acc else "weights"
+        return f"int4_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where})"
+
+
+def available() -> bool:
+    """Whether this Triton build has Gluon's Hopper module."""
+    return _GLUON
+
+
+def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits: int,
+                  group_size: int) -> bool:  # fmt: skip
+    """Whether `int4_wgmma_matmul` serves an [N, K] weight on `device` for activations of
+    `dtype`: an sm_90 GPU, bf16, 4-bit codes, N a multiple of 64, K of 128, and groups of
+    whole iterations (128 input features) or one per row."""
+    return (
+        available()
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and dtype == torch.bfloat16
+        and bits == 4
+        and n % BLOCK_N == 0
+        and _groups_fit(k, group_size)
+    )
+
+
+def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
+    """Whether `int4_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
+    (`serves_weight`) and at most `MAX_ROWS` rows."""
+    return 0 < x.shape[0] <= MAX_ROWS and serves_weight(x.device, x.dtype, n, k, bits,
+                                                        group_size)  # fmt: skip
+
+
+def _groups_fit(k: int, group_size: int) -> bool:
+    """K in whole iterations, and groups of whole iterations that tile K (or one group)."""
+    return k % ITER_K == 0 and k % group_size == 0 and group_size % ITER_K == 0
+
+
+def int4_wgmma_config(m: int, n: int, k: int, group_size: int,
+                      scale_on_acc: bool | None = None) -> Int4WgmmaConfig:  # fmt: skip
+    """The launch for M = m rows: rows padded to a power of two from 8; K split so that the
+    grid reaches about `TARGET_PROGRAMS` programs (fewer past 8 rows), each split whole
+    groups (or whole iterations when a group spans several splits) and its activation slice
+    within `X_SLICE_BYTES`; the scale on the accumulator up to 16 rows unless told."""
+    rows = max(8, 1 << (m - 1).bit_length())
+    if rows > MAX_ROWS:
+        raise ValueError(f"int4_wgmma serves up to {MAX_ROWS} rows, got {m}")
+    iters = k // ITER_K
+    unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
+    most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
+    programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
+    want = max(1, programs // (n // BLOCK_N))
+    least = MIN_SPLIT_ITERS if rows <= 8 else 2 * MIN_SPLIT_ITERS
+    per_split = max(least, math.ceil(iters / want))
+    per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
+    if scale_on_acc is None:
+        scale_on_acc = rows <= 16
+    return Int4WgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
+
+
+def _codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The internal layout's int32 [K / 8, N] -> the codes [N, K] (int64)."""
+    return unpack_int_weight(qweight, 4).t().to(torch.int64)
+
+
+def pack_int4_wgmma(qweight: torch.Tensor) -> torch.Tensor:
+    """`asyncengine_kernels.quant_linear`'s int32 [K / 8, N] (4-bit codes) -> this kernel's words,
+    int32 [N / 64, K / 64, 4 (w), 8 (g), 4 (q), 4 (j)] flattened (see the module docstring)."""
+    codes = _codes(qweight)
+    n, k = codes.shape
+    if n % BLOCK_N or k % CHUNK_K:
+        raise ValueError(f"int4_wgmma needs N and K multiples of 64, got N={n}, K={k}")
+    # [tile, w, hr, g, step, j, hc, q, e] -> [tile, step, w, g, q, j, e, hc, hr]: the last
+    # three index the nibble, 4 e + 2 hc + hr.
+    v = codes.view(n // BLOCK_N, 4, 2, 8, k // CHUNK_K, 4, 2, 4, 2)
+    v = v.permute(0, 4, 1, 3, 7, 5, 8, 6, 2).reshape(-1, 8)
+    shifts = torch.arange(8, device=v.device, dtype=torch.int64) * 4
+    words = (v << shifts).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
+    return words.to(torch.int32).contiguous()
+
+
+def unpack_int4_wgmma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_int4_wgmma`'s inverse, back to the codes [N, K] (int64): the tests' check."""
+    shifts = torch.arange(8, device=words.device, dtype=torch.int64) * 4
+    nib = (words.to(torch.int64).unsqueeze(1) >> shifts) & 0xF  # [..., 8]: e, hc, hr
+    v = nib.view(n // BLOCK_N, k // CHUNK_K, 4, 8, 4, 4, 2, 2, 2)
+    return v.permute(0, 2, 8, 3, 1, 5, 7, 4, 6).reshape(n, k)
+
+
+if _GLUON:
+    # Renamed after Triton 3.6 (same arguments): the CTA barrier and the asynchronous copy.
+    _sync_threads = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    _copy_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _CHUNK_K = gl.constexpr(CHUNK_K)
+    _ITER_K = gl.constexpr(ITER_K)
+    _WORDS_PER_CHUNK = gl.constexpr(WORDS_PER_CHUNK)
+
+    # $8 a word; $9 / $10 the 128 + zero of its low / high row, twice as bf16x2. Register r
+    # of the fragment is nibbles r and r + 4 (a, b, c, d); registers 0 and 2 are the low
+    # row's. With the scale on the fragment, $11 / $12 are the rows' scales as bf16x2.
+    _LESS_ZERO = """
+    .reg .b32 a, b, c, d, t;
+    lop3.b32 a, $8, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 t, $8, 4;
+    lop3.b32 b, t, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 t, $8, 8;
+    lop3.b32 c, t, 0x000f000f, 0x43004300, 0xea;
+    shr.u32 t, $8, 12;
+    lop3.b32 d, t, 0x000f000f, 0x43004300, 0xea;
+    sub.bf16x2 a, a, $9;
+    sub.bf16x2 b, b, $10;
+    sub.bf16x2 c, c, $9;
+    sub.bf16x2 d, d, $10;
+    """
+    _TIMES_SCALE = """
+    mul.rn.bf16x2 a, a, $11;
+    mul.rn.bf16x2 b, b, $12;
+    mul.rn.bf16x2 c, c, $11;
+    mul.rn.bf16x2 d, d, $12;
+    """
+    _OUT = """
+    mov.b32 {$0, $1}, a;
+    mov.b32 {$2, $3}, b;
+    mov.b32 {$4, $5}, c;
+    mov.b32 {$6, $7}, d;
+    """
+    _CODES_LESS_ZERO = gl.constexpr("{" + _LESS_ZERO + _OUT + "}")
+    _CODES_SCALED = gl.constexpr("{" + _LESS_ZERO + _TIMES_SCALE + _OUT + "}")
+
+    @gluon.jit
+    def _twice(bits16):
+        """A 16-bit value's bits in both halves of an int32 (a bf16x2 operand)."""
+        b = bits16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return (b << 16) | b
+
+    @gluon.jit
+    def _row_pairs(ptr, group, N, row_lo, spread, ADD_128: gl.constexpr):
+        """The bf16x2 pairs (value twice) of a group's per-feature value for the words'
+        low and high rows; ADD_128: of 128 + value (the zero points)."""
+        lo = gl.load(ptr + group * N + row_lo)
+        hi = gl.load(ptr + group * N + row_lo + 8)
+        if ADD_128:
+            lo = (lo.to(gl.float32) + 128.0).to(gl.bfloat16)
+            hi = (hi.to(gl.float32) + 128.0).to(gl.bfloat16)
+        return _twice(lo)[:, None, None] + spread, _twice(hi)[:, None, None] + spread
+
+    @gluon.jit
+    def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr):
+        """One chunk's words [32 row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
+        [64 rows, 64 columns] bf16 tile (code - zero, times the scale if SCALED)."""
+        if SCALED:
+            v = gl.inline_asm_elementwise(
+                _CODES_SCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+                [words, z_lo, z_hi, s_lo, s_hi], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            v = gl.inline_asm_elementwise(
+                _CODES_LESS_ZERO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [words, z_lo, z_hi], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+        # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hr, hc, e] -> [64 rows, 64 columns]. A
+        # join appends its axis last, and that axis is the registers' fastest: joining over
+        # e last pairs each register's two values as wgmma reads them (no byte permutes).
+        e0 = gl.join(gl.join(v[0], v[2]), gl.join(v[4], v[6]))
+        e1 = gl.join(gl.join(v[1], v[3]), gl.join(v[5], v[7]))
+        t = gl.reshape(gl.join(e0, e1), [4, 8, 4, 4, 2, 2, 2])  # [w, g, q, j, hr, hc, e]
+        t = gl.permute(t, [0, 4, 1, 3, 5, 2, 6])  # [w, hr, g, j, hc, q, e]
+        return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _int4_wgmma_kernel(
+        w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+        stride_xm, stride_ym, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
+        GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
+        SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
+    ):  # fmt: skip
+        """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module)."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+        )
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        # Words [32 row pairs (w, g), 4 (q), 4 (j)]: lanes over (g, q), warps over w.
+        p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        # x's chunks [ROWS, 64] in 16-byte pieces along K (contiguous in memory and in the
+        # K-major shared tile alike, so each is one asynchronous copy).
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], gl.bfloat16)
+        ITERS: gl.constexpr = K_SPLIT // _ITER_K
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        first = pid_k * ITERS
+        n_iters = gl.minimum(ITERS, K // _ITER_K - first)
+
+        n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
+        lane_words = (n_p[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :]
+        w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * _WORDS_PER_CHUNK + lane_words
+        row_lo = pid_n * 64 + (n_p // 8) * 16 + n_p % 8  # the words' rows: row_lo, row_lo + 8
+        spread = gl.zeros([32, 4, 4], gl.int32, p_l)
+        z_lo = gl.full([32, 4, 4], 0x43084308, gl.int32, p_l)  # 128 + 8, twice
+        z_hi = z_lo
+        s_lo = z_lo
+        s_hi = z_lo
+        offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+
+        acc = gl.zeros([64, ROWS], gl.float32, acc_l)
+        acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
+        # Weight words two iterations ahead (8 KB a program in flight); past the split's end
+        # the last iteration's words are reloaded, harmlessly. No kernel writes the weights,
+        # so the first ones are requested before waiting for the previous kernel (PDL).
+        last = 2 * (first + n_iters - 1)
+        words0 = gl.load(w_tile + (2 * first) * _WORDS_PER_CHUNK)
+        words1 = gl.load(w_tile + (2 * first + 1) * _WORDS_PER_CHUNK)
+        next_at = gl.minimum(2 * first + 2, last)
+        next0 = gl.load(w_tile + next_at * _WORDS_PER_CHUNK)
+        next1 = gl.load(w_tile + (next_at + 1) * _WORDS_PER_CHUNK)
+        if USE_PDL:
+            # x, the partial sums and the counters may still be the previous kernel's.
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
+        # chunk's copy is in flight at once (the weights' first loads already are).
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
+        offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
+        offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
+        x_at = x_ptr + offs_xr[:, None] * stride_xm + (first * _ITER_K + offs_xk)[None, :]
+        x_mask = (offs_xr < M)[:, None]
+        for i in range(2 * n_iters):
+            _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
+        async_copy.commit_group()
+
+        async_copy.wait_group(0)
+        fence_async_shared()
+        _sync_threads()
+        for it in range(n_iters):
+            step = first + it
+            ahead = gl.minimum(2 * (step + 2), last)
+            ahead0 = gl.load(w_tile + ahead * _WORDS_PER_CHUNK)
+            ahead1 = gl.load(w_tile + (ahead + 1) * _WORDS_PER_CHUNK)
+            group = step // GROUP_ITERS
+            if HAS_ZERO:
+                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread, True)
+            if not SCALE_ON_ACC:
+                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, False)
+            a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+            a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+            x0 = xs.index(2 * it).permute((1, 0))
+            x1 = xs.index(2 * it + 1).permute((1, 0))
+            if SCALE_ON_ACC:
+                # A group's products start from zero at its first iteration (or the split's).
+                keep = (it != 0) & (step % GROUP_ITERS != 0)
+                acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
+                acc_g = warpgroup_mma(a1, x1, acc_g)
+                if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
+                    s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
+                    acc += acc_g * s[:, None]
+            else:
+                acc = warpgroup_mma(a0, x0, acc)
+                acc = warpgroup_mma(a1, x1, acc)
+            words0 = next0
+            words1 = next1
+            next0 = ahead0
+            next1 = ahead1
+
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
+        r_mask = (offs_r < M)[None, :]
+        if SPLIT_K:
+            n_splits = gl.num_programs(1)
+            gl.store(part_ptr + (pid_k * M + offs_r[None, :]) * N + offs_n[:, None], acc,
+                     mask=r_mask)  # fmt: skip
+            _sync_threads()
+            counter = count_ptr + pid_n
+            if gl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+                _sync_threads()
+                acc = gl.zeros([64, ROWS], gl.float32, acc_l)
+                for sp in range(n_splits):
+                    acc += gl.load(part_ptr + (sp * M + offs_r[None, :]) * N + offs_n[:, None],
+                                   mask=r_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+                gl.atomic_xchg(counter, 0)
+                _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
+        else:
+            _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
+
+    @gluon.jit
+    def _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym,
+                    HAS_BIAS: gl.constexpr):  # fmt: skip
+        """y^T's tile acc [64, ROWS] (+ bias) into y [M, N] in its dtype."""
+        if HAS_BIAS:
+            acc += gl.load(b_ptr + offs_n).to(gl.float32)[:, None]
+        y_at = y_ptr + offs_r[None, :] * stride_ym + offs_n[:, None]
+        gl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=r_mask)
+
+
+def reads_zeros(zeros: torch.Tensor) -> bool:
+    """Whether the kernel must read the zero points: some differ from 8, its built-in one
+    (a device sync: decide it once, at load)."""
+    return not bool((zeros == 8).all())
+
+
+def int4_wgmma_matmul(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, bias: torch.Tensor | None = None, config: Int4WgmmaConfig | None = None,
+    counters: torch.Tensor | None = None, *, has_zero: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (bf16) -> x W^T (+ b) [M, N], W's codes as `pack_int4_wgmma` packed them and
+    `scales`/`zeros` [G, N] as `asyncengine_kernels.quant_linear` keeps them. `counters`: int32, one
+    per 64 output features, zeroed (the kernel leaves them so; default: fresh ones);
+    has_zero: whether the zero points must be read (default: unless all are 8)."""
+    m, k = x.shape
+    n = scales.shape[1]
+    if words.numel() * 8 != n * k:
+        raise ValueError(f"{words.numel()} words hold {words.numel() * 8} codes, not {n} x {k}")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"int4_wgmma takes bf16 activations with unit stride, got {x.dtype}")
+    if not _groups_fit(k, group_size):
+        raise ValueError(f"int4_wgmma needs K={k} and its groups of {group_size} in whole "
+                         f"{ITER_K}-feature iterations")  # fmt: skip
+    config = config or int4_wgmma_config(m, n, k, group_size)
+    if m > config.rows:
+        raise ValueError(f"{config} serves at most {config.rows} rows, got {m}")
+    if has_zero is None:
+        has_zero = reads_zeros(zeros)
+    tiles = n // BLOCK_N
+    splits = math.ceil(k / config.k_split)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if splits > 1:
+        parts = torch.empty(splits * m * n, device=x.device, dtype=torch.float32)
+        if counters is None:
+            counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
+        check_gemv_counters(counters, 1, tiles)
+    else:
+        parts = counters = y
+    group_iters = group_size // ITER_K
+    pdl = use_pdl(x)
+    _int4_wgmma_kernel[(tiles, splits)](
+        words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
+        x.stride(0), y.stride(0), ROWS=config.rows, K_SPLIT=config.k_split,
+        GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
+        SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl, num_warps=4,
+        **pdl_kwargs(pdl),
+    )  # fmt: skip
+    return y
