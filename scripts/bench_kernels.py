@@ -11,6 +11,7 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py --only quant   # int4/int8 weight-only GEMV and GEMM
     python scripts/bench_kernels.py --only quant --quant-rows 16 64 128 256 --quant-shapes w1
     python scripts/bench_kernels.py --only int4    # int4 at 1-64 rows: wgmma kernel vs the rest
+    python scripts/bench_kernels.py --only int8    # the same in int8
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
@@ -639,18 +640,19 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
                 emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
 
 
-INT4_ROWS = (1, 2, 4, 8, 16, 32, 64)
+WGMMA_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
-               rows_list: tuple[int, ...] = INT4_ROWS) -> None:  # fmt: skip
-    """int4 at decode batch sizes, kernel against kernel on one weight (cycled over copies
-    so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm), the fastest
-    of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner would find it),
-    and the wgmma kernel at its default launch and with the scale on either side."""
+def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
+                rows_list: tuple[int, ...] = WGMMA_ROWS) -> None:  # fmt: skip
+    """int4 or int8 at decode batch sizes, kernel against kernel on one weight (cycled over
+    copies so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm, int4
+    only), the fastest of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner
+    would find it), and the wgmma kernel at its default launch and with the scale on either
+    side."""
     import torch.nn.functional as F
 
-    from asyncengine_kernels import int4_wgmma as wg
+    from asyncengine_kernels import quant_wgmma as wg
     from asyncengine_kernels.gemv_split_k import gemv_counters
     from asyncengine_kernels.quant_linear import (
         quant_gemm,
@@ -659,8 +661,10 @@ def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
         quant_gemv_candidates,
     )
 
-    wbytes, weights, tiny, _, dense_weights = _int_weight_copies(n, k, 4, group)
-    packed = [(wg.pack_int4_wgmma(qweight), scales, zeros) for qweight, scales, zeros in weights]
+    wbytes, weights, tiny, _, dense_weights = _int_weight_copies(n, k, bits, group)
+    packed = [(wg.pack_quant_wgmma(qweight, bits), scales, zeros)
+              for qweight, scales, zeros in weights]  # fmt: skip
+    kernel = f"int{bits}"
     dense = [(d,) for d in dense_weights]
     counters = gemv_counters(64, n, "cuda")
     cycling = _cycle_over
@@ -670,41 +674,43 @@ def _int4_case(shape: dict[str, Any], n: int, k: int, group: int,
         nbytes, flops = wbytes + 2 * rows * (n + k), 2 * rows * n * k
         case = {**shape, "rows": rows}
         ms = bench(cycling(lambda w, x=x: F.linear(x, w), dense))
-        emit("int4", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k, flops=flops)
-        ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(
-            x, w, group, sz), tiny))
-        emit("int4", {**case, "impl": "torch int4 (tinygemm)"}, ms, nbytes=nbytes)
+        emit(kernel, {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k, flops=flops)
+        if bits == 4:
+            ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(
+                x, w, group, sz), tiny))
+            emit(kernel, {**case, "impl": "torch int4 (tinygemm)"}, ms, nbytes=nbytes)
         best: tuple[float, str] = (math.inf, "")
         if rows <= QUANT_GEMV_ROWS:
             for gcfg in quant_gemv_candidates(group, k):
                 ms = bench(cycling(lambda w, s, z, x=x, c=gcfg: quant_gemv(
-                    x, w, s, z, 4, group, None, c, counters), weights))
+                    x, w, s, z, bits, group, None, c, counters), weights))
                 best = min(best, (ms, str(gcfg)))
         for cfg in quant_gemm_candidates(group, k) if rows > 1 else []:
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: quant_gemm(
-                x, w, s, z, 4, group, None, c, counters), weights))
+                x, w, s, z, bits, group, None, c, counters), weights))
             best = min(best, (ms, str(cfg)))
-        emit("int4", {**case, "impl": f"triton best: {best[1]}"}, best[0], nbytes=nbytes)
-        default = wg.int4_wgmma_config(rows, n, k, group)
+        emit(kernel, {**case, "impl": f"triton best: {best[1]}"}, best[0], nbytes=nbytes)
+        default = wg.quant_wgmma_config(rows, n, k, group)
         launches = {default}
         for on_acc in (True, False):
-            base = wg.int4_wgmma_config(rows, n, k, group, scale_on_acc=on_acc)
+            base = wg.quant_wgmma_config(rows, n, k, group, scale_on_acc=on_acc)
             for factor in (0.5, 1, 2):
                 k_split = max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
-                launches.add(wg.Int4WgmmaConfig(base.rows, k_split, on_acc))
+                launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc))
         for cfg in sorted(launches, key=str):
-            ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.int4_wgmma_matmul(
-                x, w, s, z, group, None, c, counters, has_zero=False), packed))
+            ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(
+                x, w, s, z, group, None, c, counters, bits=bits, has_zero=False), packed))
             tag = " (default)" if cfg == default else ""
-            emit("int4", {**case, "impl": f"{cfg}{tag}"}, ms, nbytes=nbytes)
+            emit(kernel, {**case, "impl": f"{cfg}{tag}"}, ms, nbytes=nbytes)
 
 
-def bench_int4(rows: tuple[int, ...] = INT4_ROWS,
-               shapes: tuple[str, ...] = tuple(QUANT_SHAPES)) -> None:  # fmt: skip
+def bench_wgmma(bits: int, rows: tuple[int, ...] = WGMMA_ROWS,
+                shapes: tuple[str, ...] = tuple(QUANT_SHAPES)) -> None:  # fmt: skip
     for name in shapes:
         n, k = QUANT_SHAPES[name]
-        shape = {"workload": "L1", "layer": name, "n": n, "k": k, "bits": 4, "group": 128}
-        run_case("int4", shape, _int4_case, n=n, k=k, group=128, rows_list=rows)
+        shape = {"workload": "L1", "layer": name, "n": n, "k": k, "bits": bits, "group": 128}
+        run_case(f"int{bits}", shape, _wgmma_case, n=n, k=k, group=128, bits=bits,
+                 rows_list=rows)  # fmt: skip
 
 
 FP8_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -873,7 +879,7 @@ def main() -> None:
         "--only",
         choices=[
             "attention", "prefill", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8",
-            "fp8row", "kvfp8", "skinny", "int4",
+            "fp8row", "kvfp8", "skinny", "int4", "int8",
         ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
@@ -916,9 +922,10 @@ def main() -> None:
         names = [n for name in args.quant_shapes
                  for n in (QUANT_SHAPES if name == "w1" else (name,))]  # fmt: skip
         bench_quant(rows, tuple(dict.fromkeys(names)))
-    if args.only == "int4":
+    if args.only in ("int4", "int8"):
         rows = tuple(int(r) for arg in args.quant_rows for r in arg.split(",") if r)
-        bench_int4(rows if args.quant_rows != parser.get_default("quant_rows") else INT4_ROWS)
+        bench_wgmma(int(args.only[3:]),
+                    rows if args.quant_rows != parser.get_default("quant_rows") else WGMMA_ROWS)
     if args.only in (None, "fp8"):
         bench_fp8()
     if args.only in (None, "fp8row"):

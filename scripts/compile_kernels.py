@@ -11,6 +11,7 @@ sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
   python scripts/compile_kernels.py --only quant # the int4/int8 matmuls only
+  python scripts/compile_kernels.py --only wgmma # the int4/int8 wgmma matmul only
   python scripts/compile_kernels.py --only fp8   # the FP8 kernels only
   python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
   python scripts/compile_kernels.py --only prefill --asm-stats  # registers, spills, wgmma
@@ -328,27 +329,35 @@ def lower_hopper_prefill(constexprs: dict[str, Any], arch: int) -> Any:
     )  # fmt: skip
 
 
-# The Gluon int4 wgmma matmul (`asyncengine_kernels.int4_wgmma`): one and 16 rows with the scale on
-# the accumulator, 64 rows with it on the weights, symmetric and with zero points.
-INT4_WGMMA_VARIANTS = [
-    dict(ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False, SCALE_ON_ACC=True,
-         SPLIT_K=True, USE_PDL=True),
-    dict(ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True, SCALE_ON_ACC=True,
-         SPLIT_K=True),
-    dict(ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+# The Gluon int4/int8 wgmma matmul (`asyncengine_kernels.quant_wgmma`): one and 16 rows with the
+# scale on the accumulator, 64 rows with it on the weights, symmetric and with zero points.
+QUANT_WGMMA_VARIANTS = [
+    dict(BITS=4, ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=True, SPLIT_K=True, USE_PDL=True),
+    dict(BITS=4, ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=True, SPLIT_K=True),
+    dict(BITS=4, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=False),
+    dict(BITS=8, ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=True, SPLIT_K=True, USE_PDL=True),
+    dict(BITS=8, ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=True, SPLIT_K=True),
+    dict(BITS=8, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=False),
+    dict(BITS=8, ROWS=32, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=True),
 ]  # fmt: skip
 
 
-def lower_int4_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
-    """Compile one variant of the Gluon int4 wgmma matmul."""
+def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
+    """Compile one variant of the Gluon int4/int8 wgmma matmul."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from asyncengine_kernels import int4_wgmma
+    from asyncengine_kernels import quant_wgmma
 
-    fn = int4_wgmma._int4_wgmma_kernel
+    fn = quant_wgmma._quant_wgmma_kernel
     signature = {p: "i32" for p in fn.arg_names}
     signature.update(w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", x_ptr="*bf16", b_ptr="*bf16",
                      y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
@@ -429,12 +438,12 @@ def main() -> int:
             ("_hopper_prefill_kernel", c, lambda c=c: lower_hopper_prefill(c, args.arch))
             for c in GLUON_VARIANTS
         ]
-    from asyncengine_kernels import int4_wgmma
+    from asyncengine_kernels import quant_wgmma
 
-    if int4_wgmma.available() and not args.fp8_kv and args.only in (None, "quant", "int4"):
+    if quant_wgmma.available() and not args.fp8_kv and args.only in (None, "quant", "wgmma"):
         jobs += [
-            ("_int4_wgmma_kernel", c, lambda c=c: lower_int4_wgmma(c, args.arch))
-            for c in INT4_WGMMA_VARIANTS
+            ("_quant_wgmma_kernel", c, lambda c=c: lower_quant_wgmma(c, args.arch))
+            for c in QUANT_WGMMA_VARIANTS
         ]
     for kernel, constexprs, lower in jobs:
         flags = {k: v for k, v in constexprs.items() if isinstance(v, bool) and v}
@@ -442,7 +451,7 @@ def main() -> int:
         try:
             compiled = lower()
             row = {"kernel": kernel, "on": sorted(flags), "cubin_bytes": len(compiled.asm["cubin"])}
-            if kernel in ("_hopper_prefill_kernel", "_int4_wgmma_kernel"):
+            if kernel in ("_hopper_prefill_kernel", "_quant_wgmma_kernel"):
                 row["config"] = {k: v for k, v in constexprs.items() if not isinstance(v, bool)}
             if args.asm_stats:
                 row.update(asm_stats(compiled))

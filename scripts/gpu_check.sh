@@ -42,9 +42,11 @@
 #   bash scripts/gpu_check.sh l1formats DIR # L1 in bf16, GPTQ int4 and FP8 from DIR and this tree
 #   bash scripts/gpu_check.sh stage        # staged small steps: engine/graph/spec GPU tests, spec bench, L1
 #   bash scripts/gpu_check.sh qw1          # W1 in bf16, GPTQ int4 and int8
-#   bash scripts/gpu_check.sh int4         # int4 wgmma matmul: GPU tests, kernels at 1-64 rows
-#   bash scripts/gpu_check.sh int4l1 DIR   # its GPU tests and kernels, L1 GPTQ int4 from DIR and here
-#                                          # (W1=1: then W1 in GPTQ int4 and bf16 from here)
+#   bash scripts/gpu_check.sh int4         # int4/int8 wgmma matmul: GPU tests, kernels at 1-64 rows
+#                                          # in int4 (BITS="4 8": both)
+#   bash scripts/gpu_check.sh int4l1 DIR   # its GPU tests and kernels, L1 GPTQ int4 (and int8 with
+#                                          # BITS="4 8") from DIR and here (W1=1: then W1 in
+#                                          # each and bf16 from here)
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -89,11 +91,14 @@ tree_bench() {  # TREE ARGS...: bench_throughput.py of another tree, its lines t
     --system engine "$@" 2>>"$OUT/bench.log") \
     | sed "s|^{|{\"tree\": \"$(basename "$tree")\", |" | tee -a "$OUT/compare.jsonl"
 }
-int4_kernels() {  # the int4 wgmma matmul's and kind's GPU tests, then its kernel bench
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_int4_wgmma.py \
-    tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
-  timeout 420 python3 scripts/bench_kernels.py --only int4 2>>"$OUT/bench.log" \
-    | tee "$OUT/int4_kernels.jsonl"
+wgmma_kernels() {  # the wgmma matmul's and kind's GPU tests, then its kernel bench per width
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization/test_kinds.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 6
+  for bits in ${BITS:-4}; do
+    timeout 420 python3 scripts/bench_kernels.py --only "int$bits" 2>>"$OUT/bench.log" \
+      | tee "$OUT/int${bits}_kernels.jsonl"
+  done
 }
 serving() {  # W1's model and lengths behind `asyncengine serve`
   python3 scripts/bench_serving.py --shape llama2-7b --device cuda --input-len 512 \
@@ -101,7 +106,7 @@ serving() {  # W1's model and lengths behind `asyncengine serve`
     | tee -a "$OUT/serving.jsonl"
 }
 gpu_tests() {
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/models \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels tests/models \
     tests/asyncengine/test_gpu_engine.py tests/asyncengine/test_sampler.py \
     tests/asyncengine/test_cuda_graphs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 12
 }
@@ -405,19 +410,23 @@ elif [ "$phase" = structured ]; then  # issue #31: constrained decoding on the G
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   bench --workload w1 --system engine --structured-outputs json
   bench --workload w1 --system engine --structured-outputs json --sync
-elif [ "$phase" = int4 ]; then  # the int4 wgmma matmul: its GPU tests, then kernel against
+elif [ "$phase" = int4 ]; then  # the wgmma matmul: its GPU tests, then kernel against
   # kernel at 1-64 rows on the 7B layers (bf16 cuBLAS, tinygemm, the Triton kinds)
-  int4_kernels | cut -c1-260
-elif [ "$phase" = int4l1 ]; then  # the int4 wgmma kind in the engine: GPU tests, kernels,
-  # then L1 in GPTQ int4 from DIR and from this tree (with the plans each tuned)
+  wgmma_kernels | cut -c1-260
+elif [ "$phase" = int4l1 ]; then  # the wgmma kind in the engine: GPU tests, kernels, then L1
+  # in GPTQ int4 (and int8 with BITS="4 8") from DIR and from this tree (each with its plans)
   other="${2:?usage: gpu_check.sh int4l1 DIR}"
-  int4_kernels > /dev/null
-  for tree in "$other" "$PWD"; do
-    TREE_TIMEOUT=240 tree_bench "$tree" --workload l1 --quantization gptq-int4 \
-      | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
+  wgmma_kernels > /dev/null
+  for bits in ${BITS:-4}; do
+    for tree in "$other" "$PWD"; do
+      TREE_TIMEOUT=240 tree_bench "$tree" --workload l1 --quantization "gptq-int$bits" \
+        | grep -o '"tree": "[^"]*"\|"quantization": [^,]*\|"ms_per_token": [^,]*' | paste -sd' '
+    done
   done
-  if [ -n "${W1:-}" ]; then  # W1=1: then W1 in GPTQ int4 and in bf16 from this tree
-    for q in "--quantization gptq-int4" ""; do bench --workload w1 --system engine $q | cut -c1-300; done
+  if [ -n "${W1:-}" ]; then  # W1=1: then W1 in each GPTQ width and in bf16 from this tree
+    for q in $(for b in ${BITS:-4}; do echo "gptq-int$b"; done) ""; do
+      bench --workload w1 --system engine ${q:+--quantization $q} | cut -c1-300
+    done
   fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \

@@ -12,9 +12,10 @@ for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
 rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
 without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
-`Int4Wgmma` (int4 on Hopper's tensor cores, 1-64 rows: `asyncengine_kernels.int4_wgmma`) reads a
-second copy of the codes packed for it at load (`wgmma_words`, half a byte a weight), which
-`release_unplanned_copies` drops once tuning has planned the layer without it.
+`QuantWgmma` (int4 and int8 on Hopper's tensor cores, 1-64 rows:
+`asyncengine_kernels.quant_wgmma`) reads a second copy of the codes packed for it at load
+(`wgmma_words`, as many bytes as `qweight`), which `release_unplanned_copies` drops once tuning
+has planned the layer without it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from asyncengine_kernels import envs, int4_wgmma
+from asyncengine_kernels import envs, quant_wgmma
 from asyncengine_kernels.activation import silu_and_mul
 from asyncengine_kernels.quant_linear import (
     QuantGemmConfig,
@@ -105,8 +106,8 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
-    if has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS:
-        kinds.append(Int4Wgmma())
+    if has_wgmma_copy(layer) and rows <= quant_wgmma.MAX_ROWS:
+        kinds.append(QuantWgmma())
     return kinds
 
 
@@ -120,8 +121,8 @@ class IntRule:
     """The kinds timed for integer weights at a ladder step of up to `max_rows` rows (None:
     any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
     (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
-    warps, stages, split_k), whether dequantize + BLAS is one, and whether the int4 wgmma
-    matmul is (where the layer has its copy of the codes): beside the others, or alone
+    warps, stages, split_k), whether dequantize + BLAS is one, and whether the wgmma matmul
+    is (where the layer has its copy of the codes): beside the others, or alone
     (`wgmma_alone`: the others are then not timed)."""
 
     max_rows: int | None
@@ -161,6 +162,13 @@ _FROM_5_ROWS = (
     IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
     IntRule(None, dequantize=True),
 )
+# int8's wgmma path is not yet measured on the H200: it is timed beside the kinds that won
+# each step, never alone, so that the tuner keeps the measured winners wherever it loses
+# (or disagrees with the reference, which drops it).
+_INT8_FROM_5_ROWS = (
+    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True),
+    *_FROM_5_ROWS[1:],
+)
 # Per weight width, the GEMVs that won a Llama-2-7B shape on the H200 at 1-4 rows, or came
 # within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
 # of full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up
@@ -176,10 +184,11 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
         *_FROM_5_ROWS,
     ),
     8: (
-        IntRule(1, at_once=((32, 256, 2), (32, 512, 1))),
-        IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True))),
-        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM),
-        *_FROM_5_ROWS,
+        IntRule(1, at_once=((32, 256, 2), (32, 512, 1)), wgmma=True),
+        IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True)),
+                wgmma=True),
+        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM, wgmma=True),
+        *_INT8_FROM_5_ROWS,
     ),
 }
 
@@ -202,9 +211,9 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     names it or nothing else fits."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
-    wgmma = rule.wgmma and has_wgmma_copy(layer) and rows <= int4_wgmma.MAX_ROWS
+    wgmma = rule.wgmma and has_wgmma_copy(layer) and rows <= quant_wgmma.MAX_ROWS
     if wgmma and rule.wgmma_alone:
-        return [Int4Wgmma()]
+        return [QuantWgmma()]
     kinds: list[MatmulKind] = []
     if rows <= QUANT_GEMV_MAX_ROWS:
         # A row shorter than a rule's rows per program is read whole by each program (the
@@ -218,22 +227,22 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
     if wgmma:
-        kinds.append(Int4Wgmma())
+        kinds.append(QuantWgmma())
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
     return kinds
 
 
 def has_wgmma_copy(layer: torch.nn.Module) -> bool:
-    """Whether `layer` holds the codes packed for `Int4Wgmma` (made at load where it can
+    """Whether `layer` holds the codes packed for `QuantWgmma` (made at load where it can
     serve the layer: `models.quantization.layer`)."""
     return getattr(layer, "wgmma_words", None) is not None
 
 
 def release_unplanned_copies(layer: torch.nn.Module) -> None:
-    """Drop the layer's wgmma copy of its codes when its plan does not run `Int4Wgmma`."""
-    if has_wgmma_copy(layer) and not any(isinstance(k, Int4Wgmma) for k in layer.plan.kinds()):
-        Int4Wgmma().release(layer)
+    """Drop the layer's wgmma copy of its codes when its plan does not run `QuantWgmma`."""
+    if has_wgmma_copy(layer) and not any(isinstance(k, QuantWgmma) for k in layer.plan.kinds()):
+        QuantWgmma().release(layer)
 
 
 def _operands(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -342,13 +351,14 @@ class QuantTritonGemvAtOnce(QuantTritonGemv):
 
 
 @dataclass(frozen=True)
-class Int4Wgmma(MatmulKind):
-    """The int4 matmul on Hopper's tensor cores (`asyncengine_kernels.int4_wgmma`), the codes
-    repacked at load into wgmma's register-operand layout (`wgmma_words`; `wgmma_has_zero`: whether
-    any zero point differs from 8). Its split-K arrival counters are the GEMV's."""
+class QuantWgmma(MatmulKind):
+    """The int4/int8 matmul on Hopper's tensor cores (`asyncengine_kernels.quant_wgmma`), the
+    codes repacked at load into wgmma's register-operand layout (`wgmma_words`;
+    `wgmma_has_zero`: whether any zero point is off the symmetric one). Its split-K arrival
+    counters are the GEMV's."""
 
-    name: ClassVar[str] = "int4 wgmma"
-    max_rows: ClassVar[int | None] = int4_wgmma.MAX_ROWS
+    name: ClassVar[str] = "wgmma"
+    max_rows: ClassVar[int | None] = quant_wgmma.MAX_ROWS
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not has_wgmma_copy(layer):  # a plan read from the cache after a release
@@ -362,21 +372,24 @@ class Int4Wgmma(MatmulKind):
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         x, _, scales, zeros = _operands(layer, x)
-        return int4_wgmma.int4_wgmma_matmul(
+        return quant_wgmma.quant_wgmma_matmul(
             x, layer.wgmma_words, scales, zeros, layer.group_size, bias,
-            counters=layer.gemv_counters, has_zero=layer.wgmma_has_zero,
+            counters=layer.gemv_counters, bits=layer.quant_config.bits,
+            has_zero=layer.wgmma_has_zero,
         )  # fmt: skip
 
 
 def wgmma_serves(layer: torch.nn.Module) -> bool:
-    """Whether `Int4Wgmma` can serve `layer` (int4 codes, bf16, an sm_90 GPU, its shapes)."""
+    """Whether `QuantWgmma` can serve `layer` (int4/int8 codes, bf16, an sm_90 GPU, its
+    shapes)."""
     bits = layer.quant_config.bits
     k, n = layer.qweight.shape[0] * (32 // bits), layer.qweight.shape[1]  # this rank's shard
-    return int4_wgmma.serves_weight(layer.qweight.device, layer.scales.dtype, n, k, bits,
+    return quant_wgmma.serves_weight(layer.qweight.device, layer.scales.dtype, n, k, bits,
                                     layer.group_size)  # fmt: skip
 
 
 def pack_wgmma_copy(layer: torch.nn.Module) -> None:
-    """Give `layer` the codes packed for `Int4Wgmma`, and whether it must read zero points."""
-    layer.wgmma_words = int4_wgmma.pack_int4_wgmma(layer.qweight)
-    layer.wgmma_has_zero = int4_wgmma.reads_zeros(layer.zeros)
+    """Give `layer` the codes packed for `QuantWgmma`, and whether it must read zero points."""
+    bits = layer.quant_config.bits
+    layer.wgmma_words = quant_wgmma.pack_quant_wgmma(layer.qweight, bits)
+    layer.wgmma_has_zero = quant_wgmma.reads_zeros(layer.zeros, bits)

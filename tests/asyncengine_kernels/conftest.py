@@ -1,7 +1,8 @@
 """Kernel-test setup: Triton kernels run in the CPU interpreter when there is no GPU.
 
 The repository-wide conftest sets TRITON_INTERPRET too; setting it here as well keeps
-`tests/kernels` runnable on its own. It must be set before `asyncengine_kernels` is imported.
+`tests/asyncengine_kernels` runnable on its own. It must be set before `asyncengine_kernels` is
+imported.
 """
 
 from __future__ import annotations

@@ -1,23 +1,29 @@
-"""int4 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's register
-operand (Gluon), for decode batches of up to 64 rows.
+"""int4 and int8 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's
+register operand (Gluon), for decode batches of up to 64 rows.
 
 Marlin's idea on sm_90: the weights are repacked once, at load, so that what a thread loads
 is already its share of the MMA's left operand; no shuffles and no shared-memory round trip
 for the weights, which are the bytes that matter at decode batch sizes.
 
-Layout (`pack_int4_wgmma`): the product is formed transposed, y^T [N, M] = W [N, K] x^T, one
-warpgroup per 64 output features. For 64 input features (one loop iteration: four 16-deep
-wgmma steps j) a thread holds four 32-bit words, one per j, stored contiguously (one 16-byte
-load), and the 128 threads' words are contiguous too (2 KB an iteration, coalesced):
-- thread 32 w + 4 g + q (warp w, lane group g, lane in group q) owns, at step j, the A
-  fragment values at rows 16 w + 8 hr + g and columns 16 j + 8 hc + 2 q + e (hr, hc, e in
-  {0, 1}), which is wgmma's register-operand layout (four 32-bit registers r = hr + 2 hc,
-  each two values e);
-- nibble 4 e + r of the word holds that value, so `(word >> 4 r) & 0x000f000f` puts both
-  values of register r in place, and OR'ed into 128.0's bf16 bits (`lop3`) they read as
-  128 + code: one shift and one `lop3` per two values, no conversion instruction.
+Layout (`pack_quant_wgmma`): the product is formed transposed, y^T [N, M] = W [N, K] x^T, one
+warpgroup per 64 output features. Thread 32 w + 4 g + q (warp w, lane group g, lane in group
+q) owns, at each 16-deep wgmma step j, the A fragment values at rows 16 w + 8 hr + g and
+columns 16 j + 8 hc + 2 q + e (hr, hc, e in {0, 1}): wgmma's register-operand layout, four
+32-bit registers r = hr + 2 hc of two values e each. A chunk of 64 input features is four
+steps; a loop iteration is two chunks.
+- int4: the thread's four words of a chunk (one per j) are one 16-byte load, the 128 threads'
+  contiguous (2 KB). Nibble 4 e + r of a word holds register r's value e, so
+  `(word >> 4 r) & 0x000f000f` puts both values in place, and OR'ed into 128.0's bf16 bits
+  (`lop3`) they read as 128 + code: one shift and one `lop3` per two values.
+- int8: eight words a chunk, two 16-byte loads (steps 0-1 and 2-3, each 2 KB contiguous over
+  the threads). Word (j, hr) holds registers (hr, hc = 0) in bytes 0 and 2 and (hr, hc = 1)
+  in bytes 1 and 3 (byte 2 e + hc). bf16 has 8 significant bits, so no single magic number
+  takes a byte: the low seven bits OR'ed into 128.0 read 128 + low, the top bit XOR'ed
+  into 256.0's bits reads 256 (clear) or 128 (set), and their difference is code - 128,
+  exactly. Two `lop3` and one `sub` per register, both registers of a word from one shift.
 
-The codes then lose the zero point, (128 + code) - (128 + zero) with `sub.bf16x2` (exact).
+The codes then lose the zero point with `sub.bf16x2` (exact): int4 (128 + code) -
+(128 + zero); int8 (code - 128) - (zero - 128), skipped when every zero point is 128.
 The scale is applied where it is cheapest:
 - `SCALE_ON_ACC` (few rows): the integers (code - zero) enter the MMA exactly, each group's
   products accumulate in a float32 tile of their own, and the group's per-feature scale
@@ -32,8 +38,8 @@ while the current one is multiplied. K is split across programs so that the grid
 GPU at one row; the last split of a tile to arrive adds the others' float32 partial sums
 (`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
 
-Contract: `quant_matmul_ref`'s, for bf16 activations, 4-bit codes, N a multiple of 64, K a
-multiple of 64, and groups that are a multiple of 64 input features (or one per row).
+Contract: `quant_matmul_ref`'s, for bf16 activations, 4- or 8-bit codes, N a multiple of 64,
+K a multiple of 128, and groups that are a multiple of 128 input features (or one per row).
 `available()` says whether this Triton build has Gluon's Hopper module; `supported()`
 whether a launch qualifies.
 """
@@ -63,20 +69,21 @@ except Exception:
     _GLUON = False
 
 __all__ = [
-    "Int4WgmmaConfig",
+    "BITS",
+    "QuantWgmmaConfig",
     "available",
-    "int4_wgmma_config",
-    "int4_wgmma_matmul",
-    "pack_int4_wgmma",
+    "pack_quant_wgmma",
+    "quant_wgmma_config",
+    "quant_wgmma_matmul",
     "reads_zeros",
     "serves_weight",
     "supported",
-    "unpack_int4_wgmma",
+    "unpack_quant_wgmma",
 ]
 
 BLOCK_N = 64  # output features per program: one warpgroup's wgmma M
-CHUNK_K = 64  # input features a thread's 16-byte load covers: four 16-deep wgmma steps
-WORDS_PER_CHUNK = BLOCK_N * CHUNK_K // 8  # 512 int32 words: 128 threads x 4
+CHUNK_K = 64  # input features of one packed chunk: four 16-deep wgmma steps
+BITS = (4, 8)  # the code widths served
 # Input features per loop iteration: two chunks, so that the loop's own instructions (the
 # wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
 ITER_K = 2 * CHUNK_K
@@ -96,7 +103,7 @@ MIN_SPLIT_ITERS = 2
 
 
 @dataclass(frozen=True)
-class Int4WgmmaConfig:
+class QuantWgmmaConfig:
     """A launch: `rows` (wgmma N, the activation rows padded up), `k_split` input features
     per program, and where the scale is applied (`scale_on_acc`)."""
 
@@ -106,7 +113,12 @@ class Int4WgmmaConfig:
 
     def __str__(self) -> str:
         where = "acc" if self.scale_on_acc else "weights"
-        return f"int4_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where})"
+        return f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where})"
+
+
+def chunk_words(bits: int) -> int:
+    """int32 words of one chunk (64 x 64 codes): 512 for int4 (128 threads x 4), 1024 for int8."""
+    return BLOCK_N * CHUNK_K * bits // 32
 
 
 def available() -> bool:
@@ -116,22 +128,22 @@ def available() -> bool:
 
 def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits: int,
                   group_size: int) -> bool:  # fmt: skip
-    """Whether `int4_wgmma_matmul` serves an [N, K] weight on `device` for activations of
-    `dtype`: an sm_90 GPU, bf16, 4-bit codes, N a multiple of 64, K of 128, and groups of
-    whole iterations (128 input features) or one per row."""
+    """Whether `quant_wgmma_matmul` serves an [N, K] weight on `device` for activations of
+    `dtype`: an sm_90 GPU, bf16, 4- or 8-bit codes, N a multiple of 64, K of 128, and groups
+    of whole iterations (128 input features) or one per row."""
     return (
         available()
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device) == (9, 0)
         and dtype == torch.bfloat16
-        and bits == 4
+        and bits in BITS
         and n % BLOCK_N == 0
         and _groups_fit(k, group_size)
     )
 
 
 def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
-    """Whether `int4_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
+    """Whether `quant_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
     (`serves_weight`) and at most `MAX_ROWS` rows."""
     return 0 < x.shape[0] <= MAX_ROWS and serves_weight(x.device, x.dtype, n, k, bits,
                                                         group_size)  # fmt: skip
@@ -142,15 +154,15 @@ def _groups_fit(k: int, group_size: int) -> bool:
     return k % ITER_K == 0 and k % group_size == 0 and group_size % ITER_K == 0
 
 
-def int4_wgmma_config(m: int, n: int, k: int, group_size: int,
-                      scale_on_acc: bool | None = None) -> Int4WgmmaConfig:  # fmt: skip
+def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
+                      scale_on_acc: bool | None = None) -> QuantWgmmaConfig:  # fmt: skip
     """The launch for M = m rows: rows padded to a power of two from 8; K split so that the
     grid reaches about `TARGET_PROGRAMS` programs (fewer past 8 rows), each split whole
     groups (or whole iterations when a group spans several splits) and its activation slice
     within `X_SLICE_BYTES`; the scale on the accumulator up to 16 rows unless told."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > MAX_ROWS:
-        raise ValueError(f"int4_wgmma serves up to {MAX_ROWS} rows, got {m}")
+        raise ValueError(f"quant_wgmma serves up to {MAX_ROWS} rows, got {m}")
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
@@ -161,37 +173,50 @@ def int4_wgmma_config(m: int, n: int, k: int, group_size: int,
     per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
     if scale_on_acc is None:
         scale_on_acc = rows <= 16
-    return Int4WgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
+    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
 
 
-def _codes(qweight: torch.Tensor) -> torch.Tensor:
-    """The internal layout's int32 [K / 8, N] -> the codes [N, K] (int64)."""
-    return unpack_int_weight(qweight, 4).t().to(torch.int64)
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"quant_wgmma serves {BITS}-bit codes, got {bits}")
 
 
-def pack_int4_wgmma(qweight: torch.Tensor) -> torch.Tensor:
-    """`asyncengine_kernels.quant_linear`'s int32 [K / 8, N] (4-bit codes) -> this kernel's words,
-    int32 [N / 64, K / 64, 4 (w), 8 (g), 4 (q), 4 (j)] flattened (see the module docstring)."""
-    codes = _codes(qweight)
+def pack_quant_wgmma(qweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """`asyncengine_kernels.quant_linear`'s int32 [K * bits / 32, N] -> this kernel's words,
+    flattened (see the module docstring): int4 [N / 64, K / 64, 4 (w), 8 (g), 4 (q), 4 (j)],
+    int8 [N / 64, K / 64, 2 (j // 2), 4 (w), 8 (g), 4 (q), 2 (j % 2), 2 (hr)]."""
+    _check_bits(bits)
+    codes = unpack_int_weight(qweight, bits).t().to(torch.int64)
     n, k = codes.shape
     if n % BLOCK_N or k % CHUNK_K:
-        raise ValueError(f"int4_wgmma needs N and K multiples of 64, got N={n}, K={k}")
-    # [tile, w, hr, g, step, j, hc, q, e] -> [tile, step, w, g, q, j, e, hc, hr]: the last
-    # three index the nibble, 4 e + 2 hc + hr.
-    v = codes.view(n // BLOCK_N, 4, 2, 8, k // CHUNK_K, 4, 2, 4, 2)
-    v = v.permute(0, 4, 1, 3, 7, 5, 8, 6, 2).reshape(-1, 8)
-    shifts = torch.arange(8, device=v.device, dtype=torch.int64) * 4
+        raise ValueError(f"quant_wgmma needs N and K multiples of 64, got N={n}, K={k}")
+    if bits == 4:
+        # [tile, w, hr, g, chunk, j, hc, q, e] -> [tile, chunk, w, g, q, j, e, hc, hr]: the
+        # last three index the nibble, 4 e + 2 hc + hr.
+        v = codes.view(n // BLOCK_N, 4, 2, 8, k // CHUNK_K, 4, 2, 4, 2)
+        v = v.permute(0, 4, 1, 3, 7, 5, 8, 6, 2).reshape(-1, 8)
+    else:
+        # [tile, w, hr, g, chunk, jh, jl, hc, q, e] -> [tile, chunk, jh, w, g, q, jl, hr, e,
+        # hc] (j = 2 jh + jl): the last two index the byte, 2 e + hc.
+        v = codes.view(n // BLOCK_N, 4, 2, 8, k // CHUNK_K, 2, 2, 2, 4, 2)
+        v = v.permute(0, 4, 5, 1, 3, 8, 6, 2, 9, 7).reshape(-1, 4)
+    shifts = torch.arange(32 // bits, device=v.device, dtype=torch.int64) * bits
     words = (v << shifts).sum(dim=1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
     return words.to(torch.int32).contiguous()
 
 
-def unpack_int4_wgmma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """`pack_int4_wgmma`'s inverse, back to the codes [N, K] (int64): the tests' check."""
-    shifts = torch.arange(8, device=words.device, dtype=torch.int64) * 4
-    nib = (words.to(torch.int64).unsqueeze(1) >> shifts) & 0xF  # [..., 8]: e, hc, hr
-    v = nib.view(n // BLOCK_N, k // CHUNK_K, 4, 8, 4, 4, 2, 2, 2)
-    return v.permute(0, 2, 8, 3, 1, 5, 7, 4, 6).reshape(n, k)
+def unpack_quant_wgmma(words: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
+    """`pack_quant_wgmma`'s inverse, back to the codes [N, K] (int64): the tests' check."""
+    _check_bits(bits)
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
+    codes = (words.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    if bits == 4:
+        v = codes.view(n // BLOCK_N, k // CHUNK_K, 4, 8, 4, 4, 2, 2, 2)  # ..., e, hc, hr
+        return v.permute(0, 2, 8, 3, 1, 5, 7, 4, 6).reshape(n, k)
+    v = codes.view(n // BLOCK_N, k // CHUNK_K, 2, 4, 8, 4, 2, 2, 2, 2)  # ..., hr, e, hc
+    return v.permute(0, 3, 7, 4, 1, 2, 6, 9, 5, 8).reshape(n, k)
 
 
 if _GLUON:
@@ -200,7 +225,6 @@ if _GLUON:
     _copy_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _CHUNK_K = gl.constexpr(CHUNK_K)
     _ITER_K = gl.constexpr(ITER_K)
-    _WORDS_PER_CHUNK = gl.constexpr(WORDS_PER_CHUNK)
 
     # $8 a word; $9 / $10 the 128 + zero of its low / high row, twice as bf16x2. Register r
     # of the fragment is nibbles r and r + 4 (a, b, c, d); registers 0 and 2 are the low
@@ -234,6 +258,38 @@ if _GLUON:
     _CODES_LESS_ZERO = gl.constexpr("{" + _LESS_ZERO + _OUT + "}")
     _CODES_SCALED = gl.constexpr("{" + _LESS_ZERO + _TIMES_SCALE + _OUT + "}")
 
+    # int8: $4 a word, registers (hr, hc = 0) in bytes 0 and 2 (a) and (hr, hc = 1) in bytes
+    # 1 and 3 (c); $5 the word's row's zero point less 128, $6 its scale, as bf16x2.
+    # 0xea: (word & mask) | bits; 0x6a: (word & mask) ^ bits.
+    _BYTES = """
+    .reg .b32 a, b, c, d, t;
+    lop3.b32 a, $4, 0x007f007f, 0x43004300, 0xea;
+    lop3.b32 b, $4, 0x00800080, 0x43804380, 0x6a;
+    sub.bf16x2 a, a, b;
+    shr.u32 t, $4, 8;
+    lop3.b32 c, t, 0x007f007f, 0x43004300, 0xea;
+    lop3.b32 d, t, 0x00800080, 0x43804380, 0x6a;
+    sub.bf16x2 c, c, d;
+    """
+    _BYTES_LESS_ZERO = """
+    sub.bf16x2 a, a, $5;
+    sub.bf16x2 c, c, $5;
+    """
+    _BYTES_TIMES_SCALE = """
+    mul.rn.bf16x2 a, a, $6;
+    mul.rn.bf16x2 c, c, $6;
+    """
+    _BYTES_OUT = """
+    mov.b32 {$0, $1}, a;
+    mov.b32 {$2, $3}, c;
+    """
+    _BYTES_CENTRED = gl.constexpr("{" + _BYTES + _BYTES_OUT + "}")
+    _BYTES_LESS_ZERO_ASM = gl.constexpr("{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_OUT + "}")
+    _BYTES_SCALED = gl.constexpr("{" + _BYTES + _BYTES_TIMES_SCALE + _BYTES_OUT + "}")
+    _BYTES_LESS_ZERO_SCALED = gl.constexpr(
+        "{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_TIMES_SCALE + _BYTES_OUT + "}"
+    )
+
     @gluon.jit
     def _twice(bits16):
         """A 16-bit value's bits in both halves of an int32 (a bf16x2 operand)."""
@@ -241,15 +297,45 @@ if _GLUON:
         return (b << 16) | b
 
     @gluon.jit
-    def _row_pairs(ptr, group, N, row_lo, spread, ADD_128: gl.constexpr):
-        """The bf16x2 pairs (value twice) of a group's per-feature value for the words'
-        low and high rows; ADD_128: of 128 + value (the zero points)."""
+    def _row_pairs(ptr, group, N, row_lo, spread, OFFSET: gl.constexpr, BITS: gl.constexpr):
+        """The bf16x2 pairs (value twice) of a group's per-feature value plus OFFSET for the
+        words' low and high rows (hr = 0, 1), spread over the words' shape."""
         lo = gl.load(ptr + group * N + row_lo)
         hi = gl.load(ptr + group * N + row_lo + 8)
-        if ADD_128:
-            lo = (lo.to(gl.float32) + 128.0).to(gl.bfloat16)
-            hi = (hi.to(gl.float32) + 128.0).to(gl.bfloat16)
-        return _twice(lo)[:, None, None] + spread, _twice(hi)[:, None, None] + spread
+        if OFFSET != 0:
+            lo = (lo.to(gl.float32) + OFFSET).to(gl.bfloat16)
+            hi = (hi.to(gl.float32) + OFFSET).to(gl.bfloat16)
+        if BITS == 4:
+            lo_pairs = _twice(lo)[:, None, None] + spread
+            hi_pairs = _twice(hi)[:, None, None] + spread
+        else:
+            lo_pairs = _twice(lo)[None, :, None, None] + spread
+            hi_pairs = _twice(hi)[None, :, None, None] + spread
+        return lo_pairs, hi_pairs
+
+    @gluon.jit
+    def _lanes4():
+        """int4: each thread's word offsets within a chunk [32 row pairs (w, g), 4 (q), 4 (j)]
+        (lanes over (g, q), warps over w, one 16-byte load) and its row pairs."""
+        p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
+        return (n_p[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :], n_p
+
+    @gluon.jit
+    def _lanes8():
+        """int8: each thread's word offsets within a chunk [2 (j // 2), 32 row pairs (w, g),
+        4 (q), 4 (j % 2, hr)] (two 16-byte loads, 2 KB apart) and its row pairs."""
+        p_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 4], [1, 8, 4, 1], [1, 4, 1, 1],
+                                             [3, 2, 1, 0])  # fmt: skip
+        jh = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, p_l))))
+        n_p = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, p_l))))
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, p_l))))
+        u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, p_l))))
+        lanes = (jh[:, None, None, None] * 512 + (n_p[None, :, None, None] * 4
+                 + q[None, None, :, None]) * 4 + u[None, None, None, :])  # fmt: skip
+        return lanes, n_p
 
     @gluon.jit
     def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr):
@@ -275,9 +361,37 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
-    def _int4_wgmma_kernel(
+    def _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  SCALED: gl.constexpr):  # fmt: skip
+        """int8: one chunk's words [2 (j // 2), 32 row pairs, 4 (q), 4 (j % 2, hr)] ->
+        wgmma's register operand, as `_operand`."""
+        # A word's two registers share its row (hr, the last axis's low bit): its pairs.
+        hr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+            2, words.type.layout))))[None, None, None, :] % 2  # fmt: skip
+        z = gl.where(hr == 1, z_hi, z_lo)
+        s = gl.where(hr == 1, s_hi, s_lo)
+        if HAS_ZERO:
+            if SCALED:
+                asm: gl.constexpr = _BYTES_LESS_ZERO_SCALED
+            else:
+                asm: gl.constexpr = _BYTES_LESS_ZERO_ASM
+        elif SCALED:
+            asm: gl.constexpr = _BYTES_SCALED
+        else:
+            asm: gl.constexpr = _BYTES_CENTRED
+        v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
+                                      dtype=[gl.bfloat16] * 4, is_pure=True, pack=1)  # fmt: skip
+        # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
+        # registers' order (e, hc, hr, jl, jh fastest first) is int4's (e, hc, hr, j).
+        t = gl.join(gl.join(v[0], v[2]), gl.join(v[1], v[3]))
+        t = gl.reshape(t, [2, 4, 8, 4, 2, 2, 2, 2])  # [jh, w, g, q, jl, hr, hc, e]
+        t = gl.permute(t, [1, 5, 2, 0, 4, 6, 3, 7])  # [w, hr, g, jh, jl, hc, q, e]
+        return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _quant_wgmma_kernel(
         w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-        stride_xm, stride_ym, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
+        stride_xm, stride_ym, BITS: gl.constexpr, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
     ):  # fmt: skip
@@ -286,27 +400,28 @@ if _GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
         )
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        # Words [32 row pairs (w, g), 4 (q), 4 (j)]: lanes over (g, q), warps over w.
-        p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
         # x's chunks [ROWS, 64] in 16-byte pieces along K (contiguous in memory and in the
         # K-major shared tile alike, so each is one asynchronous copy).
         x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], gl.bfloat16)
         ITERS: gl.constexpr = K_SPLIT // _ITER_K
+        CHUNK_WORDS: gl.constexpr = 128 * BITS  # 64 x 64 codes
 
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         first = pid_k * ITERS
         n_iters = gl.minimum(ITERS, K // _ITER_K - first)
 
-        n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
-        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
-        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
-        lane_words = (n_p[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :]
-        w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * _WORDS_PER_CHUNK + lane_words
+        # z_lo: int4's built-in zero point (128 + 8, twice); int8 applies none unless read.
+        if BITS == 4:
+            lane_words, n_p = _lanes4()
+            z_lo = gl.full(lane_words.shape, 0x43084308, gl.int32, lane_words.type.layout)
+        else:
+            lane_words, n_p = _lanes8()
+            z_lo = gl.full(lane_words.shape, 0, gl.int32, lane_words.type.layout)
+        spread = gl.zeros_like(lane_words)
+        w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * CHUNK_WORDS + lane_words
         row_lo = pid_n * 64 + (n_p // 8) * 16 + n_p % 8  # the words' rows: row_lo, row_lo + 8
-        spread = gl.zeros([32, 4, 4], gl.int32, p_l)
-        z_lo = gl.full([32, 4, 4], 0x43084308, gl.int32, p_l)  # 128 + 8, twice
         z_hi = z_lo
         s_lo = z_lo
         s_hi = z_lo
@@ -314,15 +429,16 @@ if _GLUON:
 
         acc = gl.zeros([64, ROWS], gl.float32, acc_l)
         acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
-        # Weight words two iterations ahead (8 KB a program in flight); past the split's end
-        # the last iteration's words are reloaded, harmlessly. No kernel writes the weights,
-        # so the first ones are requested before waiting for the previous kernel (PDL).
+        # Weight words two iterations ahead (8 KB a program in flight for int4, 16 KB for
+        # int8); past the split's end the last iteration's words are reloaded, harmlessly.
+        # No kernel writes the weights, so the first ones are requested before waiting for
+        # the previous kernel (PDL).
         last = 2 * (first + n_iters - 1)
-        words0 = gl.load(w_tile + (2 * first) * _WORDS_PER_CHUNK)
-        words1 = gl.load(w_tile + (2 * first + 1) * _WORDS_PER_CHUNK)
+        words0 = gl.load(w_tile + (2 * first) * CHUNK_WORDS)
+        words1 = gl.load(w_tile + (2 * first + 1) * CHUNK_WORDS)
         next_at = gl.minimum(2 * first + 2, last)
-        next0 = gl.load(w_tile + next_at * _WORDS_PER_CHUNK)
-        next1 = gl.load(w_tile + (next_at + 1) * _WORDS_PER_CHUNK)
+        next0 = gl.load(w_tile + next_at * CHUNK_WORDS)
+        next1 = gl.load(w_tile + (next_at + 1) * CHUNK_WORDS)
         if USE_PDL:
             # x, the partial sums and the counters may still be the previous kernel's.
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
@@ -346,15 +462,21 @@ if _GLUON:
         for it in range(n_iters):
             step = first + it
             ahead = gl.minimum(2 * (step + 2), last)
-            ahead0 = gl.load(w_tile + ahead * _WORDS_PER_CHUNK)
-            ahead1 = gl.load(w_tile + (ahead + 1) * _WORDS_PER_CHUNK)
+            ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
+            ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
             group = step // GROUP_ITERS
             if HAS_ZERO:
-                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread, True)
+                # int4's codes read 128 + code, int8's code - 128 (see the module).
+                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread,
+                                        128.0 if BITS == 4 else -128.0, BITS)  # fmt: skip
             if not SCALE_ON_ACC:
-                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, False)
-            a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
-            a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, 0.0, BITS)
+            if BITS == 4:
+                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+                a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+            else:
+                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
+                a1 = _operand8(words1, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
             x0 = xs.index(2 * it).permute((1, 0))
             x1 = xs.index(2 * it + 1).permute((1, 0))
             if SCALE_ON_ACC:
@@ -402,35 +524,37 @@ if _GLUON:
         gl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=r_mask)
 
 
-def reads_zeros(zeros: torch.Tensor) -> bool:
-    """Whether the kernel must read the zero points: some differ from 8, its built-in one
-    (a device sync: decide it once, at load)."""
-    return not bool((zeros == 8).all())
+def reads_zeros(zeros: torch.Tensor, bits: int = 4) -> bool:
+    """Whether the kernel must read the zero points: some differ from the symmetric one it
+    applies by itself, 2^(bits - 1) (a device sync: decide it once, at load)."""
+    return not bool((zeros == 1 << (bits - 1)).all())
 
 
-def int4_wgmma_matmul(
+def quant_wgmma_matmul(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-    group_size: int, bias: torch.Tensor | None = None, config: Int4WgmmaConfig | None = None,
-    counters: torch.Tensor | None = None, *, has_zero: bool | None = None,
+    group_size: int, bias: torch.Tensor | None = None, config: QuantWgmmaConfig | None = None,
+    counters: torch.Tensor | None = None, *, bits: int = 4, has_zero: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (bf16) -> x W^T (+ b) [M, N], W's codes as `pack_int4_wgmma` packed them and
-    `scales`/`zeros` [G, N] as `asyncengine_kernels.quant_linear` keeps them. `counters`: int32, one
-    per 64 output features, zeroed (the kernel leaves them so; default: fresh ones);
-    has_zero: whether the zero points must be read (default: unless all are 8)."""
+    """x [M, K] (bf16) -> x W^T (+ b) [M, N], W's `bits`-bit codes as `pack_quant_wgmma` packed
+    them and `scales`/`zeros` [G, N] as `asyncengine_kernels.quant_linear` keeps them.
+    `counters`: int32, one per 64 output features, zeroed (the kernel leaves them so; default:
+    fresh ones); has_zero: whether the zero points must be read (default: `reads_zeros`)."""
+    _check_bits(bits)
     m, k = x.shape
     n = scales.shape[1]
-    if words.numel() * 8 != n * k:
-        raise ValueError(f"{words.numel()} words hold {words.numel() * 8} codes, not {n} x {k}")
+    codes = words.numel() * (32 // bits)
+    if codes != n * k:
+        raise ValueError(f"{words.numel()} words hold {codes} {bits}-bit codes, not {n} x {k}")
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"int4_wgmma takes bf16 activations with unit stride, got {x.dtype}")
+        raise ValueError(f"quant_wgmma takes bf16 activations with unit stride, got {x.dtype}")
     if not _groups_fit(k, group_size):
-        raise ValueError(f"int4_wgmma needs K={k} and its groups of {group_size} in whole "
+        raise ValueError(f"quant_wgmma needs K={k} and its groups of {group_size} in whole "
                          f"{ITER_K}-feature iterations")  # fmt: skip
-    config = config or int4_wgmma_config(m, n, k, group_size)
+    config = config or quant_wgmma_config(m, n, k, group_size)
     if m > config.rows:
         raise ValueError(f"{config} serves at most {config.rows} rows, got {m}")
     if has_zero is None:
-        has_zero = reads_zeros(zeros)
+        has_zero = reads_zeros(zeros, bits)
     tiles = n // BLOCK_N
     splits = math.ceil(k / config.k_split)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -443,9 +567,9 @@ def int4_wgmma_matmul(
         parts = counters = y
     group_iters = group_size // ITER_K
     pdl = use_pdl(x)
-    _int4_wgmma_kernel[(tiles, splits)](
+    _quant_wgmma_kernel[(tiles, splits)](
         words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
-        x.stride(0), y.stride(0), ROWS=config.rows, K_SPLIT=config.k_split,
+        x.stride(0), y.stride(0), BITS=bits, ROWS=config.rows, K_SPLIT=config.k_split,
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
         SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl, num_warps=4,
         **pdl_kwargs(pdl),

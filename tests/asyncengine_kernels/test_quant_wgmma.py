@@ -1,0 +1,255 @@
+"""The int4/int8 wgmma matmul (`asyncengine_kernels.quant_wgmma`): its weight packing, the int8
+bit trick (emulated on the words) and the launch rules on the CPU, the kernel against
+`quant_matmul_ref` on an H100/H200 (GPU-marked). Its build for sm_90 is checked with the other
+kernels (`test_compile_for_gpu`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from asyncengine_kernels.quant_linear import pack_int_weight, quant_matmul_ref
+from asyncengine_kernels.quant_wgmma import (
+    ITER_K,
+    MAX_ROWS,
+    X_SLICE_BYTES,
+    pack_quant_wgmma,
+    quant_wgmma_config,
+    quant_wgmma_matmul,
+    reads_zeros,
+    supported,
+    unpack_quant_wgmma,
+)
+
+requires_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU (wgmma)",
+)
+
+
+def _codes(n: int, k: int, seed: int = 0, bits: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_round_trips(bits: int) -> None:
+    q = _codes(128, 256, bits=bits)
+    words = pack_quant_wgmma(pack_int_weight(q, bits), bits)
+    assert words.dtype == torch.int32 and words.numel() == 128 * 256 * bits // 32
+    assert torch.equal(unpack_quant_wgmma(words, 128, 256, bits), q)
+
+
+def test_each_code_sits_in_its_threads_fragment_slot() -> None:
+    """The documented mapping, element by element: thread 32 w + 4 g + q's word j of chunk c
+    holds at nibble 4 e + hr + 2 hc the code of row 16 w + 8 hr + g, column 64 c + 16 j +
+    8 hc + 2 q + e (of its 64-row tile)."""
+    n, k = 128, 128
+    q = _codes(n, k, seed=1)
+    words = pack_quant_wgmma(pack_int_weight(q, 4)).view(n // 64, k // 64, 4, 8, 4, 4)
+    checked = 0
+    for tile, c, w, g, lane_q, j in itertools.product(range(2), range(2), range(4), range(8),
+                                                      range(4), range(4)):  # fmt: skip
+        word = int(words[tile, c, w, g, lane_q, j]) & 0xFFFFFFFF
+        for e, hr, hc in itertools.product(range(2), repeat=3):
+            row = tile * 64 + 16 * w + 8 * hr + g
+            col = 64 * c + 16 * j + 8 * hc + 2 * lane_q + e
+            assert (word >> (4 * (4 * e + hr + 2 * hc))) & 0xF == int(q[row, col])
+            checked += 1
+    assert checked == n * k
+
+
+def test_int8_words_hold_each_threads_registers() -> None:
+    """int8: thread 32 w + 4 g + q's word (j, hr) of chunk c, at [c, j // 2, w, g, q, j % 2,
+    hr], holds at byte 2 e + hc the code of row 16 w + 8 hr + g, column 64 c + 16 j + 8 hc +
+    2 q + e; the 128 threads' words of steps 0-1 (and of 2-3) are contiguous."""
+    n, k = 128, 128
+    q = _codes(n, k, seed=2, bits=8)
+    words = pack_quant_wgmma(pack_int_weight(q, 8), 8).view(n // 64, k // 64, 2, 4, 8, 4, 2, 2)
+    checked = 0
+    for tile, c, jh, w, g, lane_q, jl, hr in itertools.product(
+        range(2), range(2), range(2), range(4), range(8), range(4), range(2), range(2)
+    ):
+        word = int(words[tile, c, jh, w, g, lane_q, jl, hr]) & 0xFFFFFFFF
+        for e, hc in itertools.product(range(2), repeat=2):
+            row = tile * 64 + 16 * w + 8 * hr + g
+            col = 64 * c + 16 * (2 * jh + jl) + 8 * hc + 2 * lane_q + e
+            assert (word >> (8 * (2 * e + hc))) & 0xFF == int(q[row, col])
+            checked += 1
+    assert checked == n * k
+
+
+def _bf16_halves(bits: torch.Tensor) -> torch.Tensor:
+    """int64 words holding two bf16 -> float32 [..., 2] (low half first)."""
+    halves = torch.stack([bits & 0xFFFF, (bits >> 16) & 0xFFFF], dim=-1)
+    return (halves << 16).to(torch.int32).view(torch.float32)
+
+
+def _int8_registers(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's int8 PTX on the words, step by step: two `lop3` and a `sub.bf16x2` per
+    register, the second register after `shr 8` -> the values [..., hc, e] (float32)."""
+    out = []
+    for word in (words, words >> 8):
+        low = (word & 0x007F007F) | 0x43004300  # 128 + low seven bits
+        top = (word & 0x00800080) ^ 0x43804380  # 256 (top bit clear) or 128 (set)
+        diff = _bf16_halves(low) - _bf16_halves(top)
+        assert torch.equal(diff.to(torch.bfloat16).float(), diff)  # the bf16 sub is exact
+        out.append(diff)
+    return torch.stack(out, dim=-2)
+
+
+def test_int8_bit_trick_gives_code_less_128_exactly() -> None:
+    codes = torch.arange(256, dtype=torch.int64)
+    # Every code in every byte slot: the word's registers read (code - 128) at [hc, e].
+    for slot in range(4):
+        words = codes << (8 * slot)
+        values = _int8_registers(words)
+        hc, e = slot % 2, slot // 2
+        assert torch.equal(values[:, hc, e], (codes - 128).float())
+        others = [(a, b) for a in range(2) for b in range(2) if (a, b) != (hc, e)]
+        assert all(torch.equal(values[:, a, b], torch.full((256,), -128.0)) for a, b in others)
+
+
+def test_int8_registers_are_the_fragment_values() -> None:
+    """The emulated PTX on packed words gives each thread's wgmma fragment: register
+    (hr, hc) of step j, value e, is row 16 w + 8 hr + g, column 16 j + 8 hc + 2 q + e."""
+    n, k = 64, 64
+    q = _codes(n, k, seed=3, bits=8)
+    words = pack_quant_wgmma(pack_int_weight(q, 8), 8).to(torch.int64) & 0xFFFFFFFF
+    values = _int8_registers(words.view(2, 4, 8, 4, 2, 2))  # [jh, w, g, q, jl, hr, hc, e]
+    frag = values.permute(1, 5, 2, 0, 4, 6, 3, 7).reshape(64, 64)  # [w, hr, g | j, hc, q, e]
+    assert torch.equal(frag, (q - 128).float())
+
+
+def test_packing_refuses_shapes_off_the_tiles() -> None:
+    with pytest.raises(ValueError, match="multiples of 64"):
+        pack_quant_wgmma(pack_int_weight(_codes(96, 128), 4))
+    with pytest.raises(ValueError, match="serves"):
+        pack_quant_wgmma(pack_int_weight(_codes(64, 128, bits=2), 2), 2)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [(1, 4096, 4096, 128), (1, 4096, 11008, 128), (1, 22016, 4096, 128), (8, 12288, 4096, 128),
+     (16, 4096, 11008, 128), (33, 4096, 4096, 128), (64, 4096, 11008, 128),
+     (1, 4096, 4096, 4096), (4, 4096, 4096, 256)],
+)  # fmt: skip
+def test_config_splits_k_in_whole_groups_within_shared_memory(m: int, n: int, k: int,
+                                                               group: int) -> None:  # fmt: skip
+    cfg = quant_wgmma_config(m, n, k, group)
+    assert cfg.rows >= max(8, m) and cfg.rows & (cfg.rows - 1) == 0
+    assert cfg.k_split % ITER_K == 0
+    if group < k:
+        assert cfg.k_split % group == 0  # a group's products never straddle two splits
+    assert cfg.k_split * cfg.rows * 2 <= max(X_SLICE_BYTES, group * cfg.rows * 2)
+    splits = -(-k // cfg.k_split)
+    assert (splits - 1) * cfg.k_split < k  # no split is empty
+    assert cfg.scale_on_acc == (cfg.rows <= 16)
+
+
+def test_config_fills_the_gpu_at_one_row() -> None:
+    cfg = quant_wgmma_config(1, 4096, 4096, 128)
+    assert (4096 // 64) * (4096 // cfg.k_split) >= 132 * 4
+
+
+def test_config_refuses_more_rows_than_it_serves() -> None:
+    with pytest.raises(ValueError, match="up to 64 rows"):
+        quant_wgmma_config(MAX_ROWS + 1, 4096, 4096, 128)
+
+
+def test_supported_only_on_sm90_bf16_whole_groups() -> None:
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    assert not supported(x, 4096, 4096, 4, 128)  # on the CPU
+    assert not supported(x, 4096, 4096, 8, 128)
+
+
+def test_reads_zeros_only_off_the_symmetric_point() -> None:
+    assert not reads_zeros(torch.full((2, 64), 8.0), 4)
+    assert reads_zeros(torch.full((2, 64), 128.0), 4)
+    assert not reads_zeros(torch.full((2, 64), 128.0), 8)
+    assert reads_zeros(torch.tensor([[128.0, 127.0]]), 8)
+
+
+def test_matmul_refuses_bad_operands_before_launching() -> None:
+    q = pack_quant_wgmma(pack_int_weight(_codes(64, 256), 4))
+    s = torch.ones(2, 64, dtype=torch.bfloat16)
+    z = torch.full((2, 64), 8.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.float16), q, s, z, 128)
+    with pytest.raises(ValueError, match="whole"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q,
+                          torch.ones(4, 64, dtype=torch.bfloat16), z, 64)  # fmt: skip
+    with pytest.raises(ValueError, match="codes"):
+        quant_wgmma_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), q, s, z, 128)
+    with pytest.raises(ValueError, match="8-bit codes"):  # int4 words read as int8
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q, s, z, 128, bits=8)
+
+
+def _operands(n: int, k: int, group: int, symmetric: bool, seed: int, bits: int = 4
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+    if symmetric:
+        zeros = torch.full((groups, n), float(1 << (bits - 1)))
+    else:
+        zeros = torch.randint(0, 1 << bits, (groups, n), generator=gen).float()
+    return pack_int_weight(q, bits).cuda(), scales.cuda(), zeros.to(torch.bfloat16).cuda()
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 33, 64])
+@pytest.mark.parametrize(("n", "k", "group", "symmetric"),
+                         [(4096, 4096, 128, True), (1024, 11008, 128, False),
+                          (512, 4096, 4096, False), (768, 2048, 256, True)])  # fmt: skip
+@pytest.mark.parametrize("scale_on_acc", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bool,
+                               scale_on_acc: bool, bits: int) -> None:  # fmt: skip
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + n, bits=bits)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    words = pack_quant_wgmma(qweight, bits)
+    cfg = quant_wgmma_config(m, n, k, group, scale_on_acc=scale_on_acc)
+    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group).float()
+    got = quant_wgmma_matmul(x, words, scales, zeros, group, config=cfg, bits=bits).float()
+    err = (got - ref).abs().max().item()
+    assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_split", [128, 512, 4096])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_split_k_counters_are_left_zeroed_with_bias(k_split: int, bits: int) -> None:
+    n, k, group = 2048, 4096, 128
+    qweight, scales, zeros = _operands(n, k, group, symmetric=False, seed=7, bits=bits)
+    words = pack_quant_wgmma(qweight, bits)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(n // 64, device="cuda", dtype=torch.int32)
+    cfg = quant_wgmma_config(2, n, k, group)
+    cfg = type(cfg)(rows=cfg.rows, k_split=k_split, scale_on_acc=True)
+    for seed in range(3):  # the counters of one call serve the next
+        torch.manual_seed(seed)
+        x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
+        ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
+        got = quant_wgmma_matmul(x, words, scales, zeros, group, bias, cfg, counters,
+                                 bits=bits).float()  # fmt: skip
+        assert (got - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
+    assert int(counters.abs().sum()) == 0
+
+
+@requires_hopper
+@pytest.mark.gpu
+def test_gpu_strided_rows_of_a_wider_input() -> None:
+    """x may be a view with a row stride wider than K (a slice of a fused output)."""
+    n, k, group = 1024, 4096, 128
+    qweight, scales, zeros = _operands(n, k, group, symmetric=True, seed=3)
+    wide = torch.randn(5, 2 * k, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, k:]
+    ref = quant_matmul_ref(x.contiguous(), qweight, scales, zeros, 4, group).float()
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight), scales, zeros, group).float()
+    assert (got - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
