@@ -107,8 +107,10 @@ class DecodeGraphs:
         *,
         fuse_rotary: bool = True,
         verify_rows: int = 0,
+        label: str = "decode",
     ) -> None:
         self.model = model
+        self.label = label  # whose graphs, in the progress bar and the log
         self.device = device
         self.fuse_rotary = fuse_rotary  # as the runner plans (`decode_plan`'s argument)
         self.sizes = capture_sizes(max_num_seqs)
@@ -179,7 +181,7 @@ class DecodeGraphs:
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
         todo = [key for b in sorted(self.sizes, reverse=True) for key in self.variants(b)]
-        for b, plan in tqdm(todo, desc="Capturing CUDA graphs", unit="graph"):
+        for b, plan in tqdm(todo, desc=f"Capturing {self.label} CUDA graphs", unit="graph"):
             graph, out = capture_forward(
                 self.model, self._meta(b, plan), self.input_ids[:b], self.positions[:b], pool
             )
@@ -187,7 +189,8 @@ class DecodeGraphs:
             self.graphs[b, plan], self.outputs[b, plan] = graph, out
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d decode CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
+            "captured %d %s CUDA graphs in %.1fs", len(self.graphs), self.label,
+            time.monotonic() - t0,
         )
         return pool
 

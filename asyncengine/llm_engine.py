@@ -159,11 +159,11 @@ class LLMEngine:
             swap_space=swap,
         )
         self.spec_decoder = None
+        proposer = None
         # Jump-forward alone needs the coordinator too: forced tokens are verified drafts.
         if args.speculative_config is not None or args.structured_outputs_jump_forward:
             from asyncengine.spec_decode import DraftModelProposer, build_spec_decoder
 
-            proposer = None
             if draft is not None:
                 assert self.runner.draft_kv_cache is not None
                 proposer = DraftModelProposer(
@@ -188,6 +188,8 @@ class LLMEngine:
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
             verify_rows=0 if spec is None else spec.max_verify_rows,
         )
+        if proposer is not None and self.runner.graphs is not None:  # the GPU, not eager
+            proposer.capture_graphs(args.max_num_seqs, self.pool.blocks_needed(self.max_model_len))
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()
         self.num_finished = 0

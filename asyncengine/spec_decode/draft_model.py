@@ -24,9 +24,12 @@ drafts are the draft's argmax (point masses); a request that samples draws its d
 the draft's own distribution q under its sampling parameters, and q's rows stay on the
 device with the drafts (`Request.spec_draft_probs`) for the verify step, which accepts with
 min(1, p/q) (`draft_sampling`, `rejection_sampler`). The drafts stay on the device until the
-last step; one copy brings them to the host. The draft runs eagerly (no CUDA graphs). Under
-tensor parallelism it runs whole on rank 0: it is loaded before the ranks start, so its
-layers are built unsplit and need no collective.
+last step; one copy brings them to the host. On the GPU the one-token steps replay CUDA
+graphs of the draft (`capture_graphs`: the target's `DecodeGraphs` over the draft model, in a
+memory pool of their own), one replay each where eagerly a small model's step is paced by its
+few hundred kernel launches; the catch-up forward, of any length, runs eagerly. Under tensor
+parallelism it runs whole on rank 0: it is loaded before the ranks start, so its layers are
+built unsplit and need no collective.
 
 Refused at start, naming `speculative_config.model`: a missing directory, a vocabulary other
 than the target's (the config's `vocab_size`, and the tokenizers where both have one), and a
@@ -46,6 +49,7 @@ import torch
 from torch import nn
 
 from asyncengine.block_pool import BlockPool
+from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.model_runner import KVCache, step_inputs, token_layout
 from asyncengine.request import Request
 from asyncengine.spec_decode.config import SpeculativeConfig
@@ -180,9 +184,20 @@ class DraftModelProposer:
         _, self.num_kv_heads, _ = draft.kv_layout
         for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
+        # The one-token steps' CUDA graphs (`capture_graphs`); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Capture the draft's one-token steps as CUDA graphs for up to `max_num_seqs`
+        requests (on the GPU, once the KV cache exists)."""
+        graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq,
+                              label="draft decode")  # fmt: skip
+        graphs.capture()  # a pool of its own: the target's graphs never wait on the draft's
+        self.graphs = graphs
 
     def shutdown(self) -> None:
-        """Let go of the draft's weights and its view of the KV cache."""
+        """Let go of the draft's graphs, weights and view of the KV cache."""
+        self.graphs = None
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
             for attn in model.attention_layers():  # type: ignore[operator]
@@ -306,7 +321,8 @@ class DraftModelProposer:
     ) -> torch.Tensor:
         """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
         (ids from the host or already on the device); the logits at each one's last token.
-        The step is laid out as the model runner lays out a target step (`step_buffer`)."""
+        The step is laid out as the model runner lays out a target step (`step_buffer`); a
+        one-token step replays the graph of its padded size where one was captured."""
         b = len(reqs)
         lens_a = np.asarray(lens, dtype=np.int64)
         qsl, seq_lens, tables, _, positions, slots = token_layout(
@@ -315,7 +331,11 @@ class DraftModelProposer:
         )  # fmt: skip
         t, w = int(qsl[-1]), tables.shape[1]
         max_q, max_len = int(lens_a.max()), int(seq_lens.max())
-        plan = decode_plan(b, self.num_kv_heads, self.device, max_len) if max_q == 1 else None
+        plan = None
+        if max_q == 1:
+            # A graph runs at its padded size, so its attention is planned for that size.
+            padded = self.graphs.graph_size(b, w) if self.graphs is not None else None
+            plan = decode_plan(padded or b, self.num_kv_heads, self.device, max_len)
         header = StepHeader(
             num_tokens=t, num_seqs=b, table_width=w, num_logits=b, max_query_len=max_q,
             max_seq_len=max_len, decode_segments=0 if plan is None else plan.segments,
@@ -338,6 +358,9 @@ class DraftModelProposer:
         if device_ids is not None:
             parts["input_ids"].copy_(device_ids)
         inputs = step_inputs(header, buffer, parts, [])
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            # One token a request: the graph's rows are the logits' rows, in order.
+            return self.model.compute_logits(self.graphs.run(inputs))  # type: ignore[operator]
         with set_forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]

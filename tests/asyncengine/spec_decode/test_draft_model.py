@@ -600,6 +600,57 @@ def test_missing_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> No
         draft_llm(pair[0], draft_config(empty))
 
 
+class EagerGraphs:
+    """Stands in for the draft's `DecodeGraphs` off the GPU: pads a step of up to 16
+    requests to a power of two, runs it eagerly, and records what it was asked to replay."""
+
+    SIZES = (1, 2, 4, 8, 16)
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.replayed: list[tuple[int, int, object]] = []  # (requests, tokens, plan)
+
+    def graph_size(self, num_seqs: int, table_width: int) -> int | None:
+        return next((s for s in self.SIZES if s >= num_seqs), None)
+
+    def can_run(self, inputs: object) -> bool:
+        meta = inputs.meta  # type: ignore[attr-defined]
+        return meta.decode_only and self.graph_size(*meta.block_tables.shape) is not None
+
+    def run(self, inputs: object) -> torch.Tensor:
+        from models.forward_context import set_forward_context
+
+        meta = inputs.meta  # type: ignore[attr-defined]
+        self.replayed.append((meta.block_tables.shape[0], inputs.input_ids.shape[0],  # type: ignore[attr-defined]
+                              meta.decode_plan))  # fmt: skip
+        with set_forward_context(meta):
+            return self.model(inputs.input_ids, inputs.positions)  # type: ignore[attr-defined]
+
+
+def test_one_token_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path, Path]) -> None:
+    """With graphs captured, each of the draft's one-token steps replays one, planned for
+    the padded size it replays at, and the catch-up forwards run eagerly; greedy output is
+    unchanged."""
+    from asyncengine_kernels.paged_attention import decode_plans
+
+    target, draft = pair
+    llm = draft_llm(target, draft_config(draft, 4))
+    proposer = llm.llm_engine.spec_decoder.proposer
+    graphs = EagerGraphs(proposer.model)
+    proposer.graphs = graphs
+    ps = prompts()
+    assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
+    assert graphs.replayed, "no draft step replayed a graph"
+    for requests, tokens, plan in graphs.replayed:
+        assert tokens == requests  # one token a request, nothing longer
+        padded = graphs.graph_size(requests, 0)
+        kv_heads = proposer.num_kv_heads
+        assert plan in decode_plans(padded, kv_heads, proposer.device)
+    assert_pool_clean(llm)
+    llm.shutdown()
+    assert proposer.graphs is None
+
+
 # ------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -607,9 +658,10 @@ def test_missing_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> No
 def test_gpu_greedy_equals_without_speculation(
     pair: tuple[Path, Path], enforce_eager: bool
 ) -> None:
-    """On the GPU (Triton kernels, asynchronous scheduling, the target's CUDA graphs; the
-    draft eager, its decode steps on split-KV plans): a smaller draft keeps greedy output
-    equal, and the target as its own draft has every draft accepted, also with preemption."""
+    """On the GPU (Triton kernels, asynchronous scheduling, CUDA graphs for the target's steps
+    and the draft's one-token steps, or every step eager; split-KV decode plans): a smaller
+    draft keeps greedy output equal, and the target as its own draft has every draft
+    accepted, also with preemption."""
     target, draft = pair
     ps = prompts() + shared_prefix_prompts()
     common = dict(dtype="float32", device="cuda", enforce_eager=enforce_eager)
@@ -621,6 +673,9 @@ def test_gpu_greedy_equals_without_speculation(
     assert generate(small, ps, GREEDY) == want
     m = small.llm_engine.spec_decoder.metrics
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    graphs = small.llm_engine.spec_decoder.proposer.graphs
+    assert (graphs is None) == enforce_eager
+    assert enforce_eager or graphs.replays > 0  # the draft's one-token steps replayed
     assert_pool_clean(small)
     small.shutdown()
     same = draft_llm(target, draft_config(target, 3), num_kv_blocks=14, **common)
