@@ -1,5 +1,5 @@
 """int4 and int8 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's
-register operand (Gluon), for decode batches of up to 64 rows.
+register operand (Gluon), for decode batches of up to 256 rows in int4 and 64 in int8.
 
 Marlin's idea on sm_90: the weights are repacked once, at load, so that what a thread loads
 is already its share of the MMA's left operand; no shuffles and no shared-memory round trip
@@ -32,9 +32,10 @@ The scale is applied where it is cheapest:
 - otherwise (more rows, where the per-group float32 work grows with them): `mul.rn.bf16x2`
   on the fragment, rounding as `asyncengine_kernels.quant_linear.dequantize_weight` does.
 
-The activation slice of a program's K range sits in shared memory for the whole loop (the
-wgmma's second operand), loaded once; the weight words of the next iteration are loaded
-while the current one is multiplied. K is split across programs so that the grid fills the
+Up to 64 rows the activation slice of a program's K range sits in shared memory for the
+whole loop (the wgmma's second operand), loaded once; above, it streams through a ring of
+64-feature chunks, three in flight. The weight words of the next iterations are loaded while
+the current one is multiplied. K is split across programs so that the grid fills the
 GPU at one row; the last split of a tile to arrive adds the others' float32 partial sums
 (`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
 
@@ -72,6 +73,7 @@ __all__ = [
     "BITS",
     "QuantWgmmaConfig",
     "available",
+    "max_rows",
     "pack_quant_wgmma",
     "quant_wgmma_config",
     "quant_wgmma_matmul",
@@ -87,10 +89,21 @@ BITS = (4, 8)  # the code widths served
 # Input features per loop iteration: two chunks, so that the loop's own instructions (the
 # wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
 ITER_K = 2 * CHUNK_K
-MAX_ROWS = 64
-# Shared memory the activation slice of one program may take: 32 rows of 1024 features
-# (the 32-row optimum below), two programs to a multiprocessor at 64 rows.
+MAX_ROWS = 256
+# Up to 64 rows a program copies its whole activation slice into shared memory at once. It
+# may take `X_SLICE_BYTES`: 32 rows of 1024 features (the 32-row optimum below), two programs
+# to a multiprocessor at 64 rows.
+SLICE_MAX_ROWS = 64
 X_SLICE_BYTES = 64 * 1024
+# Above 64 rows the slice streams through a ring of `X_RING` chunks (64 features each, 32 KB
+# at 256 rows), `X_RING - 1` of them in flight, so a split may span all of K: at 128-256 rows
+# the partial sums of short splits would cost as much traffic as the weights. K is split
+# only to give each multiprocessor one program (`RING_PROGRAMS`: o and down have 64 tiles).
+X_RING = 4
+RING_PROGRAMS = 132
+# int8 stops at 64 rows: at 256 its ring form needs more than 255 registers a thread (the
+# 64 x 256 float32 accumulator and three iterations of 16 words), and spills.
+_MAX_ROWS_BY_BITS = {4: MAX_ROWS, 8: SLICE_MAX_ROWS}
 # Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
 # grow (each split's float32 partial sums grow with them), each split at least
 # `MIN_SPLIT_ITERS` iterations long (4 from 16 rows). On the 7B layers (bench_kernels
@@ -105,15 +118,23 @@ MIN_SPLIT_ITERS = 2
 @dataclass(frozen=True)
 class QuantWgmmaConfig:
     """A launch: `rows` (wgmma N, the activation rows padded up), `k_split` input features
-    per program, and where the scale is applied (`scale_on_acc`)."""
+    per program, where the scale is applied (`scale_on_acc`), and the activation ring's
+    chunks (`x_ring`; 0: the whole slice at once)."""
 
     rows: int
     k_split: int
     scale_on_acc: bool
+    x_ring: int = 0
 
     def __str__(self) -> str:
         where = "acc" if self.scale_on_acc else "weights"
-        return f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where})"
+        ring = f", x_ring={self.x_ring}" if self.x_ring else ""
+        return f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}{ring})"
+
+
+def max_rows(bits: int) -> int:
+    """The most activation rows a launch serves for `bits`-bit codes."""
+    return _MAX_ROWS_BY_BITS[bits]
 
 
 def chunk_words(bits: int) -> int:
@@ -144,9 +165,9 @@ def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits
 
 def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
     """Whether `quant_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
-    (`serves_weight`) and at most `MAX_ROWS` rows."""
-    return 0 < x.shape[0] <= MAX_ROWS and serves_weight(x.device, x.dtype, n, k, bits,
-                                                        group_size)  # fmt: skip
+    (`serves_weight`) and at most `max_rows(bits)` rows."""
+    return (bits in BITS and 0 < x.shape[0] <= max_rows(bits)
+            and serves_weight(x.device, x.dtype, n, k, bits, group_size))  # fmt: skip
 
 
 def _groups_fit(k: int, group_size: int) -> bool:
@@ -159,20 +180,27 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     """The launch for M = m rows: rows padded to a power of two from 8; K split so that the
     grid reaches about `TARGET_PROGRAMS` programs (fewer past 8 rows), each split whole
     groups (or whole iterations when a group spans several splits) and its activation slice
-    within `X_SLICE_BYTES`; the scale on the accumulator up to 16 rows unless told."""
+    within `X_SLICE_BYTES`; above `SLICE_MAX_ROWS` rows the slice streams through a ring and
+    K is split only up to `RING_PROGRAMS` programs. The scale on the accumulator up to 16
+    rows unless told."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > MAX_ROWS:
         raise ValueError(f"quant_wgmma serves up to {MAX_ROWS} rows, got {m}")
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
+    if scale_on_acc is None:
+        scale_on_acc = rows <= 16
+    if rows > SLICE_MAX_ROWS:
+        want = max(1, -(-RING_PROGRAMS // (n // BLOCK_N)))
+        per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
+        return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
+                                x_ring=X_RING)  # fmt: skip
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
     want = max(1, programs // (n // BLOCK_N))
     least = MIN_SPLIT_ITERS if rows <= 8 else 2 * MIN_SPLIT_ITERS
     per_split = max(least, math.ceil(iters / want))
     per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
-    if scale_on_acc is None:
-        scale_on_acc = rows <= 16
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
 
 
@@ -394,6 +422,7 @@ if _GLUON:
         stride_xm, stride_ym, BITS: gl.constexpr, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
+        X_RING: gl.constexpr = 0,
     ):  # fmt: skip
         """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module)."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -445,20 +474,28 @@ if _GLUON:
                                       is_pure=False, pack=1)  # fmt: skip
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                       dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-        # The activation slice as 64-deep wgmma operands, copied once, asynchronously: every
-        # chunk's copy is in flight at once (the weights' first loads already are).
-        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
         offs_xr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, x_l))
         offs_xk = gl.arange(0, _CHUNK_K, layout=gl.SliceLayout(0, x_l))
         x_at = x_ptr + offs_xr[:, None] * stride_xm + (first * _ITER_K + offs_xk)[None, :]
         x_mask = (offs_xr < M)[:, None]
-        for i in range(2 * n_iters):
-            _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
-        async_copy.commit_group()
-
-        async_copy.wait_group(0)
-        fence_async_shared()
-        _sync_threads()
+        n_chunks = 2 * n_iters
+        if X_RING == 0:
+            # The activation slice as 64-deep wgmma operands, copied once, asynchronously:
+            # every chunk's copy is in flight at once (the weights' first loads already are).
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
+            for i in range(n_chunks):
+                _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            _sync_threads()
+        else:
+            # A ring of X_RING chunks: the first X_RING - 1 requested now, one group each.
+            xs = gl.allocate_shared_memory(gl.bfloat16, [X_RING, ROWS, _CHUNK_K], b_l)
+            for c in gl.static_range(X_RING - 1):
+                if c < n_chunks:
+                    _copy_async(xs.index(c), x_at + c * _CHUNK_K, x_mask)
+                async_copy.commit_group()
         for it in range(n_iters):
             step = first + it
             ahead = gl.minimum(2 * (step + 2), last)
@@ -477,18 +514,19 @@ if _GLUON:
             else:
                 a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
                 a1 = _operand8(words1, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
-            x0 = xs.index(2 * it).permute((1, 0))
-            x1 = xs.index(2 * it + 1).permute((1, 0))
+            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
             if SCALE_ON_ACC:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc_g = warpgroup_mma(a1, x1, acc_g)
                 if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
                     s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                     acc += acc_g * s[:, None]
             else:
                 acc = warpgroup_mma(a0, x0, acc)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc = warpgroup_mma(a1, x1, acc)
             words0 = next0
             words1 = next1
@@ -513,6 +551,25 @@ if _GLUON:
                 _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
         else:
             _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
+
+    @gluon.jit
+    def _x_chunk(xs, x_at, x_mask, c, n_chunks, X_RING: gl.constexpr):
+        """Chunk c of the activation slice as wgmma's B operand [64, ROWS]. From a ring
+        (X_RING > 0): first request chunk c + X_RING - 1 into the slot chunk c - 1 left
+        (its wgmma has completed: they are synchronous), then wait for chunk c, whose group
+        is X_RING - 1 groups back (empty groups keep the count past the last chunk)."""
+        if X_RING == 0:
+            chunk = xs.index(c)
+        else:
+            ahead = c + X_RING - 1
+            if ahead < n_chunks:
+                _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
+            async_copy.commit_group()
+            async_copy.wait_group(X_RING - 1)
+            fence_async_shared()
+            _sync_threads()  # every thread's copies of chunk c have landed
+            chunk = xs.index(c % X_RING)
+        return chunk.permute((1, 0))
 
     @gluon.jit
     def _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym,
@@ -550,6 +607,8 @@ def quant_wgmma_matmul(
     if not _groups_fit(k, group_size):
         raise ValueError(f"quant_wgmma needs K={k} and its groups of {group_size} in whole "
                          f"{ITER_K}-feature iterations")  # fmt: skip
+    if m > max_rows(bits):
+        raise ValueError(f"quant_wgmma serves up to {max_rows(bits)} rows in int{bits}, got {m}")
     config = config or quant_wgmma_config(m, n, k, group_size)
     if m > config.rows:
         raise ValueError(f"{config} serves at most {config.rows} rows, got {m}")
@@ -571,7 +630,8 @@ def quant_wgmma_matmul(
         words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
         x.stride(0), y.stride(0), BITS=bits, ROWS=config.rows, K_SPLIT=config.k_split,
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
-        SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl, num_warps=4,
+        SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl,
+        X_RING=config.x_ring, num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip
     return y

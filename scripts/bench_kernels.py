@@ -640,7 +640,7 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
                 emit("quant", {**case, "impl": str(gcfg)}, ms, nbytes=nbytes)
 
 
-WGMMA_ROWS = (1, 2, 4, 8, 16, 32, 64)
+WGMMA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # int8: up to 64
 
 
 def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
@@ -648,13 +648,14 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     """int4 or int8 at decode batch sizes, kernel against kernel on one weight (cycled over
     copies so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm, int4
     only), the fastest of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner
-    would find it), and the wgmma kernel at its default launch and with the scale on either
-    side."""
+    would find it), dequantize + cuBLAS above 64 rows (the plans' pick there so far), and
+    the wgmma kernel at its default launch and with the scale on either side."""
     import torch.nn.functional as F
 
     from asyncengine_kernels import quant_wgmma as wg
     from asyncengine_kernels.gemv_split_k import gemv_counters
     from asyncengine_kernels.quant_linear import (
+        dequantize_weight_triton,
         quant_gemm,
         quant_gemm_candidates,
         quant_gemv,
@@ -669,12 +670,16 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     counters = gemv_counters(64, n, "cuda")
     cycling = _cycle_over
 
-    for rows in rows_list:
+    for rows in (r for r in rows_list if r <= wg.max_rows(bits)):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         nbytes, flops = wbytes + 2 * rows * (n + k), 2 * rows * n * k
         case = {**shape, "rows": rows}
         ms = bench(cycling(lambda w, x=x: F.linear(x, w), dense))
         emit(kernel, {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k, flops=flops)
+        if rows > wg.SLICE_MAX_ROWS:
+            ms = bench(cycling(lambda w, s, z, x=x: x @ dequantize_weight_triton(
+                w, s, z, bits, group, x.dtype), weights))
+            emit(kernel, {**case, "impl": "dequantize + cublas"}, ms, nbytes=nbytes, flops=flops)
         if bits == 4:
             ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(
                 x, w, group, sz), tiny))
@@ -696,7 +701,7 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
             base = wg.quant_wgmma_config(rows, n, k, group, scale_on_acc=on_acc)
             for factor in (0.5, 1, 2):
                 k_split = max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
-                launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc))
+                launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc, base.x_ring))
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(
                 x, w, s, z, group, None, c, counters, bits=bits, has_zero=False), packed))

@@ -106,7 +106,7 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
-    if has_wgmma_copy(layer) and rows <= quant_wgmma.MAX_ROWS:
+    if has_wgmma_copy(layer) and rows <= quant_wgmma.max_rows(layer.quant_config.bits):
         kinds.append(QuantWgmma())
     return kinds
 
@@ -154,12 +154,14 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # of four matmuls 57.0 us against 87.0 at 2 rows, 58.3 / 126.6 at 4, 61.2 / 130.7 at 8,
 # 75.7 / 131.1 at 16; at 32 rows 105 / 174, where it beats bf16 cuBLAS's 116). At one row
 # the at-once GEMVs won q/k/v, o and down (52.8 us a layer against its 54.7; it won
-# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237).
+# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237). Its ring
+# form (128-256 rows, int4 only) is timed beside the 256-row step's kinds: not yet measured.
 _FROM_5_ROWS = (
     IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True),
     IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
             wgmma=True),
-    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True),
+    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
+            wgmma=True),
     IntRule(None, dequantize=True),
 )
 # int8's wgmma path is not yet measured on the H200: it is timed beside the kinds that won
@@ -211,7 +213,8 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     names it or nothing else fits."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
-    wgmma = rule.wgmma and has_wgmma_copy(layer) and rows <= quant_wgmma.MAX_ROWS
+    wgmma = (rule.wgmma and has_wgmma_copy(layer)
+             and rows <= quant_wgmma.max_rows(layer.quant_config.bits))  # fmt: skip
     if wgmma and rule.wgmma_alone:
         return [QuantWgmma()]
     kinds: list[MatmulKind] = []

@@ -14,7 +14,10 @@ from asyncengine_kernels.quant_linear import pack_int_weight, quant_matmul_ref
 from asyncengine_kernels.quant_wgmma import (
     ITER_K,
     MAX_ROWS,
+    RING_PROGRAMS,
+    X_RING,
     X_SLICE_BYTES,
+    max_rows,
     pack_quant_wgmma,
     quant_wgmma_config,
     quant_wgmma_matmul,
@@ -154,9 +157,33 @@ def test_config_fills_the_gpu_at_one_row() -> None:
     assert (4096 // 64) * (4096 // cfg.k_split) >= 132 * 4
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(65, 12288, 4096), (128, 4096, 4096),
+                                            (200, 22016, 4096), (256, 4096, 11008)])
+def test_config_streams_the_activations_above_64_rows(m: int, n: int, k: int) -> None:
+    """Above 64 rows the slice goes through the ring and K is split only to give each
+    multiprocessor a program: whole groups, no split where the tiles already fill the GPU."""
+    cfg = quant_wgmma_config(m, n, k, 128)
+    assert cfg.x_ring == X_RING and cfg.rows in (128, 256) and cfg.rows >= m
+    assert not cfg.scale_on_acc and cfg.k_split % 128 == 0
+    splits = -(-k // cfg.k_split)
+    tiles = n // 64
+    assert splits == 1 if tiles >= RING_PROGRAMS else tiles * splits >= RING_PROGRAMS
+    assert (splits - 1) * cfg.k_split < k
+    assert X_RING * cfg.rows * 64 * 2 <= 128 * 1024  # the ring's shared memory
+
+
 def test_config_refuses_more_rows_than_it_serves() -> None:
-    with pytest.raises(ValueError, match="up to 64 rows"):
+    with pytest.raises(ValueError, match="up to 256 rows"):
         quant_wgmma_config(MAX_ROWS + 1, 4096, 4096, 128)
+
+
+def test_int8_stops_at_64_rows_before_launching() -> None:
+    assert max_rows(4) == MAX_ROWS and max_rows(8) == 64
+    words = pack_quant_wgmma(pack_int_weight(_codes(64, 256, bits=8), 8), 8)
+    s = torch.ones(2, 64, dtype=torch.bfloat16)
+    z = torch.full((2, 64), 128.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="up to 64 rows in int8"):
+        quant_wgmma_matmul(torch.zeros(65, 256, dtype=torch.bfloat16), words, s, z, 128, bits=8)
 
 
 def test_supported_only_on_sm90_bf16_whole_groups() -> None:
@@ -216,6 +243,27 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
     cfg = quant_wgmma_config(m, n, k, group, scale_on_acc=scale_on_acc)
     ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group).float()
     got = quant_wgmma_matmul(x, words, scales, zeros, group, config=cfg, bits=bits).float()
+    err = (got - ref).abs().max().item()
+    assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [65, 128, 130, 256])
+@pytest.mark.parametrize(("n", "k", "group", "symmetric"),
+                         [(4096, 4096, 128, True), (1024, 11008, 128, False),
+                          (512, 4096, 4096, False)])  # fmt: skip
+def test_gpu_ring_rows_match_reference(m: int, n: int, k: int, group: int,
+                                       symmetric: bool) -> None:  # fmt: skip
+    """int4 at 65-256 rows: the activations through the ring, split K where the tiles are
+    few (n = 512, 1024) and not where they are many, with bias."""
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    cfg = quant_wgmma_config(m, n, k, group)
+    assert cfg.x_ring
+    ref = quant_matmul_ref(x, qweight, scales, zeros, 4, group, bias).float()
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight), scales, zeros, group, bias).float()
     err = (got - ref).abs().max().item()
     assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
 

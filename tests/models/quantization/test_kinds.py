@@ -187,34 +187,33 @@ def test_short_rows_keep_a_gemv_that_reads_the_whole_row(monkeypatch: pytest.Mon
     assert _names(tuning_kinds(_shape(2048, 2048), 1))[0] == "GEMV gemv n32 k128x2 at once w1 pairs"
 
 
-def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_64_rows(
+def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_256_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """A layer holding the codes packed for `QuantWgmma` has it timed at every ladder step
-    it serves (1-64 rows): beside the rules' other kinds at 1 and 64 rows, alone at 2-16
-    (where it won every 7B layer); without the copy, never."""
+    it serves (1-256 rows): beside the rules' other kinds at 1, 64 and 256 rows, alone at
+    2-16 (where it won every 7B layer); without the copy, never."""
     monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
     plain = _shape(128, 4096, cuda=True)
     layer = _shape(128, 4096, cuda=True)
     layer.wgmma_words = torch.empty(0, dtype=torch.int32)
-    for rows in (1, 64):
+    for rows in (1, 64, 256):
         got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
         assert [k for k in got if not isinstance(k, QuantWgmma)] == without, rows
         assert sum(isinstance(k, QuantWgmma) for k in got) == 1, rows
     for rows in (2, 4, 8, 16):
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
-    for rows in (1, 2, 4, 8, 16, 64):
+    for rows in (1, 2, 4, 8, 16, 64, 256):
         assert QuantWgmma() in all_int_kinds(layer, rows)
-    for rows in (256, 1024):
-        assert tuning_kinds(layer, rows) == tuning_kinds(plain, rows)
-        assert QuantWgmma() not in all_int_kinds(layer, rows)
+    assert tuning_kinds(layer, 1024) == tuning_kinds(plain, 1024)
+    assert QuantWgmma() not in all_int_kinds(layer, 1024)
 
 
 def test_int8_layers_time_the_wgmma_copy_beside_the_measured_winners(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """int8's wgmma path, not yet measured, is timed at every step up to 64 rows, always
-    beside the kinds the rules name without it."""
+    """int8's wgmma path, not yet measured, is timed at every step up to 64 rows (its most),
+    always beside the kinds the rules name without it."""
     monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
     plain = _shape(128, 4096, bits=8, cuda=True)
     layer = _shape(128, 4096, bits=8, cuda=True)
@@ -263,6 +262,6 @@ def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int) -> N
     )  # fmt: skip
     pack_wgmma_copy(layer)
     assert layer.wgmma_has_zero == (not sym)
-    for rows in (1, 5, 16, 64):
+    for rows in (1, 5, 16, 64) + ((200, 256) if bits == 4 else ()):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         assert agrees_with_reference(QuantWgmma(), layer, x, None), rows
