@@ -11,6 +11,7 @@ an odd number of token ids, say) would compile a second kernel variant mid-servi
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -58,7 +59,8 @@ class StepHeader:
     def from_ints(cls, values: list[int]) -> StepHeader:
         """The header from `to_ints`' values (and anything after them, ignored)."""
         fields = dataclasses.fields(cls)
-        kinds = [bool if f.type in ("bool", bool) else int for f in fields]
+        hints = typing.get_type_hints(cls)  # the annotations are strings here (PEP 563)
+        kinds = [hints[f.name] for f in fields]  # int or bool, each a constructor
         return cls(*(kind(v) for kind, v in zip(kinds, values[: len(fields)], strict=True)))
 
 

@@ -31,6 +31,16 @@ def _float(name: str, default: float) -> float:
         raise ValueError(f"${PREFIX}{name} must be a number, got {raw!r}") from None
 
 
+def _int(name: str, default: int) -> int:
+    raw = _get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${PREFIX}{name} must be an integer, got {raw!r}") from None
+
+
 def _flag(name: str) -> bool:
     raw = _get(name)
     if raw is None:
@@ -90,7 +100,7 @@ def test_timeout_factor() -> float:
 
 def fuzz_seed() -> int:
     """Seed of the protocol fuzzer, so a failing run can be replayed."""
-    return int(_float("FUZZ_SEED", 20250601))
+    return _int("FUZZ_SEED", 20250601)
 
 
 def reliability_report() -> Path | None:

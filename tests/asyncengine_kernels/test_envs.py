@@ -43,6 +43,14 @@ def test_malformed_number_names_the_variable(monkeypatch: pytest.MonkeyPatch) ->
         envs.tp_timeout_s()
 
 
+def test_integer_variables_take_integers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_FUZZ_SEED", "12345678901234567")  # past float's precision
+    assert envs.fuzz_seed() == 12345678901234567
+    monkeypatch.setenv("ASYNCENGINE_FUZZ_SEED", "1.5")
+    with pytest.raises(ValueError, match="ASYNCENGINE_FUZZ_SEED must be an integer"):
+        envs.fuzz_seed()
+
+
 def test_every_variable_is_documented() -> None:
     table = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
     source = Path(envs.__file__).read_text()
