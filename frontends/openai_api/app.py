@@ -50,7 +50,7 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.stat_loggers import PrometheusStatLogger
 from asyncengine.structured_outputs.frontend import compile_constraint
 from frontends.openai_api import schemas
-from frontends.openai_api.errors import ApiError
+from frontends.openai_api.errors import ApiError, api_error
 from frontends.openai_api.responses import (
     ChatMapper,
     CompletionMapper,
@@ -389,7 +389,7 @@ class OpenAIApp:
         except EngineDeadError as exc:
             for s in streams:
                 s.close()
-            raise ApiError.of(ErrorCode.ENGINE_ERROR, str(exc)) from None
+            raise api_error(exc) from None
         except BaseException:
             for s in streams:
                 s.close()
@@ -447,13 +447,8 @@ class OpenAIApp:
                     mapper.add_prompt_logprobs(i, out.prompt_logprobs)
                 for comp in out.outputs:
                     mapper.chunk(i * submitted.n + comp.index, comp)
-        except RequestError as exc:
-            raise ApiError.from_request_error(exc) from None
-        except RequestFailedError as exc:
-            raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, ErrorCode.ENGINE_ERROR,
-                           str(exc)) from None
-        except EngineDeadError as exc:
-            raise ApiError.of(ErrorCode.ENGINE_ERROR, str(exc)) from None
+        except (RequestError, RequestFailedError, EngineDeadError) as exc:
+            raise api_error(exc) from None
         finally:
             self._release(submitted)
 
@@ -477,7 +472,7 @@ class OpenAIApp:
             if include_usage:
                 yield sse_event(mapper.usage_chunk())
         except Exception as exc:
-            err = _stream_error(exc)
+            err = api_error(exc)  # the stream began: the error is its last event
             self.count_refusal(err)
             yield sse_event(err.body())
         finally:
@@ -500,18 +495,6 @@ class OpenAIApp:
         if task.cancelled():
             raise ClientDisconnect()
         task.result()
-
-
-def _stream_error(exc: Exception) -> ApiError:
-    """What a stream that already began says when it fails."""
-    if isinstance(exc, RequestError):
-        return ApiError.from_request_error(exc)
-    if isinstance(exc, EngineDeadError):
-        return ApiError.of(ErrorCode.ENGINE_ERROR, str(exc))
-    if isinstance(exc, RequestFailedError):
-        return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, ErrorCode.ENGINE_ERROR, str(exc))
-    logger.error("unexpected error in a stream", exc_info=exc)
-    return ApiError.of(ErrorCode.INTERNAL_ERROR, "internal server error")
 
 
 async def _wait_disconnect(receive: Receive) -> None:

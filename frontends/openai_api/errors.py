@@ -4,15 +4,20 @@ The HTTP status follows the typed error's stable `code` (`asyncengine.errors.Err
 which is also the body's `code`, as on the WebSocket: 400 for a bad body or parameter (the
 parameter in `param`), 401 for a missing or wrong key, 404 for an unknown model or path,
 429 with `Retry-After` when the waiting queue is full, 503 when the engine cannot serve.
+`api_error` is the one mapping from what serving a request may raise to the answer.
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 import msgspec
 
+from asyncengine.async_engine import EngineDeadError, RequestFailedError
 from asyncengine.errors import ErrorCode, RequestError
+
+logger = logging.getLogger(__name__)
 
 # Seconds a client is asked to wait before retrying a request refused for a full queue.
 RETRY_AFTER_S = 1
@@ -77,3 +82,20 @@ class ApiError(Exception):
         kind = _TYPE.get(HTTPStatus(self.status), "invalid_request_error")
         return ErrorBody(error=ErrorDetail(message=self.message, type=kind, param=self.param,
                                            code=str(self.code)))
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The answer to an error raised while serving a request: an `ApiError` as it is; a
+    typed refusal with its code's status; `engine_error` (the WebSocket protocol's code too)
+    with 503 when the engine is dead and 500 when it failed this request alone and serves on;
+    anything else is a server bug, logged, and answered 500 `internal_error`."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ApiError.from_request_error(exc)
+    if isinstance(exc, EngineDeadError):
+        return ApiError.of(ErrorCode.ENGINE_ERROR, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, ErrorCode.ENGINE_ERROR, str(exc))
+    logger.error("unexpected error serving a request", exc_info=exc)
+    return ApiError.of(ErrorCode.INTERNAL_ERROR, "internal server error")

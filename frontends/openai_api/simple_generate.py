@@ -26,11 +26,10 @@ from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from frontends.openai_api.app import (
     EventStreamResponse,
     OpenAIApp,
-    _stream_error,
     _Submitted,
     json_response,
 )
-from frontends.openai_api.errors import ApiError
+from frontends.openai_api.errors import ApiError, api_error
 from frontends.openai_api.responses import new_id
 
 # SamplingParams fields a body may set (`output_kind` is this endpoint's to choose).
@@ -100,7 +99,7 @@ async def generate(api: OpenAIApp, request: Request) -> Response:
     try:
         await api._until_disconnect(request, collect())
     except (RequestError, RequestFailedError, EngineDeadError) as exc:
-        raise _stream_error(exc) from None
+        raise api_error(exc) from None
     texts = _texts(prompt, last[0], params.n) if last else {"text": [prompt] * params.n}
     return json_response(texts)
 
@@ -110,7 +109,7 @@ async def _stream(api: OpenAIApp, prompt: str, submitted: _Submitted) -> AsyncIt
         async for _, out in api._outputs(submitted):
             yield _encoder.encode(_texts(prompt, out, submitted.n)) + _SEPARATOR
     except Exception as exc:  # the stream began: the error is its last object
-        err = _stream_error(exc)
+        err = api_error(exc)
         api.count_refusal(err)
         yield _encoder.encode(err.body()) + _SEPARATOR
     finally:
