@@ -298,6 +298,24 @@ class AsyncLLMEngine:
         return int(self.engine.max_model_len)
 
     @property
+    def model_dir(self) -> Any:
+        """The directory the model was loaded from (the embedded model's, without `model`)."""
+        return self.engine.model_dir
+
+    @property
+    def requested_model(self) -> str | None:
+        """`EngineArgs.model` as given (None: the embedded default model)."""
+        return getattr(self.engine.args, "model", None)
+
+    @property
+    def device(self) -> Any:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> Any:
+        return self.engine.dtype
+
+    @property
     def block_pool(self) -> Any:
         """The engine's KV block pool (read-only use from the loop: counts, sizes)."""
         return self.engine.pool
@@ -341,11 +359,13 @@ class AsyncLLMEngine:
         return list(self._require_tokenizer("prompt").encode(
             text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: list[dict[str, str]], *,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` under the model's chat template."""
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None, *,
+                    add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+        """Token ids of `messages` under the model's chat template (`tools` to templates that
+        take them)."""
         return self.engine.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt)
+            messages, tools, add_generation_prompt=add_generation_prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (special tokens included, as vLLM's `/detokenize`)."""

@@ -242,10 +242,9 @@ async def serve(ns: argparse.Namespace) -> None:
     args = engine_args_from(ns)
     logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
     engine = AsyncLLMEngine.from_engine_args(args)
-    llm = engine.engine
     pool = engine.block_pool
     logger.info("model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
-                engine.model_name, getattr(llm, "device", "?"), getattr(llm, "dtype", "?"),
+                engine.model_name, engine.device, engine.dtype,
                 pool.num_blocks, pool.block_size, engine.max_model_len)
 
     # The HTTP API starts once the WebSocket server listens (it shares its metrics) and

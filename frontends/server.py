@@ -465,11 +465,10 @@ class EngineServer(ListeningAddress):
             if msg.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in msg.messages]
                 size = sum(len(m["content"]) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
-                ids = await _maybe_in_thread(size, engine.engine.apply_chat_template, messages)
+                ids = await _maybe_in_thread(size, engine.encode_chat, messages)
             else:
                 assert msg.prompt is not None
-                ids = await _maybe_in_thread(len(msg.prompt), engine.engine.tokenize,
-                                             msg.prompt)
+                ids = await _maybe_in_thread(len(msg.prompt), engine.encode, msg.prompt)
         except RequestError:
             raise
         except ValueError as exc:  # the tokenizer's own complaint

@@ -252,7 +252,7 @@ class OpenAIApp:
         return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _card(self) -> ModelCard:
-        root = getattr(self.engine.engine, "model_dir", None)
+        root = self.engine.model_dir
         return ModelCard(id=self.model_name, created=self._created,
                          root=str(root) if root else None,
                          max_model_len=self.engine.max_model_len)
@@ -338,7 +338,7 @@ class OpenAIApp:
                                       "ids", field="prompt")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
-        return list(await _maybe_in_thread(len(prompt), self.engine.engine.tokenize, prompt))
+        return await _maybe_in_thread(len(prompt), self.engine.encode, prompt)
 
     async def _compile_constraint(self, params: SamplingParams) -> None:
         """Compile the request's grammar (in a worker thread, within the time limit) before
@@ -351,8 +351,7 @@ class OpenAIApp:
         size = sum(len(str(m["content"])) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
         size += len(str(tools)) if tools else 0
         try:
-            ids = await _maybe_in_thread(size, self.engine.engine.apply_chat_template, messages,
-                                         tools)
+            ids = await _maybe_in_thread(size, self.engine.encode_chat, messages, tools)
         except RequestError:
             raise
         except (TemplateError, ValueError, TypeError, KeyError) as exc:

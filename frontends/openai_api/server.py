@@ -64,7 +64,7 @@ def served_model_name(engine: AsyncLLMEngine, configured: str | None) -> str:
     """The model id clients send: as configured, else the model path's last part."""
     if configured:
         return configured
-    model = getattr(getattr(engine.engine, "args", None), "model", None)
+    model = engine.requested_model
     if not model:
         return _EMBEDDED_MODEL_ID
     return Path(model).name or str(model)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from asyncengine.async_engine import (
     AsyncLLMEngine,
@@ -506,3 +507,19 @@ async def test_engine_built_on_its_thread_stops_without_ever_serving(
     assert eng._thread is not None and eng._thread.is_alive()
     await eng.shutdown(timeout=10 * UNIT)
     assert not eng._thread.is_alive()
+
+
+async def test_front_ends_reach_the_model_and_tokenizer_through_the_engine(
+    engine: AsyncLLMEngine, tiny_llama_dir: Path,
+) -> None:  # fmt: skip
+    """What a front end needs of the model (its directory, the `model` it was asked for,
+    device and dtype) and of the tokenizer (text and chat prompts, tools passed on to the
+    template), without reaching into the engine it wraps."""
+    assert engine.model_dir == tiny_llama_dir and engine.requested_model == str(tiny_llama_dir)
+    assert str(engine.device) == "cpu" and engine.dtype == torch.float32
+    assert engine.encode("Numbers 0 1 2") == list(engine.tokenizer.encode("Numbers 0 1 2"))
+    messages = [{"role": "user", "content": "hi"}]
+    want = engine.engine.apply_chat_template(messages)
+    assert want and all(isinstance(i, int) for i in want)
+    assert engine.encode_chat(messages) == want
+    assert engine.encode_chat(messages, [{"type": "function", "function": {"name": "f"}}]) == want
