@@ -21,24 +21,22 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _float(name: str, default: float) -> float:
+def _number(name: str, default: float, kind: type[float] | type[int], what: str) -> float:
     raw = _get(name)
     if raw is None:
         return default
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"${PREFIX}{name} must be a number, got {raw!r}") from None
+        raise ValueError(f"${PREFIX}{name} must be {what}, got {raw!r}") from None
+
+
+def _float(name: str, default: float) -> float:
+    return _number(name, default, float, "a number")
 
 
 def _int(name: str, default: int) -> int:
-    raw = _get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"${PREFIX}{name} must be an integer, got {raw!r}") from None
+    return int(_number(name, default, int, "an integer"))
 
 
 def _flag(name: str) -> bool:
