@@ -55,6 +55,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
     ),
+    # A draft model for Llama-2-7B: Llama-160M's shape (12 layers of 768), Llama-2's vocabulary.
+    "llama-160m": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    ),
     # A small shape for smoke runs.
     "tiny": dict(
         architectures=["LlamaForCausalLM"],

@@ -11,6 +11,11 @@ verify step's mechanics on the 7B shape (GPU).
     # throughput with and without speculation as the batch grows (W1-like decode)
     python -m scripts.bench_spec_decode gpu --shape llama2-7b
 
+    # GPU, the draft model's cost: a Llama-160M-shape draft (dummy weights, Llama-2's
+    # vocabulary) for the 7B shape, milliseconds per proposal of k drafts with the draft's
+    # CUDA graphs and without (enforce_eager), at batch 1 and 8
+    python -m scripts.bench_spec_decode draft
+
 Each line of output is one JSON record.
 """
 
@@ -392,6 +397,51 @@ def run_gpu(args: argparse.Namespace) -> None:
     llm.llm_engine.shutdown()
 
 
+def run_draft(args: argparse.Namespace) -> None:
+    """Milliseconds per proposal (the draft's catch-up forward, then k - 1 one-token steps)
+    with the draft's one-token steps in CUDA graphs and eagerly, the same requests each
+    time. Dummy weights accept next to nothing, so this times the draft's work alone: each
+    proposal is timed by itself (the device synchronized around it), and the median
+    reported, which the catch-up of a fresh prompt does not move."""
+    import statistics
+
+    import torch
+
+    from scripts.bench_common import dummy_model_dir
+
+    target, draft = dummy_model_dir(args.shape), dummy_model_dir(args.draft_shape)
+    spec = {"model": str(draft), "load_format": "dummy", "num_speculative_tokens": args.k,
+            "max_draft_tokens_per_step": args.k * max(args.batches)}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for eager in (False, True):
+        llm = LLM(str(target), load_format="dummy", skip_tokenizer_init=True,
+                  speculative_config=spec, enforce_eager=eager,
+                  max_num_seqs=max(args.batches))  # fmt: skip
+        proposer = llm.llm_engine.spec_decoder.proposer
+        timings: list[float] = []
+        propose = proposer.propose
+
+        def timed(requests: Any, num_drafts: Any, propose: Any = propose,
+                  timings: list[float] = timings) -> Any:  # fmt: skip
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = propose(requests, num_drafts)
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - t0)
+            return out
+
+        proposer.propose = timed
+        for batch in args.batches:
+            timings.clear()
+            llm.generate(_prompts(batch, args.prompt_len, args.vocab), params, use_tqdm=False)
+            ms = 1e3 * statistics.median(timings) if timings else None
+            emit({"bench": "draft proposal", "draft_graphs": not eager, "batch": batch,
+                  "k": args.k, "target": args.shape, "draft": args.draft_shape,
+                  "proposals": len(timings), "ms_per_proposal": ms,
+                  "graph_replays": 0 if proposer.graphs is None else proposer.graphs.replays})
+        llm.llm_engine.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -413,9 +463,19 @@ def main() -> None:
     gpu.add_argument("--profile-k", type=int, nargs="+", default=[4],
                      help="draft counts --host-profile profiles, one after another")
     gpu.add_argument("--top", type=int, default=30, help="functions listed per profile order")
+    draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")
+    draft.add_argument("--shape", default="llama2-7b")
+    draft.add_argument("--draft-shape", default="llama-160m")
+    draft.add_argument("--k", type=int, default=4)
+    draft.add_argument("--vocab", type=int, default=32000)
+    draft.add_argument("--prompt-len", type=int, default=128)
+    draft.add_argument("--max-tokens", type=int, default=64)
+    draft.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
     if args.mode == "cpu":
         run_cpu(args)
+    elif args.mode == "draft":
+        run_draft(args)
     elif args.host_profile:
         run_host_profile(args)
     else:

@@ -153,12 +153,14 @@ elif [ "$phase" = router ]; then  # issue #32 item 5: does cache-aware routing p
   grep '^{' "$OUT/router.txt" >> "$OUT/serving.jsonl" || true
 elif [ "$phase" = spec ]; then  # engine GPU tests (greedy = HF, graphs, prompt logprobs, spec
   # decode); speculative decoding: verify step k = 1..8, latency at acceptance 0 / 0.5 / 0.7 /
-  # 0.9, throughput by batch (7B shape, dummy weights)
+  # 0.9, throughput by batch (7B shape, dummy weights); a 160M draft's cost per proposal
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_gpu_engine.py \
     tests/asyncengine/test_cuda_graphs.py tests/asyncengine/test_prompt_logprobs.py \
     tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   python3 -m scripts.bench_spec_decode gpu --shape llama2-7b 2>>"$OUT/bench.log" \
     | tee "$OUT/spec_decode.jsonl"
+  # The draft model's cost per proposal, its one-token steps in CUDA graphs and eager.
+  python3 -m scripts.bench_spec_decode draft 2>>"$OUT/bench.log" | tee "$OUT/spec_draft.jsonl"
 elif [ "$phase" = rows ]; then  # few-row matmuls and speculative decoding: their GPU tests,
   # the verify step and latency by acceptance, L1 and W1, the few-row kernels against cuBLAS
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_skinny_gemm.py \

@@ -81,3 +81,15 @@ def test_throughput_floor_uses_the_shared_one() -> None:
     assert shared["weights_s"] == pytest.approx(math.ceil(16 / 2) * 2 * PARAMS / PEAK_BW)
     separate = floor_seconds(dict(w, shared_prompts=False), concurrency=2)
     assert separate["prefill_s"] == pytest.approx(2 * shared["prefill_s"])
+
+
+def test_the_draft_shape_is_a_valid_draft_for_the_7b_shape() -> None:
+    """`bench_spec_decode draft`'s pair: the engine's start-up check accepts it (same
+    vocabulary, fewer parameters), so the benchmark times a draft the engine would take."""
+    from asyncengine.spec_decode.draft_model import check_draft_config, num_parameters
+    from models.config import ModelConfig
+
+    draft = ModelConfig.from_dir(bench_common.dummy_model_dir("llama-160m"))
+    target = ModelConfig.from_dir(bench_common.dummy_model_dir("llama2-7b"))
+    check_draft_config(draft, target)
+    assert 150e6 < num_parameters(draft) < 170e6
