@@ -44,7 +44,7 @@ from asyncengine_kernels.kv_cache_write import as_bytes
 from asyncengine_kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
-from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_decode_gemvs
+from models.linear_tuning import describe_matmul_plans, tune_cpu_linears, tune_gpu_linears
 
 if TYPE_CHECKING:
     from asyncengine.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -413,7 +413,7 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda":
-            tune_decode_gemvs(self.model)
+            tune_gpu_linears(self.model)
             for line in describe_matmul_plans(self.model):
                 logger.info("matmul plan %s", line)
         else:

@@ -14,7 +14,7 @@ Likewise it can apply SiLU-and-mul to its own output (`glu`): a program owns the
 of the gate and the up halves of a [gate; up] weight, so the MLP's gate/up projection
 hands the down projection its activated input with no kernel in between.
 
-A second, persistent form (`GemvConfig.kind == "whole_row"`, `PERSISTENT_GEMV_CONFIGS`)
+A second, persistent form (`GemvConfig.form == "whole_row"`, `PERSISTENT_GEMV_CONFIGS`)
 launches a few programs per multiprocessor; each forms the whole input row once and streams
 whole row blocks of W against it, so the input transform is not repeated per row block. The
 tuner times it beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long
@@ -63,12 +63,12 @@ __all__ = [
 class GemvConfig:
     """One launch configuration of the batch-1 GEMV.
 
-    kind "tiled": each program owns `block_n` rows and walks K in `block_k` tiles
-    (`_gemv_kernel`). kind "whole_row": a persistent grid of at most `programs_per_sm`
+    form "tiled": each program owns `block_n` rows and walks K in `block_k` tiles
+    (`_gemv_kernel`). form "whole_row": a persistent grid of at most `programs_per_sm`
     programs per multiprocessor (fewer where fewer stay resident), each holding the whole
     input row and streaming `block_n` whole rows of W at a time (`_gemv_rows_kernel`)."""
 
-    kind: Literal["tiled", "whole_row"]
+    form: Literal["tiled", "whole_row"]
     block_n: int
     num_warps: int
     num_stages: int
@@ -79,13 +79,13 @@ class GemvConfig:
     pairs: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tiled", "whole_row"):
-            raise ValueError(f"unknown GEMV kind {self.kind!r} (tiled, whole_row)")
-        if self.kind == "tiled" and self.block_k <= 0:
+        if self.form not in ("tiled", "whole_row"):
+            raise ValueError(f"unknown GEMV form {self.form!r} (tiled, whole_row)")
+        if self.form == "tiled" and self.block_k <= 0:
             raise ValueError("a tiled GEMV config needs block_k > 0")
-        if self.kind == "whole_row" and self.programs_per_sm <= 0:
+        if self.form == "whole_row" and self.programs_per_sm <= 0:
             raise ValueError("a whole-row GEMV config needs programs_per_sm > 0")
-        if self.pairs and self.kind != "whole_row":
+        if self.pairs and self.form != "whole_row":
             raise ValueError("half-precision pairs are a whole-row GEMV option")
 
     @classmethod
@@ -101,10 +101,10 @@ class GemvConfig:
                    pairs=pairs)  # fmt: skip
 
     def __str__(self) -> str:
-        """Short and unique, as timing tables and logs name it: kind[block_n, block_k or
+        """Short and unique, as timing tables and logs name it: form[block_n, block_k or
         programs per multiprocessor, num_warps, num_stages]."""
-        second = self.block_k if self.kind == "tiled" else self.programs_per_sm
-        name = f"{self.kind}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
+        second = self.block_k if self.form == "tiled" else self.programs_per_sm
+        name = f"{self.form}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
         return name + (" pairs" if self.pairs else "")
 
 
@@ -413,7 +413,7 @@ def _launch(
         "BLOCK_N": config.block_n, "num_warps": config.num_warps,
         "num_stages": config.num_stages, **pdl_kwargs(pdl),
     }  # fmt: skip
-    if config.kind == "whole_row":
+    if config.form == "whole_row":
         if k > whole_row_max_k(config):
             raise ValueError(f"the whole-row GEMV {config} takes rows up to "
                              f"{whole_row_max_k(config)} long")  # fmt: skip
@@ -636,7 +636,7 @@ def tune_gemv(
 
     candidates: list[Candidate] = []
     tried = gemv_candidates(k) if configs is None else configs
-    fits = [c for c in tried if c.kind == "tiled" or k <= whole_row_max_k(c)]
+    fits = [c for c in tried if c.form == "tiled" or k <= whole_row_max_k(c)]
     for cfg in fits:
         candidates.append((str(cfg), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
         if transformed:

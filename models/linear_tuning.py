@@ -541,11 +541,12 @@ def _declared_input(
     return normed
 
 
-def tune_decode_gemvs(
+def tune_gpu_linears(
     model: nn.Module, configs: Sequence[GemvConfig] | None = None
 ) -> dict[tuple[int, int], dict[str, float]]:
-    """`plan_decode_gemvs` and, for quantized layers, `plan_quantized_linears`; each layer
-    takes its plan. Returns the 16-bit layers' timings."""
+    """The GPU's start-up tuning of every linear layer: `plan_decode_gemvs` (16-bit layers)
+    and `plan_quantized_linears` (quantized ones, on a row ladder up to 1024 rows); each
+    layer takes its plan. Returns the 16-bit layers' timings."""
     plans, timings = plan_decode_gemvs(model, configs)
     quant_plans, quant_timings = plan_quantized_linears(model, cache=PlanCache.default())
     for (n, k), per_rows in quant_timings.items():

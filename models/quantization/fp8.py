@@ -337,7 +337,7 @@ class Fp8WholeRowGemv(MatmulKind):
     reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=False)
 
     def __post_init__(self) -> None:
-        if self.config.kind != "whole_row":
+        if self.config.form != "whole_row":
             raise ValueError(f"{self.name} takes a whole-row config, got {self.config}")
 
     def apply(

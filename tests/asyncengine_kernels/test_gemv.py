@@ -19,7 +19,7 @@ from asyncengine_kernels.gemv import (
 )
 from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from models.layers import MergedColumnParallelLinear, RowParallelLinear
-from models.linear_tuning import tune_decode_gemvs
+from models.linear_tuning import tune_gpu_linears
 from models.matmul_plan import Epilogue, InputTransform, TritonGemv
 from tests.asyncengine_kernels.kernel_cases import requires_cuda
 
@@ -233,22 +233,22 @@ def test_e4m3_weight_needs_float32_row_scales() -> None:
 
 def test_config_names_its_kind() -> None:
     tiled, whole = GemvConfig.tiled(8, 512, 4, 4), GemvConfig.whole_row(2, 4, 3, 4)
-    assert (tiled.kind, tiled.block_k) == ("tiled", 512)
-    assert (whole.kind, whole.programs_per_sm) == ("whole_row", 4)
+    assert (tiled.form, tiled.block_k) == ("tiled", 512)
+    assert (whole.form, whole.programs_per_sm) == ("whole_row", 4)
     assert str(tiled) == "tiled[8, 512, 4, 4]" and str(whole) == "whole_row[2, 4, 4, 3]"
     with pytest.raises(ValueError, match="block_k"):
         GemvConfig("tiled", 8, 4, 4)
     with pytest.raises(ValueError, match="programs_per_sm"):
         GemvConfig("whole_row", 8, 4, 4)
-    with pytest.raises(ValueError, match="unknown GEMV kind"):
+    with pytest.raises(ValueError, match="unknown GEMV form"):
         GemvConfig("split_k", 8, 4, 4, block_k=64)  # type: ignore[arg-type]
 
 
 def test_candidates_hold_the_whole_row_configs_where_the_row_fits() -> None:
     assert gemv_candidates(4096) == GEMV_CONFIGS + PERSISTENT_GEMV_CONFIGS
     assert gemv_candidates(11008) == GEMV_CONFIGS
-    assert {c.kind for c in PERSISTENT_GEMV_CONFIGS} == {"whole_row"}
-    assert {c.kind for c in GEMV_CONFIGS} == {"tiled"}
+    assert {c.form for c in PERSISTENT_GEMV_CONFIGS} == {"whole_row"}
+    assert {c.form for c in GEMV_CONFIGS} == {"tiled"}
 
 
 def test_whole_row_form_refuses_rows_longer_than_it_holds() -> None:
@@ -306,7 +306,7 @@ def test_gpu_tuned_layer_uses_the_faster_kernel_and_stays_correct() -> None:
     assert "blas" in timings and len(timings) > 1
     if best is not None:
         assert timings[str(best)] < timings["blas"]
-    tune_decode_gemvs(layer)  # times again: noise may pick another config, or the library
+    tune_gpu_linears(layer)  # times again: noise may pick another config, or the library
     batch1 = layer.plan.entry_for(1).kind
     assert not isinstance(batch1, TritonGemv) or batch1.config in GEMV_CONFIGS  # K = 11008
     # 2-16 rows: the few-row matmul where it won, else the library; beyond, the library.
@@ -322,7 +322,7 @@ def test_gpu_gated_layer_is_tuned_in_its_gated_form() -> None:
     gated = InputTransform.SILU_AND_MUL
     layer = RowParallelLinear(11008, 4096, input_transform=gated).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.01)
-    timings = tune_decode_gemvs(layer)[(4096, 11008)]
+    timings = tune_gpu_linears(layer)[(4096, 11008)]
     assert "blas" in timings and len(timings) > 1
     assert all(e.input is gated for e in layer.plan.entries)
     gate_up = torch.randn(1, 2 * 11008, device="cuda", dtype=torch.bfloat16)
@@ -409,7 +409,7 @@ def test_gpu_glu_gemv_at_llama_sizes_and_the_mlp_pair_choice() -> None:
     mlp = MLP().cuda().to(torch.bfloat16)
     torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.02)
     torch.nn.init.normal_(mlp.down_proj.weight, std=0.02)
-    timings = tune_decode_gemvs(mlp)
+    timings = tune_gpu_linears(mlp)
     assert any(name.startswith("glu ") for name in timings[(22016, 4096)])
     assert any(name.startswith("plain input ") for name in timings[(4096, 11008)])
     producer, consumer = mlp.gate_up_proj.plan.entry_for(1), mlp.down_proj.plan.entry_for(1)

@@ -209,7 +209,7 @@ def test_large_or_non_float32_weights_are_left_alone(monkeypatch: pytest.MonkeyP
 def test_gpu_tuning_ignores_cpu_layers() -> None:
     model = _model()
     assert tuning.plan_decode_gemvs(model) == ({}, {})
-    assert tuning.tune_decode_gemvs(model) == {}
+    assert tuning.tune_gpu_linears(model) == {}
     assert all(m.plan == MatmulPlan.default(m.input_transform) for m in model.values())
 
 
@@ -603,7 +603,7 @@ def test_gpu_quantized_layers_are_tuned_and_stay_correct() -> None:
     from asyncengine_kernels.quant_linear import quant_matmul_ref
 
     model = _quantized_model("cuda", torch.bfloat16)
-    tuning.tune_decode_gemvs(model)
+    tuning.tune_gpu_linears(model)
     layer = model["a"]
     for rows in (1, 3, 16, 100, 2048):
         name = layer.plan.entry_for(rows).kind.name
@@ -721,7 +721,7 @@ def test_gpu_fp8_layers_are_tuned_and_stay_correct() -> None:
     from models.layers import RMSNorm
 
     model = _fp8_model("cuda", torch.bfloat16)
-    tuning.tune_decode_gemvs(model)
+    tuning.tune_gpu_linears(model)
     layer, normed = model["a"], model["c"]
     norm = RMSNorm(64, 1e-5).to("cuda", torch.bfloat16)
     for rows in (1, 3, 16, 100, 2048):
