@@ -21,6 +21,17 @@ _LLAMA_7B_CLASS: dict[str, Any] = dict(
     torch_dtype="bfloat16",
     tie_word_embeddings=False,
 )
+# What the small shapes (smoke runs, a draft model) share.
+_SMALL_LLAMA: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+)
 # W2's shape, which the long-prompt shape extends.
 LLAMA3_8B: dict[str, Any] = dict(
     _LLAMA_7B_CLASS,
@@ -57,8 +68,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
     # A draft model for Llama-2-7B: Llama-160M's shape (12 layers of 768), Llama-2's vocabulary.
     "llama-160m": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        _SMALL_LLAMA,
         hidden_size=768,
         intermediate_size=3072,
         num_hidden_layers=12,
@@ -67,16 +77,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
     ),
     # A small shape for smoke runs.
     "tiny": dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        _SMALL_LLAMA,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
@@ -84,12 +88,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         vocab_size=1024,
         max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
     ),
 }
 
