@@ -137,11 +137,6 @@ def max_rows(bits: int) -> int:
     return _MAX_ROWS_BY_BITS[bits]
 
 
-def chunk_words(bits: int) -> int:
-    """int32 words of one chunk (64 x 64 codes): 512 for int4 (128 threads x 4), 1024 for int8."""
-    return BLOCK_N * CHUNK_K * bits // 32
-
-
 def available() -> bool:
     """Whether this Triton build has Gluon's Hopper module."""
     return _GLUON
@@ -166,8 +161,8 @@ def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits
 def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bool:
     """Whether `quant_wgmma_matmul` serves x [M, K] against an [N, K] weight: the weight
     (`serves_weight`) and at most `max_rows(bits)` rows."""
-    return (bits in BITS and 0 < x.shape[0] <= max_rows(bits)
-            and serves_weight(x.device, x.dtype, n, k, bits, group_size))  # fmt: skip
+    return (serves_weight(x.device, x.dtype, n, k, bits, group_size)
+            and 0 < x.shape[0] <= max_rows(bits))  # fmt: skip
 
 
 def _groups_fit(k: int, group_size: int) -> bool:
@@ -311,10 +306,10 @@ if _GLUON:
     mov.b32 {$0, $1}, a;
     mov.b32 {$2, $3}, c;
     """
-    _BYTES_CENTRED = gl.constexpr("{" + _BYTES + _BYTES_OUT + "}")
-    _BYTES_LESS_ZERO_ASM = gl.constexpr("{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_OUT + "}")
-    _BYTES_SCALED = gl.constexpr("{" + _BYTES + _BYTES_TIMES_SCALE + _BYTES_OUT + "}")
-    _BYTES_LESS_ZERO_SCALED = gl.constexpr(
+    _INT8_CENTRED = gl.constexpr("{" + _BYTES + _BYTES_OUT + "}")
+    _INT8_LESS_ZERO = gl.constexpr("{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_OUT + "}")
+    _INT8_SCALED = gl.constexpr("{" + _BYTES + _BYTES_TIMES_SCALE + _BYTES_OUT + "}")
+    _INT8_LESS_ZERO_SCALED = gl.constexpr(
         "{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_TIMES_SCALE + _BYTES_OUT + "}"
     )
 
@@ -400,13 +395,13 @@ if _GLUON:
         s = gl.where(hr == 1, s_hi, s_lo)
         if HAS_ZERO:
             if SCALED:
-                asm: gl.constexpr = _BYTES_LESS_ZERO_SCALED
+                asm: gl.constexpr = _INT8_LESS_ZERO_SCALED
             else:
-                asm: gl.constexpr = _BYTES_LESS_ZERO_ASM
+                asm: gl.constexpr = _INT8_LESS_ZERO
         elif SCALED:
-            asm: gl.constexpr = _BYTES_SCALED
+            asm: gl.constexpr = _INT8_SCALED
         else:
-            asm: gl.constexpr = _BYTES_CENTRED
+            asm: gl.constexpr = _INT8_CENTRED
         v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
                                       dtype=[gl.bfloat16] * 4, is_pure=True, pack=1)  # fmt: skip
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the

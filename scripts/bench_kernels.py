@@ -555,6 +555,15 @@ def _cycle_over(call: Callable[..., Any], pool: list[Any]) -> Callable[[], Any]:
     return lambda: call(*pool[next(turn) % len(pool)])
 
 
+def _dequantize_cublas_ms(x: torch.Tensor, weights: list[Any], bits: int, group: int) -> float:
+    """Milliseconds of the plans' large-batch path on `weights` (cycled): one Triton pass
+    dequantizes the weight to x's dtype, then cuBLAS multiplies."""
+    from asyncengine_kernels.quant_linear import dequantize_weight_triton
+
+    return bench(_cycle_over(lambda w, s, z: x @ dequantize_weight_triton(
+        w, s, z, bits, group, x.dtype), weights))
+
+
 def _int_weight_copies(n: int, k: int, bits: int, group: int
                        ) -> tuple[int, list[tuple[torch.Tensor, ...]], list[Any], str | None,
                                   list[torch.Tensor]]:  # fmt: skip
@@ -595,7 +604,6 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
 
     from asyncengine_kernels.gemv_split_k import gemv_counters
     from asyncengine_kernels.quant_linear import (
-        dequantize_weight_triton,
         quant_gemm,
         quant_gemm_candidates,
         quant_gemv,
@@ -615,8 +623,7 @@ def _quant_case(shape: dict[str, Any], n: int, k: int, bits: int, group: int,
         ms = bench(cycling(lambda w, x=x: F.linear(x, w), [(d,) for d in dense]))
         emit("quant", {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k + 2 * rows * (n + k),
              flops=flops)  # fmt: skip
-        ms = bench(cycling(lambda w, s, z, x=x: x @ dequantize_weight_triton(w, s, z, bits, group,
-                                                                           x.dtype)))
+        ms = _dequantize_cublas_ms(x, weights, bits, group)
         emit("quant", {**case, "impl": "dequantize + cublas"}, ms, nbytes=nbytes, flops=flops)
         if tiny_error is None:
             try:
@@ -655,7 +662,6 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     from asyncengine_kernels import quant_wgmma as wg
     from asyncengine_kernels.gemv_split_k import gemv_counters
     from asyncengine_kernels.quant_linear import (
-        dequantize_weight_triton,
         quant_gemm,
         quant_gemm_candidates,
         quant_gemv,
@@ -677,8 +683,7 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
         ms = bench(cycling(lambda w, x=x: F.linear(x, w), dense))
         emit(kernel, {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k, flops=flops)
         if rows > wg.SLICE_MAX_ROWS:
-            ms = bench(cycling(lambda w, s, z, x=x: x @ dequantize_weight_triton(
-                w, s, z, bits, group, x.dtype), weights))
+            ms = _dequantize_cublas_ms(x, weights, bits, group)
             emit(kernel, {**case, "impl": "dequantize + cublas"}, ms, nbytes=nbytes, flops=flops)
         if bits == 4:
             ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(

@@ -12,7 +12,7 @@ for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
 rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
 without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
-`QuantWgmma` (int4 and int8 on Hopper's tensor cores, 1-64 rows:
+`QuantWgmma` (int4 and int8 on Hopper's tensor cores, up to 256 rows in int4 and 64 in int8:
 `asyncengine_kernels.quant_wgmma`) reads a second copy of the codes packed for it at load
 (`wgmma_words`, as many bytes as `qweight`), which `release_unplanned_copies` drops once tuning
 has planned the layer without it.
@@ -106,7 +106,7 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
-    if has_wgmma_copy(layer) and rows <= quant_wgmma.max_rows(layer.quant_config.bits):
+    if wgmma_serves_rows(layer, rows):
         kinds.append(QuantWgmma())
     return kinds
 
@@ -213,8 +213,7 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     names it or nothing else fits."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
-    wgmma = (rule.wgmma and has_wgmma_copy(layer)
-             and rows <= quant_wgmma.max_rows(layer.quant_config.bits))  # fmt: skip
+    wgmma = rule.wgmma and wgmma_serves_rows(layer, rows)
     if wgmma and rule.wgmma_alone:
         return [QuantWgmma()]
     kinds: list[MatmulKind] = []
@@ -240,6 +239,12 @@ def has_wgmma_copy(layer: torch.nn.Module) -> bool:
     """Whether `layer` holds the codes packed for `QuantWgmma` (made at load where it can
     serve the layer: `models.quantization.layer`)."""
     return getattr(layer, "wgmma_words", None) is not None
+
+
+def wgmma_serves_rows(layer: torch.nn.Module, rows: int) -> bool:
+    """Whether `QuantWgmma` can run for `layer` at `rows` rows: the layer holds its copy of
+    the codes and the kernel takes that many rows at the layer's width."""
+    return has_wgmma_copy(layer) and rows <= quant_wgmma.max_rows(layer.quant_config.bits)
 
 
 def release_unplanned_copies(layer: torch.nn.Module) -> None:
