@@ -189,7 +189,10 @@ class LLMEngine:
             verify_rows=0 if spec is None else spec.max_verify_rows,
         )
         if proposer is not None and self.runner.graphs is not None:  # the GPU, not eager
-            proposer.capture_graphs(args.max_num_seqs, self.pool.blocks_needed(self.max_model_len))
+            proposer.capture_graphs(
+                args.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
+                expanded_rows=0 if spec is None else spec.max_verify_rows,
+            )  # fmt: skip
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()
         self.num_finished = 0

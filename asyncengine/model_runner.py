@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncengine.host_staging import PinnedStaging
 from asyncengine.kv_calibration import KVScales, calibrate_kv_scales, set_kv_scales
 from asyncengine.prompt_logprobs import (
     PromptLogprobPlan,
@@ -308,9 +309,8 @@ class ModelRunner:
         self.last_step_decode_only = False
         # Two pinned staging buffers used in turn: step N+1 is prepared while step N's copy
         # may still be queued behind step N-1.
-        self._staging: list[torch.Tensor | None] = [None, None]
-        self._staging_done: list[torch.cuda.Event | None] = [None, None]
-        self._staging_turn = 0
+        self.staging = PinnedStaging(device, turns=2)
+        self._linears_tuned = False  # GPU plans are made once: before the memory profile
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -331,6 +331,9 @@ class ModelRunner:
         """How many KV blocks fit after weights and the peak activations of a full step."""
         if self.device.type != "cuda":
             return max(int(cpu_cache_gib * 2**30) // self.block_bytes(), 1)
+        # The plans decide which repacked copies of quantized weights stay on the device, so
+        # the weights' memory is known only after tuning.
+        self._tune_gpu_linears()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(max_num_batched_tokens)
@@ -407,15 +410,14 @@ class ModelRunner:
         self, *, enforce_eager: bool, max_num_seqs: int, max_blocks_per_seq: int,
         verify_rows: int = 0,
     ) -> None:  # fmt: skip
-        """Set-up after the KV cache exists: batch-1 GEMV choice and CUDA graphs for decode
+        """Set-up after the KV cache exists: the linear layers' plans (on the GPU already made
+        by the memory profile, unless the pool was sized by hand) and CUDA graphs for decode
         and small prefill steps on the GPU (and, with speculative decoding, for verify steps
         of up to `verify_rows` rows)."""
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda":
-            tune_gpu_linears(self.model)
-            for line in describe_matmul_plans(self.model):
-                logger.info("matmul plan %s", line)
+            self._tune_gpu_linears()
         else:
             for (n, k), per_rows in tune_cpu_linears(self.model).items():
                 names = " / ".join(next(iter(per_rows.values())))
@@ -437,12 +439,21 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)
             self.prefill_graphs.capture(pool)
 
+    def _tune_gpu_linears(self) -> None:
+        """Plan every linear layer on the GPU, once (`tune_gpu_linears`)."""
+        if self._linears_tuned:
+            return
+        tune_gpu_linears(self.model)
+        for line in describe_matmul_plans(self.model):
+            logger.info("matmul plan %s", line)
+        self._linears_tuned = True
+
     def shutdown(self) -> None:
         """Let go of everything the runner holds on the device: CUDA graphs (and their memory
         pool), the KV pools, the staging buffers and the weights. No steps after this."""
         self.graphs = self.prefill_graphs = None
         self.kv_cache = self.cpu_cache = self.draft_kv_cache = self.draft_cpu_cache = None
-        self._staging, self._staging_done = [None, None], [None, None]
+        self.staging.release()
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
             for attn in model.attention_layers():  # type: ignore[operator]
@@ -539,7 +550,7 @@ class ModelRunner:
             "prompt_rows": np.asarray(prompt_plan.rows, np.int64) if prompt_plan else _NONE,
             "prompt_targets": np.asarray(prompt_plan.targets, np.int64) if prompt_plan else _NONE,
         }
-        buffer = self._to_device(pack(header, arrays))
+        buffer = self.staging.to_device(pack(header, arrays))
         parts = unpack(header, buffer)
         if fill_dst:
             assert prev is not None and prev.token_ids is not None
@@ -560,7 +571,7 @@ class ModelRunner:
         b = len(input_ids)
         image = np.empty(graphs.image_bytes(padded), dtype=np.uint8)
         graphs.stage_image(image, padded, input_ids, positions, slots, seq_lens, tables)
-        self._to_device(image, graphs.static[: image.size])
+        self.staging.to_device(image, graphs.static[: image.size])
         ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
         meta = AttentionMetadata(
             slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
@@ -584,36 +595,6 @@ class ModelRunner:
             num_seqs, self.num_kv_heads, self.device, max_seq_len,
             fuse_rotary=self.fuse_decode_rotary if fuse_rotary is None else fuse_rotary,
         )  # fmt: skip
-
-    def _to_device(self, flat: np.ndarray, dst: torch.Tensor | None = None) -> torch.Tensor:
-        """One host-to-device copy through a reused pinned buffer (no pinning per step), into
-        `dst` (uint8, as long as `flat`) where given, else a new tensor.
-
-        An event guards each buffer: the copy that last read it must be done before it is
-        written again (usually long done: that step has been resolved by then).
-        """
-        host = torch.from_numpy(flat)
-        if self.device.type != "cuda":
-            return host if dst is None else dst.copy_(host)
-        turn = self._staging_turn
-        self._staging_turn ^= 1
-        done = self._staging_done[turn]
-        if done is not None:
-            done.synchronize()
-        buf = self._staging[turn]
-        if buf is None or buf.numel() < host.numel():
-            buf = torch.empty(max(host.numel(), 1 << 19), dtype=torch.uint8, pin_memory=True)
-            self._staging[turn] = buf
-        staged = buf[: host.numel()]
-        staged.copy_(host)
-        if dst is not None:
-            dev = dst.copy_(staged, non_blocking=True)
-        else:
-            dev = staged.to(self.device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._staging_done[turn] = done
-        return dev
 
     def apply_block_moves(self, sched: SchedulerOutput) -> None:
         """The step's swaps and copy-on-write copies, on the target's cache and on the

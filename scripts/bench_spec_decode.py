@@ -399,10 +399,11 @@ def run_gpu(args: argparse.Namespace) -> None:
 
 def run_draft(args: argparse.Namespace) -> None:
     """Milliseconds per proposal (the draft's catch-up forward, then k - 1 one-token steps)
-    with the draft's one-token steps in CUDA graphs and eagerly, the same requests each
-    time. Dummy weights accept next to nothing, so this times the draft's work alone: each
-    proposal is timed by itself (the device synchronized around it), and the median
-    reported, which the catch-up of a fresh prompt does not move."""
+    with the draft's steps in CUDA graphs and eagerly, the same requests each time, every
+    step proposing. Dummy weights accept next to nothing, so this times the draft's work
+    alone (a catch-up of one token, then k - 1 steps): each proposal is timed by itself
+    (the device synchronized around it), and the median reported, which the catch-up of a
+    fresh prompt does not move."""
     import statistics
 
     import torch
@@ -417,7 +418,11 @@ def run_draft(args: argparse.Namespace) -> None:
         llm = LLM(str(target), load_format="dummy", skip_tokenizer_init=True,
                   speculative_config=spec, enforce_eager=eager,
                   max_num_seqs=max(args.batches))  # fmt: skip
-        proposer = llm.llm_engine.spec_decoder.proposer
+        decoder = llm.llm_engine.spec_decoder
+        # Dummy weights accept nothing, and a request whose drafts keep failing pauses; the
+        # pause is switched off so that every step proposes and the median is of many.
+        decoder._update = lambda req, num_accepted: None
+        proposer = decoder.proposer
         timings: list[float] = []
         propose = proposer.propose
 

@@ -50,8 +50,10 @@ from torch import nn
 
 from asyncengine.block_pool import BlockPool
 from asyncengine.cuda_graphs import DecodeGraphs
+from asyncengine.host_staging import PinnedStaging
 from asyncengine.model_runner import KVCache, step_inputs, token_layout
 from asyncengine.request import Request
+from asyncengine.sampler import host_to_device
 from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.spec_decode.draft_sampling import DraftSampling
 from asyncengine.step_buffer import StepHeader, pack, unpack
@@ -65,6 +67,14 @@ logger = logging.getLogger(__name__)
 FIELD = "speculative_config.model"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _NONE = np.empty(0, np.int64)
+# A catch-up forward whose every request has at most this many tokens to run goes as one
+# decode row per token (batch expansion, as the target's verify step), so that it replays a
+# decode graph: after a verify step that is the kept drafts and the target's new token. A
+# longer one (a prompt the draft has not seen) runs eagerly as a prefill.
+EXPAND_MAX_TOKENS = 17
+# Pinned upload buffers in rotation: the host lays out up to this many of the draft's steps
+# ahead of the device (`PinnedStaging`).
+STAGING_TURNS = 4
 
 
 def num_parameters(cfg: ModelConfig) -> int:
@@ -186,18 +196,25 @@ class DraftModelProposer:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         # The one-token steps' CUDA graphs (`capture_graphs`); None: every step eager.
         self.graphs: DecodeGraphs | None = None
+        # Steps are uploaded without a wait, so the host queues a proposal's forwards back to
+        # back and meets the device once, when the drafts come back.
+        self.staging = PinnedStaging(device, turns=STAGING_TURNS)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def capture_graphs(
+        self, max_num_seqs: int, max_blocks_per_seq: int, expanded_rows: int = 0
+    ) -> None:
         """Capture the draft's one-token steps as CUDA graphs for up to `max_num_seqs`
-        requests (on the GPU, once the KV cache exists)."""
+        requests, and the plans of batch-expanded catch-ups of up to `expanded_rows` rows
+        (the target's largest verify step; on the GPU, once the KV cache exists)."""
         graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq,
-                              label="draft decode")  # fmt: skip
+                              verify_rows=expanded_rows, label="draft decode")  # fmt: skip
         graphs.capture()  # a pool of its own: the target's graphs never wait on the draft's
         self.graphs = graphs
 
     def shutdown(self) -> None:
         """Let go of the draft's graphs, weights and view of the KV cache."""
         self.graphs = None
+        self.staging.release()
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
             for attn in model.attention_layers():  # type: ignore[operator]
@@ -257,13 +274,16 @@ class DraftModelProposer:
         for j in range(1, max(counts)):
             keep = [a for a, row in enumerate(active) if counts[row] > j]
             if len(keep) < len(active):
-                tokens = tokens.index_select(0, torch.tensor(keep, device=self.device))
+                tokens = tokens.index_select(0, host_to_device(keep, torch.int64, self.device))
                 active = [active[a] for a in keep]
             batch = [reqs[row] for row in active]
             starts = [r.num_tokens - 1 + j for r in batch]
             logits = self._forward(batch, starts, [1] * len(batch), device_ids=tokens)
             tokens = pick(logits, active, j)
-            drafts[torch.tensor(active, device=self.device), j] = tokens
+            if len(active) == len(reqs):
+                drafts[:, j] = tokens
+            else:
+                drafts[host_to_device(active, torch.int64, self.device), j] = tokens
         return drafts
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
@@ -294,13 +314,14 @@ class DraftModelProposer:
             last = self._forward(batch_reqs, [s for _, s, _ in batch], [n for _, _, n in batch],
                                  host_ids=ids)  # fmt: skip
             done = [k for k, (i, s, n) in enumerate(batch) if s + n == reqs[i].num_tokens]
-            if done:
+            if len(done) == len(reqs) and first is None:
+                first = last  # one forward ran every request to its end, in order
+            elif done:
                 if first is None:
                     first = last.new_empty((len(reqs), last.shape[1]))
-                index = torch.tensor(done, device=self.device)
-                first[torch.tensor([batch[k][0] for k in done], device=self.device)] = (
-                    last.index_select(0, index)
-                )
+                index = host_to_device(done, torch.int64, self.device)
+                rows = host_to_device([batch[k][0] for k in done], torch.int64, self.device)
+                first[rows] = last.index_select(0, index)
             for i, s, n in batch:
                 reqs[i].num_draft_computed_tokens = s + n
             todo = later
@@ -321,23 +342,34 @@ class DraftModelProposer:
     ) -> torch.Tensor:
         """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
         (ids from the host or already on the device); the logits at each one's last token.
-        The step is laid out as the model runner lays out a target step (`step_buffer`); a
-        one-token step replays the graph of its padded size where one was captured."""
-        b = len(reqs)
+        The step is laid out as the model runner lays out a target step (`step_buffer`). A
+        step of one token a request, or a short catch-up laid out as one decode row per token,
+        replays the graph of its padded size where one was captured."""
         lens_a = np.asarray(lens, dtype=np.int64)
-        qsl, seq_lens, tables, _, positions, slots = token_layout(
+        qsl, seq_lens, tables, owner, positions, slots = token_layout(
             [r.block_table for r in reqs], np.asarray(starts, dtype=np.int64), lens_a,
             self.block_size,
         )  # fmt: skip
         t, w = int(qsl[-1]), tables.shape[1]
-        max_q, max_len = int(lens_a.max()), int(seq_lens.max())
+        last_rows = qsl[1:] - 1
+        max_q = int(lens_a.max())
+        expand = 1 < max_q <= EXPAND_MAX_TOKENS and (
+            self.graphs is None or self.graphs.graph_size(t, w) is not None
+        )
+        if expand:
+            # Row j of a request attends to its context and the rows before it; every row's
+            # K/V is in the cache before any row attends (no fused rotary/write).
+            tables, seq_lens = tables[owner], positions + 1
+            qsl, lens_a, max_q = np.arange(t + 1, dtype=np.int64), np.ones(t, np.int64), 1
+        b, max_len = len(lens_a), int(seq_lens.max())
         plan = None
         if max_q == 1:
             # A graph runs at its padded size, so its attention is planned for that size.
             padded = self.graphs.graph_size(b, w) if self.graphs is not None else None
-            plan = decode_plan(padded or b, self.num_kv_heads, self.device, max_len)
+            plan = decode_plan(padded or b, self.num_kv_heads, self.device, max_len,
+                               fuse_rotary=not expand)  # fmt: skip
         header = StepHeader(
-            num_tokens=t, num_seqs=b, table_width=w, num_logits=b, max_query_len=max_q,
+            num_tokens=t, num_seqs=b, table_width=w, num_logits=len(reqs), max_query_len=max_q,
             max_seq_len=max_len, decode_segments=0 if plan is None else plan.segments,
             fuse_rotary=plan is not None and plan.fuse_rotary,
         )  # fmt: skip
@@ -348,19 +380,21 @@ class DraftModelProposer:
             "query_start_loc": qsl,
             "seq_lens": seq_lens,
             "block_tables": tables,
-            "logits_indices": qsl[1:] - 1,
+            "logits_indices": last_rows,
             "fills": _NONE,
             "prompt_rows": _NONE,
             "prompt_targets": _NONE,
         }
-        buffer = torch.from_numpy(pack(header, arrays)).to(self.device)
+        buffer = self.staging.to_device(pack(header, arrays))
         parts = unpack(header, buffer)
         if device_ids is not None:
             parts["input_ids"].copy_(device_ids)
         inputs = step_inputs(header, buffer, parts, [])
         if self.graphs is not None and self.graphs.can_run(inputs):
-            # One token a request: the graph's rows are the logits' rows, in order.
-            return self.model.compute_logits(self.graphs.run(inputs))  # type: ignore[operator]
+            hidden = self.graphs.run(inputs)
+            if expand:  # else one token a request: the graph's rows are the logits' rows
+                hidden = hidden.index_select(0, inputs.logits_indices)
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
         with set_forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # type: ignore[operator]

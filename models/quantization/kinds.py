@@ -15,7 +15,8 @@ without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself
 `QuantWgmma` (int4 and int8 on Hopper's tensor cores, up to 256 rows in int4 and 64 in int8:
 `asyncengine_kernels.quant_wgmma`) reads a second copy of the codes packed for it at load
 (`wgmma_words`, as many bytes as `qweight`), which `release_unplanned_copies` drops once tuning
-has planned the layer without it.
+has planned the layer without it. The engine tunes before its memory profile, so the KV pool
+is sized by the copies that stay.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
+from asyncengine.spec_decode.draft_model import EXPAND_MAX_TOKENS
 from tests.asyncengine.engine_helpers import assert_pool_clean
 from tests.asyncengine.spec_decode.test_decoder import GREEDY, VOCAB, generate, prompts
 
@@ -608,7 +609,8 @@ class EagerGraphs:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.replayed: list[tuple[int, int, object]] = []  # (requests, tokens, plan)
+        # (rows, tokens, plan, whether rows share a request: a batch-expanded catch-up)
+        self.replayed: list[tuple[int, int, object, bool]] = []
 
     def graph_size(self, num_seqs: int, table_width: int) -> int | None:
         return next((s for s in self.SIZES if s >= num_seqs), None)
@@ -621,16 +623,18 @@ class EagerGraphs:
         from models.forward_context import set_forward_context
 
         meta = inputs.meta  # type: ignore[attr-defined]
-        self.replayed.append((meta.block_tables.shape[0], inputs.input_ids.shape[0],  # type: ignore[attr-defined]
-                              meta.decode_plan))  # fmt: skip
+        rows = meta.block_tables.shape[0]
+        shared = len({tuple(t) for t in meta.block_tables.tolist()}) < rows
+        self.replayed.append((rows, inputs.input_ids.shape[0], meta.decode_plan, shared))  # type: ignore[attr-defined]
         with set_forward_context(meta):
             return self.model(inputs.input_ids, inputs.positions)  # type: ignore[attr-defined]
 
 
-def test_one_token_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path, Path]) -> None:
+def test_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path, Path]) -> None:
     """With graphs captured, each of the draft's one-token steps replays one, planned for
-    the padded size it replays at, and the catch-up forwards run eagerly; greedy output is
-    unchanged."""
+    the padded size it replays at; so do the short catch-ups after verify steps, one row a
+    token with rotary unfused. Only catch-ups over a prompt, or past the largest graph, run
+    eagerly; greedy output is unchanged."""
     from asyncengine_kernels.paged_attention import decode_plans
 
     target, draft = pair
@@ -638,14 +642,29 @@ def test_one_token_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path
     proposer = llm.llm_engine.spec_decoder.proposer
     graphs = EagerGraphs(proposer.model)
     proposer.graphs = graphs
+    eager: list[tuple[int, int]] = []  # (longest, rows) of forwards run eagerly
+    forward = proposer._forward
+
+    def recording(reqs, starts, lens, **ids):  # type: ignore[no-untyped-def]
+        before = len(graphs.replayed)
+        out = forward(reqs, starts, lens, **ids)
+        if len(graphs.replayed) == before:
+            eager.append((max(lens), sum(lens)))
+        return out
+
+    proposer._forward = recording
     ps = prompts()
     assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
     assert graphs.replayed, "no draft step replayed a graph"
-    for requests, tokens, plan in graphs.replayed:
-        assert tokens == requests  # one token a request, nothing longer
-        padded = graphs.graph_size(requests, 0)
-        kv_heads = proposer.num_kv_heads
-        assert plan in decode_plans(padded, kv_heads, proposer.device)
+    kv_heads = proposer.num_kv_heads
+    for rows, tokens, plan, expanded in graphs.replayed:
+        assert tokens == rows  # one token a row
+        padded = graphs.graph_size(rows, 0)
+        unfused = decode_plans(padded, kv_heads, proposer.device, fuse_rotary=False)
+        assert plan in (unfused if expanded else decode_plans(padded, kv_heads, proposer.device))
+    assert any(expanded for *_, expanded in graphs.replayed), "no catch-up replayed a graph"
+    # Eager: a prompt to catch up on, or more rows than the largest graph.
+    assert all(n > EXPAND_MAX_TOKENS or rows > EagerGraphs.SIZES[-1] for n, rows in eager), eager
     assert_pool_clean(llm)
     llm.shutdown()
     assert proposer.graphs is None

@@ -1,0 +1,60 @@
+"""Host-to-device copies of packed step inputs that never make the host wait for the GPU.
+
+A copy to the GPU from pageable memory first waits for the stream's queued work, so a host
+that lays out step N + 1 while the device runs step N would stall on its own upload. The
+copies here go through pinned buffers that are pinned once and reused in turn; an event per
+buffer guards its reuse (the copy that last read it must be done before it is rewritten),
+which is usually long done, so the host runs ahead of the device by up to `turns` copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Pinned buffers start this large (bytes), so that small steps never re-pin.
+MIN_STAGING_BYTES = 1 << 19
+
+
+class PinnedStaging:
+    """`turns` pinned upload buffers used in rotation for one device."""
+
+    def __init__(self, device: torch.device, turns: int = 2) -> None:
+        if turns < 1:
+            raise ValueError(f"turns must be at least 1, got {turns}")
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * turns
+        self._done: list[torch.cuda.Event | None] = [None] * turns
+        self._turn = 0
+
+    def to_device(self, flat: np.ndarray, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """`flat` (uint8) on the device: copied into `dst` (uint8, as long) where given, else
+        into a new tensor. Off the GPU the host array itself serves (copied into `dst`)."""
+        host = torch.from_numpy(flat)
+        if self.device.type != "cuda":
+            return host if dst is None else dst.copy_(host)
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._buffers)
+        done = self._done[turn]
+        if done is not None:
+            done.synchronize()
+        buf = self._buffers[turn]
+        if buf is None or buf.numel() < host.numel():
+            buf = torch.empty(max(host.numel(), MIN_STAGING_BYTES), dtype=torch.uint8,
+                              pin_memory=True)  # fmt: skip
+            self._buffers[turn] = buf
+        staged = buf[: host.numel()]
+        staged.copy_(host)
+        if dst is not None:
+            dev = dst.copy_(staged, non_blocking=True)
+        else:
+            dev = staged.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._done[turn] = event
+        return dev
+
+    def release(self) -> None:
+        """Let go of the pinned buffers (they are pinned again on the next copy)."""
+        self._buffers = [None] * len(self._buffers)
+        self._done = [None] * len(self._done)
