@@ -152,31 +152,45 @@ def _set_k(llm: LLM, k: int, proposer: Any) -> None:
     dec.proposer = proposer
 
 
-def _profile_verify(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
-    """GPU kernel time per verify step (k = 4, fixed drafts) against its wall time, and the
-    kernels that take it: what a verify step costs on the device, and what the host adds."""
+def _profile_verify(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, k: int = 4
+) -> None:
+    """GPU kernel time per verify step (k fixed drafts; k = 0: the one-token step) against its
+    wall time, and the kernels that take it: what a step costs on the device, and what the
+    host adds. The same prompts run once more to their first token only, and that profile's
+    kernels are taken away, so the prompts' prefill does not count towards the steps."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    _set_k(llm, 4, FixedDrafts())
-    before = llm.llm_engine.step_timing["steps"]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    steps = max(llm.llm_engine.step_timing["steps"] - before, 1)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
-    emit({"bench": "spec_verify_profile", "k": 4, "steps": steps,
-          "wall_ms_per_step": round(1e3 * wall / steps, 3),
-          "gpu_kernel_ms_per_step": round(
-              sum(e.self_device_time_total for e in kernels) / 1e3 / steps, 3),
-          "kernels": [{"name": e.key[:60], "ms_per_step": round(
-              e.self_device_time_total / 1e3 / steps, 4), "calls_per_step": round(
-              e.count / steps, 1)} for e in top]})  # fmt: skip
+    _set_k(llm, k, FixedDrafts())
+
+    def kernel_times(run_params: SamplingParams) -> tuple[dict[str, tuple[float, int]], float, int]:
+        before = llm.llm_engine.step_timing["steps"]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(prompts, run_params, use_tqdm=False)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        kernels = {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+                   if e.device_type == DeviceType.CUDA}  # fmt: skip
+        return kernels, wall, llm.llm_engine.step_timing["steps"] - before
+
+    prefill, prefill_wall, prefill_steps = kernel_times(dataclasses.replace(params, max_tokens=1))
+    full, wall, all_steps = kernel_times(params)
+    steps = max(all_steps - prefill_steps, 1)
+    per_step = {}
+    for name, (us, count) in full.items():
+        p_us, p_count = prefill.get(name, (0.0, 0))
+        per_step[name] = ((us - p_us) / 1e3 / steps, (count - p_count) / steps)
+    top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:16]
+    emit({"bench": "spec_verify_profile", "k": k, "steps": steps,
+          "wall_ms_per_step": round(1e3 * (wall - prefill_wall) / steps, 3),
+          "gpu_kernel_ms_per_step": round(sum(ms for ms, _ in per_step.values()), 3),
+          "kernels": [{"name": name[:60], "ms_per_step": round(ms, 4),
+                       "calls_per_step": round(calls, 1)}
+                      for name, (ms, calls) in top]})  # fmt: skip
 
 
 def _replayed(
@@ -352,7 +366,8 @@ def run_gpu(args: argparse.Namespace) -> None:
         emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
-    _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for k in (0, 4):  # the one-token step's kernels beside the verify step's
+        _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), k)
     _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     dec._update = adaptive_update
 
