@@ -311,6 +311,22 @@ def _default_model(args: argparse.Namespace) -> None:
         args.model, args.load_format = str(dummy_model_dir(args.shape)), "dummy"
 
 
+# Latency runs (k, acceptance): k = 4 at every acceptance (the target is at 0.7);
+# k = 2 and 6 where they may pay more.
+DEFAULT_SWEEP = [(4, 0.0), (4, 0.5), (4, 0.7), (4, 0.9), (2, 0.7), (6, 0.7), (6, 0.9)]
+
+
+def _k_acceptance(text: str) -> tuple[int, float]:
+    k, _, acceptance = text.partition(":")
+    try:
+        pair = int(k), float(acceptance)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want K:ACCEPTANCE, e.g. 4:0.7; got {text!r}") from None
+    if not 1 <= pair[0] <= 16 or not 0.0 <= pair[1] <= 1.0:
+        raise argparse.ArgumentTypeError(f"k in 1-16 and acceptance in 0-1; got {text!r}")
+    return pair
+
+
 def run_gpu(args: argparse.Namespace) -> None:
     _default_model(args)
     prompt_len, out_len = args.prompt_len, args.max_tokens
@@ -373,10 +389,8 @@ def run_gpu(args: argparse.Namespace) -> None:
 
     # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.
     plain = reference[tuple(p1[0])]
-    # k = 4 at every acceptance (the target is at 0.7); k = 2 and 6 where they
-    # could beat it. Each point replays until its run converges (up to 32 runs).
-    sweep = [(4, 0.0), (4, 0.5), (4, 0.7), (4, 0.9), (2, 0.7), (6, 0.7), (6, 0.9)]
-    for k, acceptance in sweep:
+    # Each point (`--sweep`) replays until its run converges (up to 32 runs).
+    for k, acceptance in args.sweep:
         _set_k(llm, k, ReplayProposer(reference, acceptance, vocab, seed=1))
         _timed(llm, p1, params)  # warm-up
         steps0 = llm.llm_engine.step_timing["steps"]
@@ -478,6 +492,8 @@ def main() -> None:
     gpu.add_argument("--max-batch", type=int, default=256)
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--enforce-eager", action="store_true")
+    gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
+                     help="latency runs as K:ACCEPTANCE (default: %(default)s)")
     gpu.add_argument("--host-profile", action="store_true",
                      help="only profile the host's part of verify steps (cProfile)")
     gpu.add_argument("--profile-k", type=int, nargs="+", default=[4],
