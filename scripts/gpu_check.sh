@@ -47,6 +47,9 @@
 #   bash scripts/gpu_check.sh int4l1 DIR   # its GPU tests and kernels, L1 GPTQ int4 (and int8 with
 #                                          # BITS="4 8") from DIR and here (W1=1: then W1 in
 #                                          # each and bf16 from here)
+#   bash scripts/gpu_check.sh draftkv DIR  # draft proposer and plans before the memory profile:
+#                                          # GPU tests, draft cost, verify-step kernels, cold
+#                                          # int4 start, L1/W1 bf16 and W1 int8 from DIR and here
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -430,12 +433,45 @@ elif [ "$phase" = int4l1 ]; then  # the wgmma kind in the engine: GPU tests, ker
       bench --workload w1 --system engine ${q:+--quantization $q} | cut -c1-300
     done
   fi
+elif [ "$phase" = draftkv ]; then  # pinned uploads, the draft proposer, plans before the
+  # memory profile: their GPU tests; the draft's cost per proposal; the verify step's and the
+  # one-token step's kernels, L1 at acceptance 0.7; a cold GPTQ int4 start (empty caches);
+  # L1/W1 in bf16 and W1 in GPTQ int8 from DIR and from this tree. PARTS picks some of
+  # "tests draft spec compare" (default: all), so that a call fits its time limit.
+  other="${2:?usage: gpu_check.sh draftkv DIR}"
+  parts="${PARTS:-tests draft spec compare}"
+  if [[ " $parts " == *" tests "* ]]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/asyncengine/test_host_staging.py tests/asyncengine/spec_decode/test_draft_model.py \
+      tests/asyncengine/test_cuda_graphs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  fi
+  if [[ " $parts " == *" draft "* ]]; then
+    timeout 120 python3 -m scripts.bench_spec_decode draft 2>>"$OUT/bench.log" \
+      | tee "$OUT/spec_draft.jsonl" | cut -c1-300
+  fi
+  if [[ " $parts " == *" spec "* ]]; then
+    timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+      --sweep 4:0.7 6:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
+  fi
+  if [[ " $parts " == *" compare "* ]]; then
+    ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 150 \
+      python3 scripts/bench_throughput.py --workload l1 --system engine --quantization gptq-int4 \
+      2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
+    for w in l1 w1; do
+      for tree in "$other" "$PWD"; do
+        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" | cut -c1-300
+      done
+    done
+    for tree in "$other" "$PWD"; do
+      TREE_TIMEOUT=150 tree_bench "$tree" --workload w1 --quantization gptq-int8 | cut -c1-300
+    done
+  fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, draftkv DIR, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
