@@ -91,6 +91,31 @@ def token_layout(
     return qsl, starts + lens, tables, owner, positions, slots
 
 
+def staged_step_inputs(
+    graphs: DecodeGraphs, staging: PinnedStaging, padded: int, header: StepHeader,
+    input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+    tables: np.ndarray, sampling: list[Request],
+) -> StepInputs:  # fmt: skip
+    """A small decode step (every row's logits wanted, no fills) written straight into the
+    decode graphs' static inputs with one copy (`DecodeGraphs.stageable` gave `padded`): the
+    step's tensors are views of them, and `DecodeGraphs.run` only replays."""
+    b = len(input_ids)
+    image = np.empty(graphs.image_bytes(padded), dtype=np.uint8)
+    graphs.stage_image(image, padded, input_ids, positions, slots, seq_lens, tables)
+    staging.to_device(image, graphs.static[: image.size])
+    ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
+    meta = AttentionMetadata(
+        slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
+        max_query_len=1, decode_only=True, max_seq_len=header.max_seq_len,
+        decode_plan=header.decode_plan,
+    )  # fmt: skip
+    return StepInputs(
+        input_ids=ids, positions=pos, meta=meta, logits_indices=rows,
+        sampling_requests=sampling, header=header, buffer=graphs.static,
+        prompt_rows=rows[:0], prompt_targets=rows[:0], staged_rows=padded,
+    )  # fmt: skip
+
+
 def step_inputs(
     header: StepHeader,
     buffer: torch.Tensor,
@@ -536,8 +561,8 @@ class ModelRunner:
                 and not fill_dst and prompt_plan is None and len(logits_idx) == t):  # fmt: skip
             padded = self.graphs.stageable(b, w, plan)
             if padded is not None:
-                return self._staged_inputs(padded, header, input_ids, positions, slots,
-                                           seq_lens, tables, sampling)  # fmt: skip
+                return staged_step_inputs(self.graphs, self.staging, padded, header, input_ids,
+                                          positions, slots, seq_lens, tables, sampling)  # fmt: skip
         arrays = {
             "input_ids": input_ids,
             "positions": positions,
@@ -559,30 +584,6 @@ class ModelRunner:
         inputs = step_inputs(header, buffer, parts, sampling)
         inputs.prompt_plan = prompt_plan
         return inputs
-
-    def _staged_inputs(
-        self, padded: int, header: StepHeader, input_ids: np.ndarray, positions: np.ndarray,
-        slots: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, sampling: list[Request],
-    ) -> StepInputs:  # fmt: skip
-        """A small decode step (every row sampled, no fills) written straight into the decode
-        graphs' static inputs with one copy: the step's tensors are views of them."""
-        graphs = self.graphs
-        assert graphs is not None
-        b = len(input_ids)
-        image = np.empty(graphs.image_bytes(padded), dtype=np.uint8)
-        graphs.stage_image(image, padded, input_ids, positions, slots, seq_lens, tables)
-        self.staging.to_device(image, graphs.static[: image.size])
-        ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
-        meta = AttentionMetadata(
-            slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
-            max_query_len=1, decode_only=True, max_seq_len=header.max_seq_len,
-            decode_plan=header.decode_plan,
-        )  # fmt: skip
-        return StepInputs(
-            input_ids=ids, positions=pos, meta=meta, logits_indices=rows,
-            sampling_requests=sampling, header=header, buffer=graphs.static,
-            prompt_rows=rows[:0], prompt_targets=rows[:0], staged_rows=padded,
-        )  # fmt: skip
 
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
                     fuse_rotary: bool | None = None) -> DecodePlan:  # fmt: skip

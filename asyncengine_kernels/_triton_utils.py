@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from asyncengine_kernels import envs
+
 try:
     import triton
     import triton.language as tl
@@ -89,7 +91,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     touching memory that kernel writes, so launch latency and ramp-up overlap its tail."""
     if not (t.is_cuda and HAS_TRITON) or interpreter_enabled():
         return False
-    return _compute_capability(t.device.index or 0)[0] >= 9
+    return _compute_capability(t.device.index or 0)[0] >= 9 and not envs.no_pdl()
 
 
 def pdl_kwargs(enabled: bool) -> dict[str, Any]:

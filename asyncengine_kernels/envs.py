@@ -105,3 +105,11 @@ def reliability_report() -> Path | None:
     """File the reliability suite merges its measured figures into, if set."""
     path = _get("RELIABILITY_REPORT")
     return Path(path) if path else None
+
+
+def no_pdl() -> bool:
+    """Whether kernels launch without programmatic dependent launch, for profiles only: with
+    it a kernel starts while its predecessor drains, so a profiler's per-kernel times overlap
+    and their sum exceeds the step's. Read at each launch and baked into CUDA graphs when
+    they are captured, so it must be set before the engine starts."""
+    return _flag("NO_PDL")

@@ -437,13 +437,15 @@ elif [ "$phase" = draftkv ]; then  # pinned uploads, the draft proposer, plans b
   # memory profile: their GPU tests; the draft's cost per proposal; the verify step's and the
   # one-token step's kernels, L1 at acceptance 0.7; a cold GPTQ int4 start (empty caches);
   # L1/W1 in bf16 and W1 in GPTQ int8 from DIR and from this tree. PARTS picks some of
-  # "tests draft spec compare" (default: all), so that a call fits its time limit.
+  # "tests draft spec nopdl compare" (default: all but nopdl), so that a call fits its time
+  # limit; nopdl: the verify-step bench with ASYNCENGINE_NO_PDL=1, for its kernel profile.
   other="${2:?usage: gpu_check.sh draftkv DIR}"
   parts="${PARTS:-tests draft spec compare}"
   if [[ " $parts " == *" tests "* ]]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/asyncengine/test_host_staging.py tests/asyncengine/spec_decode/test_draft_model.py \
-      tests/asyncengine/test_cuda_graphs.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+      tests/asyncengine_kernels/test_pdl.py ${GRAPH_TESTS-tests/asyncengine/test_cuda_graphs.py} \
+      2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   fi
   if [[ " $parts " == *" draft "* ]]; then
     timeout 120 python3 -m scripts.bench_spec_decode draft 2>>"$OUT/bench.log" \
@@ -452,6 +454,11 @@ elif [ "$phase" = draftkv ]; then  # pinned uploads, the draft proposer, plans b
   if [[ " $parts " == *" spec "* ]]; then
     timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
       --sweep 4:0.7 6:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
+  fi
+  if [[ " $parts " == *" nopdl "* ]]; then  # a verify step's and a one-token step's kernels
+    # without programmatic dependent launch, whose overlap otherwise double counts them
+    ASYNCENGINE_NO_PDL=1 timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b \
+      --batches 1 --sweep 4:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_nopdl.jsonl" | cut -c1-1500
   fi
   if [[ " $parts " == *" compare "* ]]; then
     ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 150 \

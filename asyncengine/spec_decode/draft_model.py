@@ -24,12 +24,16 @@ drafts are the draft's argmax (point masses); a request that samples draws its d
 the draft's own distribution q under its sampling parameters, and q's rows stay on the
 device with the drafts (`Request.spec_draft_probs`) for the verify step, which accepts with
 min(1, p/q) (`draft_sampling`, `rejection_sampler`). The drafts stay on the device until the
-last step; one copy brings them to the host. On the GPU the one-token steps replay CUDA
-graphs of the draft (`capture_graphs`: the target's `DecodeGraphs` over the draft model, in a
-memory pool of their own), one replay each where eagerly a small model's step is paced by its
-few hundred kernel launches; the catch-up forward, of any length, runs eagerly. Under tensor
-parallelism it runs whole on rank 0: it is loaded before the ranks start, so its layers are
-built unsplit and need no collective.
+last step; one copy brings them to the host, and nothing before it waits for the device
+(inputs go up through pinned buffers), so the host queues a proposal's forwards back to back.
+On the GPU the one-token steps replay CUDA graphs of the draft (`capture_graphs`: the
+target's `DecodeGraphs` over the draft model, in a memory pool of their own), one replay each
+where eagerly a small model's step is paced by its few hundred kernel launches; a small step
+is written straight into the graph's inputs with one copy. A short catch-up (after a verify
+step: the kept drafts and the target's new token) runs as one decode row per token, as the
+target's verify step does, and replays a graph too; a catch-up over a prompt runs eagerly.
+Under tensor parallelism it runs whole on rank 0: it is loaded before the ranks start, so its
+layers are built unsplit and need no collective.
 
 Refused at start, naming `speculative_config.model`: a missing directory, a vocabulary other
 than the target's (the config's `vocab_size`, and the tokenizers where both have one), and a
@@ -51,7 +55,7 @@ from torch import nn
 from asyncengine.block_pool import BlockPool
 from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.host_staging import PinnedStaging
-from asyncengine.model_runner import KVCache, step_inputs, token_layout
+from asyncengine.model_runner import KVCache, staged_step_inputs, step_inputs, token_layout
 from asyncengine.request import Request
 from asyncengine.sampler import host_to_device
 from asyncengine.spec_decode.config import SpeculativeConfig
@@ -373,8 +377,25 @@ class DraftModelProposer:
             max_seq_len=max_len, decode_segments=0 if plan is None else plan.segments,
             fuse_rotary=plan is not None and plan.fuse_rotary,
         )  # fmt: skip
+        ids = host_ids if host_ids is not None else np.zeros(t, np.int64)
+        padded = None
+        if plan is not None and self.graphs is not None:
+            padded = self.graphs.stageable(b, w, plan)
+        if padded is not None:
+            # Small enough to be written straight into the graph's inputs: one copy, no views
+            # to build, and the replay copies nothing.
+            assert self.graphs is not None
+            inputs = staged_step_inputs(self.graphs, self.staging, padded, header, ids,
+                                        positions, slots, seq_lens, tables, [])  # fmt: skip
+            if device_ids is not None:
+                inputs.input_ids.copy_(device_ids)
+            hidden = self.graphs.run(inputs)
+            if expand:
+                hidden = hidden.index_select(0, host_to_device(last_rows.tolist(), torch.int64,
+                                                               self.device))  # fmt: skip
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
         arrays = {
-            "input_ids": host_ids if host_ids is not None else np.zeros(t, np.int64),
+            "input_ids": ids,
             "positions": positions,
             "slot_mapping": slots,
             "query_start_loc": qsl,

@@ -81,3 +81,10 @@ def test_c_compiler_follows_cc(monkeypatch: pytest.MonkeyPatch) -> None:
     assert envs.c_compiler() is None
     table = (Path(__file__).resolve().parents[2] / "docs" / "environment.md").read_text()
     assert "| `CC` |" in table
+
+
+def test_no_pdl_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCENGINE_NO_PDL", raising=False)
+    assert envs.no_pdl() is False
+    monkeypatch.setenv("ASYNCENGINE_NO_PDL", "1")
+    assert envs.no_pdl() is True

@@ -24,6 +24,13 @@ def test_gpu_on_from_hopper() -> None:
     assert use_pdl(x) == (torch.cuda.get_device_capability()[0] >= 9)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_off_when_the_environment_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_NO_PDL", "1")
+    assert not use_pdl(torch.zeros(1, device="cuda"))
+
+
 def _decode_chain(
     x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor, batch: PagedBatch, pdl: bool
 ) -> torch.Tensor:

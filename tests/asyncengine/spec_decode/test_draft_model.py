@@ -601,36 +601,57 @@ def test_missing_draft_is_refused(pair: tuple[Path, Path], tmp_path: Path) -> No
         draft_llm(pair[0], draft_config(empty))
 
 
-class EagerGraphs:
-    """Stands in for the draft's `DecodeGraphs` off the GPU: pads a step of up to 16
-    requests to a power of two, runs it eagerly, and records what it was asked to replay."""
+class EagerReplay:
+    """Stands in for a captured CUDA graph off the GPU: a replay runs the forward eagerly over
+    the graph's static inputs into its output buffer, and is recorded."""
 
-    SIZES = (1, 2, 4, 8, 16)
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        # (rows, tokens, plan, whether rows share a request: a batch-expanded catch-up)
-        self.replayed: list[tuple[int, int, object, bool]] = []
-
-    def graph_size(self, num_seqs: int, table_width: int) -> int | None:
-        return next((s for s in self.SIZES if s >= num_seqs), None)
-
-    def can_run(self, inputs: object) -> bool:
-        meta = inputs.meta  # type: ignore[attr-defined]
-        return meta.decode_only and self.graph_size(*meta.block_tables.shape) is not None
-
-    def run(self, inputs: object) -> torch.Tensor:
+    def __init__(self, model: torch.nn.Module, meta: object, ids: torch.Tensor,
+                 positions: torch.Tensor, log: list) -> None:  # fmt: skip
         from models.forward_context import set_forward_context
 
-        meta = inputs.meta  # type: ignore[attr-defined]
-        rows = meta.block_tables.shape[0]
-        shared = len({tuple(t) for t in meta.block_tables.tolist()}) < rows
-        self.replayed.append((rows, inputs.input_ids.shape[0], meta.decode_plan, shared))  # type: ignore[attr-defined]
+        self.model, self.meta, self.ids, self.positions, self.log = model, meta, ids, positions, log
         with set_forward_context(meta):
-            return self.model(inputs.input_ids, inputs.positions)  # type: ignore[attr-defined]
+            self.out = model(ids, positions)
+
+    def replay(self) -> None:
+        from models.forward_context import set_forward_context
+
+        meta = self.meta
+        rows = len(self.ids)
+        real = int((meta.slot_mapping >= 0).sum())  # type: ignore[attr-defined]
+        tables = meta.block_tables[:real].tolist()  # type: ignore[attr-defined]
+        # Rows of one request share its block table: a batch-expanded catch-up.
+        expanded = len({tuple(t) for t in tables}) < real
+        self.log.append((rows, real, meta.decode_plan, expanded))  # type: ignore[attr-defined]
+        with set_forward_context(meta):
+            self.out.copy_(self.model(self.ids, self.positions))
+
+    def pool(self) -> None:
+        return None
 
 
-def test_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path, Path]) -> None:
+def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int) -> list:
+    """Give the proposer real `DecodeGraphs` (static buffers, staging, planning) whose graphs
+    replay eagerly on the CPU; returns the log of replays (padded rows, real rows, plan,
+    whether batch-expanded)."""
+    import asyncengine.cuda_graphs as cuda_graphs
+
+    log: list = []
+
+    def capture(model, meta, ids, positions, pool):  # type: ignore[no-untyped-def]
+        replay = EagerReplay(model, meta, ids, positions, log)
+        return replay, replay.out
+
+    monkeypatch.setattr(cuda_graphs, "capture_forward", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8)  # type: ignore[attr-defined]
+    log.clear()  # capture's own passes
+    return log
+
+
+def test_draft_steps_go_through_the_graphs(
+    base: LLM, pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With graphs captured, each of the draft's one-token steps replays one, planned for
     the padded size it replays at; so do the short catch-ups after verify steps, one row a
     token with rotary unfused. Only catch-ups over a prompt, or past the largest graph, run
@@ -640,36 +661,45 @@ def test_draft_steps_go_through_the_graphs(base: LLM, pair: tuple[Path, Path]) -
     target, draft = pair
     llm = draft_llm(target, draft_config(draft, 4))
     proposer = llm.llm_engine.spec_decoder.proposer
-    graphs = EagerGraphs(proposer.model)
-    proposer.graphs = graphs
+    replays = eager_graphs(proposer, monkeypatch, llm.llm_engine.scheduler.max_num_seqs)
+    graphs = proposer.graphs
     eager: list[tuple[int, int]] = []  # (longest, rows) of forwards run eagerly
     forward = proposer._forward
 
     def recording(reqs, starts, lens, **ids):  # type: ignore[no-untyped-def]
-        before = len(graphs.replayed)
+        before = len(replays)
         out = forward(reqs, starts, lens, **ids)
-        if len(graphs.replayed) == before:
+        if len(replays) == before:
             eager.append((max(lens), sum(lens)))
         return out
 
     proposer._forward = recording
+    import asyncengine.spec_decode.draft_model as draft_model
+
+    staged: list[int] = []
+    stage = draft_model.staged_step_inputs
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        staged.append(args[2])
+        return stage(*args, **kwargs)
+
+    monkeypatch.setattr(draft_model, "staged_step_inputs", counting)
     ps = prompts()
     assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
-    assert graphs.replayed, "no draft step replayed a graph"
+    assert replays, "no draft step replayed a graph"
+    assert staged, "no draft step was staged into the graphs' inputs"
     kv_heads = proposer.num_kv_heads
-    for rows, tokens, plan, expanded in graphs.replayed:
-        assert tokens == rows  # one token a row
-        padded = graphs.graph_size(rows, 0)
+    for padded, real, plan, expanded in replays:
+        assert padded == graphs.graph_size(real, 0)
         unfused = decode_plans(padded, kv_heads, proposer.device, fuse_rotary=False)
         assert plan in (unfused if expanded else decode_plans(padded, kv_heads, proposer.device))
-    assert any(expanded for *_, expanded in graphs.replayed), "no catch-up replayed a graph"
+    assert any(expanded for *_, expanded in replays), "no catch-up replayed a graph"
     # Eager: a prompt to catch up on, or more rows than the largest graph.
-    assert all(n > EXPAND_MAX_TOKENS or rows > EagerGraphs.SIZES[-1] for n, rows in eager), eager
+    largest = graphs.sizes[-1]
+    assert all(n > EXPAND_MAX_TOKENS or rows > largest for n, rows in eager), eager
     assert_pool_clean(llm)
     llm.shutdown()
     assert proposer.graphs is None
-
-
 # ------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
