@@ -1,5 +1,6 @@
 """int4 and int8 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's
-register operand (Gluon), for decode batches of up to 256 rows in int4 and 64 in int8.
+register operand (Gluon), for decode batches of up to 256 rows in int4 (128 a launch) and 64
+in int8.
 
 Marlin's idea on sm_90: the weights are repacked once, at load, so that what a thread loads
 is already its share of the MMA's left operand; no shuffles and no shared-memory round trip
@@ -90,19 +91,24 @@ BITS = (4, 8)  # the code widths served
 # wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
 ITER_K = 2 * CHUNK_K
 MAX_ROWS = 256
+# The most rows one launch takes: more run as launches of this many rows each. A 256-row
+# launch (a 64 x 256 float32 accumulator, 254 registers a thread) measured slower than two
+# 128-row launches on every 7B layer (bench_kernels --only int4, H200, 2026-12-04).
+LAUNCH_MAX_ROWS = 128
 # Up to 64 rows a program copies its whole activation slice into shared memory at once. It
 # may take `X_SLICE_BYTES`: 32 rows of 1024 features (the 32-row optimum below), two programs
 # to a multiprocessor at 64 rows.
 SLICE_MAX_ROWS = 64
 X_SLICE_BYTES = 64 * 1024
-# Above 64 rows the slice streams through a ring of `X_RING` chunks (64 features each, 32 KB
-# at 256 rows), `X_RING - 1` of them in flight, so a split may span all of K: at 128-256 rows
+# Above 64 rows the slice streams through a ring of `X_RING` chunks (64 features each, 16 KB
+# at 128 rows), `X_RING - 1` of them in flight, so a split may span all of K: at 128 rows
 # the partial sums of short splits would cost as much traffic as the weights. K is split
 # only to give each multiprocessor one program (`RING_PROGRAMS`: o and down have 64 tiles).
 X_RING = 4
 RING_PROGRAMS = 132
-# int8 stops at 64 rows: at 256 its ring form needs more than 255 registers a thread (the
-# 64 x 256 float32 accumulator and three iterations of 16 words), and spills.
+# int8 stops at 64 rows: at 256 its ring form needed more than 255 registers a thread (the
+# 64 x 256 float32 accumulator and three iterations of 16 words), and spilled; at 128 rows
+# it has not been built.
 _MAX_ROWS_BY_BITS = {4: MAX_ROWS, 8: SLICE_MAX_ROWS}
 # Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
 # grow (each split's float32 partial sums grow with them), each split at least
@@ -133,8 +139,13 @@ class QuantWgmmaConfig:
 
 
 def max_rows(bits: int) -> int:
-    """The most activation rows a launch serves for `bits`-bit codes."""
+    """The most activation rows `quant_wgmma_matmul` serves for `bits`-bit codes."""
     return _MAX_ROWS_BY_BITS[bits]
+
+
+def launch_max_rows(bits: int) -> int:
+    """The most activation rows one launch takes for `bits`-bit codes."""
+    return min(LAUNCH_MAX_ROWS, max_rows(bits))
 
 
 def available() -> bool:
@@ -179,8 +190,8 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     K is split only up to `RING_PROGRAMS` programs. The scale on the accumulator up to 16
     rows unless told."""
     rows = max(8, 1 << (m - 1).bit_length())
-    if rows > MAX_ROWS:
-        raise ValueError(f"quant_wgmma serves up to {MAX_ROWS} rows, got {m}")
+    if rows > LAUNCH_MAX_ROWS:
+        raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
     if scale_on_acc is None:
@@ -590,7 +601,9 @@ def quant_wgmma_matmul(
     """x [M, K] (bf16) -> x W^T (+ b) [M, N], W's `bits`-bit codes as `pack_quant_wgmma` packed
     them and `scales`/`zeros` [G, N] as `asyncengine_kernels.quant_linear` keeps them.
     `counters`: int32, one per 64 output features, zeroed (the kernel leaves them so; default:
-    fresh ones); has_zero: whether the zero points must be read (default: `reads_zeros`)."""
+    fresh ones); has_zero: whether the zero points must be read (default: `reads_zeros`).
+    More rows than one launch takes (`launch_max_rows`) run as launches of that many rows,
+    one after another, each with `config` (default: `quant_wgmma_config` for its rows)."""
     _check_bits(bits)
     m, k = x.shape
     n = scales.shape[1]
@@ -604,14 +617,30 @@ def quant_wgmma_matmul(
                          f"{ITER_K}-feature iterations")  # fmt: skip
     if m > max_rows(bits):
         raise ValueError(f"quant_wgmma serves up to {max_rows(bits)} rows in int{bits}, got {m}")
-    config = config or quant_wgmma_config(m, n, k, group_size)
-    if m > config.rows:
-        raise ValueError(f"{config} serves at most {config.rows} rows, got {m}")
+    step = launch_max_rows(bits)
+    if config is not None and not min(m, step) <= config.rows <= step:
+        raise ValueError(f"{config} cannot launch {min(m, step)} rows (at most {step} a launch)")
     if has_zero is None:
         has_zero = reads_zeros(zeros, bits)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    for lo in range(0, m, step):  # one launch up to `LAUNCH_MAX_ROWS` rows, in order
+        hi = min(m, lo + step)
+        cfg = config or quant_wgmma_config(hi - lo, n, k, group_size)
+        _launch(x[lo:hi], words, scales, zeros, group_size, bias, cfg, counters, y[lo:hi],
+                bits, has_zero)  # fmt: skip
+    return y
+
+
+def _launch(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    group_size: int, bias: torch.Tensor | None, config: QuantWgmmaConfig,
+    counters: torch.Tensor | None, y: torch.Tensor, bits: int, has_zero: bool,
+) -> None:  # fmt: skip
+    """One launch over x's rows (at most `config.rows`) into y (a row range of the output)."""
+    m, k = x.shape
+    n = scales.shape[1]
     tiles = n // BLOCK_N
     splits = math.ceil(k / config.k_split)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if splits > 1:
         parts = torch.empty(splits * m * n, device=x.device, dtype=torch.float32)
         if counters is None:
@@ -629,4 +658,3 @@ def quant_wgmma_matmul(
         X_RING=config.x_ring, num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip
-    return y

@@ -700,10 +700,12 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
                 x, w, s, z, bits, group, None, c, counters), weights))
             best = min(best, (ms, str(cfg)))
         emit(kernel, {**case, "impl": f"triton best: {best[1]}"}, best[0], nbytes=nbytes)
-        default = wg.quant_wgmma_config(rows, n, k, group)
+        # Past one launch's rows the call runs 128-row launches, each with this config.
+        per_launch = min(rows, wg.launch_max_rows(bits))
+        default = wg.quant_wgmma_config(per_launch, n, k, group)
         launches = {default}
         for on_acc in (True, False):
-            base = wg.quant_wgmma_config(rows, n, k, group, scale_on_acc=on_acc)
+            base = wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc)
             for factor in (0.5, 1, 2):
                 k_split = max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
                 launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc, base.x_ring))

@@ -155,8 +155,15 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # of four matmuls 57.0 us against 87.0 at 2 rows, 58.3 / 126.6 at 4, 61.2 / 130.7 at 8,
 # 75.7 / 131.1 at 16; at 32 rows 105 / 174, where it beats bf16 cuBLAS's 116). At one row
 # the at-once GEMVs won q/k/v, o and down (52.8 us a layer against its 54.7; it won
-# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237). Its ring
-# form (128-256 rows, int4 only) is timed beside the 256-row step's kinds: not yet measured.
+# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237). Above 64
+# rows (int4 only) the activations stream through a ring, 128 rows a launch: at 128 rows it
+# won every layer against the tiles and dequantize + cuBLAS (151 us a layer against 256 and
+# 269; 2026-12-04), at 256 (two launches) it won gate/up only, so it is timed beside the
+# 256-row step's kinds.
+#
+# int8 measured the same way (2026-12-04): 81-94 us a layer at 2-16 rows against 127-149
+# for the best of the other kinds (1.5-1.7x, every layer), 125 / 199 at 32 rows, and behind
+# at 64 (237 / 217); so its rules are int4's from 2 rows up.
 _FROM_5_ROWS = (
     IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True),
     IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
@@ -164,13 +171,6 @@ _FROM_5_ROWS = (
     IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
             wgmma=True),
     IntRule(None, dequantize=True),
-)
-# int8's wgmma path is not yet measured on the H200: it is timed beside the kinds that won
-# each step, never alone, so that the tuner keeps the measured winners wherever it loses
-# (or disagrees with the reference, which drops it).
-_INT8_FROM_5_ROWS = (
-    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True),
-    *_FROM_5_ROWS[1:],
 )
 # Per weight width, the GEMVs that won a Llama-2-7B shape on the H200 at 1-4 rows, or came
 # within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
@@ -189,9 +189,10 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1)), wgmma=True),
         IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True)),
-                wgmma=True),
-        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM, wgmma=True),
-        *_INT8_FROM_5_ROWS,
+                wgmma=True, wgmma_alone=True),
+        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM, wgmma=True,
+                wgmma_alone=True),
+        *_FROM_5_ROWS,
     ),
 }
 

@@ -10,9 +10,11 @@ import itertools
 import pytest
 import torch
 
+from asyncengine_kernels import quant_wgmma
 from asyncengine_kernels.quant_linear import pack_int_weight, quant_matmul_ref
 from asyncengine_kernels.quant_wgmma import (
     ITER_K,
+    LAUNCH_MAX_ROWS,
     MAX_ROWS,
     RING_PROGRAMS,
     X_RING,
@@ -158,12 +160,12 @@ def test_config_fills_the_gpu_at_one_row() -> None:
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(65, 12288, 4096), (128, 4096, 4096),
-                                            (200, 22016, 4096), (256, 4096, 11008)])
+                                            (100, 22016, 4096), (128, 4096, 11008)])
 def test_config_streams_the_activations_above_64_rows(m: int, n: int, k: int) -> None:
     """Above 64 rows the slice goes through the ring and K is split only to give each
     multiprocessor a program: whole groups, no split where the tiles already fill the GPU."""
     cfg = quant_wgmma_config(m, n, k, 128)
-    assert cfg.x_ring == X_RING and cfg.rows in (128, 256) and cfg.rows >= m
+    assert cfg.x_ring == X_RING and cfg.rows == LAUNCH_MAX_ROWS
     assert not cfg.scale_on_acc and cfg.k_split % 128 == 0
     splits = -(-k // cfg.k_split)
     tiles = n // 64
@@ -172,9 +174,53 @@ def test_config_streams_the_activations_above_64_rows(m: int, n: int, k: int) ->
     assert X_RING * cfg.rows * 64 * 2 <= 128 * 1024  # the ring's shared memory
 
 
-def test_config_refuses_more_rows_than_it_serves() -> None:
-    with pytest.raises(ValueError, match="up to 256 rows"):
-        quant_wgmma_config(MAX_ROWS + 1, 4096, 4096, 128)
+def test_config_refuses_more_rows_than_one_launch_takes() -> None:
+    with pytest.raises(ValueError, match="up to 128 rows"):
+        quant_wgmma_config(LAUNCH_MAX_ROWS + 1, 4096, 4096, 128)
+
+
+@pytest.mark.parametrize(("m", "launches"), [(64, [64]), (128, [128]), (200, [128, 72]),
+                                             (256, [128, 128])])
+def test_rows_past_one_launch_run_as_launches_in_order(
+    m: int, launches: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More rows than a launch takes run as 128-row launches over consecutive row ranges of
+    x and of the output, each with its own launch rules (the kernel itself stood in for by
+    the reference, on the CPU)."""
+    n, k, group = 128, 256, 128
+    q = _codes(n, k)
+    qweight = pack_int_weight(q, 4)
+    gen = torch.Generator().manual_seed(1)
+    scales = (torch.rand(k // group, n, generator=gen) + 0.5).to(torch.bfloat16)
+    zeros = torch.full((k // group, n), 8.0, dtype=torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    seen: list[tuple[int, int]] = []
+
+    def reference_launch(xs, words, s, z, g, bias, cfg, counters, y, bits, has_zero):  # type: ignore[no-untyped-def]
+        seen.append((xs.shape[0], cfg.rows))
+        assert xs.shape[0] <= cfg.rows <= LAUNCH_MAX_ROWS
+        y.copy_(quant_matmul_ref(xs, qweight, s, z, bits, g))
+
+    monkeypatch.setattr(quant_wgmma, "_launch", reference_launch)
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight), scales, zeros, group)
+    assert [rows for rows, _ in seen] == launches
+    assert torch.equal(got, quant_matmul_ref(x, qweight, scales, zeros, 4, group))
+
+
+def test_a_given_config_must_fit_one_launch() -> None:
+    """A config for fewer rows than the launch gets, or for more than a launch takes, is
+    refused before launching."""
+    words = pack_quant_wgmma(pack_int_weight(_codes(128, 256), 4))
+    s = torch.ones(2, 128, dtype=torch.bfloat16)
+    z = torch.full((2, 128), 8.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 128 a launch"):
+        quant_wgmma_matmul(torch.zeros(100, 256, dtype=torch.bfloat16), words, s, z, 128,
+                           config=quant_wgmma_config(64, 128, 256, 128))  # fmt: skip
+    too_wide = quant_wgmma.QuantWgmmaConfig(rows=256, k_split=256, scale_on_acc=False,
+                                            x_ring=X_RING)  # fmt: skip
+    with pytest.raises(ValueError, match="at most 128 a launch"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), words, s, z, 128,
+                           config=too_wide)  # fmt: skip
 
 
 def test_int8_stops_at_64_rows_before_launching() -> None:
