@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import ipaddress
 import itertools
 import logging
@@ -54,15 +52,12 @@ from asyncengine.request_check import QueueLimits
 from asyncengine.stat_loggers import PrometheusStatLogger
 from asyncengine.structured_outputs.frontend import compile_constraint
 from frontends import protocol as p
+from frontends.api_key import ApiKey
 from frontends.listening import ListeningAddress
+from frontends.tokenize_offload import chat_size, maybe_in_thread
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters) are tokenized off the event loop.
-_TOKENIZE_INLINE_CHARS = 16_384
-# What a chat message costs the template beyond its content, in characters of the above:
-# thousands of empty messages must not render on the loop either.
-_CHAT_MESSAGE_OVERHEAD_CHARS = 32
 # Browser origins accepted by default: pages served from this machine.
 _LOOPBACK_ORIGIN = re.compile(r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?")
 
@@ -222,9 +217,7 @@ class EngineServer(ListeningAddress):
         self._connections_gauge = Gauge("asyncengine_websocket_connections",
                                         "Open WebSocket connections.", registry=self.registry)
         self._connections: set[_Connection] = set()
-        # Keys are compared as digests: equal lengths, so the comparison time says nothing.
-        self._key_digest = (hashlib.sha256(config.api_key.encode()).digest()
-                            if config.api_key is not None else None)
+        self._api_key = ApiKey(config.api_key)
         self._ws_server: Server | None = None
         self._address: tuple[str, int] | None = None
         self._draining = False
@@ -318,7 +311,7 @@ class EngineServer(ListeningAddress):
             del response.headers["Content-Type"]
             response.headers["Content-Type"] = CONTENT_TYPE_LATEST
             return response
-        if self.config.api_key is not None and not self._authorized(request.headers, url.query):
+        if self._api_key.required and not self._authorized(request.headers, url.query):
             self._rejected.labels(ErrorCode.UNAUTHORIZED).inc()
             response = connection.respond(HTTPStatus.UNAUTHORIZED, "invalid or missing API key\n")
             response.headers["WWW-Authenticate"] = "Bearer"
@@ -328,15 +321,13 @@ class EngineServer(ListeningAddress):
         return None
 
     def _authorized(self, headers: Headers, query: str) -> bool:
-        assert self._key_digest is not None
         given = ""
         auth = headers.get("Authorization", "")
         if auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
         else:
             given = parse_qs(query).get("api_key", [""])[0]
-        digest = hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest()
-        return hmac.compare_digest(digest, self._key_digest)
+        return self._api_key.admits(given)
 
     # ------------------------------------------------------------------ WebSocket
     async def _handler(self, ws: ServerConnection) -> None:
@@ -464,11 +455,10 @@ class EngineServer(ListeningAddress):
         try:
             if msg.messages is not None:
                 messages = [{"role": m.role, "content": m.content} for m in msg.messages]
-                size = sum(len(m["content"]) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
-                ids = await _maybe_in_thread(size, engine.encode_chat, messages)
+                ids = await maybe_in_thread(chat_size(messages), engine.encode_chat, messages)
             else:
                 assert msg.prompt is not None
-                ids = await _maybe_in_thread(len(msg.prompt), engine.encode, msg.prompt)
+                ids = await maybe_in_thread(len(msg.prompt), engine.encode, msg.prompt)
         except RequestError:
             raise
         except ValueError as exc:  # the tokenizer's own complaint
@@ -531,12 +521,6 @@ class EngineServer(ListeningAddress):
             conn.try_send(p.Stats(stats=self.engine.stats()))
             next_at += interval
             await asyncio.sleep(max(0.0, next_at - loop.time()))
-
-
-async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
-    if size > _TOKENIZE_INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
 
 
 def _wire_message(exc: RequestError, msg: p.Generate) -> str:

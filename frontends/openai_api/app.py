@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -49,6 +47,7 @@ from asyncengine.request_check import QueueLimits
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.stat_loggers import PrometheusStatLogger
 from asyncengine.structured_outputs.frontend import compile_constraint
+from frontends.api_key import ApiKey
 from frontends.openai_api import schemas
 from frontends.openai_api.errors import ApiError, api_error
 from frontends.openai_api.responses import (
@@ -59,16 +58,13 @@ from frontends.openai_api.responses import (
     new_id,
 )
 from frontends.openai_api.worker_routes import PROTECTED_PATHS, WorkerRoutes
+from frontends.tokenize_offload import chat_size, maybe_in_thread
 
 if TYPE_CHECKING:
     from frontends.openai_api.server import OpenAIConfig
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters) are tokenized off the event loop.
-_TOKENIZE_INLINE_CHARS = 16_384
-# What a chat message costs the template beyond its content, in characters of the above.
-_CHAT_MESSAGE_OVERHEAD_CHARS = 32
 _DONE = b"data: [DONE]\n\n"
 _encoder = msgspec.json.Encoder()
 
@@ -146,8 +142,7 @@ class OpenAIApp:
         self._rejected = rejected
         self._queue_limits = QueueLimits(config.max_queued_requests,
                                          config.max_queued_prompt_tokens)
-        self._key_digest = (hashlib.sha256(config.api_key.encode()).digest()
-                            if config.api_key is not None else None)
+        self._api_key = ApiKey(config.api_key)
         self._in_flight: set[RequestStream] = set()
         self._created = int(time.time())
         self.draining = False
@@ -169,13 +164,13 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ plumbing
     def authorized(self, scope: Scope) -> bool:
-        if self._key_digest is None:
+        if not self._api_key.required:
             return True
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 given = value[7:].strip()
-        return hmac.compare_digest(hashlib.sha256(given).digest(), self._key_digest)
+        return self._api_key.admits(given)
 
     def count_refusal(self, exc: ApiError) -> None:
         self._rejected.labels(str(exc.code)).inc()
@@ -338,7 +333,7 @@ class OpenAIApp:
                                       "ids", field="prompt")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
-        return await _maybe_in_thread(len(prompt), self.engine.encode, prompt)
+        return await maybe_in_thread(len(prompt), self.engine.encode, prompt)
 
     async def _compile_constraint(self, params: SamplingParams) -> None:
         """Compile the request's grammar (in a worker thread, within the time limit) before
@@ -348,10 +343,9 @@ class OpenAIApp:
 
     async def _apply_chat_template(self, messages: list[dict[str, Any]],
                                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        size = sum(len(str(m["content"])) + _CHAT_MESSAGE_OVERHEAD_CHARS for m in messages)
-        size += len(str(tools)) if tools else 0
         try:
-            ids = await _maybe_in_thread(size, self.engine.encode_chat, messages, tools)
+            ids = await maybe_in_thread(chat_size(messages, tools), self.engine.encode_chat,
+                                        messages, tools)  # fmt: skip
         except RequestError:
             raise
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
@@ -500,8 +494,3 @@ async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
-
-async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
-    if size > _TOKENIZE_INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
