@@ -112,7 +112,7 @@ class MatmulKind:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Build what `apply` reads beside `layer.weight` (called when a plan holding this
-        kind is given to the layer)."""
+        kind is given to a layer whose plan did not hold it)."""
 
     def release(self, layer: torch.nn.Module) -> None:
         """Drop what `process_weights_after_loading` built (the layer's plan no longer
@@ -399,7 +399,8 @@ class PlannedMatmul:
 
     def set_plan(self, plan: MatmulPlan) -> None:
         """Take `plan` after checking it against what this layer's input and output are;
-        kinds it no longer holds release what they stored on the layer."""
+        kinds it no longer holds release what they stored on the layer, and kinds new to it
+        build theirs (`process_weights_after_loading`)."""
         for entry in plan.entries:
             # A [gate, up] input may arrive already activated by its producer's epilogue.
             allowed = {self.input_transform}
@@ -415,6 +416,8 @@ class PlannedMatmul:
         old = self.plan.kinds()
         for kind in old - plan.kinds():
             kind.release(self)  # type: ignore[arg-type]
-        for kind in plan.kinds():
+        # A kind the old plan held keeps what it built: tuning sets many plans in turn, and
+        # repacking a held weight each time would only cost.
+        for kind in plan.kinds() - old:
             kind.process_weights_after_loading(self)  # type: ignore[arg-type]
         self.plan = plan

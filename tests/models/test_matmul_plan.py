@@ -259,3 +259,36 @@ def test_a_layer_refuses_a_plan_for_another_input_or_output() -> None:
     gated.set_plan(_plan(Blas(), 1, NONE, declared=GATED))  # activated by its producer
     with pytest.raises(ValueError, match="layer's input is silu_and_mul"):
         gated.set_plan(MatmulPlan.default(NORM))
+
+
+def test_a_held_kind_is_not_processed_again_when_the_plan_changes() -> None:
+    """Tuning sets plans in turn: a kind both plans hold keeps what it built (no repacking),
+    a kind new to the layer builds, a kind dropped releases."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    calls: list[tuple[str, str]] = []
+
+    class Recording(Blas):
+        label: ClassVar[str]
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            calls.append(("process", self.label))
+
+        def release(self, layer: torch.nn.Module) -> None:
+            calls.append(("release", self.label))
+
+    @dataclass(frozen=True)
+    class A(Recording):
+        label: ClassVar[str] = "a"
+
+    @dataclass(frozen=True)
+    class B(Recording):
+        label: ClassVar[str] = "b"
+
+    layer = ColumnParallelLinear(8, 8, bias=False)
+    a, b = A(), B()
+    layer.set_plan(MatmulPlan((PlanEntry(a, 4), PlanEntry(Blas()))))
+    layer.set_plan(MatmulPlan((PlanEntry(a, 2), PlanEntry(b, 4), PlanEntry(Blas()))))
+    layer.set_plan(MatmulPlan((PlanEntry(b, 4), PlanEntry(Blas()))))
+    assert calls == [("process", "a"), ("process", "b"), ("release", "a")]
