@@ -16,6 +16,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+import frontends.api_key as api_key_module
 import frontends.server as server_module
 from asyncengine.async_engine import AsyncLLMEngine
 from asyncengine.detokenizer import IncrementalDetokenizer
@@ -129,13 +130,13 @@ async def test_the_key_is_compared_in_constant_time(
     """Every check goes through `hmac.compare_digest` on fixed-length digests, so neither the
     content nor the length of a guess changes how long the comparison takes."""
     calls: list[tuple[int, int]] = []
-    real = server_module.hmac.compare_digest
+    real = api_key_module.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(server_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(api_key_module.hmac, "compare_digest", spy)
     async with serving(engine, api_key=KEY) as server:
         for guess in ["", "x", KEY[:5], KEY + "suffix" * 50, KEY]:
             try:
