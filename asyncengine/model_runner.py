@@ -91,6 +91,17 @@ def token_layout(
     return qsl, starts + lens, tables, owner, positions, slots
 
 
+def one_row_per_token(
+    tables: np.ndarray, owner: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's tokens (as `token_layout` placed them) as decode rows, one a token (batch
+    expansion): row i attends to its sequence up to and with its own position. Returns
+    query_start_loc, the query lengths (all 1), seq_lens and the rows' block tables. Every
+    row's K/V must be in the cache before any row attends: no fused rotary/write."""
+    t = len(positions)
+    return np.arange(t + 1, dtype=np.int64), np.ones(t, np.int64), positions + 1, tables[owner]
+
+
 def staged_step_inputs(
     graphs: DecodeGraphs, staging: PinnedStaging, padded: int, header: StepHeader,
     input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
@@ -537,9 +548,8 @@ class ModelRunner:
             # (batch expansion): row j of a request attends to its context and the drafts
             # before it, so it replays the decode graphs and their attention kernel. Every
             # row's K/V must be in the cache before any row attends: no fused rotary/write.
-            b, lens, tables = t, np.ones(t, dtype=np.int64), tables[owner]
-            qsl, seq_lens = np.arange(t + 1, dtype=np.int64), positions + 1
-            fuse_rotary = False
+            qsl, lens, seq_lens, tables = one_row_per_token(tables, owner, positions)
+            b, fuse_rotary = t, False
         max_q, max_len = int(lens.max()), int(seq_lens.max())
         plan = self.decode_plan(b, w, max_len, fuse_rotary) if max_q == 1 else None
         header = StepHeader(

@@ -92,8 +92,9 @@ BITS = (4, 8)  # the code widths served
 ITER_K = 2 * CHUNK_K
 MAX_ROWS = 256
 # The most rows one launch takes: more run as launches of this many rows each. A 256-row
-# launch (a 64 x 256 float32 accumulator, 254 registers a thread) measured slower than two
-# 128-row launches on every 7B layer (bench_kernels --only int4, H200, 2026-12-04).
+# launch (a 64 x 256 float32 accumulator, 254 registers a thread) measured slower on every
+# 7B layer than twice the 128-row launch's measured time (bench_kernels --only int4, H200,
+# 2026-12-04; the two-launch form itself not yet timed).
 LAUNCH_MAX_ROWS = 128
 # Up to 64 rows a program copies its whole activation slice into shared memory at once. It
 # may take `X_SLICE_BYTES`: 32 rows of 1024 features (the 32-row optimum below), two programs

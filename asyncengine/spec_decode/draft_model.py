@@ -55,7 +55,13 @@ from torch import nn
 from asyncengine.block_pool import BlockPool
 from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.host_staging import PinnedStaging
-from asyncengine.model_runner import KVCache, staged_step_inputs, step_inputs, token_layout
+from asyncengine.model_runner import (
+    KVCache,
+    one_row_per_token,
+    staged_step_inputs,
+    step_inputs,
+    token_layout,
+)
 from asyncengine.request import Request
 from asyncengine.sampler import host_to_device
 from asyncengine.spec_decode.config import SpeculativeConfig
@@ -361,10 +367,8 @@ class DraftModelProposer:
             self.graphs is None or self.graphs.graph_size(t, w) is not None
         )
         if expand:
-            # Row j of a request attends to its context and the rows before it; every row's
-            # K/V is in the cache before any row attends (no fused rotary/write).
-            tables, seq_lens = tables[owner], positions + 1
-            qsl, lens_a, max_q = np.arange(t + 1, dtype=np.int64), np.ones(t, np.int64), 1
+            qsl, lens_a, seq_lens, tables = one_row_per_token(tables, owner, positions)
+            max_q = 1
         b, max_len = len(lens_a), int(seq_lens.max())
         plan = None
         if max_q == 1:
@@ -383,34 +387,30 @@ class DraftModelProposer:
             padded = self.graphs.stageable(b, w, plan)
         if padded is not None:
             # Small enough to be written straight into the graph's inputs: one copy, no views
-            # to build, and the replay copies nothing.
+            # to build, and the replay copies nothing. Its logits rows are all its rows.
             assert self.graphs is not None
             inputs = staged_step_inputs(self.graphs, self.staging, padded, header, ids,
                                         positions, slots, seq_lens, tables, [])  # fmt: skip
-            if device_ids is not None:
-                inputs.input_ids.copy_(device_ids)
-            hidden = self.graphs.run(inputs)
             if expand:
-                hidden = hidden.index_select(0, host_to_device(last_rows.tolist(), torch.int64,
-                                                               self.device))  # fmt: skip
-            return self.model.compute_logits(hidden)  # type: ignore[operator]
-        arrays = {
-            "input_ids": ids,
-            "positions": positions,
-            "slot_mapping": slots,
-            "query_start_loc": qsl,
-            "seq_lens": seq_lens,
-            "block_tables": tables,
-            "logits_indices": last_rows,
-            "fills": _NONE,
-            "prompt_rows": _NONE,
-            "prompt_targets": _NONE,
-        }
-        buffer = self.staging.to_device(pack(header, arrays))
-        parts = unpack(header, buffer)
+                inputs.logits_indices = host_to_device(last_rows.tolist(), torch.int64,
+                                                       self.device)  # fmt: skip
+        else:
+            arrays = {
+                "input_ids": ids,
+                "positions": positions,
+                "slot_mapping": slots,
+                "query_start_loc": qsl,
+                "seq_lens": seq_lens,
+                "block_tables": tables,
+                "logits_indices": last_rows,
+                "fills": _NONE,
+                "prompt_rows": _NONE,
+                "prompt_targets": _NONE,
+            }
+            buffer = self.staging.to_device(pack(header, arrays))
+            inputs = step_inputs(header, buffer, unpack(header, buffer), [])
         if device_ids is not None:
-            parts["input_ids"].copy_(device_ids)
-        inputs = step_inputs(header, buffer, parts, [])
+            inputs.input_ids.copy_(device_ids)
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
             if expand:  # else one token a request: the graph's rows are the logits' rows
