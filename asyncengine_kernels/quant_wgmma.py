@@ -198,10 +198,7 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     if scale_on_acc is None:
         scale_on_acc = rows <= 16
     if rows > SLICE_MAX_ROWS:
-        want = max(1, -(-RING_PROGRAMS // (n // BLOCK_N)))
-        per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
-        return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
-                                x_ring=X_RING)  # fmt: skip
+        return ring_config(rows, n, k, group_size, scale_on_acc)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
     want = max(1, programs // (n // BLOCK_N))
@@ -209,6 +206,19 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     per_split = max(least, math.ceil(iters / want))
     per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
+
+
+def ring_config(rows: int, n: int, k: int, group_size: int,
+                scale_on_acc: bool) -> QuantWgmmaConfig:  # fmt: skip
+    """The ring form's launch for `rows` padded rows: the activations stream through
+    `X_RING` chunks and K is split only so that the grid reaches `RING_PROGRAMS` programs,
+    each split whole groups (or whole iterations when a group spans several splits)."""
+    iters = k // ITER_K
+    unit = group_size // ITER_K if group_size < k else 1
+    want = max(1, -(-RING_PROGRAMS // (n // BLOCK_N)))
+    per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
+    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
+                            x_ring=X_RING)  # fmt: skip
 
 
 def _check_bits(bits: int) -> None:
