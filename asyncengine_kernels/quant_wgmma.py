@@ -107,6 +107,14 @@ X_SLICE_BYTES = 64 * 1024
 # only to give each multiprocessor one program (`RING_PROGRAMS`: o and down have 64 tiles).
 X_RING = 4
 RING_PROGRAMS = 132
+# In int4 the ring also serves 17-64 rows, where it beat the whole-slice launch on every
+# 7B layer (bench_kernels --only int4 --quant-rows 32 64, H200, 2026-12-04; us per layer of
+# four matmuls, the best split of each form: 81.4 against 102.0 at 32 rows, 104.6 against
+# 206.7 at 64, where the best Triton GEMM took 189.8). There the best splits gave the grid
+# about three programs a multiprocessor (q/k/v 2 splits, gate/up 1, o and down 6-7:
+# `RING_FEW_ROWS_PROGRAMS`), and the scale went on the accumulator up to 32 rows.
+RING_MIN_ROWS = {4: 17, 8: MAX_ROWS + 1}
+RING_FEW_ROWS_PROGRAMS = 3 * RING_PROGRAMS
 # int8 stops at 64 rows: at 256 its ring form needed more than 255 registers a thread (the
 # 64 x 256 float32 accumulator and three iterations of 16 words), and spilled; at 128 rows
 # it has not been built.
@@ -183,22 +191,25 @@ def _groups_fit(k: int, group_size: int) -> bool:
 
 
 def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
-                      scale_on_acc: bool | None = None) -> QuantWgmmaConfig:  # fmt: skip
-    """The launch for M = m rows: rows padded to a power of two from 8; K split so that the
-    grid reaches about `TARGET_PROGRAMS` programs (fewer past 8 rows), each split whole
-    groups (or whole iterations when a group spans several splits) and its activation slice
-    within `X_SLICE_BYTES`; above `SLICE_MAX_ROWS` rows the slice streams through a ring and
-    K is split only up to `RING_PROGRAMS` programs. The scale on the accumulator up to 16
-    rows unless told."""
+                       scale_on_acc: bool | None = None, *, bits: int = 4
+                       ) -> QuantWgmmaConfig:  # fmt: skip
+    """The launch for M = m rows of `bits`-bit codes: rows padded to a power of two from 8.
+    From `RING_MIN_ROWS` (int4: 17) the activations stream through a ring (`ring_config`);
+    below, K is split so that the grid reaches about `TARGET_PROGRAMS` programs (fewer past
+    8 rows), each split whole groups (or whole iterations when a group spans several splits)
+    and its activation slice within `X_SLICE_BYTES`. The scale on the accumulator up to 16
+    rows (32 in the ring) unless told."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > LAUNCH_MAX_ROWS:
         raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
+    _check_bits(bits)
+    ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS
+    if scale_on_acc is None:
+        scale_on_acc = rows <= (32 if ring else 16)
+    if ring:
+        return ring_config(rows, n, k, group_size, scale_on_acc)
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
-    if scale_on_acc is None:
-        scale_on_acc = rows <= 16
-    if rows > SLICE_MAX_ROWS:
-        return ring_config(rows, n, k, group_size, scale_on_acc)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
     want = max(1, programs // (n // BLOCK_N))
@@ -211,11 +222,17 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
 def ring_config(rows: int, n: int, k: int, group_size: int,
                 scale_on_acc: bool) -> QuantWgmmaConfig:  # fmt: skip
     """The ring form's launch for `rows` padded rows: the activations stream through
-    `X_RING` chunks and K is split only so that the grid reaches `RING_PROGRAMS` programs,
-    each split whole groups (or whole iterations when a group spans several splits)."""
+    `X_RING` chunks, each split whole groups (or whole iterations when a group spans
+    several splits). K is split only so that the grid reaches `RING_PROGRAMS` programs
+    above 64 rows, about `RING_FEW_ROWS_PROGRAMS` up to 64 (the nearest whole number of
+    splits)."""
     iters = k // ITER_K
     unit = group_size // ITER_K if group_size < k else 1
-    want = max(1, -(-RING_PROGRAMS // (n // BLOCK_N)))
+    tiles = n // BLOCK_N
+    if rows > SLICE_MAX_ROWS:
+        want = max(1, -(-RING_PROGRAMS // tiles))
+    else:
+        want = max(1, round(RING_FEW_ROWS_PROGRAMS / tiles))
     per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
                             x_ring=X_RING)  # fmt: skip
@@ -636,7 +653,7 @@ def quant_wgmma_matmul(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     for lo in range(0, m, step):  # one launch up to `LAUNCH_MAX_ROWS` rows, in order
         hi = min(m, lo + step)
-        cfg = config or quant_wgmma_config(hi - lo, n, k, group_size)
+        cfg = config or quant_wgmma_config(hi - lo, n, k, group_size, bits=bits)
         _launch(x[lo:hi], words, scales, zeros, group_size, bias, cfg, counters, y[lo:hi],
                 bits, has_zero)  # fmt: skip
     return y

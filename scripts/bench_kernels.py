@@ -702,20 +702,14 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
         emit(kernel, {**case, "impl": f"triton best: {best[1]}"}, best[0], nbytes=nbytes)
         # Past one launch's rows the call runs 128-row launches, each with this config.
         per_launch = min(rows, wg.launch_max_rows(bits))
-        default = wg.quant_wgmma_config(per_launch, n, k, group)
+        default = wg.quant_wgmma_config(per_launch, n, k, group, bits=bits)
         launches = {default}
         for on_acc in (True, False):
-            base = wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc)
+            base = wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc,
+                                         bits=bits)
             for factor in (0.5, 1, 2):
                 k_split = max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
                 launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc, base.x_ring))
-            if bits == 4 and 16 < per_launch <= wg.SLICE_MAX_ROWS:
-                # The ring form below the rows that take it by default: does it beat the
-                # whole-slice launch there too?
-                ring = wg.ring_config(base.rows, n, k, group, on_acc)
-                for factor in (0.5, 1):
-                    k_split = max(group, int(ring.k_split * factor) // group * group)
-                    launches.add(wg.QuantWgmmaConfig(ring.rows, k_split, on_acc, wg.X_RING))
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(
                 x, w, s, z, group, None, c, counters, bits=bits, has_zero=False), packed))

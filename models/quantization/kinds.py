@@ -155,19 +155,22 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # of four matmuls 57.0 us against 87.0 at 2 rows, 58.3 / 126.6 at 4, 61.2 / 130.7 at 8,
 # 75.7 / 131.1 at 16; at 32 rows 105 / 174, where it beats bf16 cuBLAS's 116). At one row
 # the at-once GEMVs won q/k/v, o and down (52.8 us a layer against its 54.7; it won
-# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237). Above 64
-# rows (int4 only) the activations stream through a ring, 128 rows a launch: at 128 rows it
-# won every layer against the tiles and dequantize + cuBLAS (151 us a layer against 256 and
-# 269; 2026-12-04), at 256 (two launches) it won gate/up only, so it is timed beside the
-# 256-row step's kinds.
+# gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237) until the
+# ring below took those rows. Above 64 rows (int4 only) the activations stream through a
+# ring, 128 rows a launch: at 128 rows it won every layer against the tiles and dequantize +
+# cuBLAS (151 us a layer against 256 and 269; 2026-12-04), at 256 (two launches: 290 us a
+# layer against dequantize + cuBLAS's 302) it won gate/up only (93 / 136), so it is timed
+# beside the 256-row step's kinds.
 #
 # int8 measured the same way (2026-12-04): 81-94 us a layer at 2-16 rows against 127-149
 # for the best of the other kinds (1.5-1.7x, every layer), 125 / 199 at 32 rows, and behind
-# at 64 (237 / 217); so its rules are int4's from 2 rows up.
-_FROM_5_ROWS = (
-    IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True),
-    IntRule(64, gemms=((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
-            wgmma=True),
+# at 64 (237 / 217); so its rules are int4's from 2 rows up, but for 17-64 rows: there int4
+# streams its activations through the ring (`quant_wgmma.RING_MIN_ROWS`), which took 81 us a
+# layer at 32 rows and 105 at 64 against the best GEMM tile's 171 and 190 (2026-12-04), so
+# int4 times it alone there.
+_UP_TO_16_ROWS = IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True)
+_64_ROW_GEMMS = ((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2))
+_FROM_65_ROWS = (
     IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
             wgmma=True),
     IntRule(None, dequantize=True),
@@ -184,7 +187,9 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
                 wgmma_alone=True),
         IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM, wgmma=True,
                 wgmma_alone=True),
-        *_FROM_5_ROWS,
+        _UP_TO_16_ROWS,
+        IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True, wgmma_alone=True),
+        *_FROM_65_ROWS,
     ),
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1)), wgmma=True),
@@ -192,7 +197,9 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
                 wgmma=True, wgmma_alone=True),
         IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM, wgmma=True,
                 wgmma_alone=True),
-        *_FROM_5_ROWS,
+        _UP_TO_16_ROWS,
+        IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True),
+        *_FROM_65_ROWS,
     ),
 }
 

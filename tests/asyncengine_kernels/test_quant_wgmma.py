@@ -136,14 +136,17 @@ def test_packing_refuses_shapes_off_the_tiles() -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "group"),
-    [(1, 4096, 4096, 128), (1, 4096, 11008, 128), (1, 22016, 4096, 128), (8, 12288, 4096, 128),
-     (16, 4096, 11008, 128), (33, 4096, 4096, 128), (64, 4096, 11008, 128),
-     (1, 4096, 4096, 4096), (4, 4096, 4096, 256)],
+    ("m", "n", "k", "group", "bits"),
+    [(1, 4096, 4096, 128, 4), (1, 4096, 11008, 128, 4), (1, 22016, 4096, 128, 4),
+     (8, 12288, 4096, 128, 4), (16, 4096, 11008, 128, 4), (33, 4096, 4096, 128, 8),
+     (64, 4096, 11008, 128, 8), (1, 4096, 4096, 4096, 4), (4, 4096, 4096, 256, 4)],
 )  # fmt: skip
-def test_config_splits_k_in_whole_groups_within_shared_memory(m: int, n: int, k: int,
-                                                               group: int) -> None:  # fmt: skip
-    cfg = quant_wgmma_config(m, n, k, group)
+def test_config_splits_k_in_whole_groups_within_shared_memory(
+    m: int, n: int, k: int, group: int, bits: int
+) -> None:
+    """Whole-slice launches (int4 up to 16 rows, int8 up to 64)."""
+    cfg = quant_wgmma_config(m, n, k, group, bits=bits)
+    assert not cfg.x_ring
     assert cfg.rows >= max(8, m) and cfg.rows & (cfg.rows - 1) == 0
     assert cfg.k_split % ITER_K == 0
     if group < k:
@@ -172,6 +175,21 @@ def test_config_streams_the_activations_above_64_rows(m: int, n: int, k: int) ->
     assert splits == 1 if tiles >= RING_PROGRAMS else tiles * splits >= RING_PROGRAMS
     assert (splits - 1) * cfg.k_split < k
     assert X_RING * cfg.rows * 64 * 2 <= 128 * 1024  # the ring's shared memory
+
+
+@pytest.mark.parametrize("m", [17, 32, 33, 64])
+@pytest.mark.parametrize(("n", "k", "splits"), [(12288, 4096, 2), (22016, 4096, 1),
+                                                 (4096, 4096, 6), (4096, 11008, 6)])
+def test_int4_config_streams_the_activations_from_17_rows(m: int, n: int, k: int,
+                                                          splits: int) -> None:  # fmt: skip
+    """int4 at 17-64 rows takes the ring too, K split to about three programs a
+    multiprocessor (the 7B layers' measured best: q/k/v 2 splits, gate/up 1, o and down 6),
+    the scale on the accumulator up to 32 rows; int8 keeps the whole slice there."""
+    cfg = quant_wgmma_config(m, n, k, 128)
+    assert cfg.x_ring == X_RING and cfg.rows == (32 if m <= 32 else 64)
+    assert cfg.scale_on_acc == (m <= 32) and cfg.k_split % 128 == 0
+    assert -(-k // cfg.k_split) == splits
+    assert not quant_wgmma_config(m, n, k, 128, bits=8).x_ring
 
 
 def test_config_refuses_more_rows_than_one_launch_takes() -> None:
