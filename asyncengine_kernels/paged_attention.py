@@ -822,6 +822,8 @@ SHORT_CONTEXT_KEYS = 1024
 # Unsplit decode launches of at least this many (sequence, KV head) programs per
 # multiprocessor take the many-program tiles of `_small_tile_config`.
 MANY_PROGRAMS_PER_SM = 8
+# Registers a thread of the one-warp MHA decode program over an e4m3 cache may use.
+MHA_FP8_MAX_REGISTERS = 168
 # The short-query launch of a mixed step (its decode rows and short chunks) keeps the earlier
 # tiles: on an H200, W2 with FP8 weights and KV (1000 requests, 1024 sequences) spent 19.35 s
 # in mixed steps with the many-program tiles there and 19.46 s without, within noise.
@@ -850,18 +852,19 @@ def _small_tile_config(
     warps = 4
     if elem_size == 1 and not split:
         tile = 128
+    cfg = {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "num_stages": 2}
     if not split and programs_per_sm >= MANY_PROGRAMS_PER_SM:
         if elem_size == 1:
             tile, warps = 32, 1
+            if group == 1:
+                # One warp holds its tiles widened to fp16 and a 16-row accumulator: 255
+                # registers a thread, 8 programs a multiprocessor. Capped at 168 (a few
+                # spills) with a third stage, W1 read at 0.871-0.875 of the copy rate against
+                # 0.842-0.846 (H200, 3 runs each); GQA (W2) fell to 0.74 with the cap.
+                cfg.update(num_stages=3, maxnreg=MHA_FP8_MAX_REGISTERS)
         elif group == 1:
             tile = 64
-    return {
-        "BLOCK_M": block_m,
-        "BLOCK_Q": block_m // group,
-        "TILE": tile,
-        "num_warps": warps,
-        "num_stages": 2,
-    }
+    return {**cfg, "TILE": tile, "num_warps": warps}
 
 
 def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[str, int]:
