@@ -188,12 +188,15 @@ def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> Non
 
 def test_small_tiles_for_many_decode_programs() -> None:
     """Unsplit decode launches with many programs per SM: one warp over 32-key tiles for an
-    FP8 cache, 64-key tiles for 16-bit MHA; fewer programs, split launches and other
-    launches keep the earlier tiles."""
+    FP8 cache (MHA with its registers capped and a third stage, GQA not), 64-key tiles for
+    16-bit MHA; fewer programs, split launches and other launches keep the earlier tiles."""
     many = pa.MANY_PROGRAMS_PER_SM
     fp8 = pa._small_tile_config(1, 1, False, many)
-    assert (fp8["TILE"], fp8["num_warps"]) == (32, 1)
-    assert pa._small_tile_config(4, 1, False, many)["num_warps"] == 1
+    assert (fp8["TILE"], fp8["num_warps"], fp8["num_stages"]) == (32, 1, 3)
+    assert fp8["maxnreg"] == pa.MHA_FP8_MAX_REGISTERS
+    fp8_gqa = pa._small_tile_config(4, 1, False, many)
+    assert fp8_gqa["num_warps"] == 1 and "maxnreg" not in fp8_gqa
+    assert "maxnreg" not in pa._small_tile_config(1, 1, False, many - 1)
     assert pa._small_tile_config(1, 2, False, many)["TILE"] == 64
     gqa = pa._small_tile_config(4, 2, False, many)
     assert (gqa["TILE"], gqa["num_warps"]) == (64, 4)
