@@ -76,10 +76,10 @@ class LinearBase(PlannedMatmul, nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
             set_weight_loader(self.weight, self.weight_loader)
         else:
-            from models.quantization.layer import create_quantized_weights
+            from models.quantization.method import get_quant_method
 
             full_in = in_features * (get_tp_size() if self.input_is_sharded else 1)
-            create_quantized_weights(self, self.quant_config, full_in)
+            get_quant_method(self.quant_config).create_weights(self, self.quant_config, full_in)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)

@@ -11,9 +11,9 @@
   (`asyncengine_kernels.cpu_gemm`) and a oneDNN-packed weight (`asyncengine_kernels.cpu_linear`)
   against the BLAS call; each row range takes the fastest.
 - GPU, quantized layers (`models.quantization`): at each of a ladder of row counts, the
-  kinds of the layer's format that its rule table names for those rows
-  (`models.quantization.kinds.tuning_kinds`: for integer weights at-once GEMVs (few rows),
-  GEMM tiles and dequantize-then-cuBLAS; for FP8 the weight-only GEMVs, cuBLASLt's
+  kinds of the layer's format that its rule table names for those rows (its linear
+  method's `tuning_kinds`, `models.quantization.method`: for integer weights at-once GEMVs
+  (few rows), GEMM tiles and dequantize-then-cuBLAS; for FP8 the weight-only GEMVs, cuBLASLt's
   `_scaled_mm` and the Triton GEMM; every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`),
   each timed with the layer's input transform where its plan entry would apply it; each
   row range takes the fastest that agrees with its reference, and a row count with one
@@ -65,8 +65,8 @@ from models.quantization.kinds import (
     reference_of,
     reference_output,
     release_unplanned_copies,
-    tuning_kinds,
 )
+from models.quantization.method import get_quant_method
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +287,8 @@ def plan_quantized_linears(
     model: nn.Module, ladder: Sequence[int] = QUANT_ROW_LADDER, reps: int = 5,
     device_type: str = "cuda", cache: PlanCache | None = None,
 ) -> tuple[Plans, dict[tuple[int, int], dict[int, dict[str, float]]]]:  # fmt: skip
-    """Time the candidate kinds of each row count of `ladder` (`tuning_kinds`: by default
-    the few a rule table names) over the same-shape CUDA layers of the model (in a CUDA
+    """Time the candidate kinds of each row count of `ladder` (the format's `tuning_kinds`:
+    by default the few a rule table names) over the same-shape CUDA layers of the model (in a CUDA
     graph, as decode runs them), and plan the fastest per row range; a row count with one
     candidate is only checked against the reference. Returns the plans and, per weight
     shape, per row count timed, the milliseconds of each kind (none for a shape whose
@@ -314,7 +314,8 @@ def plan_quantized_linears(
         bar.set_postfix_str(f"{n}x{k}")
         first = layers[0]
         pairs = [(m, m.bias if has_bias else None) for m in layers]
-        candidates = [tuning_kinds(first, rows) for rows in ladder]
+        method = get_quant_method(first.quant_config)
+        candidates = [method.tuning_kinds(first, rows) for rows in ladder]
         key = plan_key([
             *device_identity(first.qweight.device), source_digest(), *group,
             first.params_dtype, *ladder, *([kind.describe() for kind in c] for c in candidates),

@@ -2,8 +2,8 @@
 random values (`dummy`), with one clear error for each way a checkpoint can be wrong.
 
 A quantized checkpoint (`ModelConfig.quantization`) builds its linear layers in that format,
-reads its packed tensors through `models.quantization.formats`, and repacks every layer for
-the kernels once all weights are in."""
+reads its packed tensors and repacks every layer for the kernels once all weights are in,
+each through its format's linear method (`models.quantization.method`)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,8 @@ from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.quantization.config import QuantConfig, set_current_quant_config
-from models.quantization.formats import read_quantized_weights
-from models.quantization.layer import (
-    check_quantized_dtype,
-    process_quantized_linear,
-    quantized_linears,
-)
+from models.quantization.layer import quantized_linears
+from models.quantization.method import get_quant_method
 from models.registry import build_model, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -132,7 +128,7 @@ def load_model(
     get_model_class(cfg.architecture)  # unsupported architectures fail before any allocation
     qc: QuantConfig | None = cfg.quantization
     if qc is not None:
-        check_quantized_dtype(qc, dtype, device)
+        get_quant_method(qc).check_dtype(qc, dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -145,10 +141,10 @@ def load_model(
     else:
         weights = iterate_safetensors(model_dir)
         if qc is not None:
-            weights = read_quantized_weights(weights, qc)
+            weights = get_quant_method(qc).read_weights(weights, qc)
         model.load_weights(weights)  # type: ignore[operator]
     for layer in quantized_linears(model):
-        process_quantized_linear(layer)
+        get_quant_method(layer.quant_config).process_weights_after_loading(layer)
     model.eval()
     fmt = "" if qc is None else f", weights {qc.describe()}"
     logger.info("loaded %s (%s) on %s as %s%s", cfg.architecture, model_dir, device, dtype, fmt)

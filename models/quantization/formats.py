@@ -1,6 +1,6 @@
 """Checkpoint formats -> one canonical form per linear layer, before any sharding.
 
-Each format stores a linear layer `prefix` as a few packed tensors; `read_quantized_weights`
+Each format stores a linear layer `prefix` as a few packed tensors; `read_int_weights`
 gathers them (they may sit in different safetensors files), checks their shapes and dtypes
 against each other, and yields the layer in the canonical form the model's parameters take:
 - `prefix.weight`: uint8 [N, K], the integer values, columns in the input's order (for GPTQ
@@ -158,14 +158,12 @@ def _compressed(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig
 _CONVERT = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed}
 
 
-def read_quantized_weights(
+def read_int_weights(
     weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` (HF names) with each quantized layer's tensors replaced by its canonical
-    form (module docstring). A layer missing a part, or a linear stored unquantized, fails."""
-    if qc.is_fp8:
-        yield from read_fp8_weights(weights, qc)
-        return
+    """`weights` (HF names) with each integer-quantized layer's tensors replaced by its
+    canonical form (module docstring). A layer missing a part, or a linear stored
+    unquantized, fails."""
     required, optional = _PARTS[qc.method]
     parts = set(required) | set(optional)
     pending: dict[str, dict[str, torch.Tensor]] = {}

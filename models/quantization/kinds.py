@@ -1,5 +1,5 @@
 """The matmul-plan kinds of a weight-only integer linear layer (`models.matmul_plan.MatmulKind`);
-`tuning_kinds` names those the start-up tuner times for any quantized layer (FP8's:
+`tuning_kinds` names those the start-up tuner times for such a layer (FP8's are in
 `models.quantization.fp8`): by default the few that a rule table (`INT_TUNING_RULES`) names
 per weight width and row range, every config with `ASYNCENGINE_TUNE_ALL_KINDS=1`.
 
@@ -42,7 +42,6 @@ from asyncengine_kernels.quant_linear import (
     quant_matmul_ref,
 )
 from models.matmul_plan import InputTransform, MatmulKind
-from models.quantization import fp8
 
 # The most rows the GEMV serves: it reads each weight block once per row (from L2 after the
 # first), so it loses to tensor-core tiles well before this.
@@ -87,11 +86,9 @@ def agrees_with_reference(
 
 
 def tuning_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
-    """The kinds the start-up tuner times for `layer` at `rows` rows: those the rule table
-    names (`rule_int_kinds`, FP8's `fp8.tuning_kinds`), or with `ASYNCENGINE_TUNE_ALL_KINDS`
-    every one (`all_int_kinds`)."""
-    if layer.quant_config.is_fp8:
-        return fp8.tuning_kinds(layer, rows)
+    """The kinds the start-up tuner times for the integer layer `layer` at `rows` rows:
+    those the rule table names (`rule_int_kinds`), or with `ASYNCENGINE_TUNE_ALL_KINDS` every
+    one (`all_int_kinds`)."""
     if envs.tune_all_kinds():
         return all_int_kinds(layer, rows)
     return rule_int_kinds(layer, rows)

@@ -4,11 +4,12 @@ While loading, a quantized layer holds its shard of the canonical form that
 `models.quantization.formats` produces (`weight` uint8 [N, K], `weight_scale`, `weight_zero`
 [N, G], `weight_perm` [K] for act-order); the linear layers' own `weight_loader`s shard them
 like a 16-bit weight (column-parallel along N; row-parallel along K and, groups aligned, G).
-`process_quantized_linear` then packs them into the kernels' layout
+`process_int_linear` then packs them into the kernels' layout
 (`asyncengine_kernels.quant_linear`), drops the canonical tensors, and gives the layer a plan that
 reads it: the dequantize-then-matmul reference on the CPU; on the GPU the Triton GEMM for small
 batches and the reference for large ones, until the start-up tuner refines it.
-FP8 layers take their own parameters and plan (`models.quantization.fp8`).
+FP8 layers take their own parameters and plan (`models.quantization.fp8`); which of the two a
+layer gets is its format's method (`models.quantization.method`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from asyncengine_kernels.gemv_split_k import gemv_counters
 from asyncengine_kernels.quant_linear import QuantGemmConfig, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
 from models.quantization.config import QuantConfig
-from models.quantization.fp8 import check_fp8_device, create_fp8_weights, process_fp8_linear
 from models.quantization.kinds import (
     QUANT_GEMV_MAX_ROWS,
     DequantMatmul,
@@ -37,14 +37,9 @@ DEFAULT_GEMM_MAX_ROWS = 64
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def create_quantized_weights(layer: nn.Module, qc: QuantConfig, full_in: int) -> None:
-    """Give `layer` (in_features, out_features: its shard) the canonical parameters;
+def create_int_weights(layer: nn.Module, qc: QuantConfig, full_in: int) -> None:
+    """Give `layer` (in_features, out_features: its shard) the canonical integer parameters;
     `full_in`: the layer's unsharded input width (groups are counted on it)."""
-    # The activation dtype: the model is built with it as the default dtype.
-    layer.params_dtype = torch.get_default_dtype()
-    if qc.is_fp8:
-        create_fp8_weights(layer, qc)
-        return
     k, n = layer.in_features, layer.out_features
     gs = qc.group_size_for(full_in)
     if full_in % gs:
@@ -93,12 +88,10 @@ def load_input_perm(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
     layer._perm_loaded = True
 
 
-def process_quantized_linear(layer: nn.Module) -> None:
-    """Repack the loaded canonical parameters into the kernels' layout and plan the layer."""
+def process_int_linear(layer: nn.Module) -> None:
+    """Repack the loaded canonical integer parameters into the kernels' layout and plan the
+    layer."""
     qc: QuantConfig = layer.quant_config
-    if qc.is_fp8:
-        process_fp8_linear(layer)
-        return
     dtype = layer.weight_scale.dtype
     layer.register_buffer("qweight", pack_int_weight(layer.weight.data, qc.bits), False)
     layer.register_buffer("scales", layer.weight_scale.data.t().contiguous(), False)
@@ -134,11 +127,9 @@ def quantized_linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "quant_config", None) is not None]
 
 
-def check_quantized_dtype(qc: QuantConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before anything is allocated, an activation dtype the kernels do not serve
-    (and FP8 on a GPU without FP8 tensor cores)."""
-    if qc.is_fp8:
-        check_fp8_device(device)
+def check_cuda_dtype(qc: QuantConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before anything is allocated, an activation dtype the GPU kernels of either
+    format do not serve."""
     if device.type == "cuda" and dtype not in CUDA_DTYPES:
         raise ValueError(f"{qc.method} weights on CUDA need dtype float16 or bfloat16, got "
                          f"{str(dtype).removeprefix('torch.')}")  # fmt: skip

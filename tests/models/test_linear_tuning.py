@@ -408,7 +408,7 @@ def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
     and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
     4 along K in steps of 128) fits."""
     from models.quantization.config import QuantConfig, set_current_quant_config
-    from models.quantization.layer import process_quantized_linear
+    from models.quantization.layer import process_int_linear
 
     qc = QuantConfig("gptq", 4, 32)
     with torch.device(device), set_current_quant_config(qc):
@@ -422,7 +422,7 @@ def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
         layer.weight_zero.data.random_(0, 16, generator=gen)
         layer.weight_scale.data = (torch.rand(layer.weight_scale.shape, generator=gen,
                                               device=device) * 0.01).to(dtype)  # fmt: skip
-        process_quantized_linear(layer)
+        process_int_linear(layer)
     return model
 
 
@@ -633,7 +633,7 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
     """FP8 layers quantized at load from random 16-bit weights (dynamic activations)."""
     from asyncengine_kernels.fp8_linear import quantize_weight_per_channel
     from models.quantization.config import ONLINE_FP8, set_current_quant_config
-    from models.quantization.layer import process_quantized_linear
+    from models.quantization.method import get_quant_method
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -650,7 +650,7 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
         q, scale = quantize_weight_per_channel(torch.randn(layer.weight.shape, generator=gen))
         layer.weight.data.copy_(q.to(device))
         layer.weight_scale.data.copy_(scale.to(device) * 0.05)
-        process_quantized_linear(layer)
+        get_quant_method(ONLINE_FP8).process_weights_after_loading(layer)
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 
 from asyncengine.config import EngineArgs
 from models.quantization.config import QuantConfig, parse_quant_config
-from models.quantization.layer import check_quantized_dtype
+from models.quantization.method import get_quant_method
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
         "checkpoint_format": "gptq"}  # fmt: skip
@@ -158,7 +158,8 @@ def test_engine_args_accept_the_served_methods() -> None:
 
 def test_cuda_kernels_refuse_a_float32_model_before_building_it() -> None:
     qc = QuantConfig("gptq", 4, 128)
-    check_quantized_dtype(qc, torch.bfloat16, torch.device("cuda"))
-    check_quantized_dtype(qc, torch.float32, torch.device("cpu"))
+    method = get_quant_method(qc)
+    method.check_dtype(qc, torch.bfloat16, torch.device("cuda"))
+    method.check_dtype(qc, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="gptq weights on CUDA need dtype float16 or bfloat16"):
-        check_quantized_dtype(qc, torch.float32, torch.device("cuda"))
+        method.check_dtype(qc, torch.float32, torch.device("cuda"))
