@@ -107,7 +107,12 @@ def weight_bytes(shape: str, quantization: str | None = None) -> int:
     linear = c["num_hidden_layers"] * (attn + 3 * h * inter)
     shapes = [(hd * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]), h), (h, h),
               (2 * inter, h), (h, inter)]  # fmt: skip
-    groups = c["num_hidden_layers"] * sum(n * (k // qc.group_size_for(k)) for n, k in shapes)
+    from models.quantization.config import IntQuantConfig
+
+    def per_row(k: int) -> int:  # FP8: one scale per output channel
+        return k // qc.group_size_for(k) if isinstance(qc, IntQuantConfig) else 1
+
+    groups = c["num_hidden_layers"] * sum(n * per_row(k) for n, k in shapes)
     # A bf16 scale and zero per group, or FP8's one float32 scale per output channel.
     return 2 * (params - linear) + linear * qc.bits // 8 + 2 * 2 * groups
 

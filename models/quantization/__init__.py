@@ -11,6 +11,8 @@ matmul-plan kinds that run them, and `fp8` holds FP8's parameters, repacking and
 
 from models.quantization.config import (
     QUANT_METHODS,
+    Fp8QuantConfig,
+    IntQuantConfig,
     QuantConfig,
     current_quant_config,
     parse_quant_config,
@@ -19,6 +21,8 @@ from models.quantization.config import (
 
 __all__ = [
     "QUANT_METHODS",
+    "Fp8QuantConfig",
+    "IntQuantConfig",
     "QuantConfig",
     "current_quant_config",
     "parse_quant_config",

@@ -23,28 +23,31 @@ QUANT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 
 @dataclass(frozen=True)
 class QuantConfig:
+    """A checkpoint's weight format: its method (`QUANT_METHODS`) and bits per weight. The
+    formats' own fields are on `IntQuantConfig` and `Fp8QuantConfig`."""
+
+    method: str
+    bits: int
+
+    @property
+    def is_fp8(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class IntQuantConfig(QuantConfig):
     """A weight-only integer format: `bits` per weight, one scale (and zero point) per
     `group_size` input columns (-1: one per output channel).
 
     sym: the zero point is 2^(bits-1) for every group (GPTQ still stores it); desc_act: GPTQ's
-    act-order, the groups follow a permutation of the input columns given by `g_idx`.
+    act-order, the groups follow a permutation of the input columns given by `g_idx`."""
 
-    FP8 (method "fp8", 8 bits, one scale per output channel): `activation` is how the W8A8
-    GEMMs quantize their input, "dynamic" (per token) or "static" (one `input_scale` per
-    layer from the checkpoint); `source` is where the e4m3 weights come from: "online" (a
-    16-bit checkpoint, quantized at load), "fp8" or "compressed-tensors" (the checkpoint)."""
-
-    method: str
-    bits: int
-    group_size: int
+    group_size: int = 128
     sym: bool = True
     desc_act: bool = False
-    activation: str = ""
-    source: str = ""
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.method == "fp8"
 
     @property
     def pack_factor(self) -> int:
@@ -55,14 +58,32 @@ class QuantConfig:
         return in_features if self.group_size == -1 else self.group_size
 
     def describe(self) -> str:
-        if self.is_fp8:
-            where = "quantized at load" if self.source == "online" else f"{self.source} checkpoint"
-            act = "per-token" if self.activation == "dynamic" else "static per-tensor"
-            return f"fp8 e4m3 per-channel ({where}), {act} activations"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         extra = ", act-order" if self.desc_act else ""
         sym = "sym" if self.sym else "asym"
         return f"{self.method} int{self.bits} {group} {sym}{extra}"
+
+
+@dataclass(frozen=True)
+class Fp8QuantConfig(QuantConfig):
+    """FP8 e4m3 weights, one scale per output channel: `activation` is how the W8A8 GEMMs
+    quantize their input, "dynamic" (per token) or "static" (one `input_scale` per layer
+    from the checkpoint); `source` is where the e4m3 weights come from: "online" (a 16-bit
+    checkpoint, quantized at load), "fp8" or "compressed-tensors" (the checkpoint)."""
+
+    method: str = "fp8"
+    bits: int = 8
+    activation: str = "dynamic"
+    source: str = "online"
+
+    @property
+    def is_fp8(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        where = "quantized at load" if self.source == "online" else f"{self.source} checkpoint"
+        act = "per-token" if self.activation == "dynamic" else "static per-tensor"
+        return f"fp8 e4m3 per-channel ({where}), {act} activations"
 
 
 def _refuse(field: str, value: Any, served: str) -> ValueError:
@@ -75,7 +96,7 @@ def _group_size(field: str, value: Any) -> int:
     raise _refuse(field, value, "32, 64, 128 or -1 are")
 
 
-def _parse_gptq(q: dict[str, Any]) -> QuantConfig:
+def _parse_gptq(q: dict[str, Any]) -> IntQuantConfig:
     bits = q.get("bits")
     if bits not in (4, 8):
         raise _refuse("bits", bits, "GPTQ 4 and 8 bits are")
@@ -88,13 +109,13 @@ def _parse_gptq(q: dict[str, Any]) -> QuantConfig:
         raise _refuse("pack_dtype", q.get("pack_dtype"), "int32 words are")
     if q.get("lm_head"):
         raise _refuse("lm_head", q.get("lm_head"), "the LM head stays 16-bit")
-    return QuantConfig(
+    return IntQuantConfig(
         "gptq", int(bits), _group_size("group_size", q.get("group_size", 128)),
         sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
     )  # fmt: skip
 
 
-def _parse_awq(q: dict[str, Any]) -> QuantConfig:
+def _parse_awq(q: dict[str, Any]) -> IntQuantConfig:
     bits = q.get("bits", q.get("w_bit"))
     if bits != 4:
         raise _refuse("bits", bits, "AWQ 4 bits is")
@@ -104,10 +125,10 @@ def _parse_awq(q: dict[str, Any]) -> QuantConfig:
     if not q.get("zero_point", True):
         raise _refuse("zero_point", q.get("zero_point"), "AWQ with zero points is")
     group = _group_size("group_size", q.get("group_size", q.get("q_group_size", 128)))
-    return QuantConfig("awq", 4, group, sym=False)
+    return IntQuantConfig("awq", 4, group, sym=False)
 
 
-def _parse_fp8(q: dict[str, Any]) -> QuantConfig:
+def _parse_fp8(q: dict[str, Any]) -> Fp8QuantConfig:
     """vLLM-style FP8: per-tensor weight scales, dynamic or static activations."""
     scheme = q.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
@@ -120,7 +141,7 @@ def _parse_fp8(q: dict[str, Any]) -> QuantConfig:
     ignored = [m for m in q.get("ignored_layers") or [] if m != "lm_head"]
     if ignored:
         raise _refuse("ignored_layers", ignored, "only lm_head may stay unquantized")
-    return QuantConfig("fp8", 8, -1, activation=scheme, source="fp8")
+    return Fp8QuantConfig(activation=scheme, source="fp8")
 
 
 def _check_float8(prefix: str, args: dict[str, Any], strategies: tuple[str, ...]) -> str:
@@ -136,7 +157,8 @@ def _check_float8(prefix: str, args: dict[str, Any], strategies: tuple[str, ...]
     return str(strategy)
 
 
-def _parse_float_quantized(q: dict[str, Any], name: str, scheme: dict[str, Any]) -> QuantConfig:
+def _parse_float_quantized(q: dict[str, Any], name: str, scheme: dict[str, Any]
+                           ) -> Fp8QuantConfig:  # fmt: skip
     """compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC and FP8 schemes)."""
     prefix = f"config_groups.{name}"
     w = scheme.get("weights") or {}
@@ -154,8 +176,8 @@ def _parse_float_quantized(q: dict[str, Any], name: str, scheme: dict[str, Any])
     if dynamic != (strategy == "token"):
         raise _refuse(f"{prefix}.input_activations.dynamic", a.get("dynamic"),
                       "dynamic per-token or static per-tensor activations are")  # fmt: skip
-    return QuantConfig("fp8", 8, -1, activation="dynamic" if dynamic else "static",
-                       source="compressed-tensors")  # fmt: skip
+    return Fp8QuantConfig(activation="dynamic" if dynamic else "static",
+                          source="compressed-tensors")  # fmt: skip
 
 
 def _parse_compressed_tensors(q: dict[str, Any]) -> QuantConfig:
@@ -199,7 +221,7 @@ def _parse_compressed_tensors(q: dict[str, Any]) -> QuantConfig:
         group = _group_size(f"{prefix}.weights.group_size", w.get("group_size"))
     else:
         raise _refuse(f"{prefix}.weights.strategy", strategy, "group and channel are")
-    return QuantConfig("compressed-tensors", int(bits), group, sym=True)
+    return IntQuantConfig("compressed-tensors", int(bits), group, sym=True)
 
 
 _PARSERS = {
@@ -211,7 +233,7 @@ _PARSERS = {
 
 # Quantized at load from a 16-bit checkpoint: `quantization="fp8"` without a
 # quantization_config.
-ONLINE_FP8 = QuantConfig("fp8", 8, -1, activation="dynamic", source="online")
+ONLINE_FP8 = Fp8QuantConfig(activation="dynamic", source="online")
 
 
 def parse_quant_config(raw: dict[str, Any], requested: str | None = None) -> QuantConfig | None:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from asyncengine_kernels.fp8_linear import FP8_DTYPE, quantize_weight_per_channel
-from models.quantization.config import QuantConfig
+from models.quantization.config import Fp8QuantConfig, IntQuantConfig
 
 # AWQ packs eight output columns per word in this order: nibble i holds column ORDER[i].
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -73,14 +73,14 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[to
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _groups(prefix: str, k: int, qc: QuantConfig) -> int:
+def _groups(prefix: str, k: int, qc: IntQuantConfig) -> int:
     gs = qc.group_size_for(k)
     if k % gs:
         raise ValueError(f"{prefix}: group size {gs} does not divide the input dimension {k}")
     return k // gs
 
 
-def _gptq(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig) -> dict[str, torch.Tensor]:
+def _gptq(prefix: str, t: dict[str, torch.Tensor], qc: IntQuantConfig) -> dict[str, torch.Tensor]:
     pack, qw = qc.pack_factor, t["qweight"]
     if qw.dim() != 2 or qw.dtype != torch.int32:
         raise ValueError(f"{prefix}.qweight must be a 2-D int32 tensor, got {tuple(qw.shape)} "
@@ -110,7 +110,7 @@ def _gptq(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig) -> dict[str,
     return out
 
 
-def _awq(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig) -> dict[str, torch.Tensor]:
+def _awq(prefix: str, t: dict[str, torch.Tensor], qc: IntQuantConfig) -> dict[str, torch.Tensor]:
     pack, qw = qc.pack_factor, t["qweight"]
     if qw.dim() != 2 or qw.dtype != torch.int32:
         raise ValueError(f"{prefix}.qweight must be a 2-D int32 tensor, got {tuple(qw.shape)} "
@@ -133,7 +133,7 @@ def _awq(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig) -> dict[str, 
     }
 
 
-def _compressed(prefix: str, t: dict[str, torch.Tensor], qc: QuantConfig
+def _compressed(prefix: str, t: dict[str, torch.Tensor], qc: IntQuantConfig
                 ) -> dict[str, torch.Tensor]:  # fmt: skip
     pack, wp = qc.pack_factor, t["weight_packed"]
     if wp.dim() != 2 or wp.dtype != torch.int32:
@@ -159,7 +159,7 @@ _CONVERT = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed}
 
 
 def read_int_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
+    weights: Iterable[tuple[str, torch.Tensor]], qc: IntQuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` (HF names) with each integer-quantized layer's tensors replaced by its
     canonical form (module docstring). A layer missing a part, or a linear stored
@@ -212,7 +212,7 @@ def _fp8_scale(name: str, t: torch.Tensor, rows: int) -> torch.Tensor:
     return t
 
 
-def _fp8_layer(prefix: str, got: dict[str, torch.Tensor], qc: QuantConfig
+def _fp8_layer(prefix: str, got: dict[str, torch.Tensor], qc: Fp8QuantConfig
                ) -> dict[str, torch.Tensor]:  # fmt: skip
     w = got["weight"]
     if w.dtype != FP8_DTYPE:
@@ -240,7 +240,7 @@ def _fp8_layer(prefix: str, got: dict[str, torch.Tensor], qc: QuantConfig
 
 
 def read_fp8_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
+    weights: Iterable[tuple[str, torch.Tensor]], qc: Fp8QuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` with each projection in the FP8 canonical form (module docstring): quantized
     here from a 16-bit checkpoint, else checked and its scales expanded."""

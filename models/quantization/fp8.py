@@ -49,14 +49,14 @@ from asyncengine_kernels.fp8_linear import (
 from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
 from asyncengine_kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
-from models.quantization.config import QuantConfig
+from models.quantization.config import Fp8QuantConfig
 from models.weight_loaders import set_weight_loader
 
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
 FP8_MIN_CAPABILITY = (8, 9)
 
 
-def create_fp8_weights(layer: nn.Module, qc: QuantConfig) -> None:
+def create_fp8_weights(layer: nn.Module, qc: Fp8QuantConfig) -> None:
     """Give `layer` (in_features, out_features: its shard) the FP8 parameters."""
     k, n = layer.in_features, layer.out_features
     layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)

@@ -20,7 +20,7 @@ from torch import nn
 from asyncengine_kernels.gemv_split_k import gemv_counters
 from asyncengine_kernels.quant_linear import QuantGemmConfig, pack_int_weight
 from models.matmul_plan import MatmulPlan, PlanEntry
-from models.quantization.config import QuantConfig
+from models.quantization.config import IntQuantConfig, QuantConfig
 from models.quantization.kinds import (
     QUANT_GEMV_MAX_ROWS,
     DequantMatmul,
@@ -37,7 +37,7 @@ DEFAULT_GEMM_MAX_ROWS = 64
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def create_int_weights(layer: nn.Module, qc: QuantConfig, full_in: int) -> None:
+def create_int_weights(layer: nn.Module, qc: IntQuantConfig, full_in: int) -> None:
     """Give `layer` (in_features, out_features: its shard) the canonical integer parameters;
     `full_in`: the layer's unsharded input width (groups are counted on it)."""
     k, n = layer.in_features, layer.out_features
@@ -91,7 +91,7 @@ def load_input_perm(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
 def process_int_linear(layer: nn.Module) -> None:
     """Repack the loaded canonical integer parameters into the kernels' layout and plan the
     layer."""
-    qc: QuantConfig = layer.quant_config
+    qc: IntQuantConfig = layer.quant_config
     dtype = layer.weight_scale.dtype
     layer.register_buffer("qweight", pack_int_weight(layer.weight.data, qc.bits), False)
     layer.register_buffer("scales", layer.weight_scale.data.t().contiguous(), False)

@@ -18,7 +18,7 @@ from torch import nn
 
 from models.matmul_plan import MatmulKind
 from models.quantization import formats, fp8, kinds, layer
-from models.quantization.config import QuantConfig
+from models.quantization.config import Fp8QuantConfig, IntQuantConfig, QuantConfig
 
 
 class QuantLinearMethod(ABC):
@@ -58,14 +58,14 @@ class QuantLinearMethod(ABC):
 class IntLinearMethod(QuantLinearMethod):
     """Weight-only int4/int8 (GPTQ, AWQ, compressed-tensors pack-quantized)."""
 
-    def _create(self, module: nn.Module, qc: QuantConfig, full_in: int) -> None:
+    def _create(self, module: nn.Module, qc: IntQuantConfig, full_in: int) -> None:
         layer.create_int_weights(module, qc, full_in)
 
     def process_weights_after_loading(self, module: nn.Module) -> None:
         layer.process_int_linear(module)
 
     def read_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
+        self, weights: Iterable[tuple[str, torch.Tensor]], qc: IntQuantConfig
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return formats.read_int_weights(weights, qc)
 
@@ -76,7 +76,7 @@ class IntLinearMethod(QuantLinearMethod):
 class Fp8LinearMethod(QuantLinearMethod):
     """e4m3 weights with per-channel scales, W8A8 (or W8A16 for a few rows)."""
 
-    def _create(self, module: nn.Module, qc: QuantConfig, full_in: int) -> None:
+    def _create(self, module: nn.Module, qc: Fp8QuantConfig, full_in: int) -> None:
         fp8.create_fp8_weights(module, qc)
 
     def process_weights_after_loading(self, module: nn.Module) -> None:
@@ -87,7 +87,7 @@ class Fp8LinearMethod(QuantLinearMethod):
         super().check_dtype(qc, dtype, device)
 
     def read_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig
+        self, weights: Iterable[tuple[str, torch.Tensor]], qc: Fp8QuantConfig
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return formats.read_fp8_weights(weights, qc)
 
@@ -101,4 +101,4 @@ _FP8 = Fp8LinearMethod()
 
 def get_quant_method(qc: QuantConfig) -> QuantLinearMethod:
     """The linear method of `qc`'s format."""
-    return _FP8 if qc.is_fp8 else _INT
+    return _FP8 if isinstance(qc, Fp8QuantConfig) else _INT

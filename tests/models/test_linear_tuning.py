@@ -407,10 +407,10 @@ def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
     """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
     and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
     4 along K in steps of 128) fits."""
-    from models.quantization.config import QuantConfig, set_current_quant_config
+    from models.quantization.config import IntQuantConfig, set_current_quant_config
     from models.quantization.layer import process_int_linear
 
-    qc = QuantConfig("gptq", 4, 32)
+    qc = IntQuantConfig("gptq", 4, 32)
     with torch.device(device), set_current_quant_config(qc):
         model = nn.ModuleDict({
             "a": RowParallelLinear(512, 64), "b": RowParallelLinear(512, 64),

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from asyncengine.config import EngineArgs
-from models.quantization.config import QuantConfig, parse_quant_config
+from models.quantization.config import (
+    Fp8QuantConfig,
+    IntQuantConfig,
+    parse_quant_config,
+)
 from models.quantization.method import get_quant_method
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
@@ -52,26 +56,26 @@ def _cfg(q: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 
 def test_formats_as_written() -> None:
-    assert parse_quant_config(_cfg(GPTQ)) == QuantConfig("gptq", 4, 128, sym=True)
+    assert parse_quant_config(_cfg(GPTQ)) == IntQuantConfig("gptq", 4, 128, sym=True)
     assert parse_quant_config(_cfg(GPTQ, bits=8, group_size=-1, sym=False, desc_act=True)) == (
-        QuantConfig("gptq", 8, -1, sym=False, desc_act=True)
+        IntQuantConfig("gptq", 8, -1, sym=False, desc_act=True)
     )
-    assert parse_quant_config(_cfg(AWQ, group_size=64)) == QuantConfig("awq", 4, 64, sym=False)
+    assert parse_quant_config(_cfg(AWQ, group_size=64)) == IntQuantConfig("awq", 4, 64, sym=False)
     w = "config_groups__group_0__weights__"
-    assert parse_quant_config(_cfg(CT)) == QuantConfig("compressed-tensors", 4, 128)
+    assert parse_quant_config(_cfg(CT)) == IntQuantConfig("compressed-tensors", 4, 128)
     channel = _cfg(CT, **{w + "num_bits": 8, w + "strategy": "channel", w + "group_size": None})
-    assert parse_quant_config(channel) == QuantConfig("compressed-tensors", 8, -1)
+    assert parse_quant_config(channel) == IntQuantConfig("compressed-tensors", 8, -1)
     assert parse_quant_config({"hidden_size": 8}) is None
 
 
 def test_fp8_formats_as_written() -> None:
-    dynamic = QuantConfig("fp8", 8, -1, activation="dynamic", source="fp8")
+    dynamic = Fp8QuantConfig(activation="dynamic", source="fp8")
     assert parse_quant_config(_cfg(FP8)) == dynamic
     assert parse_quant_config({"quantization_config": {"quant_method": "fp8"}}) == dynamic
-    assert parse_quant_config(_cfg(FP8, activation_scheme="static"), "fp8") == QuantConfig(
-        "fp8", 8, -1, activation="static", source="fp8"
+    assert parse_quant_config(_cfg(FP8, activation_scheme="static"), "fp8") == Fp8QuantConfig(
+        activation="static", source="fp8"
     )
-    ct = QuantConfig("fp8", 8, -1, activation="dynamic", source="compressed-tensors")
+    ct = Fp8QuantConfig(activation="dynamic", source="compressed-tensors")
     assert parse_quant_config(_cfg(CT_FP8)) == ct
     # Either name asks for a compressed-tensors FP8 checkpoint.
     assert parse_quant_config(_cfg(CT_FP8), "fp8") == parse_quant_config(
@@ -80,7 +84,7 @@ def test_fp8_formats_as_written() -> None:
                              A + "__dynamic": False})  # fmt: skip
     assert parse_quant_config(static).activation == "static"
     online = parse_quant_config({"hidden_size": 8}, "fp8")
-    assert online == QuantConfig("fp8", 8, -1, activation="dynamic", source="online")
+    assert online == Fp8QuantConfig(activation="dynamic", source="online")
     assert online.describe() == "fp8 e4m3 per-channel (quantized at load), per-token activations"
 
 
@@ -157,7 +161,7 @@ def test_engine_args_accept_the_served_methods() -> None:
 
 
 def test_cuda_kernels_refuse_a_float32_model_before_building_it() -> None:
-    qc = QuantConfig("gptq", 4, 128)
+    qc = IntQuantConfig("gptq", 4, 128)
     method = get_quant_method(qc)
     method.check_dtype(qc, torch.bfloat16, torch.device("cuda"))
     method.check_dtype(qc, torch.float32, torch.device("cpu"))

@@ -16,7 +16,7 @@ from asyncengine_kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
 from models.config import ModelConfig
 from models.loader import load_model
 from models.matmul_plan import MatmulKind, MatmulPlan, PlanEntry
-from models.quantization.config import QuantConfig
+from models.quantization.config import IntQuantConfig
 from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
@@ -93,7 +93,7 @@ def _shape(group: int, k: int, bits: int = 4, cuda: bool = False) -> SimpleNames
     """What `tuning_kinds` reads of an integer layer: its format, group, K and device (a
     stand-in for a GPU tensor where `cuda`)."""
     qweight = SimpleNamespace(is_cuda=True) if cuda else torch.empty(0, dtype=torch.int32)
-    return SimpleNamespace(quant_config=QuantConfig("gptq", bits, group), group_size=group,
+    return SimpleNamespace(quant_config=IntQuantConfig("gptq", bits, group), group_size=group,
                            in_features=k, qweight=qweight)  # fmt: skip
 
 
@@ -258,7 +258,7 @@ def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int) -> N
     zeros = (torch.full((k // group, n), top / 2) if sym
              else torch.randint(0, top, (k // group, n), generator=gen))  # fmt: skip
     layer = SimpleNamespace(
-        quant_config=QuantConfig("gptq", bits, group), group_size=group, in_features=k,
+        quant_config=IntQuantConfig("gptq", bits, group), group_size=group, in_features=k,
         out_features=n, input_perm=None, qweight=pack_int_weight(codes, bits).cuda(),
         scales=(torch.rand(k // group, n, generator=gen) * 0.01).to(torch.bfloat16).cuda(),
         zeros=zeros.to(torch.bfloat16).cuda(),

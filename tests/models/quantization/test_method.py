@@ -8,12 +8,17 @@ import torch
 
 from models.layers import ColumnParallelLinear
 from models.quantization import fp8, kinds
-from models.quantization.config import QuantConfig, set_current_quant_config
+from models.quantization.config import (
+    Fp8QuantConfig,
+    IntQuantConfig,
+    QuantConfig,
+    set_current_quant_config,
+)
 from models.quantization.method import Fp8LinearMethod, IntLinearMethod, get_quant_method
 
-INT_CONFIGS = [QuantConfig("gptq", 4, 128), QuantConfig("awq", 4, 128, sym=False),
-               QuantConfig("compressed-tensors", 8, -1)]  # fmt: skip
-FP8 = QuantConfig("fp8", 8, -1, activation="dynamic", source="online")
+INT_CONFIGS = [IntQuantConfig("gptq", 4, 128), IntQuantConfig("awq", 4, 128, sym=False),
+               IntQuantConfig("compressed-tensors", 8, -1)]  # fmt: skip
+FP8 = Fp8QuantConfig(activation="dynamic", source="online")
 
 
 @pytest.mark.parametrize("qc", INT_CONFIGS)
