@@ -9,13 +9,9 @@ puts the winner into each layer's matmul plan. The reference is `F.linear`.
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.nn.functional as F
 
-__all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_linear",
-           "time_packed_against_blas"]
+__all__ = ["PACKED_MAX_ROWS", "cpu_packing_available", "pack_weight", "packed_linear"]
 
 # A packed plan serves batches up to this many rows (decode); larger ones keep the BLAS call.
 PACKED_MAX_ROWS = 64
@@ -55,23 +51,3 @@ def packed_linear(
     else:
         y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
     return y if bias is None else y + bias
-
-
-def time_packed_against_blas(
-    weight: torch.Tensor, packed: torch.Tensor, rows: int = 32, reps: int = 7
-) -> tuple[float, float]:
-    """Median microseconds of (BLAS, packed) for a [rows, K] input on this weight and its
-    packed copy (`pack_weight`). The two paths alternate, so a busy spell slows both alike."""
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    paths = (lambda: F.linear(x, weight), lambda: packed_linear(x, packed))
-    times: tuple[list[float], list[float]] = ([], [])
-    with torch.inference_mode():
-        for fn in paths:
-            fn()
-        for _ in range(reps):
-            for fn, out in zip(paths, times, strict=True):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    blas_us, packed_us = (1e6 * sorted(t)[len(t) // 2] for t in times)
-    return blas_us, packed_us

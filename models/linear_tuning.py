@@ -432,12 +432,12 @@ def _agreeing_kinds(
     warning. Layer by layer, each reference output is computed once for all the kinds
     rather than once per kind: with some fifty kinds over 32 layers, a dequantize-then-
     matmul per kind and layer is a large share of a cold start's tuning."""
-    dropped: set[int] = set()
+    dropped: set[MatmulKind] = set()
     for m, b in pairs:
         for xs in _range_inputs(x, low_rows):
             wants: dict[MatmulKind, torch.Tensor] = {}
             for kind in kinds:
-                if id(kind) in dropped:
+                if kind in dropped:
                     continue
                 try:
                     reference = reference_of(kind)
@@ -445,13 +445,13 @@ def _agreeing_kinds(
                         wants[reference] = reference_output(reference, m, xs, b)
                     agrees = agrees_with_reference(kind, m, xs, b, wants[reference])
                 except Exception:
-                    dropped.add(id(kind))
+                    dropped.add(kind)
                     continue
                 if not agrees:
                     logger.warning("quantized %s disagrees with the reference at %d rows; "
                                    "not planned", kind.describe(), xs.shape[0])  # fmt: skip
-                    dropped.add(id(kind))
-    return [kind for kind in kinds if id(kind) not in dropped]
+                    dropped.add(kind)
+    return [kind for kind in kinds if kind not in dropped]
 
 
 def _compile_ahead(

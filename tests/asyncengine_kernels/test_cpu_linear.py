@@ -6,12 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine_kernels.cpu_linear import (
-    cpu_packing_available,
-    pack_weight,
-    packed_linear,
-    time_packed_against_blas,
-)
+from asyncengine_kernels.cpu_linear import cpu_packing_available, pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="torch built without oneDNN")
 
@@ -32,12 +27,6 @@ def test_non_contiguous_input() -> None:
     x = torch.randn(16, 64).t()  # [64, 16] view with strides (1, 64)
     w = torch.randn(8, 16)
     torch.testing.assert_close(packed_linear(x, pack_weight(w)), F.linear(x, w))
-
-
-def test_timing_returns_both_paths() -> None:
-    w = torch.randn(64, 32)
-    blas, packed = time_packed_against_blas(w, pack_weight(w), rows=4, reps=3)
-    assert blas > 0 and packed > 0
 
 
 @pytest.mark.parametrize("rows", [1, 8, 40])
