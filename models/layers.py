@@ -30,7 +30,7 @@ from models.parallel import (
     get_tp_size,
     local_kv_heads,
 )
-from models.quantization.config import QuantConfig, current_quant_config
+from models.quantization.config import QuantConfig
 from models.weight_loaders import set_weight_loader
 
 
@@ -59,8 +59,9 @@ class LinearBase(PlannedMatmul, nn.Module):
     (2 * in_features wide) whose SiLU-and-mul the layer applies. glu_output: the output is a
     [gate; up] pair that the next layer activates, which a plan may do in the epilogue.
 
-    Built while a weight format is current (`models.quantization.config`), the layer holds
-    that format's parameters instead of a dense `weight` (`models.quantization.layer`)."""
+    quant_config: the checkpoint's weight format (`models.quantization.config`), as the
+    model passes it down, vLLM's way; the layer then holds that format's parameters instead
+    of a dense `weight` (its linear method's, `models.quantization.method`)."""
 
     # Whether tensor parallelism splits the input dimension (row-parallel layers).
     input_is_sharded: bool = False
@@ -68,10 +69,11 @@ class LinearBase(PlannedMatmul, nn.Module):
     def __init__(
         self, in_features: int, out_features: int, bias: bool,
         input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+        quant_config: QuantConfig | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.quant_config: QuantConfig | None = current_quant_config()
+        self.quant_config = quant_config
         if self.quant_config is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
             set_weight_loader(self.weight, self.weight_loader)
@@ -113,10 +115,11 @@ class ColumnParallelLinear(LinearBase):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
         input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+        quant_config: QuantConfig | None = None,
     ) -> None:  # fmt: skip
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         out = divide(out_features, self.tp_size)
-        super().__init__(in_features, out, bias, input_transform, glu_output)
+        super().__init__(in_features, out, bias, input_transform, glu_output, quant_config)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -141,9 +144,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(
         self, in_features: int, output_sizes: list[int], bias: bool = False,
         input_transform: InputTransform = InputTransform.NONE, glu_output: bool = False,
+        quant_config: QuantConfig | None = None,
     ) -> None:  # fmt: skip
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, input_transform, glu_output)
+        super().__init__(in_features, sum(output_sizes), bias, input_transform, glu_output,
+                         quant_config)  # fmt: skip
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -165,6 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
         input_transform: InputTransform = InputTransform.NONE,
+        quant_config: QuantConfig | None = None,
     ) -> None:  # fmt: skip
         tp = get_tp_size()
         self.head_dim = head_dim
@@ -173,7 +179,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_heads = local_kv_heads(num_kv_heads)
         self.num_kv_heads, self.kv_head_start = len(kv_heads), kv_heads.start
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias, input_transform)
+        super().__init__(hidden_size, out, bias, input_transform, quant_config=quant_config)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -200,9 +206,11 @@ class RowParallelLinear(LinearBase):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
         input_transform: InputTransform = InputTransform.NONE,
+        quant_config: QuantConfig | None = None,
     ) -> None:  # fmt: skip
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        super().__init__(divide(in_features, self.tp_size), out_features, bias, input_transform)
+        super().__init__(divide(in_features, self.tp_size), out_features, bias, input_transform,
+                         quant_config=quant_config)  # fmt: skip
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None

@@ -48,12 +48,14 @@ class LlamaAttention(nn.Module):
             cfg.num_key_value_heads,
             bias=cfg.qkv_bias,
             input_transform=InputTransform.RMS_NORM,
+            quant_config=cfg.quantization,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias
-        )
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+            quant_config=cfg.quantization,
+        )  # fmt: skip
         max_pos = max(cfg.max_position_embeddings, 1)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
@@ -88,10 +90,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [size, size], cfg.mlp_bias,
             input_transform=InputTransform.RMS_NORM, glu_output=True,
+            quant_config=cfg.quantization,
         )  # fmt: skip
         self.down_proj = RowParallelLinear(
             size, cfg.hidden_size, bias=cfg.mlp_bias,
-            input_transform=InputTransform.SILU_AND_MUL,
+            input_transform=InputTransform.SILU_AND_MUL, quant_config=cfg.quantization,
         )  # fmt: skip
 
     def forward(

@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig
-from models.quantization.config import QuantConfig, set_current_quant_config
+from models.quantization.config import QuantConfig
 from models.quantization.layer import quantized_linears
 from models.quantization.method import get_quant_method
 from models.registry import build_model, get_model_class
@@ -132,7 +132,7 @@ def load_model(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), set_current_quant_config(qc):
+        with torch.device(device):
             model = build_model(cfg)
     finally:
         torch.set_default_dtype(previous)

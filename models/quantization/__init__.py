@@ -14,9 +14,7 @@ from models.quantization.config import (
     Fp8QuantConfig,
     IntQuantConfig,
     QuantConfig,
-    current_quant_config,
     parse_quant_config,
-    set_current_quant_config,
 )
 
 __all__ = [
@@ -24,7 +22,5 @@ __all__ = [
     "Fp8QuantConfig",
     "IntQuantConfig",
     "QuantConfig",
-    "current_quant_config",
     "parse_quant_config",
-    "set_current_quant_config",
 ]

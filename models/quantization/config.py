@@ -5,15 +5,12 @@ compressed-tensors W4A16/W8A16 `pack-quantized` (group or channel strategy) and 
 weights: compressed-tensors `float-quantized` and the `quant_method: "fp8"` config of
 vLLM-style checkpoints, or `quantization="fp8"` on a 16-bit checkpoint (quantized at load).
 Anything else is refused with the field and its value named: a format served with the wrong
-convention gives fluent-looking garbage, so nothing is guessed. `current_quant_config` is
-how the linear layers learn, while the loader builds the model, that their weights are
-quantized.
+convention gives fluent-looking garbage, so nothing is guessed. The model hands the parsed
+config (`ModelConfig.quantization`) to each linear layer it builds.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,21 +262,3 @@ def parse_quant_config(raw: dict[str, Any], requested: str | None = None) -> Qua
             f"quantization={requested!r} was asked for, but the checkpoint is {method!r}"
         )
     return qc
-
-
-_current: QuantConfig | None = None
-
-
-@contextlib.contextmanager
-def set_current_quant_config(config: QuantConfig | None) -> Iterator[None]:
-    """Linear layers built inside take `config` as their weight format."""
-    global _current
-    previous, _current = _current, config
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def current_quant_config() -> QuantConfig | None:
-    return _current

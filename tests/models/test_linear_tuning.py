@@ -407,14 +407,16 @@ def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
     """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
     and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
     4 along K in steps of 128) fits."""
-    from models.quantization.config import IntQuantConfig, set_current_quant_config
+    from models.quantization.config import IntQuantConfig
     from models.quantization.layer import process_int_linear
 
     qc = IntQuantConfig("gptq", 4, 32)
-    with torch.device(device), set_current_quant_config(qc):
+    with torch.device(device):
         model = nn.ModuleDict({
-            "a": RowParallelLinear(512, 64), "b": RowParallelLinear(512, 64),
-            "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM),
+            "a": RowParallelLinear(512, 64, quant_config=qc),
+            "b": RowParallelLinear(512, 64, quant_config=qc),
+            "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM,
+                                      quant_config=qc),
         })  # fmt: skip
     gen = torch.Generator(device).manual_seed(0)
     for layer in model.values():
@@ -632,16 +634,18 @@ def test_gpu_quantized_plans_round_trip_through_the_cache(tmp_path: Path) -> Non
 def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
     """FP8 layers quantized at load from random 16-bit weights (dynamic activations)."""
     from asyncengine_kernels.fp8_linear import quantize_weight_per_channel
-    from models.quantization.config import ONLINE_FP8, set_current_quant_config
+    from models.quantization.config import ONLINE_FP8
     from models.quantization.method import get_quant_method
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), set_current_quant_config(ONLINE_FP8):
+        with torch.device(device):
             model = nn.ModuleDict({
-                "a": RowParallelLinear(128, 64), "b": RowParallelLinear(128, 64),
-                "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM),
+                "a": RowParallelLinear(128, 64, quant_config=ONLINE_FP8),
+                "b": RowParallelLinear(128, 64, quant_config=ONLINE_FP8),
+                "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM,
+                                          quant_config=ONLINE_FP8),
             })  # fmt: skip
     finally:
         torch.set_default_dtype(previous)

@@ -8,12 +8,7 @@ import torch
 
 from models.layers import ColumnParallelLinear
 from models.quantization import fp8, kinds
-from models.quantization.config import (
-    Fp8QuantConfig,
-    IntQuantConfig,
-    QuantConfig,
-    set_current_quant_config,
-)
+from models.quantization.config import Fp8QuantConfig, IntQuantConfig, QuantConfig
 from models.quantization.method import Fp8LinearMethod, IntLinearMethod, get_quant_method
 
 INT_CONFIGS = [IntQuantConfig("gptq", 4, 128), IntQuantConfig("awq", 4, 128, sym=False),
@@ -31,8 +26,7 @@ def test_fp8_has_its_own_method() -> None:
 
 
 def _layer(qc: QuantConfig, n: int = 256, k: int = 512) -> ColumnParallelLinear:
-    with set_current_quant_config(qc):
-        return ColumnParallelLinear(k, n)
+    return ColumnParallelLinear(k, n, quant_config=qc)
 
 
 def test_each_method_creates_its_formats_parameters() -> None:
