@@ -304,9 +304,32 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
     qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + n, bits=bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     words = pack_quant_wgmma(qweight, bits)
-    cfg = quant_wgmma_config(m, n, k, group, scale_on_acc=scale_on_acc)
+    cfg = quant_wgmma_config(m, n, k, group, scale_on_acc=scale_on_acc, bits=bits)
     ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group).float()
     got = quant_wgmma_matmul(x, words, scales, zeros, group, config=cfg, bits=bits).float()
+    err = (got - ref).abs().max().item()
+    assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 33, 64])
+@pytest.mark.parametrize(("n", "k", "group", "symmetric"),
+                         [(4096, 4096, 128, True), (1024, 11008, 128, False),
+                          (512, 4096, 4096, False)])  # fmt: skip
+@pytest.mark.parametrize("scale_on_acc", [True, False])
+def test_gpu_int8_through_the_ring_matches_reference(m: int, n: int, k: int, group: int,
+                                                     symmetric: bool, scale_on_acc: bool
+                                                     ) -> None:  # fmt: skip
+    """int8 at 17-64 rows with its activations through the ring (what the kernel bench times
+    beside the whole slice, not yet the default), with and without K splits."""
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + n, bits=8)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rows = 32 if m <= 32 else 64
+    cfg = quant_wgmma.ring_config(rows, n, k, group, scale_on_acc)
+    ref = quant_matmul_ref(x, qweight, scales, zeros, 8, group).float()
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight, 8), scales, zeros, group, config=cfg,
+                             bits=8).float()  # fmt: skip
     err = (got - ref).abs().max().item()
     assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
 
