@@ -12,12 +12,20 @@ import torch.nn.functional as F
 
 from asyncengine_kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl, use_triton
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton"]
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton", "silu_times"]
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+@triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in the operands' precision (fp32 where the kernels call it): the one
+    formula this kernel and every kernel that fuses the activation (the GEMVs' prologues and
+    epilogues, the few-row matmul) compute, each rounding the result as it needs."""
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -31,7 +39,7 @@ def _silu_and_mul_kernel(
     mask = offs < INTER
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
+    out = silu_times(gate, up)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

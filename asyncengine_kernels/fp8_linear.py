@@ -37,6 +37,7 @@ from asyncengine_kernels._triton_utils import (
     triton,
     use_pdl,
 )
+from asyncengine_kernels.activation import silu_times
 from asyncengine_kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
 from asyncengine_kernels.gemv import GemvConfig, load_gemv_input
 from asyncengine_kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
@@ -148,7 +149,7 @@ def _quantize_rows_kernel(
     if GATED:
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + row * stride_xm + K + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(dt)
+        x = silu_times(gate, up).to(dt)
     if NORM:
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_rm + offs, mask=mask, other=0.0)
@@ -366,7 +367,7 @@ def _gemv_x(x_ptr, rows, kk, mask, K, GATED: tl.constexpr):
     if GATED:
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + rows + K + kk, mask=mask, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+        x = silu_times(gate, up).to(x_ptr.dtype.element_ty)
     return x
 
 

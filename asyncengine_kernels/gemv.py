@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine_kernels._triton_utils import num_sms, pdl_kwargs, pdl_wait, tl, triton, use_pdl
-from asyncengine_kernels.activation import silu_and_mul
+from asyncengine_kernels.activation import silu_and_mul, silu_times
 from asyncengine_kernels.half_pairs import (
     E4M3_X_SCALE,
     check_pair_activation,
@@ -170,7 +170,7 @@ def load_gemv_input(
     if GATED:
         gate = x.to(tl.float32)
         up = _load_vec(x_ptr + K, kk, K, EVEN_K).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(dt)
+        x = silu_times(gate, up).to(dt)
     if NORM:
         if HAS_RESIDUAL:
             x = (x.to(tl.float32) + _load_vec(res_ptr, kk, K, EVEN_K).to(tl.float32)).to(dt)
@@ -229,7 +229,7 @@ def _store_rows(
             up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate * tl.sigmoid(gate) * up
+        y = silu_times(gate, up)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine_kernels._triton_utils import interpreter_enabled, tl, triton
+from asyncengine_kernels.activation import silu_times
 
 __all__ = [
     "E4M3_X_SCALE",
@@ -154,7 +155,7 @@ def _x_at(xk, mask, up_offset):
     if up_offset is not None:
         gate = x.to(tl.float32)
         up = _load_x(xk + up_offset, mask).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(xk.dtype.element_ty)
+        x = silu_times(gate, up).to(xk.dtype.element_ty)
     return x
 
 

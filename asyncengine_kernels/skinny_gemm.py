@@ -43,7 +43,7 @@ from asyncengine_kernels._triton_utils import (
     triton,
     use_pdl,
 )
-from asyncengine_kernels.activation import silu_and_mul
+from asyncengine_kernels.activation import silu_and_mul, silu_times
 from asyncengine_kernels.gemv import Candidate, fastest_against_library
 from asyncengine_kernels.rms_norm import check_norm_inputs, fused_add_rms_norm
 
@@ -203,7 +203,7 @@ def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
         else:
             up = tl.load(ptrs + K, mask=(kk < K)[None, :], other=0.0)
         gate = x.to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = silu_times(gate, up.to(tl.float32)).to(x_ptr.dtype.element_ty)
     return x
 
 
@@ -235,7 +235,7 @@ def _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
         if HAS_BIAS:
             y_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         gate = y.to(dt).to(tl.float32)
-        y = gate * tl.sigmoid(gate) * y_up.to(dt).to(tl.float32)
+        y = silu_times(gate, y_up.to(dt).to(tl.float32))
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(dt), mask=mask)
 
