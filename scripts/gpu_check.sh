@@ -50,6 +50,10 @@
 #   bash scripts/gpu_check.sh draftkv DIR  # draft proposer and plans before the memory profile:
 #                                          # GPU tests, draft cost, verify-step kernels, cold
 #                                          # int4 start, L1/W1 bf16 and W1 int8 from DIR and here
+#   bash scripts/gpu_check.sh recheck DIR  # the quantization refactors on the GPU: tests, an
+#                                          # L1 start per format, the int8 ring, the verify
+#                                          # step; PARTS="compare w2": L1/W1 from DIR and here,
+#                                          # W2 FP8 at 3,000 requests
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -473,12 +477,48 @@ elif [ "$phase" = draftkv ]; then  # pinned uploads, the draft proposer, plans b
       TREE_TIMEOUT=150 tree_bench "$tree" --workload w1 --quantization gptq-int8 | cut -c1-300
     done
   fi
+elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear methods, the
+  # config split, the format as a constructor argument): their GPU tests and an L1 start in
+  # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
+  # from DIR and here; W2 with FP8 weights and KV at 3,000 requests. PARTS picks some of
+  # "tests formats int8 spec compare w2" (default: the first four), so a call fits its limit.
+  other="${2:?usage: gpu_check.sh recheck DIR}"
+  parts="${PARTS:-tests formats int8 spec}"
+  if [[ " $parts " == *" tests "* ]]; then
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization \
+      tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  fi
+  if [[ " $parts " == *" formats "* ]]; then
+    for q in gptq-int4 gptq-int8 awq-int4 ct-w4a16 fp8; do
+      bench --workload l1 --system engine --quantization "$q" | cut -c1-300
+    done
+  fi
+  if [[ " $parts " == *" int8 "* ]]; then
+    timeout 150 python3 scripts/bench_kernels.py --only int8 --quant-rows 32 64 \
+      2>>"$OUT/bench.log" | tee "$OUT/int8_kernels.jsonl" | cut -c1-260
+  fi
+  if [[ " $parts " == *" spec "* ]]; then
+    timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+      --sweep 4:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
+  fi
+  if [[ " $parts " == *" compare "* ]]; then
+    for w in l1 w1; do
+      for tree in "$other" "$PWD"; do
+        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" | cut -c1-300
+      done
+    done
+  fi
+  if [[ " $parts " == *" w2 "* ]]; then
+    bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
+      --max-num-seqs 1024 --num-requests 3000 | cut -c1-400
+  fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, draftkv DIR, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, draftkv DIR, recheck DIR, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
