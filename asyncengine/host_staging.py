@@ -30,8 +30,9 @@ class PinnedStaging:
             raise ValueError(f"turns must be at least 1, got {turns}")
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None] * turns
-        self._done: list[torch.cuda.Event | None] = [None] * turns  # recorded after a copy
-        self._events: list[torch.cuda.Event] = []  # one per turn, made at the first copy
+        # One per turn, made at the first copy; each is recorded after its buffer's copy (an
+        # event never recorded is waited for at once).
+        self._events: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
         self._turn = 0
 
@@ -41,11 +42,13 @@ class PinnedStaging:
         host = torch.from_numpy(flat)
         if self.device.type != "cuda":
             return host if dst is None else dst.copy_(host)
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.device)
+            self._events = [torch.cuda.Event() for _ in self._buffers]
         turn = self._turn
         self._turn = (turn + 1) % len(self._buffers)
-        done = self._done[turn]
-        if done is not None:
-            done.synchronize()
+        event = self._events[turn]
+        event.synchronize()  # the copy that last read this buffer
         buf = self._buffers[turn]
         if buf is None or buf.numel() < host.numel():
             buf = torch.empty(max(host.numel(), MIN_STAGING_BYTES), dtype=torch.uint8,
@@ -57,15 +60,9 @@ class PinnedStaging:
             dev = dst.copy_(staged, non_blocking=True)
         else:
             dev = staged.to(self.device, non_blocking=True)
-        if self._stream is None:
-            self._stream = torch.cuda.current_stream(self.device)
-            self._events = [torch.cuda.Event() for _ in self._buffers]
-        event = self._events[turn]
         event.record(self._stream)
-        self._done[turn] = event
         return dev
 
     def release(self) -> None:
         """Let go of the pinned buffers (they are pinned again on the next copy)."""
         self._buffers = [None] * len(self._buffers)
-        self._done = [None] * len(self._done)
