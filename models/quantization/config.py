@@ -26,10 +26,6 @@ class QuantConfig:
     method: str
     bits: int
 
-    @property
-    def is_fp8(self) -> bool:
-        return False
-
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -72,10 +68,6 @@ class Fp8QuantConfig(QuantConfig):
     bits: int = 8
     activation: str = "dynamic"
     source: str = "online"
-
-    @property
-    def is_fp8(self) -> bool:
-        return True
 
     def describe(self) -> str:
         where = "quantized at load" if self.source == "online" else f"{self.source} checkpoint"

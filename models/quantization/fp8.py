@@ -136,8 +136,7 @@ def use_weight_only_reference(model: nn.Module) -> None:
     """Plan every FP8 layer of `model` on the weight-only (W8A16) reference: the numbers of
     the GEMV, which serves 1-16 rows on a GPU (the CPU's default is the W8A8 reference)."""
     for m in model.modules():
-        qc = getattr(m, "quant_config", None)
-        if qc is not None and qc.is_fp8:
+        if isinstance(getattr(m, "quant_config", None), Fp8QuantConfig):
             entry = PlanEntry(Fp8DequantMatmul(quantize_input=False), input=m.input_transform)
             m.set_plan(MatmulPlan((entry,)))
 
