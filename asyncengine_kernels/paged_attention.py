@@ -468,6 +468,19 @@ def _widen_e4m3_before_dot(x):
 
 
 @triton.jit
+def _scores_on_cores(Q, K):
+    """Q @ K^T for one query row [1, D] in float32 as products and sums (no MMA): a dot
+    over head_dim per key, [1, TILE]."""
+    return tl.sum(Q * K, axis=1)[None, :]
+
+
+@triton.jit
+def _values_on_cores(P, V):
+    """P @ V for one query row [1, TILE] in float32 as products and sums (no MMA), [1, D]."""
+    return tl.sum(tl.trans(P) * V, axis=0)[None, :]
+
+
+@triton.jit
 def _attend_tile(
     Q,
     M,
@@ -502,13 +515,17 @@ def _attend_tile(
     PRELOADED: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     KV_DOT_F16: tl.constexpr = False,
+    VECTOR: tl.constexpr = False,
 ):
     """One KV tile of online softmax. MASKED=False: every key of the tile is visible to every
     row of the block (no causal mask, no bounds checks). HAS_NEW: key position `new_pos`
     takes `k_new`/`v_new` from registers instead of the cache (this step's own token).
     PRELOADED: the tile's K and V are `K_pre`/`V_pre`, loaded (masked) by the caller.
     KV_FP8: K and V arrive as e4m3 and are converted to Q's dtype; they stay in units of
-    their scales, which the caller folded into `scale_log2` and applies to the output."""
+    their scales, which the caller folded into `scale_log2` and applies to the output.
+    VECTOR: one query row (MHA decode), whose scores and P @ V are products and sums in
+    float32 on the CUDA cores rather than a 16-row MMA tile with 15 rows of padding (Q
+    arrives in float32; K and V are widened to it)."""
     offs_t = tile * TILE + tl.arange(0, TILE)
     if PRELOADED:
         K = K_pre
@@ -521,15 +538,21 @@ def _attend_tile(
         K = _load_kv(k_base, k_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
         # EARLY_V: V is requested with K rather than after the scores. A split-KV decode
         # program runs a tile or two and is latency-bound, so the two loads then share one
-        # round trip; large prefill tiles keep V late, where it costs no registers during
-        # the scores.
+        # round trip; so is a VECTOR program, whose loads feed no MMA and are not pipelined
+        # through shared memory, and whose tiles take few registers. Large prefill tiles
+        # keep V late, where it costs no registers during the scores.
         if EARLY_V:
             V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
-    if KV_FP8:
+    if KV_FP8 or VECTOR:
         K = K.to(Q.dtype)
     if HAS_NEW:
+        if VECTOR:
+            k_new = k_new.to(K.dtype)
         K = tl.where((offs_t == new_pos)[:, None], k_new[None, :], K)
-    S = _dot(Q, tl.trans(K), DOT_FP32=DOT_FP32, IEEE=IEEE) * scale_log2
+    if VECTOR:
+        S = _scores_on_cores(Q, K) * scale_log2
+    else:
+        S = _dot(Q, tl.trans(K), DOT_FP32=DOT_FP32, IEEE=IEEE) * scale_log2
     if MASKED:
         visible = (offs_t[None, :] <= q_abs[:, None]) & (offs_t < num_keys)[None, :]
         S = tl.where(visible, S, float("-inf"))
@@ -542,13 +565,20 @@ def _attend_tile(
 
     if not PRELOADED and not EARLY_V:
         V = _load_kv(v_base, v_offs, kv_mask, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, MASKED=MASKED)
-    if KV_DOT_F16:
+    if VECTOR:
+        V = V.to(tl.float32)
+    elif KV_DOT_F16:
         V = _widen_e4m3_before_dot(V)
     elif KV_FP8:
         V = V.to(Q.dtype)
     if HAS_NEW:
+        if VECTOR:
+            v_new = v_new.to(V.dtype)
         V = tl.where((offs_t == new_pos)[:, None], v_new[None, :], V)
-    acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32=DOT_FP32, IEEE=IEEE)
+    if VECTOR:
+        acc = acc * alpha[:, None] + _values_on_cores(P, V)
+    else:
+        acc = acc * alpha[:, None] + _dot(P.to(V.dtype), V, DOT_FP32=DOT_FP32, IEEE=IEEE)
     return m_new, L, acc
 
 
@@ -611,12 +641,16 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr = False,
     KV_DOT_F16: tl.constexpr = False,
     HEAD_MAJOR: tl.constexpr = False,
+    VECTOR: tl.constexpr = False,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
     # KV_DOT_F16: an e4m3 tile widens to fp16 in one instruction per two values (to bf16 it
     # takes three), so a 16-bit query joins it in fp16 (scores and P @ V accumulate in fp32).
     dot_dtype = tl.float16 if KV_DOT_F16 else q_ptr.dtype.element_ty
+    if VECTOR:
+        # No MMA (`_attend_tile`): the query and the widened tiles meet in float32.
+        dot_dtype = tl.float32
     # HEAD_MAJOR (decode only): the KV heads of one sequence are neighbours in launch order,
     # so programs running together read neighbouring bytes of the same cache blocks.
     kv_head = tl.program_id(0) if HEAD_MAJOR else tl.program_id(1)
@@ -732,7 +766,7 @@ def _paged_attention_kernel(
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=K_first, V_pre=V_first,
             MASKED=True, HAS_NEW=True, EARLY_V=True, PRELOADED=True,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
         )  # fmt: skip
         first = tile_lo + 1
     for tile in range(first, tl.minimum(tile_hi, num_full)):
@@ -740,18 +774,20 @@ def _paged_attention_kernel(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
-            MASKED=False, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
+            MASKED=False, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or VECTOR,
+            PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
         )  # fmt: skip
     for tile in range(tl.maximum(first, num_full), tile_hi):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
-            MASKED=True, HAS_NEW=ROTARY, EARLY_V=NUM_SEGMENTS > 1, PRELOADED=False,
+            MASKED=True, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or VECTOR,
+            PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
-            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16,
+            IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
         )  # fmt: skip
 
     if KV_FP8:
@@ -885,11 +921,17 @@ def _large_tile_config(group: int, head_dim_pad: int, elem_size: int) -> dict[st
 def _with_overrides(
     cfg: dict[str, int], overrides: Mapping[str, int] | None, group: int
 ) -> dict[str, int]:
-    """A launch configuration with tuning overrides; BLOCK_Q follows an overridden BLOCK_M."""
+    """A launch configuration with tuning overrides; BLOCK_Q follows an overridden BLOCK_M,
+    and VECTOR tiles hold one row (they are for MHA decode: `_attend_tile`)."""
     if not overrides:
         return cfg
     cfg = {**cfg, **overrides}
-    if "BLOCK_M" in overrides:
+    if cfg.get("VECTOR"):
+        if group != 1:
+            raise ValueError(f"VECTOR tiles hold one query row; this launch has {group} query "
+                             "heads a KV head")  # fmt: skip
+        cfg["BLOCK_M"] = 1
+    if "BLOCK_M" in overrides or cfg.get("VECTOR"):
         cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
     return cfg
 

@@ -225,7 +225,9 @@ def sweep_fp8_kv_decode() -> None:
     (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): the default tiles of each,
     then for e4m3 one-warp programs by tile, stages and register cap (`maxnreg`: Nsight
     Compute found the default at 255 registers a thread, 8 one-warp programs a
-    multiprocessor, 12 % occupancy and no eligible warp in 68 % of the cycles)."""
+    multiprocessor, 12 % occupancy and no eligible warp in 68 % of the cycles), then for
+    MHA the CUDA-core tiles (`VECTOR`: one query row, no 16-row MMA tile; 80-128 registers
+    at 32-key tiles on sm_90) by tile and warps."""
     for wl, heads in WORKLOADS.items():
         bsz, ctx = DECODE_SHAPES[wl]
         for kv_fp8 in (False, True):
@@ -241,9 +243,14 @@ def sweep_fp8_kv_decode() -> None:
                     {"TILE": tile, "num_warps": 1, "num_stages": stages,
                      **({"maxnreg": regs} if regs else {})}
                     for tile, stages, regs in itertools.product(
-                        (32, 64), (1, 2, 3), (0, 168, 128, 96))
+                        (32, 64), (1, 2, 3), (0, 168))
                     if regs or tile == 64 or stages != 2
                 ]  # fmt: skip
+                if heads[0] == heads[1]:
+                    configs += [
+                        {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2}
+                        for tile, warps in itertools.product((32, 64, 128), (1, 2, 4))
+                    ]  # fmt: skip
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip

@@ -256,6 +256,39 @@ def test_triton_tile_overrides_keep_the_result() -> None:
     _triton_vs_ref(dec, atol=2e-5, decode_only=True, num_segments=2, small_tiles={"TILE": 16})
 
 
+# The CUDA-core decode tiles for MHA: one query row a program, no 16-row MMA tile.
+VECTOR_TILES = {"VECTOR": 1, "TILE": 32, "num_warps": 1}
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tile", [8, 32])
+def test_triton_mha_decode_on_cuda_cores(segments: int, fp8: bool, tile: int) -> None:
+    """VECTOR tiles compute the scores and P @ V as products and sums: the result of the MMA
+    tiles, for 16-bit and e4m3 caches, split or not, head-major or not, with a padding row
+    and ragged tiles; a KV head with several query heads is refused."""
+    batch = make_paged_batch(*DECODE, 4, 4, head_dim=32, block_size=8, seed=8)
+    batch = to_fp8(batch, per_head=True) if fp8 else batch
+    for head_major in (0, 1):
+        tiles = {**VECTOR_TILES, "TILE": tile, "HEAD_MAJOR": head_major}
+        _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True,
+                       small_tiles=tiles)  # fmt: skip
+    gqa = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8, seed=8)
+    with pytest.raises(ValueError, match="one query row"):
+        paged_attention_triton(*gqa.args(), decode_only=True, small_tiles=VECTOR_TILES)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)])
+def test_triton_mha_decode_on_cuda_cores_half_precision(dtype: torch.dtype, atol: float) -> None:
+    """16-bit queries over a 16-bit cache and over an e4m3 cache, in float32 throughout."""
+    batch = make_paged_batch(*DECODE, 4, 4, head_dim=64, block_size=16, dtype=dtype, seed=9)
+    _triton_vs_ref(batch, atol=atol, decode_only=True, small_tiles=VECTOR_TILES)
+    batch = make_paged_batch(*DECODE, 4, 4, head_dim=64, block_size=16, seed=9)
+    batch = to_fp8(batch, per_head=True)
+    batch.q = batch.q.to(dtype)
+    _triton_vs_ref(batch, atol=atol, decode_only=True, small_tiles=VECTOR_TILES)
+
+
 def test_triton_split_kv_with_multi_token_rows() -> None:
     """Split mode is general: a T == B batch that is not all decodes stays correct (only
     `decode_only` promises one token per sequence)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine_kernels.paged_attention import DecodeRotary
+from asyncengine_kernels.paged_attention import DecodeRotary, paged_attention_triton
 from asyncengine_kernels.rotary_paged_attention import (
     paged_decode_attention_with_rotary,
     paged_decode_attention_with_rotary_ref,
@@ -103,6 +103,28 @@ def test_triton_fp8_cache_equals_rotary_then_attention(
     assert torch.isfinite(got).all()
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
     for cache, ref in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(cache.float(), ref.float(), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_core_tiles_equal_rotary_then_attention(segments: int, fp8: bool) -> None:
+    """The CUDA-core decode tiles (`VECTOR`, no MMA) take the new key and value from
+    registers like the MMA tiles: same result, same cache writes."""
+    batch, q, rotary = _case((4, 4), torch.float16, fp8=fp8)
+    k_ref, v_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    tail = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.scale)
+    want = paged_decode_attention_with_rotary_ref(
+        q, rotary, k_ref, v_ref, *tail, **batch.scales()
+    )
+    tiles = {"VECTOR": 1, "TILE": 16, "num_warps": 1}
+    got = paged_attention_triton(
+        q, batch.k_cache, batch.v_cache, *tail, decode_only=True, num_segments=segments,
+        rotary=rotary, small_tiles=tiles, **batch.scales(),
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    for cache, ref in zip((batch.k_cache, batch.v_cache), (k_ref, v_ref), strict=True):
         torch.testing.assert_close(cache.float(), ref.float(), atol=0, rtol=0, equal_nan=True)
 
 
