@@ -52,8 +52,9 @@
 #                                          # int4 start, L1/W1 bf16 and W1 int8 from DIR and here
 #   bash scripts/gpu_check.sh recheck DIR  # the quantization refactors on the GPU: tests, an
 #                                          # L1 start per format, the int8 ring, the verify
-#                                          # step; PARTS="compare w2": L1/W1 from DIR and here,
-#                                          # W2 FP8 at 3,000 requests
+#                                          # step; PARTS="attn": the CUDA-core MHA decode tiles
+#                                          # (GPU tests, kvfp8 sweep); PARTS="compare w2": L1/W1
+#                                          # from DIR and here, W2 FP8 at 3,000 requests
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
@@ -480,8 +481,9 @@ elif [ "$phase" = draftkv ]; then  # pinned uploads, the draft proposer, plans b
 elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear methods, the
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
-  # from DIR and here; W2 with FP8 weights and KV at 3,000 requests. PARTS picks some of
-  # "tests formats int8 spec compare w2" (default: the first four), so a call fits its limit.
+  # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
+  # decode tiles. PARTS picks some of "tests formats int8 spec attn compare w2" (default: the
+  # first four), so a call fits its limit.
   other="${2:?usage: gpu_check.sh recheck DIR}"
   parts="${PARTS:-tests formats int8 spec}"
   if [[ " $parts " == *" tests "* ]]; then
@@ -501,6 +503,14 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" spec "* ]]; then
     timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
       --sweep 4:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
+  fi
+  if [[ " $parts " == *" attn "* ]]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/asyncengine_kernels/test_paged_attention.py \
+      tests/asyncengine_kernels/test_rotary_paged_attention.py 2>&1 \
+      | tee "$OUT/gpu_attn_tests.log" | tail -n 6
+    timeout 240 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
+      | tee "$OUT/kvfp8.jsonl" | cut -c1-260
   fi
   if [[ " $parts " == *" compare "* ]]; then
     for w in l1 w1; do
