@@ -642,6 +642,7 @@ def _paged_attention_kernel(
     KV_DOT_F16: tl.constexpr = False,
     HEAD_MAJOR: tl.constexpr = False,
     VECTOR: tl.constexpr = False,
+    KV_STAGES: tl.constexpr = None,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
@@ -769,7 +770,10 @@ def _paged_attention_kernel(
             IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
         )  # fmt: skip
         first = tile_lo + 1
-    for tile in range(first, tl.minimum(tile_hi, num_full)):
+    # KV_STAGES: the full tiles' loop pipelined that deep whatever the launch's num_stages
+    # does (None: as it does). The compiler pipelines loads that feed an MMA by itself; a
+    # VECTOR program's loads it pipelines only when asked here.
+    for tile in tl.range(first, tl.minimum(tile_hi, num_full), num_stages=KV_STAGES):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,

@@ -265,12 +265,13 @@ VECTOR_TILES = {"VECTOR": 1, "TILE": 32, "num_warps": 1}
 @pytest.mark.parametrize("tile", [8, 32])
 def test_triton_mha_decode_on_cuda_cores(segments: int, fp8: bool, tile: int) -> None:
     """VECTOR tiles compute the scores and P @ V as products and sums: the result of the MMA
-    tiles, for 16-bit and e4m3 caches, split or not, head-major or not, with a padding row
-    and ragged tiles; a KV head with several query heads is refused."""
+    tiles, for 16-bit and e4m3 caches, split or not, head-major or not, their loop pipelined
+    or not (KV_STAGES), with a padding row and ragged tiles; a KV head with several query
+    heads is refused."""
     batch = make_paged_batch(*DECODE, 4, 4, head_dim=32, block_size=8, seed=8)
     batch = to_fp8(batch, per_head=True) if fp8 else batch
-    for head_major in (0, 1):
-        tiles = {**VECTOR_TILES, "TILE": tile, "HEAD_MAJOR": head_major}
+    for head_major, stages in ((0, None), (1, 3)):
+        tiles = {**VECTOR_TILES, "TILE": tile, "HEAD_MAJOR": head_major, "KV_STAGES": stages}
         _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True,
                        small_tiles=tiles)  # fmt: skip
     gqa = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8, seed=8)
@@ -404,8 +405,10 @@ def test_gpu_mha_decode_on_cuda_cores(fp8: bool, batch_size: int, ctx: int) -> N
     batch = _gpu_case([1] * batch_size, lens, 32)
     batch = to_fp8(batch, per_head=True) if fp8 else batch
     ref = paged_attention_ref(*batch.args(), **batch.scales())
-    for tile, warps, segments in itertools.product((32, 64, 128), (1, 2, 4), (1, 16)):
-        tiles = {**VECTOR_TILES, "TILE": tile, "num_warps": warps}
+    for tile, warps, stages, segments in itertools.product(
+        (32, 64, 128), (1, 2, 4), (None, 3), (1, 16)
+    ):
+        tiles = {**VECTOR_TILES, "TILE": tile, "num_warps": warps, "KV_STAGES": stages}
         out = paged_attention_triton(
             *batch.args(), **batch.scales(), decode_only=True, num_segments=segments,
             small_tiles=tiles,
