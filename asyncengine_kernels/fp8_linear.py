@@ -14,8 +14,8 @@ Each kernel sits beside its torch reference, which is the CPU path and the test 
 matmul, cast):
 - `fp8_scaled_mm`: torch's `_scaled_mm` (cuBLASLt) with row-wise scales in its epilogue;
 - `fp8_gemm`: a Triton `tl.dot` GEMM on the two fp8 operands with the same epilogue;
-- `asyncengine_kernels.gemv`'s one-row GEMV (tiled or persistent whole-row) reads the e4m3 rows too,
-  with the row scales in its epilogue (`FP8_WHOLE_ROW_CONFIGS`);
+- `asyncengine_kernels.gemv`'s one-row GEMV in its persistent whole-row form reads the e4m3 rows
+  too, with the row scales in its epilogue (`FP8_WHOLE_ROW_CONFIGS`);
 - `fp8_gemv`: weight-only (W8A16) for 1-16 rows: e4m3 weights converted to the activation
   dtype in registers, fp32 sums, the row scale in the epilogue; no activation rounding,
   which is both cheaper at these sizes and more accurate. It can take a [gate, up] input
@@ -39,7 +39,7 @@ from asyncengine_kernels._triton_utils import (
 )
 from asyncengine_kernels.activation import silu_times
 from asyncengine_kernels.fp8_format import FP8_DTYPE, FP8_E4M3_MAX, round_to_e4m3_grid
-from asyncengine_kernels.gemv import GemvConfig, load_gemv_input
+from asyncengine_kernels.gemv import WholeRowGemvConfig, load_gemv_input
 from asyncengine_kernels.gemv_split_k import check_gemv_counters, finish_gemv_row
 
 __all__ = [
@@ -72,16 +72,16 @@ FP8_GEMV_MIN_BLOCK_N = 4
 # included, and streams whole rows against it. A byte per weight: more rows per block than
 # its 16-bit configs for the same bytes in flight. The pairs forms take about 3.0 sm_90
 # instructions per weight byte in their loop against 4.2 for the float32 products.
-FP8_WHOLE_ROW_CONFIGS: list[GemvConfig] = [
-    GemvConfig.whole_row(2, 4, 3, programs_per_sm=4),
-    GemvConfig.whole_row(2, 4, 4, programs_per_sm=8),
-    GemvConfig.whole_row(4, 4, 3, programs_per_sm=4),
-    GemvConfig.whole_row(4, 8, 2, programs_per_sm=2),
-    GemvConfig.whole_row(8, 8, 2, programs_per_sm=2),
-    GemvConfig.whole_row(2, 4, 3, programs_per_sm=8, pairs=True),
-    GemvConfig.whole_row(4, 4, 3, programs_per_sm=4, pairs=True),
-    GemvConfig.whole_row(4, 4, 2, programs_per_sm=4, pairs=True),
-    GemvConfig.whole_row(8, 8, 3, programs_per_sm=2, pairs=True),
+FP8_WHOLE_ROW_CONFIGS: list[WholeRowGemvConfig] = [
+    WholeRowGemvConfig(2, 4, 3, programs_per_sm=4),
+    WholeRowGemvConfig(2, 4, 4, programs_per_sm=8),
+    WholeRowGemvConfig(4, 4, 3, programs_per_sm=4),
+    WholeRowGemvConfig(4, 8, 2, programs_per_sm=2),
+    WholeRowGemvConfig(8, 8, 2, programs_per_sm=2),
+    WholeRowGemvConfig(2, 4, 3, programs_per_sm=8, pairs=True),
+    WholeRowGemvConfig(4, 4, 3, programs_per_sm=4, pairs=True),
+    WholeRowGemvConfig(4, 4, 2, programs_per_sm=4, pairs=True),
+    WholeRowGemvConfig(8, 8, 3, programs_per_sm=2, pairs=True),
 ]
 
 

@@ -14,22 +14,24 @@ Likewise it can apply SiLU-and-mul to its own output (`glu`): a program owns the
 of the gate and the up halves of a [gate; up] weight, so the MLP's gate/up projection
 hands the down projection its activated input with no kernel in between.
 
-A second, persistent form (`GemvConfig.form == "whole_row"`, `PERSISTENT_GEMV_CONFIGS`)
-launches a few programs per multiprocessor; each forms the whole input row once and streams
-whole row blocks of W against it, so the input transform is not repeated per row block. The
-tuner times it beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long
+A config's type is its form: `TiledGemvConfig` (the kernel above, `GEMV_CONFIGS`) or
+`WholeRowGemvConfig`, a second, persistent form (`PERSISTENT_GEMV_CONFIGS`) that launches a
+few programs per multiprocessor; each forms the whole input row once and streams whole row
+blocks of W against it, so the input transform is not repeated per row block. The tuner
+times it beside the tiled configs for rows up to `PERSISTENT_GEMV_MAX_K` long
 (`gemv_candidates`); a caller that wants only some forms passes `configs=` to `tune_gemv`.
 
-Both forms also read e4m3 weight rows with one float32 scale per row (`scale=`, the layout of
-`asyncengine_kernels.fp8_linear`), applied to each row's sum before the bias: an FP8 layer's decode
-step then gets the same fused input transforms as a 16-bit one.
+The whole-row form also reads e4m3 weight rows with one float32 scale per row (`scale=`, the
+layout of `asyncengine_kernels.fp8_linear`), applied to each row's sum before the bias: an FP8
+layer's decode step then gets the same fused input transforms as a 16-bit one. The tiled
+form reads 16-bit weights only and refuses a scale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,8 @@ __all__ = [
     "PERSISTENT_GEMV_CONFIGS",
     "GemvChoice",
     "GemvConfig",
+    "TiledGemvConfig",
+    "WholeRowGemvConfig",
     "fastest_against_library",
     "gemv_candidates",
     "gemv_ref",
@@ -59,82 +63,84 @@ __all__ = [
     "whole_row_max_k",
 ]
 
+
 @dataclass(frozen=True)
-class GemvConfig:
-    """One launch configuration of the batch-1 GEMV.
+class TiledGemvConfig:
+    """The tiled batch-1 GEMV (`_gemv_kernel`): each program owns `block_n` rows and walks K
+    in `block_k` tiles. It reads 16-bit weights only: an e4m3 weight's row scales are a
+    whole-row option."""
 
-    form "tiled": each program owns `block_n` rows and walks K in `block_k` tiles
-    (`_gemv_kernel`). form "whole_row": a persistent grid of at most `programs_per_sm`
-    programs per multiprocessor (fewer where fewer stay resident), each holding the whole
-    input row and streaming `block_n` whole rows of W at a time (`_gemv_rows_kernel`)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
-    form: Literal["tiled", "whole_row"]
+    def __post_init__(self) -> None:
+        if self.block_k <= 0:
+            raise ValueError("a tiled GEMV config needs block_k > 0")
+
+    def __str__(self) -> str:
+        """Short and unique, as timing tables, plan caches and logs name it:
+        tiled[block_n, block_k, num_warps, num_stages]."""
+        return f"tiled[{self.block_n}, {self.block_k}, {self.num_warps}, {self.num_stages}]"
+
+
+@dataclass(frozen=True)
+class WholeRowGemvConfig:
+    """The persistent whole-row GEMV (`_gemv_rows_kernel`): a grid of at most
+    `programs_per_sm` programs per multiprocessor (fewer where fewer stay resident), each
+    holding the whole input row and streaming `block_n` whole rows of W at a time.
+    `pairs` (e4m3 weights): products in half-precision pairs (`asyncengine_kernels.half_pairs`)."""
+
     block_n: int
     num_warps: int
     num_stages: int
-    block_k: int = 0  # tiled only
-    programs_per_sm: int = 0  # whole-row only
-    # Whole-row only, e4m3 weights: products in half-precision pairs
-    # (`asyncengine_kernels.half_pairs`).
+    programs_per_sm: int
     pairs: bool = False
 
     def __post_init__(self) -> None:
-        if self.form not in ("tiled", "whole_row"):
-            raise ValueError(f"unknown GEMV form {self.form!r} (tiled, whole_row)")
-        if self.form == "tiled" and self.block_k <= 0:
-            raise ValueError("a tiled GEMV config needs block_k > 0")
-        if self.form == "whole_row" and self.programs_per_sm <= 0:
+        if self.programs_per_sm <= 0:
             raise ValueError("a whole-row GEMV config needs programs_per_sm > 0")
-        if self.pairs and self.form != "whole_row":
-            raise ValueError("half-precision pairs are a whole-row GEMV option")
-
-    @classmethod
-    def tiled(cls, block_n: int, block_k: int, num_warps: int, num_stages: int) -> GemvConfig:
-        return cls("tiled", block_n, num_warps, num_stages, block_k=block_k)
-
-    @classmethod
-    def whole_row(
-        cls, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
-        pairs: bool = False,
-    ) -> GemvConfig:  # fmt: skip
-        return cls("whole_row", block_n, num_warps, num_stages, programs_per_sm=programs_per_sm,
-                   pairs=pairs)  # fmt: skip
 
     def __str__(self) -> str:
-        """Short and unique, as timing tables and logs name it: form[block_n, block_k or
-        programs per multiprocessor, num_warps, num_stages]."""
-        second = self.block_k if self.form == "tiled" else self.programs_per_sm
-        name = f"{self.form}[{self.block_n}, {second}, {self.num_warps}, {self.num_stages}]"
+        """Short and unique, as timing tables, plan caches and logs name it:
+        whole_row[block_n, programs_per_sm, num_warps, num_stages], then " pairs" for pairs."""
+        name = (f"whole_row[{self.block_n}, {self.programs_per_sm}, {self.num_warps}, "
+                f"{self.num_stages}]")  # fmt: skip
         return name + (" pairs" if self.pairs else "")
+
+
+# One launch configuration of the batch-1 GEMV; its type is its form.
+GemvConfig = TiledGemvConfig | WholeRowGemvConfig
 
 
 # Few rows per program for the small-N shapes (enough programs to keep every multiprocessor
 # streaming), more for the large ones.
-GEMV_CONFIGS: list[GemvConfig] = [
-    GemvConfig.tiled(4, 512, 4, 4),
-    GemvConfig.tiled(4, 1024, 4, 3),
-    GemvConfig.tiled(8, 512, 4, 4),
-    GemvConfig.tiled(8, 256, 4, 4),
-    GemvConfig.tiled(16, 256, 4, 3),
-    GemvConfig.tiled(16, 512, 8, 3),
-    GemvConfig.tiled(32, 128, 4, 4),
+GEMV_CONFIGS: list[TiledGemvConfig] = [
+    TiledGemvConfig(4, 512, 4, 4),
+    TiledGemvConfig(4, 1024, 4, 3),
+    TiledGemvConfig(8, 512, 4, 4),
+    TiledGemvConfig(8, 256, 4, 4),
+    TiledGemvConfig(16, 256, 4, 3),
+    TiledGemvConfig(16, 512, 8, 3),
+    TiledGemvConfig(32, 128, 4, 4),
 ]
-DEFAULT_GEMV_CONFIG = GemvConfig.tiled(8, 512, 4, 4)
+DEFAULT_GEMV_CONFIG = TiledGemvConfig(8, 512, 4, 4)
 # The whole-row kernel holds the input row in registers: only for rows up to this long.
 PERSISTENT_GEMV_MAX_K = 8192
 # In half-precision pairs it holds the row as f16x2 words, half the registers of float32
 # values: rows twice as long fit (an FP8 down projection's 11,008 or 14,336).
 PERSISTENT_PAIRS_GEMV_MAX_K = 16384
-PERSISTENT_GEMV_CONFIGS: list[GemvConfig] = [
-    GemvConfig.whole_row(1, 4, 4, programs_per_sm=8),
-    GemvConfig.whole_row(2, 4, 3, programs_per_sm=4),
-    GemvConfig.whole_row(2, 8, 3, programs_per_sm=4),
-    GemvConfig.whole_row(4, 8, 2, programs_per_sm=2),
+PERSISTENT_GEMV_CONFIGS: list[WholeRowGemvConfig] = [
+    WholeRowGemvConfig(1, 4, 4, programs_per_sm=8),
+    WholeRowGemvConfig(2, 4, 3, programs_per_sm=4),
+    WholeRowGemvConfig(2, 8, 3, programs_per_sm=4),
+    WholeRowGemvConfig(4, 8, 2, programs_per_sm=2),
 ]
 
 
-def whole_row_max_k(config: GemvConfig) -> int:
-    """The longest input row a whole-row config holds (a tiled one takes any length)."""
+def whole_row_max_k(config: WholeRowGemvConfig) -> int:
+    """The longest input row a whole-row config holds (a tiled config takes any length)."""
     return PERSISTENT_PAIRS_GEMV_MAX_K if config.pairs else PERSISTENT_GEMV_MAX_K
 
 
@@ -235,10 +241,10 @@ def _store_rows(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GLU: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -274,7 +280,8 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
         if GLU:
             acc_up += w_up.to(tl.float32) * x[None, :]
-    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, s_ptr, y_ptr, HAS_BIAS, HAS_SCALE, GLU)
+    # 16-bit weights have no row scales: the scale pointer (y_ptr here) is never read.
+    _store_rows(acc, acc_up, offs_n, n_mask, N, b_ptr, y_ptr, y_ptr, HAS_BIAS, False, GLU)
 
 
 @triton.jit
@@ -384,11 +391,15 @@ def _launch(
     scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
+    if scale is not None and isinstance(config, TiledGemvConfig):
+        raise ValueError(f"the tiled GEMV {config} reads 16-bit weights only; weight scales "
+                         "(an e4m3 weight) take a whole-row config")  # fmt: skip
     if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32):
         raise ValueError(f"the weight scales must be float32 [{n}], one per weight row")
     if scale is None and weight.dtype == torch.float8_e4m3fn:
         raise ValueError("an e4m3 weight needs its row scales")
-    if config.pairs:
+    pairs = isinstance(config, WholeRowGemvConfig) and config.pairs
+    if pairs:
         _check_pairs(x, weight)
     if glu:
         if n % 2:
@@ -398,39 +409,39 @@ def _launch(
     res_out = torch.empty_like(x) if residual is not None else None
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = use_pdl(x)
-    # Pairs read the e4m3 rows as int32 words.
-    w_arg, stride_wn = (weight.view(torch.int32), weight.stride(0) // 4) if config.pairs else (
-        weight, weight.stride(0))  # fmt: skip
-    args = (
-        x, w_arg, bias if bias is not None else y, scale if scale is not None else y, y,
-        residual if residual is not None else y,
-        norm_weight, res_out if res_out is not None else y, float(eps), n, k, stride_wn,
-    )  # fmt: skip
+    # A tensor the launch goes without is passed as y: the kernel never reads it.
+    b_arg, res_arg, res_out_arg = (t if t is not None else y for t in (bias, residual, res_out))
     flags = {
-        "HAS_BIAS": bias is not None, "HAS_SCALE": scale is not None, "GATED": gated,
-        "NORM": norm is not None,
+        "HAS_BIAS": bias is not None, "GATED": gated, "NORM": norm is not None,
         "HAS_RESIDUAL": residual is not None, "GLU": glu, "USE_PDL": pdl,
         "BLOCK_N": config.block_n, "num_warps": config.num_warps,
         "num_stages": config.num_stages, **pdl_kwargs(pdl),
     }  # fmt: skip
-    if config.form == "whole_row":
-        if k > whole_row_max_k(config):
-            raise ValueError(f"the whole-row GEMV {config} takes rows up to "
-                             f"{whole_row_max_k(config)} long")  # fmt: skip
-        flags["K_PAD"] = triton.next_power_of_2(k)
-        flags["PAIRS"] = config.pairs
-        per_sm = config.programs_per_sm
-        if x.is_cuda:
-            # No more programs than stay resident at once: a second wave would be a tail.
-            per_sm = min(per_sm, _resident_rows_programs(x.device, args, flags))
-        sms = num_sms(x.device.index or 0) if x.is_cuda else 1
-        grid = min(triton.cdiv(n, config.block_n), per_sm * sms)
-        _gemv_rows_kernel[(grid,)](*args, **flags)
+    if isinstance(config, TiledGemvConfig):
+        _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            x, weight, b_arg, y, res_arg, norm_weight, res_out_arg, float(eps), n, k,
+            weight.stride(0), EVEN_K=k % config.block_k == 0,
+            K_PAD=triton.next_power_of_2(k) if norm else 1, BLOCK_K=config.block_k, **flags,
+        )  # fmt: skip
         return y, res_out
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        *args, EVEN_K=k % config.block_k == 0, K_PAD=triton.next_power_of_2(k) if norm else 1,
-        BLOCK_K=config.block_k, **flags,
+    if k > whole_row_max_k(config):
+        raise ValueError(f"the whole-row GEMV {config} takes rows up to "
+                         f"{whole_row_max_k(config)} long")  # fmt: skip
+    # Pairs read the e4m3 rows as int32 words.
+    w_arg, stride_wn = (weight.view(torch.int32), weight.stride(0) // 4) if pairs else (
+        weight, weight.stride(0))  # fmt: skip
+    args = (
+        x, w_arg, b_arg, scale if scale is not None else y, y, res_arg, norm_weight,
+        res_out_arg, float(eps), n, k, stride_wn,
     )  # fmt: skip
+    flags.update(HAS_SCALE=scale is not None, K_PAD=triton.next_power_of_2(k), PAIRS=pairs)
+    per_sm = config.programs_per_sm
+    if x.is_cuda:
+        # No more programs than stay resident at once: a second wave would be a tail.
+        per_sm = min(per_sm, _resident_rows_programs(x.device, args, flags))
+    sms = num_sms(x.device.index or 0) if x.is_cuda else 1
+    grid = min(triton.cdiv(n, config.block_n), per_sm * sms)
+    _gemv_rows_kernel[(grid,)](*args, **flags)
     return y, res_out
 
 
@@ -478,7 +489,7 @@ def gemv_triton(
 
     scale: float32 [N], one per weight row: the weight is stored scaled (an e4m3 `weight`,
     `asyncengine_kernels.fp8_linear`'s layout) and the row's sum is multiplied by it before the
-    bias.
+    bias. Whole-row configs only: a tiled config refuses it.
 
     gated: x is [1, 2K] holding [gate, up], and the product is taken with silu(gate) * up
     (the MLP's down projection, without a separate activation kernel).
@@ -512,7 +523,7 @@ def rms_norm_gemv(
     y, res_out = _launch(
         x, weight, bias, config, norm=(norm_weight.contiguous(), eps), residual=residual, glu=glu,
         scale=scale,
-    )
+    )  # fmt: skip
     return y, res_out if res_out is not None else x
 
 
@@ -636,7 +647,7 @@ def tune_gemv(
 
     candidates: list[Candidate] = []
     tried = gemv_candidates(k) if configs is None else configs
-    fits = [c for c in tried if c.form == "tiled" or k <= whole_row_max_k(c)]
+    fits = [c for c in tried if isinstance(c, TiledGemvConfig) or k <= whole_row_max_k(c)]
     for cfg in fits:
         candidates.append((str(cfg), cfg, transformed, lambda w, b, c=cfg: fused(w, b, c)))
         if transformed:

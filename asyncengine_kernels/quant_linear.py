@@ -38,8 +38,10 @@ from asyncengine_kernels.half_pairs import (
 )
 
 __all__ = [
+    "QuantAtOnceGemvConfig",
     "QuantGemmConfig",
     "QuantGemvConfig",
+    "QuantLoopGemvConfig",
     "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
@@ -139,10 +141,10 @@ class QuantGemmConfig:
 
 
 @dataclass(frozen=True)
-class QuantGemvConfig:
-    """Blocking of `quant_gemv`: output columns per program, K per loop step, K splits;
-    `pairs`: products in half-precision pairs (`asyncengine_kernels.half_pairs`) rather than
-    float32."""
+class QuantLoopGemvConfig:
+    """Blocking of `quant_gemv`'s loop form (`_quant_gemv_kernel`): output columns per
+    program, K per loop step, K splits; `pairs`: products in half-precision pairs
+    (`asyncengine_kernels.half_pairs`) rather than float32."""
 
     block_n: int = 128
     block_k: int = 32
@@ -150,16 +152,34 @@ class QuantGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     pairs: bool = False
-    # > 0: each program loads this many BLOCK_K tiles at once, with no K loop (pairs only),
-    # and the K splits follow from it (split_k is then ignored).
-    tiles: int = 0
 
     def __str__(self) -> str:
-        if self.tiles:
-            return (f"gemv n{self.block_n} k{self.block_k}x{self.tiles} at once "
-                    f"w{self.num_warps} pairs")  # fmt: skip
         return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
                 f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuantAtOnceGemvConfig:
+    """Blocking of `quant_gemv`'s at-once form (`_quant_gemv_at_once_kernel`): output columns
+    per program, and `tiles` tiles of `block_k` input rows that each program loads at once,
+    with no K loop; the K splits follow from them. Its products are always in
+    half-precision pairs, and it runs one stage (there is no loop to pipeline)."""
+
+    block_n: int
+    block_k: int
+    tiles: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tiles <= 0 or self.tiles & (self.tiles - 1):
+            raise ValueError(f"{self}: loading tiles at once needs a power-of-two tile count")
+
+    def __str__(self) -> str:
+        return f"gemv n{self.block_n} k{self.block_k}x{self.tiles} at once w{self.num_warps} pairs"
+
+
+# One blocking of `quant_gemv`; its type is its form.
+QuantGemvConfig = QuantLoopGemvConfig | QuantAtOnceGemvConfig
 
 
 def gemm_block_k(block_k: int, group_size: int, k: int) -> int:
@@ -185,19 +205,19 @@ def gemm_config(
 def loop_gemv_config(
     group_size: int, k: int, block_n: int, block_k: int, split_k: int, num_warps: int,
     pairs: bool,
-) -> QuantGemvConfig | None:  # fmt: skip
+) -> QuantLoopGemvConfig | None:  # fmt: skip
     """A `quant_gemv` whose programs walk their K split one tile at a time (BLOCK_K narrowed
     to the group where the group is shorter), or None where that does not fit the group and
     K."""
     bk = min(block_k, group_size)
     if group_size % bk or k % bk or bk & (bk - 1) or k // bk < split_k:
         return None
-    return QuantGemvConfig(block_n, bk, split_k, num_warps, pairs=pairs)
+    return QuantLoopGemvConfig(block_n, bk, split_k, num_warps, pairs=pairs)
 
 
 def at_once_gemv_config(
     group_size: int, k: int, block_n: int, values: int, num_warps: int
-) -> QuantGemvConfig | None:
+) -> QuantAtOnceGemvConfig | None:
     """The at-once `quant_gemv` whose programs each load `values` input rows as tiles of
     up to 128 rows (a tile within one group), or None where that does not fit the group
     and K (or K is shorter than one program's rows)."""
@@ -207,7 +227,7 @@ def at_once_gemv_config(
     tiles = values // bk
     if not tiles or tiles & (tiles - 1):
         return None
-    return QuantGemvConfig(block_n, bk, 1, num_warps, 1, pairs=True, tiles=tiles)
+    return QuantAtOnceGemvConfig(block_n, bk, tiles, num_warps)
 
 
 # Every config the start-up tuner can time (`ASYNCENGINE_TUNE_ALL_KINDS`; by default it
@@ -461,7 +481,7 @@ def _quant_gemv_kernel(
                 part += q * xi[:, None]
             acc += part * s[None, :]  # the tile lies inside one group: one scale per column
     finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
-                    pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)
+                    pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -562,31 +582,29 @@ def dequantize_weight_triton(
 def quant_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None = None,
-    config: QuantGemvConfig = QuantGemvConfig(), counters: torch.Tensor | None = None,
+    config: QuantGemvConfig = QuantLoopGemvConfig(), counters: torch.Tensor | None = None,
     *, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`quant_matmul_ref` for a few rows: each program reads one output block's weights
     once per row and K split (later rows find them in L2), dequantization fused; with K
     splits, the last split of a block adds the others' fp32 partial sums. `counters`: from
-    `gemv_counters` (default: fresh ones). gated (configs with `tiles` only): x is [M, 2K]
-    holding [gate, up] and the product is taken with silu(gate) * up."""
+    `gemv_counters` (default: fresh ones). gated (`QuantAtOnceGemvConfig` only): x is
+    [M, 2K] holding [gate, up] and the product is taken with silu(gate) * up."""
     block_k = min(config.block_k, group_size)
     m, n, k = _check(x, qweight, bits, group_size, block_k, gated)
-    if gated and not config.tiles:
-        raise ValueError(f"{config}: only the at-once form takes a gated input")
-    split = config.split_k
-    if config.pairs:
+    if isinstance(config, QuantAtOnceGemvConfig):
         check_pair_activation(x)
-    if config.tiles:
-        if not config.pairs or config.tiles & (config.tiles - 1):
-            raise ValueError(f"{config}: loading tiles at once needs pairs and a power-of-two "
-                             "tile count")  # fmt: skip
         per_split = config.tiles * block_k
         splits = triton.cdiv(k, per_split)
         split = triton.next_power_of_2(splits)
-    elif split & (split - 1):
-        raise ValueError(f"split_k={split} must be a power of two")
     else:
+        if gated:
+            raise ValueError(f"{config}: only the at-once form takes a gated input")
+        if config.pairs:
+            check_pair_activation(x)
+        split = config.split_k
+        if split & (split - 1):
+            raise ValueError(f"split_k={split} must be a power of two")
         # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
         per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         splits = triton.cdiv(k, per_split)
@@ -597,7 +615,7 @@ def quant_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
-    if config.tiles:
+    if isinstance(config, QuantAtOnceGemvConfig):
         pdl = use_pdl(x)
         _quant_gemv_at_once_kernel[(blocks, splits, m)](
             x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m,

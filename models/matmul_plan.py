@@ -10,8 +10,8 @@ times the alternatives at start-up and hands each layer a new plan (`set_plan`).
 A plan is a short list of `PlanEntry`s, each serving batches up to `max_rows` rows (the last
 serves any); the row count of the step picks the entry, and nothing else about the input is
 looked at. An entry names:
-- `kind`, a `MatmulKind` object: `Blas` (F.linear), `TritonGemv` (batch 1; its `GemvConfig`
-  says tiled or whole-row), `TritonSkinnyGemm` (2-16 rows, each weight tile read once for
+- `kind`, a `MatmulKind` object: `Blas` (F.linear), `TritonGemv` (batch 1; its config's
+  type says tiled or whole-row), `TritonSkinnyGemm` (2-16 rows, each weight tile read once for
   all of them), `CpuPacked` (oneDNN with a prepacked weight, small CPU batches),
   `CpuGemm` (`asyncengine_kernels.cpu_gemm`'s panel-packed kernel, small CPU batches);
 - `input`, the transform this entry applies to the layer's input, and `fuse_input`, whether
@@ -153,8 +153,8 @@ class Blas(MatmulKind):
 
 @dataclass(frozen=True)
 class TritonGemv(MatmulKind):
-    """The batch-1 Triton GEMV (`asyncengine_kernels.gemv`), tiled or whole-row as its config
-    says."""
+    """The batch-1 Triton GEMV (`asyncengine_kernels.gemv`), tiled or whole-row as its config's
+    type (`TiledGemvConfig`, `WholeRowGemvConfig`) says."""
 
     config: GemvConfig
     name: ClassVar[str] = "Triton GEMV"

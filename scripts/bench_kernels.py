@@ -812,7 +812,7 @@ def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None
     )
     from asyncengine_kernels.gemv import (
         PERSISTENT_GEMV_CONFIGS,
-        GemvConfig,
+        WholeRowGemvConfig,
         gemv_triton,
         rms_norm_gemv,
     )
@@ -840,7 +840,7 @@ def _fp8_row_case(shape: dict[str, Any], n: int, k: int, transform: str) -> None
         emit("fp8row", {**shape, "rows": 1, "transform": transform, "impl": impl}, ms,
              nbytes=bytes_per)  # fmt: skip
 
-    def whole_row(cfg: GemvConfig, w: torch.Tensor, s: torch.Tensor | None) -> Any:
+    def whole_row(cfg: WholeRowGemvConfig, w: torch.Tensor, s: torch.Tensor | None) -> Any:
         if transform == "norm":
             return rms_norm_gemv(x, residual, norm_w, 1e-5, w, None, cfg, scale=s)
         return gemv_triton(x, w, None, cfg, gated=transform == "gated", scale=s)

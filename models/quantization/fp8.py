@@ -46,7 +46,12 @@ from asyncengine_kernels.fp8_linear import (
     quantize_rows,
     scaled_mm_fits,
 )
-from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv, whole_row_max_k
+from asyncengine_kernels.gemv import (
+    WholeRowGemvConfig,
+    gemv_triton,
+    rms_norm_gemv,
+    whole_row_max_k,
+)
 from asyncengine_kernels.gemv_split_k import gemv_counters
 from models.matmul_plan import InputTransform, MatmulKind, MatmulPlan, Norm, PlanEntry
 from models.quantization.config import Fp8QuantConfig
@@ -171,14 +176,14 @@ class Fp8Rule:
     met, the Triton GEMM tile `FP8_GEMM_IN_PLACE_OF_SCALED_MM` instead)."""
 
     max_rows: int | None
-    whole_row: tuple[GemvConfig, ...] = ()
+    whole_row: tuple[WholeRowGemvConfig, ...] = ()
     gemvs: tuple[Fp8GemvConfig, ...] = ()
     gemms: tuple[Fp8GemmConfig, ...] = ()
     scaled_mm: bool = False
 
 
 _GEMM_16, _GEMM_64 = Fp8GemmConfig(16, 64, 128, 4, 4), Fp8GemmConfig(64, 64, 128, 4, 4)
-_WHOLE_ROW = GemvConfig.whole_row(2, 4, 3, programs_per_sm=8, pairs=True)
+_WHOLE_ROW = WholeRowGemvConfig(2, 4, 3, programs_per_sm=8, pairs=True)
 FP8_GEMM_IN_PLACE_OF_SCALED_MM = _GEMM_64
 # What won a Llama-2-7B shape at those rows in the plans of a full-sweep FP8 start on the
 # H200 (docs/quantization.md, "Start-up tuning by rules"): the whole-row pairs GEMV (norm
@@ -327,7 +332,7 @@ class Fp8WholeRowGemv(MatmulKind):
     included, and stream whole e4m3 rows against it, the row scales applied in the epilogue.
     A fused norm then costs once per program, not once per row block."""
 
-    config: GemvConfig
+    config: WholeRowGemvConfig
     name: ClassVar[str] = "fp8 Triton whole-row GEMV (W8A16)"
     max_rows: ClassVar[int | None] = 1
     fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
@@ -336,7 +341,9 @@ class Fp8WholeRowGemv(MatmulKind):
     reference: ClassVar[MatmulKind] = Fp8DequantMatmul(quantize_input=False)
 
     def __post_init__(self) -> None:
-        if self.config.form != "whole_row":
+        # Dataclasses do not check field types: a tiled config is refused here, as a plan is
+        # built, rather than by each call (the tiled form takes no weight scales).
+        if not isinstance(self.config, WholeRowGemvConfig):
             raise ValueError(f"{self.name} takes a whole-row config, got {self.config}")
 
     def apply(

@@ -29,6 +29,7 @@ import torch
 from asyncengine_kernels import envs, quant_wgmma
 from asyncengine_kernels.activation import silu_and_mul
 from asyncengine_kernels.quant_linear import (
+    QuantAtOnceGemvConfig,
     QuantGemmConfig,
     QuantGemvConfig,
     at_once_gemv_config,
@@ -110,8 +111,11 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
 
 
 def gemv_kind(config: QuantGemvConfig) -> QuantTritonGemv:
-    """The GEMV kind of `config`: the at-once form where it loads its tiles at once."""
-    return QuantTritonGemvAtOnce(config) if config.tiles else QuantTritonGemv(config)
+    """The GEMV kind of `config`: `QuantTritonGemvAtOnce` for an at-once config (it can also
+    form a SiLU-and-mul input), else `QuantTritonGemv`."""
+    if isinstance(config, QuantAtOnceGemvConfig):
+        return QuantTritonGemvAtOnce(config)
+    return QuantTritonGemv(config)
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,9 @@ class QuantTritonGemm(MatmulKind):
 
 @dataclass(frozen=True)
 class QuantTritonGemv(MatmulKind):
-    """The Triton GEMV with dequantization fused (`asyncengine_kernels.quant_linear.quant_gemv`)."""
+    """The Triton GEMV with dequantization fused (`asyncengine_kernels.quant_linear.quant_gemv`),
+    in the form its config's type names (`gemv_kind` gives an at-once config the subclass
+    below, which can also form a SiLU-and-mul input)."""
 
     config: QuantGemvConfig
     name: ClassVar[str] = "quantized Triton GEMV"
@@ -342,10 +348,11 @@ class QuantTritonGemv(MatmulKind):
 
 @dataclass(frozen=True)
 class QuantTritonGemvAtOnce(QuantTritonGemv):
-    """`QuantTritonGemv` with all of a program's tiles loaded at once (`QuantGemvConfig.tiles`),
+    """`QuantTritonGemv` with all of a program's tiles loaded at once (`QuantAtOnceGemvConfig`),
     which can also form a SiLU-and-mul input as it loads x: the down projection of a decode
     step then runs no activation kernel before it."""
 
+    config: QuantAtOnceGemvConfig
     fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
         {InputTransform.SILU_AND_MUL}
     )

@@ -10,6 +10,8 @@ from asyncengine_kernels.gemv import (
     GEMV_CONFIGS,
     PERSISTENT_GEMV_CONFIGS,
     GemvConfig,
+    TiledGemvConfig,
+    WholeRowGemvConfig,
     gemv_candidates,
     gemv_ref,
     gemv_triton,
@@ -23,7 +25,7 @@ from models.linear_tuning import tune_gpu_linears
 from models.matmul_plan import Epilogue, InputTransform, TritonGemv
 from tests.asyncengine_kernels.kernel_cases import requires_cuda
 
-TILED = [GemvConfig.tiled(8, 32, 4, 2), GemvConfig.tiled(16, 16, 4, 1)]
+TILED = [TiledGemvConfig(8, 32, 4, 2), TiledGemvConfig(16, 16, 4, 1)]
 
 
 def _case(n: int, k: int, dtype: torch.dtype, bias: bool, device: str = "cpu"):
@@ -36,7 +38,7 @@ def _case(n: int, k: int, dtype: torch.dtype, bias: bool, device: str = "cpu"):
 
 # Whole-row (persistent) configs: with one "multiprocessor" on the CPU the grid is 2 or 3
 # programs, so each loops over several row blocks.
-WHOLE_ROW = [GemvConfig.whole_row(2, 4, 1, 2), GemvConfig.whole_row(1, 4, 1, 3)]
+WHOLE_ROW = [WholeRowGemvConfig(2, 4, 1, 2), WholeRowGemvConfig(1, 4, 1, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -136,7 +138,7 @@ def test_whole_row_rms_norm_gemv_with_glu_equals_the_tiled_kernel(with_residual:
     gen = torch.Generator().manual_seed(2)
     residual = torch.randn(1, 64, generator=gen).half() if with_residual else None
     norm_w = (1 + 0.1 * torch.randn(64, generator=gen)).half()
-    tiled_cfg, whole_cfg = GemvConfig.tiled(4, 64, 4, 1), GemvConfig.whole_row(4, 4, 1, 2)
+    tiled_cfg, whole_cfg = TiledGemvConfig(4, 64, 4, 1), WholeRowGemvConfig(4, 4, 1, 2)
     tiled = rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, tiled_cfg, glu=True)
     whole = rms_norm_gemv(x, residual, norm_w, 1e-5, w, b, whole_cfg, glu=True)
     torch.testing.assert_close(whole[0], tiled[0], atol=0, rtol=0)
@@ -154,21 +156,21 @@ def _e4m3_case(n: int, k: int, dtype: torch.dtype):
 
 
 # float16 rather than bfloat16: the interpreter rounds bfloat16 casts differently. Pairs
-# take 16-bit activations only (their refusal of float32 is tested below).
+# take 16-bit activations only (their refusal of float32 is tested below). Only the
+# whole-row form reads e4m3 rows (the tiled one's refusal is tested below).
 # (dtype, config, K): K = 48 leaves the padded row's last words past K.
 E4M3_CASES = [
-    *((dtype, config, 64) for dtype in (torch.float32, torch.float16)
-      for config in (TILED[0], *WHOLE_ROW)),
-    (torch.float16, GemvConfig.whole_row(2, 4, 1, 2, pairs=True), 64),
-    (torch.float16, GemvConfig.whole_row(4, 4, 1, 2, pairs=True), 48),
+    *((dtype, config, 64) for dtype in (torch.float32, torch.float16) for config in WHOLE_ROW),
+    (torch.float16, WholeRowGemvConfig(2, 4, 1, 2, pairs=True), 64),
+    (torch.float16, WholeRowGemvConfig(4, 4, 1, 2, pairs=True), 48),
     # Longer than a float32 row may be (the pairs hold up to PERSISTENT_PAIRS_GEMV_MAX_K).
-    (torch.float16, GemvConfig.whole_row(1, 4, 1, 2, pairs=True), 8192 + 96),
+    (torch.float16, WholeRowGemvConfig(1, 4, 1, 2, pairs=True), 8192 + 96),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype,config,k", E4M3_CASES)
 def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
-    dtype: torch.dtype, config: GemvConfig, k: int
+    dtype: torch.dtype, config: WholeRowGemvConfig, k: int
 ) -> None:
     """An FP8 layer's one-row product: e4m3 rows, each row's sum times its scale, then the
     bias; plain, gated, with a fused norm, and with a GLU output (whose up half has its own
@@ -197,10 +199,10 @@ def test_e4m3_weight_with_row_scales_matches_its_dense_equivalent(
 
 
 def test_pairs_are_a_whole_row_option_for_e4m3_rows_and_16_bit_inputs() -> None:
-    pairs = GemvConfig.whole_row(2, 4, 1, 2, pairs=True)
+    pairs = WholeRowGemvConfig(2, 4, 1, 2, pairs=True)
     assert str(pairs) == "whole_row[2, 2, 4, 1] pairs"
-    with pytest.raises(ValueError, match="whole-row GEMV option"):
-        GemvConfig("tiled", 8, 4, 1, block_k=32, pairs=True)
+    with pytest.raises(TypeError, match="pairs"):
+        TiledGemvConfig(8, 32, 4, 1, pairs=True)  # type: ignore[call-arg]
     x, q, scale, _, _ = _e4m3_case(8, 16, torch.float16)
     with pytest.raises(ValueError, match="16-bit activations"):
         gemv_triton(x.float(), q, scale=scale, config=pairs)
@@ -213,7 +215,7 @@ def test_pairs_are_a_whole_row_option_for_e4m3_rows_and_16_bit_inputs() -> None:
 def test_whole_row_rows_may_be_longer_in_pairs_than_in_float32() -> None:
     """The pairs hold the input row in half the registers, so they take rows up to twice as
     long; a float32 whole-row config refuses such a row rather than spill."""
-    floats, pairs = GemvConfig.whole_row(1, 4, 1, 2), GemvConfig.whole_row(1, 4, 1, 2, pairs=True)
+    floats, pairs = WholeRowGemvConfig(1, 4, 1, 2), WholeRowGemvConfig(1, 4, 1, 2, pairs=True)
     assert whole_row_max_k(pairs) == 2 * whole_row_max_k(floats) == 16384
     k = whole_row_max_k(floats) + 96
     x, q, scale, _, _ = _e4m3_case(4, k, torch.float16)
@@ -223,32 +225,62 @@ def test_whole_row_rows_may_be_longer_in_pairs_than_in_float32() -> None:
 
 def test_e4m3_weight_needs_float32_row_scales() -> None:
     x, q, scale, _, _ = _e4m3_case(8, 16, torch.float32)
+    whole = WHOLE_ROW[0]
     with pytest.raises(ValueError, match="needs its row scales"):
-        gemv_triton(x, q)
+        gemv_triton(x, q, config=whole)
     with pytest.raises(ValueError, match=r"float32 \[8\]"):
-        gemv_triton(x, q, scale=scale[:4])
+        gemv_triton(x, q, scale=scale[:4], config=whole)
     with pytest.raises(ValueError, match=r"float32 \[8\]"):
-        gemv_triton(x, q, scale=scale.double())
+        gemv_triton(x, q, scale=scale.double(), config=whole)
 
 
-def test_config_names_its_kind() -> None:
-    tiled, whole = GemvConfig.tiled(8, 512, 4, 4), GemvConfig.whole_row(2, 4, 3, 4)
-    assert (tiled.form, tiled.block_k) == ("tiled", 512)
-    assert (whole.form, whole.programs_per_sm) == ("whole_row", 4)
+def test_tiled_form_reads_16_bit_weights_only() -> None:
+    """No kind runs the tiled form on e4m3 rows: it refuses their scales (and an e4m3
+    weight without them), plain or with a fused norm."""
+    x, q, scale, _, _ = _e4m3_case(8, 16, torch.float16)
+    with pytest.raises(ValueError, match=r"tiled GEMV .* 16-bit weights only"):
+        gemv_triton(x, q, config=TILED[0], scale=scale)
+    with pytest.raises(ValueError, match=r"tiled GEMV .* 16-bit weights only"):
+        rms_norm_gemv(x, None, torch.ones(16, dtype=x.dtype), 1e-5, q, None, TILED[0],
+                      scale=scale)  # fmt: skip
+    with pytest.raises(ValueError, match="needs its row scales"):
+        gemv_triton(x, q, config=TILED[0])
+
+
+def test_config_names_its_form() -> None:
+    tiled, whole = TiledGemvConfig(8, 512, 4, 4), WholeRowGemvConfig(2, 4, 3, 4)
+    assert (tiled.block_k, whole.programs_per_sm) == (512, 4)
     assert str(tiled) == "tiled[8, 512, 4, 4]" and str(whole) == "whole_row[2, 4, 4, 3]"
+    # A config holds only the fields its form reads.
+    assert not hasattr(tiled, "programs_per_sm") and not hasattr(tiled, "pairs")
+    assert not hasattr(whole, "block_k")
     with pytest.raises(ValueError, match="block_k"):
-        GemvConfig("tiled", 8, 4, 4)
+        TiledGemvConfig(8, 0, 4, 4)
     with pytest.raises(ValueError, match="programs_per_sm"):
-        GemvConfig("whole_row", 8, 4, 4)
-    with pytest.raises(ValueError, match="unknown GEMV form"):
-        GemvConfig("split_k", 8, 4, 4, block_k=64)  # type: ignore[arg-type]
+        WholeRowGemvConfig(8, 4, 4, 0)
+
+
+def test_config_names_stay_as_plans_and_timing_tables_key_them() -> None:
+    """Timing tables, plan caches and logs name configs by `str`: these must not change."""
+    assert [str(c) for c in GEMV_CONFIGS] == [
+        "tiled[4, 512, 4, 4]", "tiled[4, 1024, 4, 3]", "tiled[8, 512, 4, 4]",
+        "tiled[8, 256, 4, 4]", "tiled[16, 256, 4, 3]", "tiled[16, 512, 8, 3]",
+        "tiled[32, 128, 4, 4]",
+    ]  # fmt: skip
+    assert [str(c) for c in PERSISTENT_GEMV_CONFIGS] == [
+        "whole_row[1, 8, 4, 4]", "whole_row[2, 4, 4, 3]", "whole_row[2, 4, 8, 3]",
+        "whole_row[4, 2, 8, 2]",
+    ]  # fmt: skip
+    assert str(WholeRowGemvConfig(8, 8, 3, programs_per_sm=2, pairs=True)) == (
+        "whole_row[8, 2, 8, 3] pairs"
+    )
 
 
 def test_candidates_hold_the_whole_row_configs_where_the_row_fits() -> None:
     assert gemv_candidates(4096) == GEMV_CONFIGS + PERSISTENT_GEMV_CONFIGS
     assert gemv_candidates(11008) == GEMV_CONFIGS
-    assert {c.form for c in PERSISTENT_GEMV_CONFIGS} == {"whole_row"}
-    assert {c.form for c in GEMV_CONFIGS} == {"tiled"}
+    assert all(isinstance(c, WholeRowGemvConfig) for c in PERSISTENT_GEMV_CONFIGS)
+    assert all(isinstance(c, TiledGemvConfig) for c in GEMV_CONFIGS)
 
 
 def test_whole_row_form_refuses_rows_longer_than_it_holds() -> None:

@@ -15,7 +15,7 @@ import models.linear_tuning as tuning
 from asyncengine_kernels.activation import silu_and_mul_ref
 from asyncengine_kernels.cpu_gemm import gemm_available
 from asyncengine_kernels.cpu_linear import cpu_packing_available
-from asyncengine_kernels.gemv import GemvChoice, GemvConfig
+from asyncengine_kernels.gemv import GemvChoice, TiledGemvConfig
 from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref
 from asyncengine_kernels.skinny_gemm import SkinnyChoice, SkinnyConfig
 from models.layers import (
@@ -226,7 +226,7 @@ def test_plans_are_described_one_line_per_layer_group() -> None:
     ]
 
 
-TILED = GemvConfig.tiled(8, 16, 4, 1)
+TILED = TiledGemvConfig(8, 16, 4, 1)
 
 
 def _decoder_layers() -> nn.ModuleDict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncengine_kernels.cpu_linear import PACKED_MAX_ROWS
-from asyncengine_kernels.gemv import GemvConfig
+from asyncengine_kernels.gemv import GemvConfig, TiledGemvConfig, WholeRowGemvConfig
 from models.config import ModelConfig
 from models.forward_context import AttentionMetadata, set_forward_context
 from models.linear_tuning import cpu_kinds
@@ -126,7 +126,7 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "config", [GemvConfig.tiled(8, 16, 4, 1), GemvConfig.whole_row(2, 4, 1, 2)], ids=str
+    "config", [TiledGemvConfig(8, 16, 4, 1), WholeRowGemvConfig(2, 4, 1, 2)], ids=str
 )
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("fuse_inputs", [True, False])

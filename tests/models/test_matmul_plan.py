@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from asyncengine_kernels.activation import silu_and_mul_ref
 from asyncengine_kernels.cpu_gemm import gemm_available
 from asyncengine_kernels.cpu_linear import PACKED_MAX_ROWS, cpu_packing_available
-from asyncengine_kernels.gemv import GemvConfig
+from asyncengine_kernels.gemv import GemvConfig, TiledGemvConfig, WholeRowGemvConfig
 from asyncengine_kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 from asyncengine_kernels.skinny_gemm import SkinnyConfig
 from models.layers import (
@@ -35,7 +35,7 @@ from models.matmul_plan import (
 
 NONE, NORM, GATED = InputTransform.NONE, InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL
 GLU = Epilogue.SILU_AND_MUL
-TILED, WHOLE_ROW = GemvConfig.tiled(8, 16, 4, 1), GemvConfig.whole_row(4, 4, 1, 2)
+TILED, WHOLE_ROW = TiledGemvConfig(8, 16, 4, 1), WholeRowGemvConfig(4, 4, 1, 2)
 # Two K splits at K = 32: the split-K sums are exercised too.
 SKINNY = TritonSkinnyGemm(SkinnyConfig(32, 16, 2, 4, 1))
 needs_onednn = pytest.mark.skipif(not cpu_packing_available(), reason="no oneDNN")

@@ -365,16 +365,16 @@ def test_the_whole_row_gemv_forms_a_normed_or_gated_row_itself(quantized: Make) 
     """`Fp8WholeRowGemv`: one row on `asyncengine_kernels.gemv`'s persistent form over the e4m3
     rows, timed at one row where the row fits, equal to the weight-only reference with the norm
     or the activation formed in the kernel."""
-    from asyncengine_kernels.gemv import GemvConfig
+    from asyncengine_kernels.gemv import TiledGemvConfig, WholeRowGemvConfig
 
     layers = _layers(quantized)
     qkv, norm, down = layers["qkv"], layers["norm"], layers["down"]
-    whole = fp8.Fp8WholeRowGemv(GemvConfig.whole_row(2, 4, 1, 2))
+    whole = fp8.Fp8WholeRowGemv(WholeRowGemvConfig(2, 4, 1, 2))
     assert InputTransform.RMS_NORM in whole.fusable_inputs
     assert any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fp8.tuning_kinds(qkv, 1))
     assert not any(isinstance(k, fp8.Fp8WholeRowGemv) for k in fp8.tuning_kinds(qkv, 2))
     with pytest.raises(ValueError, match="whole-row config"):
-        fp8.Fp8WholeRowGemv(GemvConfig.tiled(8, 32, 4, 1))
+        fp8.Fp8WholeRowGemv(TiledGemvConfig(8, 32, 4, 1))  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(3)
     x, residual = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
     assert agrees_with_reference(whole, qkv, x, None)

@@ -12,7 +12,11 @@ from typing import ClassVar
 import pytest
 import torch
 
-from asyncengine_kernels.quant_linear import QuantGemmConfig, QuantGemvConfig
+from asyncengine_kernels.quant_linear import (
+    QuantAtOnceGemvConfig,
+    QuantGemmConfig,
+    QuantLoopGemvConfig,
+)
 from models.config import ModelConfig
 from models.loader import load_model
 from models.matmul_plan import MatmulKind, MatmulPlan, PlanEntry
@@ -60,7 +64,7 @@ def test_the_triton_kinds_agree_and_a_corrupted_one_does_not(quantized: Make) ->
     x = torch.randn(7, layer.in_features, generator=torch.Generator().manual_seed(0))
     assert agrees_with_reference(QuantTritonGemm(QuantGemmConfig(16, 32, 32, 4, 1)), layer,
                                  x, None)  # fmt: skip
-    assert agrees_with_reference(QuantTritonGemv(QuantGemvConfig(32, 32, 2)), layer, x, None)
+    assert agrees_with_reference(QuantTritonGemv(QuantLoopGemvConfig(32, 32, 2)), layer, x, None)
     scale = float(DequantMatmul().apply(layer, x, None).abs().max())
     assert agrees_with_reference(_Corrupted(0.001 * scale), layer, x, None)
     assert not agrees_with_reference(_Corrupted(0.5 * scale), layer, x, None)
@@ -78,7 +82,7 @@ def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
     pair = pair.to(torch.bfloat16)
     layer.scales.data = layer.scales.data.to(torch.bfloat16)
     layer.zeros.data = layer.zeros.data.to(torch.bfloat16)
-    kind = QuantTritonGemvAtOnce(QuantGemvConfig(32, 32, pairs=True, tiles=2))
+    kind = QuantTritonGemvAtOnce(QuantAtOnceGemvConfig(32, 32, tiles=2))
     assert InputTransform.SILU_AND_MUL in kind.fusable_inputs
     want = DequantMatmul().apply(layer, silu_and_mul(pair).float(), None)
     got = kind.apply(layer, pair, None, gated=True).float()
@@ -86,7 +90,8 @@ def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
     # Every at-once config the tuner times is offered as the kind that can fuse.
     gemvs = [k for k in tuning_kinds(layer, 1) if isinstance(k, QuantTritonGemv)]
     assert gemvs
-    assert all(isinstance(k, QuantTritonGemvAtOnce) == bool(k.config.tiles) for k in gemvs)
+    assert all(isinstance(k, QuantTritonGemvAtOnce) == isinstance(k.config, QuantAtOnceGemvConfig)
+               for k in gemvs)  # fmt: skip
 
 
 def _shape(group: int, k: int, bits: int = 4, cuda: bool = False) -> SimpleNamespace:
