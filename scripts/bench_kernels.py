@@ -226,8 +226,9 @@ def sweep_fp8_kv_decode() -> None:
     then for e4m3 one-warp programs by tile, stages and register cap (`maxnreg`: Nsight
     Compute found the default at 255 registers a thread, 8 one-warp programs a
     multiprocessor, 12 % occupancy and no eligible warp in 68 % of the cycles), then for
-    MHA the CUDA-core tiles (`VECTOR`: one query row, no 16-row MMA tile; 80-128 registers
-    at 32-key tiles on sm_90) by tile and warps."""
+    MHA the CUDA-core tiles (`VECTOR`: one query row, no 16-row MMA tile; 80-168 registers
+    at 32-key tiles on sm_90) by tile, warps and whether their loop is pipelined
+    (`KV_STAGES`)."""
     for wl, heads in WORKLOADS.items():
         bsz, ctx = DECODE_SHAPES[wl]
         for kv_fp8 in (False, True):
@@ -248,8 +249,10 @@ def sweep_fp8_kv_decode() -> None:
                 ]  # fmt: skip
                 if heads[0] == heads[1]:
                     configs += [
-                        {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2}
-                        for tile, warps in itertools.product((32, 64, 128), (1, 2, 4))
+                        {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2,
+                         "KV_STAGES": stages}
+                        for tile, warps, stages in itertools.product(
+                            (32, 64, 128), (1, 2, 4), (None, 3))
                     ]  # fmt: skip
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,

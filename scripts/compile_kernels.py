@@ -15,6 +15,9 @@ sm_90 with Triton's bundled ptxas, so a kernel change that would not build on an
   python scripts/compile_kernels.py --only fp8   # the FP8 kernels only
   python scripts/compile_kernels.py --fp8-kv     # the FP8 KV-cache variants only
   python scripts/compile_kernels.py --only prefill --asm-stats  # registers, spills, wgmma
+  python scripts/compile_kernels.py --sass-digest  # a digest of each variant's machine code:
+                                                   # a refactor that should not change the
+                                                   # kernels shows the same digests
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -26,7 +29,9 @@ import importlib
 import inspect
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -216,7 +221,15 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, HQ_PAD=32, HKV_PAD=8,
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True), 4, 1),
     # FP8 KV cache: split-KV decode (MHA, and GQA with rotary fused), short-query and
-    # prefill tiles, and the two cache writers.
+    # prefill tiles, and the two cache writers; MHA decode's CUDA-core tiles (VECTOR: one
+    # query row, loop pipelined), unsplit and split with rotary fused.
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=1, BLOCK_Q=1, TILE=32, NUM_SEGMENTS=1, DECODE=True,
+          ROTARY=False, KV_FP8=True, KV_DOT_F16=True, HEAD_MAJOR=True, VECTOR=True,
+          KV_STAGES=3), 4, 2),
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=1, BLOCK_Q=1, TILE=32, NUM_SEGMENTS=16, DECODE=True,
+          ROTARY=True, KV_FP8=True, KV_DOT_F16=True, VECTOR=True), 4, 2),
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True), 4, 2),
@@ -390,8 +403,6 @@ def sass_ops(compiled: Any) -> tuple[list[str], str]:
     """The opcodes of a compiled variant's machine code, in order, and its resource usage
     (`cuobjdump -res-usage`), read with the tools Triton bundles."""
     import re
-    import subprocess
-    import tempfile
 
     import triton
 
@@ -407,6 +418,27 @@ def sass_ops(compiled: Any) -> tuple[list[str], str]:
         ).stdout
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     return ops, usage
+
+
+def sass_digest(compiled: Any) -> str:
+    """A short digest of a compiled variant's machine code, its instructions without their
+    addresses: equal digests, equal code (the cubin's bytes also hold line information, which
+    moves with any edit of the source file)."""
+    import hashlib
+    import re
+
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
+        ).stdout
+    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()
+             if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]  # fmt: skip
+    return hashlib.md5("\n".join(lines).encode()).hexdigest()[:12]
 
 
 def asm_stats(compiled: Any) -> dict[str, int]:
@@ -433,6 +465,8 @@ def main() -> int:
     ap.add_argument("--fp8-kv", action="store_true", help="only the FP8 KV-cache variants")
     ap.add_argument("--asm-stats", action="store_true", help="also report registers, spills, "
                     "tensor-core and async-copy instructions of each variant")  # fmt: skip
+    ap.add_argument("--sass-digest", action="store_true", help="also report a digest of each "
+                    "variant's machine code (`sass_digest`)")  # fmt: skip
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
@@ -470,6 +504,8 @@ def main() -> int:
                 row["config"] = {k: v for k, v in constexprs.items() if not isinstance(v, bool)}
             if args.asm_stats:
                 row.update(asm_stats(compiled))
+            if args.sass_digest:
+                row["sass"] = sass_digest(compiled)
         except Exception as exc:  # report every variant, then fail
             failed += 1
             row = {"kernel": kernel, "on": sorted(flags), "error": repr(exc)[:400]}
