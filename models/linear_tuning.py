@@ -30,7 +30,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
@@ -130,11 +130,10 @@ def _same_entry(a: PlanEntry, b: PlanEntry) -> bool:
                                                            b.epilogue)  # fmt: skip
 
 
-def _plan_of(entries: Sequence[PlanEntry], declared: InputTransform) -> MatmulPlan:
-    """`entries` by increasing rows, then the BLAS call for larger batches; neighbouring
-    entries that run alike merge, and those at the end that run as the last entry does are
-    left to it."""
-    rest = PlanEntry(Blas(), input=declared)
+def _plan_of(entries: Sequence[PlanEntry], rest: PlanEntry) -> MatmulPlan:
+    """The plan of every tuner: `entries` by increasing rows, then `rest` (no row bound) for
+    larger batches; neighbouring entries that run alike merge, and those at the end that
+    run as `rest` does are left to it."""
     merged: list[PlanEntry] = []
     for entry in entries:
         if merged and _same_entry(merged[-1], entry):
@@ -167,19 +166,34 @@ def plan_decode_gemvs(
     return _plan_groups(_gemv_groups(model, "cuda"), configs, skinny_configs, ladder)
 
 
-def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
-    groups: dict[_GemvGroup, list[LinearBase]] = {}
+def _layer_groups(model: nn.Module, key: Callable[[nn.Module], Hashable | None]) -> dict:
+    """The model's modules by `key` (None: not tuned), in model order: every tuner times a
+    group's layers together, each step over all of their weights."""
+    groups: dict[Hashable, list] = {}
     for module in model.modules():
-        if (
-            isinstance(module, LinearBase) and module.quant_config is None
-            and module.weight.device.type == device_type
-        ):  # fmt: skip
-            has_bias = module.bias is not None and not isinstance(module, RowParallelLinear)
-            key = _GemvGroup(
-                *module.weight.shape, has_bias, module.input_transform, module.glu_output
-            )
-            groups.setdefault(key, []).append(module)
+        group = key(module)
+        if group is not None:
+            groups.setdefault(group, []).append(module)
     return groups
+
+
+def _own_bias(m: LinearBase) -> bool:
+    """Whether the layer adds its bias in its own matmul (a row-parallel layer adds it after
+    the all-reduce)."""
+    return m.bias is not None and not isinstance(m, RowParallelLinear)
+
+
+def _gemv_groups(model: nn.Module, device_type: str) -> dict[_GemvGroup, list[LinearBase]]:
+    """16-bit linear layers on `device_type` by weight shape and input and output form."""
+
+    def key(m: nn.Module) -> _GemvGroup | None:
+        if not isinstance(m, LinearBase) or m.quant_config is not None:
+            return None
+        if m.weight.device.type != device_type:
+            return None
+        return _GemvGroup(*m.weight.shape, _own_bias(m), m.input_transform, m.glu_output)
+
+    return _layer_groups(model, key)
 
 
 def _plan_groups(
@@ -227,8 +241,8 @@ def _plan_groups(
                   few_entries, timings)  # fmt: skip
     plans: Plans = {}
     for key, layers in groups.items():
-        plan = _plan_of([one_row[key], *few_entries[key]], key.input_transform)
-        plans.update(dict.fromkeys(layers, plan))
+        library = PlanEntry(Blas(), input=key.input_transform)
+        plans.update(dict.fromkeys(layers, _plan_of([one_row[key], *few_entries[key]], library)))
     return plans, timings
 
 
@@ -296,14 +310,15 @@ def plan_quantized_linears(
     the tuning's total seconds."""
     if ladder[-1] <= QUANT_GEMV_MAX_ROWS:
         raise ValueError("the ladder must reach past the GEMV's rows: its top serves any batch")
-    groups: dict[tuple, list[LinearBase]] = {}
-    for m in model.modules():
-        quantized = isinstance(m, LinearBase) and m.quant_config is not None
-        if quantized and m.qweight.device.type == device_type:
-            has_bias = m.bias is not None and not isinstance(m, RowParallelLinear)
-            key = (m.out_features, m.in_features, m.quant_config, m.group_size, has_bias,
-                   m.input_transform, m.input_perm is not None)  # fmt: skip
-            groups.setdefault(key, []).append(m)
+    def key(m: nn.Module) -> tuple | None:
+        if not isinstance(m, LinearBase) or m.quant_config is None:
+            return None
+        if m.qweight.device.type != device_type:
+            return None
+        return (m.out_features, m.in_features, m.quant_config, m.group_size, _own_bias(m),
+                m.input_transform, m.input_perm is not None)  # fmt: skip
+
+    groups: dict[tuple, list[LinearBase]] = _layer_groups(model, key)
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
     started, timed, checked = time.perf_counter(), 0, 0
@@ -342,16 +357,13 @@ def plan_quantized_linears(
                 bar.update()
             if cache is not None:
                 cache.store(key, [kind.describe() for kind in best], about=f"{n}x{k} {group}")
-        entries: list[PlanEntry] = []
-        for i, (rows, kind) in enumerate(zip(ladder, best, strict=True)):
-            if i + 1 < len(best) and best[i + 1] == kind:
-                continue  # the next row range runs the same kernel: one entry serves both
-            # A kind that can form the declared input itself (FP8's activation quantization
-            # with RMSNorm or SiLU-and-mul, the at-once GEMV's SiLU-and-mul) does, saving a
-            # kernel.
-            entries.append(PlanEntry(kind, None if i + 1 == len(best) else rows, declared,
-                                     fuse_input=declared in kind.fusable_inputs))  # fmt: skip
-        plans.update(dict.fromkeys(layers, MatmulPlan(tuple(entries))))
+        # A kind that can form the declared input itself (FP8's activation quantization with
+        # RMSNorm or SiLU-and-mul, the at-once GEMV's SiLU-and-mul) does, saving a kernel.
+        entries = [PlanEntry(kind, rows, declared, fuse_input=declared in kind.fusable_inputs)
+                   for rows, kind in zip(ladder, best, strict=True)]  # fmt: skip
+        # The ladder's top step serves any batch.
+        rest = replace(entries.pop(), max_rows=None)
+        plans.update(dict.fromkeys(layers, _plan_of(entries, rest)))
     bar.close()
     if groups:
         logger.info("quantized matmul plans for %d shapes in %.1f s: %d candidates timed, %d "
@@ -651,17 +663,17 @@ def plan_cpu_linears(
     kinds = cpu_kinds()
     if not kinds:
         return {}, {}
-    groups: dict[tuple[int, int, InputTransform], list[nn.Module]] = {}
-    for module in model.modules():
-        if not isinstance(module, PlannedMatmul) or getattr(module, "quant_config", None):
-            continue
-        weight = module.weight
+    def key(m: nn.Module) -> tuple[int, int, InputTransform] | None:
+        if not isinstance(m, PlannedMatmul) or getattr(m, "quant_config", None):
+            return None
+        weight = m.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue
+            return None
         if weight.numel() * weight.element_size() > CPU_PACKED_MAX_BYTES:
-            continue
-        key = (weight.shape[0], weight.shape[1], module.input_transform)
-        groups.setdefault(key, []).append(module)
+            return None
+        return (weight.shape[0], weight.shape[1], m.input_transform)
+
+    groups: dict[tuple[int, int, InputTransform], list[nn.Module]] = _layer_groups(model, key)
     copy_bytes = sum(m.weight.numel() * m.weight.element_size() for g in groups.values() for m in g)
     free = _available_host_bytes()
     if free is not None and copy_bytes > CPU_PACKED_MAX_SHARE_OF_FREE * free:
@@ -695,27 +707,19 @@ def _cpu_plan(
     declared: InputTransform,
 ) -> MatmulPlan:  # fmt: skip
     """Entries from the timings at each row count: the fastest of the kinds within their
-    margin of BLAS (else BLAS) serves the rows above the previous count; consecutive ranges
-    of one kind merge."""
-    best: list[tuple[int, MatmulKind]] = []
+    margin of BLAS (else BLAS) serves the rows above the previous count, and BLAS any
+    larger batch (`_plan_of`)."""
+    entries: list[PlanEntry] = []
     for rows, times in sorted(per_rows.items()):
         blas = times["BLAS"]
         within = [k for k in kinds if times[k.describe()] < blas * (
             CPU_GEMM_MIN_GAIN if isinstance(k, CpuGemm) else CPU_PACKED_MIN_GAIN
         )]  # fmt: skip
         fastest = min(within, key=lambda k: times[k.describe()], default=Blas())
-        best.append((rows, fastest))
-    entries: list[PlanEntry] = []
-    for i, (rows, kind) in enumerate(best):
-        if i + 1 < len(best) and best[i + 1][1] == kind:
-            continue  # the next range runs the same kind: one entry serves both
-        if kind != Blas() or i + 1 < len(best):
-            # A kind that forms the declared input itself (the CPU GEMM) does, saving ops.
-            fuse = declared in kind.fusable_inputs
-            entries.append(PlanEntry(kind, rows, declared, fuse_input=fuse))
-    if entries and entries[-1].kind == Blas():
-        entries.pop()  # the final BLAS entry serves these rows too
-    return MatmulPlan((*entries, PlanEntry(Blas(), input=declared)))
+        # A kind that forms the declared input itself (the CPU GEMM) does, saving ops.
+        fuse = declared in fastest.fusable_inputs
+        entries.append(PlanEntry(fastest, rows, declared, fuse_input=fuse))
+    return _plan_of(entries, PlanEntry(Blas(), input=declared))
 
 
 def tune_cpu_linears(model: nn.Module) -> dict[tuple[int, int], dict[int, dict[str, float]]]:

@@ -396,7 +396,7 @@ def test_the_plan_merges_neighbouring_entries_that_run_alike() -> None:
     entries = [tuning.PlanEntry(Blas(), 1, norm), tuning.PlanEntry(skinny, 2, norm),
                tuning.PlanEntry(skinny, 4, norm), tuning.PlanEntry(Blas(), 8, norm),
                tuning.PlanEntry(Blas(), 16, norm)]  # fmt: skip
-    plan = tuning._plan_of(entries, norm)
+    plan = tuning._plan_of(entries, tuning.PlanEntry(Blas(), input=norm))
     assert [(type(e.kind), e.max_rows) for e in plan.entries] == [
         (Blas, 1), (TritonSkinnyGemm, 4), (Blas, None)
     ]  # fmt: skip
