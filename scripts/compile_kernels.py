@@ -25,10 +25,12 @@ It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -399,45 +401,39 @@ def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
-def sass_ops(compiled: Any) -> tuple[list[str], str]:
-    """The opcodes of a compiled variant's machine code, in order, and its resource usage
-    (`cuobjdump -res-usage`), read with the tools Triton bundles."""
-    import re
-
+def _cubin_tool(compiled: Any, tool: str, *args: str) -> str:
+    """What one of the CUDA tools Triton bundles (`cuobjdump`, `nvdisasm`) prints for a
+    compiled variant's cubin."""
     import triton
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run(
-            [str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        return subprocess.run(
+            [str(tools / tool), *args, f.name], capture_output=True, text=True
         ).stdout
-        sass = subprocess.run(
-            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
-        ).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-    return ops, usage
+
+
+# One instruction of `nvdisasm -c`: its address in a comment, a predicate, the opcode.
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_ops(compiled: Any) -> tuple[list[str], str]:
+    """The opcodes of a compiled variant's machine code, in order, and its resource usage
+    (`cuobjdump -res-usage`)."""
+    sass = _cubin_tool(compiled, "nvdisasm", "-c")
+    ops = [m.group(1) for line in sass.splitlines() if (m := _SASS_LINE.match(line))]
+    return ops, _cubin_tool(compiled, "cuobjdump", "-res-usage")
 
 
 def sass_digest(compiled: Any) -> str:
     """A short digest of a compiled variant's machine code, its instructions without their
     addresses: equal digests, equal code (the cubin's bytes also hold line information, which
     moves with any edit of the source file)."""
-    import hashlib
-    import re
-
-    import triton
-
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run(
-            [str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True
-        ).stdout
+    sass = _cubin_tool(compiled, "nvdisasm", "-c")
     lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()
-             if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]  # fmt: skip
+             if _SASS_LINE.match(line)]  # fmt: skip
     return hashlib.md5("\n".join(lines).encode()).hexdigest()[:12]
 
 
@@ -445,8 +441,6 @@ def asm_stats(compiled: Any) -> dict[str, int]:
     """What the machine code of a compiled variant uses: registers and local-memory (spill)
     bytes per thread, spill instructions (LDL/STL), tensor-core instructions (HGMMA = wgmma;
     HMMA = the older mma.sync) and asynchronous global-to-shared copies (LDGSTS = cp.async)."""
-    import re
-
     ops, usage = sass_ops(compiled)
     stats = {}
     for key, name in (("REG", "regs"), ("LOCAL", "local_bytes")):
