@@ -53,7 +53,8 @@
 #   bash scripts/gpu_check.sh recheck DIR  # the quantization refactors on the GPU: tests, an
 #                                          # L1 start per format, the int8 ring, the verify
 #                                          # step; PARTS="attn": the CUDA-core MHA decode tiles
-#                                          # (GPU tests, kvfp8 sweep); PARTS="compare w2": L1/W1
+#                                          # and the L2 prefetch (GPU tests, kvfp8 sweep,
+#                                          # l2prefetch bench); PARTS="compare w2": L1/W1
 #                                          # from DIR and here, W2 FP8 at 3,000 requests
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
@@ -511,6 +512,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       | tee "$OUT/gpu_attn_tests.log" | tail -n 6
     timeout 240 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
       | tee "$OUT/kvfp8.jsonl" | cut -c1-260
+    timeout 120 python3 scripts/bench_kernels.py --only l2prefetch 2>>"$OUT/bench.log" \
+      | tee "$OUT/l2prefetch.jsonl" | cut -c1-260
   fi
   if [[ " $parts " == *" compare "* ]]; then
     for w in l1 w1; do
