@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is not ins
 
 __all__ = [
     "HAS_TRITON",
+    "compute_capability",
     "interpreter_enabled",
     "next_power_of_2",
     "num_sms",
@@ -81,7 +82,8 @@ def num_sms(device_index: int = 0) -> int:
 
 
 @functools.cache
-def _compute_capability(device_index: int) -> tuple[int, int]:
+def compute_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, looked up once: launches ask it on the step's path."""
     return torch.cuda.get_device_capability(device_index)
 
 
@@ -91,7 +93,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     touching memory that kernel writes, so launch latency and ramp-up overlap its tail."""
     if not (t.is_cuda and HAS_TRITON) or interpreter_enabled():
         return False
-    return _compute_capability(t.device.index or 0)[0] >= 9 and not envs.no_pdl()
+    return compute_capability(t.device.index or 0)[0] >= 9 and not envs.no_pdl()
 
 
 def pdl_kwargs(enabled: bool) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine_kernels._triton_utils import interpreter_enabled, tl, triton
+from asyncengine_kernels._triton_utils import compute_capability, interpreter_enabled, tl, triton
 
-__all__ = ["l2_prefetch_supported", "prefetch_l2_share"]
+__all__ = ["l2_prefetch_supported", "l2_share", "prefetch_l2_share"]
 
 # The granule one ask brings into L2, and the lines a program asks for per loop step.
 _LINE_BYTES = tl.constexpr(128)
@@ -31,7 +31,7 @@ def l2_prefetch_supported(t: torch.Tensor) -> bool:
     needs sm_80 or newer)."""
     if not t.is_cuda or interpreter_enabled():
         return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 8
+    return compute_capability(t.device.index or 0)[0] >= 8
 
 
 @triton.jit
@@ -55,13 +55,21 @@ def _ask_lines(addr, keep):
 
 
 @triton.jit
-def prefetch_l2_share(base_ptr, nbytes, part, parts):
-    """Ask L2 for this program's share (`part` of `parts`, in whole lines) of the `nbytes`
-    bytes at `base_ptr` (a byte pointer)."""
+def l2_share(nbytes, part, parts):
+    """The lines [lo, hi) of an `nbytes` buffer that program `part` of `parts` asks for:
+    whole lines, in order, the shares tiling the buffer (the last ones may be empty)."""
     lines = tl.cdiv(nbytes, _LINE_BYTES)
     per_part = tl.cdiv(lines, parts)
-    lo = part * per_part
+    lo = tl.minimum(part * per_part, lines)
     hi = tl.minimum(lo + per_part, lines)
+    return lo, hi
+
+
+@triton.jit
+def prefetch_l2_share(base_ptr, nbytes, part, parts):
+    """Ask L2 for this program's share (`l2_share`) of the `nbytes` bytes at `base_ptr` (a
+    byte pointer)."""
+    lo, hi = l2_share(nbytes, part, parts)
     for start in range(lo, hi, _LINES_PER_STEP):
         line = start + tl.arange(0, _LINES_PER_STEP)
         _ask_lines(base_ptr + line.to(tl.int64) * _LINE_BYTES, line < hi)
