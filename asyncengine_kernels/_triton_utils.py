@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is not ins
 
 __all__ = [
     "HAS_TRITON",
+    "INLINE_PTX",
     "compute_capability",
     "interpreter_enabled",
     "next_power_of_2",
@@ -57,6 +58,11 @@ __all__ = [
 def interpreter_enabled() -> bool:
     """True when Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Whether kernels may run inline PTX: the interpreter runs none, so kernels that use it
+# take a plain-Triton path there that computes the same values.
+INLINE_PTX = tl.constexpr(not interpreter_enabled())
 
 
 def triton_available() -> bool:

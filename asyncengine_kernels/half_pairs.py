@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine_kernels._triton_utils import interpreter_enabled, tl, triton
+from asyncengine_kernels._triton_utils import INLINE_PTX, tl, triton
 from asyncengine_kernels.activation import silu_times
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
 INT4_X_SCALE = tl.constexpr(16.0)
 INT8_X_SCALE = tl.constexpr(256.0)
 E4M3_X_SCALE = tl.constexpr(256.0)
-_IN_PTX = tl.constexpr(not interpreter_enabled())
 
 
 def check_pair_activation(x: torch.Tensor) -> None:
@@ -203,7 +202,7 @@ def int4_word_dot(word, x04, x15, x26, x37, z_biased, z_neg_high, z):
     """sum_i (q_i - z) x_i over a word of eight 4-bit values (value i in bits 4i..4i+3), with
     x as pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7) from `pack_f16_pair`; z_biased and
     z_neg_high from `zero_pairs(z, 4)`, z itself (float32) for the interpreter's form."""
-    if _IN_PTX:
+    if INLINE_PTX:
         return _word_dot_asm(_INT4_DOT, (word, x04, x15, x26, x37, z_biased, z_neg_high))
     else:
         return (
@@ -223,7 +222,7 @@ def _byte(word, i: tl.constexpr):
 def int8_word_dot(word, x02, x13, z_biased, z):
     """sum_i (q_i - z) x_i over a word of four 8-bit values (value i in bits 8i..8i+7), with
     x as pairs (x0, x2), (x1, x3); z_biased from `zero_pairs(z, 8)`."""
-    if _IN_PTX:
+    if INLINE_PTX:
         return _word_dot_asm(_INT8_DOT, (word, x02, x13, z_biased))
     else:
         return (
@@ -247,7 +246,7 @@ def _e4m3_value(byte):
 def e4m3_word_dot(word, x01, x23):
     """sum_i w_i x_i over a word of four e4m3 values (value i in byte i), with x as pairs
     (x0, x1), (x2, x3): one `cvt.rn.f16x2.e4m3x2` widens two values."""
-    if _IN_PTX:
+    if INLINE_PTX:
         return _word_dot_asm(_E4M3_DOT, (word, x01, x23))
     else:
         return (

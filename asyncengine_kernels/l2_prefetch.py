@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine_kernels._triton_utils import compute_capability, interpreter_enabled, tl, triton
+from asyncengine_kernels._triton_utils import (
+    INLINE_PTX,
+    compute_capability,
+    interpreter_enabled,
+    tl,
+    triton,
+)
 
 __all__ = ["l2_prefetch_supported", "l2_share", "prefetch_l2_share"]
 
 # The granule one ask brings into L2, and the lines a program asks for per loop step.
 _LINE_BYTES = tl.constexpr(128)
 _LINES_PER_STEP = tl.constexpr(128)
-
-_ASK_IN_PTX = tl.constexpr(not interpreter_enabled())
 
 
 def l2_prefetch_supported(t: torch.Tensor) -> bool:
@@ -37,7 +41,7 @@ def l2_prefetch_supported(t: torch.Tensor) -> bool:
 @triton.jit
 def _ask_lines(addr, keep):
     """Ask L2 for the line at each address where `keep` is set."""
-    if _ASK_IN_PTX:
+    if INLINE_PTX:
         # Not pure: the asks have no result, and a pure op without a used result is removed.
         tl.inline_asm_elementwise(
             asm="""{

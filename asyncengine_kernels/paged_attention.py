@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine_kernels._triton_utils import (
+    INLINE_PTX,
     interpreter_enabled,
     next_power_of_2,
     num_sms,
@@ -437,10 +438,6 @@ def _load_kv(
     return tl.load(base + offs)
 
 
-# The interpreter runs no inline PTX; it widens e4m3 with a cast (the same values).
-_WIDEN_IN_PTX = tl.constexpr(not interpreter_enabled())
-
-
 @triton.jit
 def _widen_e4m3_before_dot(x):
     """e4m3 codes to fp16 (exact), two per instruction, as inline PTX the compiler does not
@@ -449,7 +446,7 @@ def _widen_e4m3_before_dot(x):
     operand is read byte by byte. V needs it (P @ V reduces over keys, the slow axis of the
     cache); K does not (Q @ K^T reduces over head_dim, its contiguous axis, so its e4m3
     bytes are read vectorized and widened after the load, half the shared-memory traffic)."""
-    if _WIDEN_IN_PTX:
+    if INLINE_PTX:  # the interpreter widens with a cast (the same values)
         # Not pure: a pure op would be hoisted past the shared-memory load like a cast.
         return tl.inline_asm_elementwise(
             asm="""{
@@ -1119,7 +1116,7 @@ def paged_attention_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), *rot_args, *prefetch_args,
-            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, PREFETCH=prefetch and decode,
+            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, PREFETCH=prefetch,
             **{**common, **rot_flags, **cfg}, **pdl_kwargs(pdl),
         )  # fmt: skip
 
