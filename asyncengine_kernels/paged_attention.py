@@ -871,8 +871,6 @@ SHORT_CONTEXT_KEYS = 1024
 # Unsplit decode launches of at least this many (sequence, KV head) programs per
 # multiprocessor take the many-program tiles of `_small_tile_config`.
 MANY_PROGRAMS_PER_SM = 8
-# Registers a thread of the one-warp MHA decode program over an e4m3 cache may use.
-MHA_FP8_MAX_REGISTERS = 168
 # The short-query launch of a mixed step (its decode rows and short chunks) keeps the earlier
 # tiles: on an H200, W2 with FP8 weights and KV (1000 requests, 1024 sequences) spent 19.35 s
 # in mixed steps with the many-program tiles there and 19.46 s without, within noise.
@@ -895,22 +893,30 @@ def _small_tile_config(
     warp a program over 32-key tiles, many programs per SM instead of 3 (W1 0.852 of the copy
     rate against 0.767 for 4 warps x 128 keys, W2 0.845 against 0.721), and a 16-bit MHA
     cache 64-key tiles (W1 1.074 against 0.989). Fewer programs than that were not
-    measured and keep the earlier tiles: one-warp programs need many to a multiprocessor."""
+    measured and keep the earlier tiles: one-warp programs need many to a multiprocessor.
+
+    An FP8 MHA cache there takes the CUDA-core tiles (`VECTOR`, one query row a program, one
+    warp): the MMA form holds a 16-row accumulator and fp16-widened K/V for its one real
+    row, 255 registers a thread. Measured on an H200 (2026-12-05, two sweeps): at W1, 32-key
+    VECTOR tiles read at 0.886-0.888 of the copy rate against 0.871-0.875 for the MMA tiles
+    they replace (32 keys, 3 stages, capped at 168 registers); 64- and 128-key ones swung
+    between runs (0.84-0.95, 0.59-0.92); W1 in the engine over an FP8 cache rose from 8,293
+    to 8,624 tokens/s. Split launches keep the MMA tiles: alone, batch 1 over 4,000 keys in
+    16 segments took 0.017 ms with 64-key VECTOR tiles against 0.0193, but L1 over an FP8
+    cache fell from 275.8 to 231.5 tokens/s with them. Seven sequences unsplit (few
+    programs): 0.1175 ms for the MMA tiles against 0.127 for the best VECTOR tiles."""
     block_m = max(16, next_power_of_2(group))
     tile = 64 if group > 1 and elem_size <= 2 else 32
     warps = 4
     if elem_size == 1 and not split:
         tile = 128
     cfg = {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "num_stages": 2}
-    if not split and programs_per_sm >= MANY_PROGRAMS_PER_SM:
+    many = not split and programs_per_sm >= MANY_PROGRAMS_PER_SM
+    if elem_size == 1 and group == 1 and many:
+        return {**cfg, "VECTOR": 1, "BLOCK_M": 1, "BLOCK_Q": 1, "TILE": 32, "num_warps": 1}
+    if many:
         if elem_size == 1:
             tile, warps = 32, 1
-            if group == 1:
-                # One warp holds its tiles widened to fp16 and a 16-row accumulator: 255
-                # registers a thread, 8 programs a multiprocessor. Capped at 168 (a few
-                # spills) with a third stage, W1 read at 0.871-0.875 of the copy rate against
-                # 0.842-0.846 (H200, 3 runs each); GQA (W2) fell to 0.74 with the cap.
-                cfg.update(num_stages=3, maxnreg=MHA_FP8_MAX_REGISTERS)
         elif group == 1:
             tile = 64
     return {**cfg, "TILE": tile, "num_warps": warps}
@@ -935,10 +941,18 @@ def _with_overrides(
     cfg: dict[str, int], overrides: Mapping[str, int] | None, group: int
 ) -> dict[str, int]:
     """A launch configuration with tuning overrides; BLOCK_Q follows an overridden BLOCK_M,
-    and VECTOR tiles hold one row (they are for MHA decode: `_attend_tile`)."""
+    and VECTOR tiles hold one row (they are for MHA decode: `_attend_tile`). `VECTOR: 0`
+    asks for MMA tiles where the default is VECTOR, with their 16 rows."""
     if not overrides:
         return cfg
+    vector_default = bool(cfg.get("VECTOR"))
     cfg = {**cfg, **overrides}
+    if vector_default and not cfg.get("VECTOR"):
+        cfg.pop("VECTOR")
+        cfg.pop("KV_STAGES", None)
+        if "BLOCK_M" not in overrides:
+            cfg["BLOCK_M"] = max(16, next_power_of_2(group))
+        cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
     if cfg.get("VECTOR"):
         if group != 1:
             raise ValueError(f"VECTOR tiles hold one query row; this launch has {group} query "

@@ -222,14 +222,21 @@ def sweep_decode(batches: list[int], contexts: list[int]) -> None:
 
 
 def sweep_fp8_kv_decode() -> None:
-    """Decode attention over an e4m3 cache beside the bf16 cache at the throughput shapes
-    (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500): the default tiles of each,
-    then for e4m3 one-warp programs by tile, stages and register cap (`maxnreg`: Nsight
-    Compute found the default at 255 registers a thread, 8 one-warp programs a
-    multiprocessor, 12 % occupancy and no eligible warp in 68 % of the cycles), then for
-    MHA the CUDA-core tiles (`VECTOR`: one query row, no 16-row MMA tile; 80-168 registers
-    at 32-key tiles on sm_90) by tile, warps and whether their loop is pipelined
+    """Decode attention over an e4m3 cache beside the bf16 cache.
+
+    At the throughput shapes (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500,
+    unsplit): the default tiles of each; for MHA the MMA tiles the CUDA-core ones replaced
+    (one warp, 32 keys, 3 stages, 168 registers) and the CUDA-core tiles (`VECTOR`) by tile
+    and warps; for GQA one-warp MMA tiles by tile and stages. Then split launches (batch 1
+    and 7 over 4,000 keys, segments as `decode_plan` gives them), where MHA decode keeps the
+    16-row MMA tiles: the default against VECTOR tiles by tile, warps and loop pipelining
     (`KV_STAGES`)."""
+    from asyncengine_kernels.paged_attention import decode_plan
+
+    vector = [
+        {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2}
+        for tile, warps in itertools.product((32, 64, 128), (1, 2))
+    ]
     for wl, heads in WORKLOADS.items():
         bsz, ctx = DECODE_SHAPES[wl]
         for kv_fp8 in (False, True):
@@ -237,35 +244,37 @@ def sweep_fp8_kv_decode() -> None:
                 [1] * bsz, [ctx] * bsz, *heads, kv_fp8=kv_fp8
             )
             out = torch.empty_like(args[0])
-            # The default (head-major, `_small_tile_config`'s many-program tiles), the
-            # tiles it replaced, then tiles, warps and stages around it.
             configs: list[dict[str, Any]] = [{}]
-            if kv_fp8:
+            if kv_fp8 and heads[0] == heads[1]:
                 configs += [
-                    {"TILE": tile, "num_warps": 1, "num_stages": stages,
-                     **({"maxnreg": regs} if regs else {})}
-                    for tile, stages, regs in itertools.product(
-                        (32, 64), (1, 2, 3), (0, 168))
-                    if regs or tile == 64 or stages != 2
-                ]  # fmt: skip
-                # Two and four warps a program: at 32-64 keys 96-196 registers a thread
-                # on sm_90 for GQA 4 (no spills), against one warp's 255.
+                    {"VECTOR": 0, "TILE": 32, "num_warps": 1, "num_stages": 3, "maxnreg": 168},
+                    *vector,
+                ]
+            elif kv_fp8:
                 configs += [
-                    {"TILE": tile, "num_warps": warps, "num_stages": stages}
-                    for tile, warps, stages in itertools.product((32, 64), (2, 4), (2, 3))
-                ]  # fmt: skip
-                if heads[0] == heads[1]:
-                    configs += [
-                        {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2,
-                         "KV_STAGES": stages}
-                        for tile, warps, stages in itertools.product(
-                            (32, 64, 128), (1, 2, 4), (None, 3))
-                    ]  # fmt: skip
+                    {"TILE": tile, "num_warps": 1, "num_stages": stages}
+                    for tile, stages in itertools.product((32, 64), (2, 3))
+                ]
             for cfg in configs:
                 shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip
                 run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                          nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
+    heads = WORKLOADS["W1"]
+    for bsz in (1, 7):
+        ctx = 4000
+        segments = decode_plan(bsz, heads[1], torch.device("cuda"), ctx).segments
+        args, nbytes, scales = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=True)
+        out = torch.empty_like(args[0])
+        split_vector = [
+            {**cfg, "KV_STAGES": stages}
+            for cfg, stages in itertools.product(vector, (None, 3))
+        ]
+        for cfg in [{}, *split_vector]:
+            shape = {"workload": "split", "batch": bsz, "ctx": ctx, "segments": segments,
+                     "kv": "fp8", **cfg}  # fmt: skip
+            run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
+                     nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
 
 
 def bench_l2_prefetch(layers: int = 32) -> None:

@@ -483,8 +483,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "tests formats int8 spec attn compare w2" (default: the
-  # first four), so a call fits its limit.
+  # decode tiles. PARTS picks some of "tests formats int8 spec attn kvsweep fp8kv compare
+  # w2" (default: the first four), so a call fits its limit; FORMATS narrows "formats".
   other="${2:?usage: gpu_check.sh recheck DIR}"
   parts="${PARTS:-tests formats int8 spec}"
   if [[ " $parts " == *" tests "* ]]; then
@@ -493,7 +493,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   fi
   if [[ " $parts " == *" formats "* ]]; then
-    for q in gptq-int4 gptq-int8 awq-int4 ct-w4a16 fp8; do
+    for q in ${FORMATS:-gptq-int4 gptq-int8 awq-int4 ct-w4a16 fp8}; do
       bench --workload l1 --system engine --quantization "$q" | cut -c1-300
     done
   fi
@@ -506,16 +506,24 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       --sweep 4:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
   fi
   if [[ " $parts " == *" attn "* ]]; then
-    # The new launches' GPU tests only: the other attention variants' machine code is what
-    # their tests last passed with (`compile_kernels.py --sass-digest`), and a call has ten
-    # minutes for the tests and both benches.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "cuda_cores or l2_prefetch" \
+    # The decode tiles' GPU tests: the CUDA-core ones and every FP8-cache case (the other
+    # attention variants build to the machine code their tests last passed with:
+    # `compile_kernels.py --sass-digest`).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -k "cuda_cores or fp8" \
       tests/asyncengine_kernels/test_paged_attention.py 2>&1 \
       | tee "$OUT/gpu_attn_tests.log" | tail -n 6
-    timeout 300 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
+  fi
+  if [[ " $parts " == *" kvsweep "* ]]; then
+    timeout 200 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
       | tee "$OUT/kvfp8.jsonl" | cut -c1-260
-    timeout 120 python3 scripts/bench_kernels.py --only l2prefetch 2>>"$OUT/bench.log" \
-      | tee "$OUT/l2prefetch.jsonl" | cut -c1-260
+  fi
+  if [[ " $parts " == *" fp8kv "* ]]; then  # L1 and W1 over an FP8 KV cache, DIR and here
+    for w in ${FP8KV_WORKLOADS:-l1 w1}; do
+      for tree in "$other" "$PWD"; do
+        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" --kv-cache-dtype fp8 \
+          --max-num-seqs 512 | cut -c1-300
+      done
+    done
   fi
   if [[ " $parts " == *" compare "* ]]; then
     for w in l1 w1; do
@@ -539,4 +547,4 @@ tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
 echo "== serving"; cut -c1-300 "$OUT/serving.jsonl" 2>/dev/null
 echo "== compare"; cat "$OUT/compare.jsonl" 2>/dev/null | cut -c1-300
-echo "== longmix"; grep '^|' "$OUT/longmix.txt" 2>/dev/null
+echo "== longmix"; grep "^|" "$OUT/longmix.txt" 2>/dev/null || true

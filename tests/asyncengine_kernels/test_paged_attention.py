@@ -187,22 +187,36 @@ def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> Non
 
 
 def test_small_tiles_for_many_decode_programs() -> None:
-    """Unsplit decode launches with many programs per SM: one warp over 32-key tiles for an
-    FP8 cache (MHA with its registers capped and a third stage, GQA not), 64-key tiles for
-    16-bit MHA; fewer programs, split launches and other launches keep the earlier tiles."""
+    """Unsplit decode launches with many programs per SM: for an FP8 cache one-warp CUDA-core
+    tiles of one query row over 32 keys (MHA) or one-warp MMA tiles over 32 keys (GQA),
+    64-key tiles for 16-bit MHA; fewer programs, split launches and other launches keep the
+    earlier tiles."""
     many = pa.MANY_PROGRAMS_PER_SM
     fp8 = pa._small_tile_config(1, 1, False, many)
-    assert (fp8["TILE"], fp8["num_warps"], fp8["num_stages"]) == (32, 1, 3)
-    assert fp8["maxnreg"] == pa.MHA_FP8_MAX_REGISTERS
+    assert (fp8["VECTOR"], fp8["BLOCK_M"], fp8["BLOCK_Q"]) == (1, 1, 1)
+    assert (fp8["TILE"], fp8["num_warps"]) == (32, 1)
     fp8_gqa = pa._small_tile_config(4, 1, False, many)
-    assert fp8_gqa["num_warps"] == 1 and "maxnreg" not in fp8_gqa
-    assert "maxnreg" not in pa._small_tile_config(1, 1, False, many - 1)
+    assert (fp8_gqa["TILE"], fp8_gqa["num_warps"], fp8_gqa["BLOCK_M"]) == (32, 1, 16)
+    assert "VECTOR" not in fp8_gqa
+    assert "VECTOR" not in pa._small_tile_config(4, 1, True)
+    assert "VECTOR" not in pa._small_tile_config(1, 1, False, many - 1)
+    assert "VECTOR" not in pa._small_tile_config(1, 1, True, many)
     assert pa._small_tile_config(1, 2, False, many)["TILE"] == 64
     gqa = pa._small_tile_config(4, 2, False, many)
     assert (gqa["TILE"], gqa["num_warps"]) == (64, 4)
     assert pa._small_tile_config(1, 1, False, many - 1)["TILE"] == 128
-    assert pa._small_tile_config(1, 1, True, many)["num_warps"] == 4
+    assert pa._small_tile_config(1, 2, True, many)["num_warps"] == 4
     assert pa._small_tile_config(1, 2)["TILE"] == 32
+
+
+def test_overrides_can_ask_for_mma_tiles_where_the_default_is_vector() -> None:
+    """`VECTOR: 0` over the FP8 MHA default gives 16-row MMA tiles (the sweep's reference);
+    overrides that leave VECTOR alone keep one row."""
+    default = pa._small_tile_config(1, 1, False, pa.MANY_PROGRAMS_PER_SM)
+    mma = pa._with_overrides(default, {"VECTOR": 0, "TILE": 32, "num_stages": 3}, 1)
+    assert "VECTOR" not in mma and (mma["BLOCK_M"], mma["BLOCK_Q"], mma["TILE"]) == (16, 16, 32)
+    kept = pa._with_overrides(default, {"TILE": 32}, 1)
+    assert (kept["VECTOR"], kept["BLOCK_M"], kept["TILE"]) == (1, 1, 32)
 
 
 def test_decode_plans_lists_every_plan_of_a_batch_size() -> None:
@@ -412,15 +426,17 @@ def test_gpu_fp8_decode_and_prefill(num_kv_heads: int, per_head: bool) -> None:
 @pytest.mark.parametrize("batch_size,ctx", [(7, 4000), (256, 640)])
 def test_gpu_mha_decode_on_cuda_cores(fp8: bool, batch_size: int, ctx: int) -> None:
     """The CUDA-core MHA decode tiles at Llama-2-7B's heads, unsplit and split, at tiles,
-    warps and loop stages from the range `bench_kernels.py --only kvfp8` sweeps, against the
-    reference."""
+    warps and loop stages from the range `bench_kernels.py --only kvfp8` sweeps, and the
+    default tiles (VECTOR for 256 sequences over an e4m3 cache), against the reference."""
     gen = torch.Generator().manual_seed(batch_size)
     lens = torch.randint(1, ctx + 1, (batch_size,), generator=gen).tolist()
     lens[0], lens[-1] = ctx, 0
     batch = _gpu_case([1] * batch_size, lens, 32)
     batch = to_fp8(batch, per_head=True) if fp8 else batch
     ref = paged_attention_ref(*batch.args(), **batch.scales())
-    swept = ((32, 1, None), (32, 4, 3), (64, 2, 3), (128, 4, None))  # a few compiles each
+    default = paged_attention_triton(*batch.args(), **batch.scales(), decode_only=True)
+    _assert_close(default, ref, atol=2e-2)
+    swept = ((64, 1, None), (32, 4, 3), (64, 2, 3), (128, 4, None))  # a few compiles each
     for (tile, warps, stages), segments in itertools.product(swept, (1, 16)):
         tiles = {**VECTOR_TILES, "TILE": tile, "num_warps": warps, "KV_STAGES": stages}
         out = paged_attention_triton(

@@ -21,6 +21,7 @@ from models.quantization.kinds import (
     DequantMatmul,
     QuantTritonGemm,
     QuantTritonGemv,
+    QuantWgmma,
     TritonDequantMatmul,
 )
 from tests.asyncengine.engine_helpers import hf_greedy
@@ -44,7 +45,7 @@ SCHEMES = [
 PROMPTS = [[5, 9, 33, 2, 7, 100, 3], [17], list(range(40, 80))]
 # The names of the integer layers' kinds (`QuantTritonGemvAtOnce` shares its GEMV's).
 INT_KIND_NAMES = {kind.name for kind in (DequantMatmul, TritonDequantMatmul, QuantTritonGemm,
-                                         QuantTritonGemv)}  # fmt: skip
+                                         QuantTritonGemv, QuantWgmma)}  # fmt: skip
 
 
 def test_words_unpack_what_they_pack() -> None:
