@@ -53,7 +53,6 @@ from asyncengine_kernels.kv_cache_write import (
     is_fp8_kv,
     quantize_fp8,
 )
-from asyncengine_kernels.l2_prefetch import l2_prefetch_supported, prefetch_l2_share
 
 __all__ = [
     "DecodePlan",
@@ -621,8 +620,6 @@ def _paged_attention_kernel(
     stride_knh,
     stride_vnt,
     stride_vnh,
-    prefetch_ptr,
-    prefetch_bytes,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -643,16 +640,7 @@ def _paged_attention_kernel(
     HEAD_MAJOR: tl.constexpr = False,
     VECTOR: tl.constexpr = False,
     KV_STAGES: tl.constexpr = None,
-    PREFETCH: tl.constexpr = False,
 ):
-    if PREFETCH:
-        # A later kernel's weights into L2 while this latency-bound launch leaves the bus
-        # idle (`asyncengine_kernels.l2_prefetch`); they do not depend on any earlier kernel.
-        part = tl.program_id(0) + tl.num_programs(0) * (
-            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-        )
-        parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_l2_share(prefetch_ptr, prefetch_bytes, part, parts)
     if not ROTARY:
         pdl_wait(USE_PDL)
     # KV_DOT_F16: an e4m3 tile widens to fp16 in one instruction per two values (to bf16 it
@@ -1028,14 +1016,9 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     prefill_kernel: bool = True,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref` (an FP8 cache takes
     `k_scale` / `v_scale`, float32 [Hkv] device tensors read by the kernel).
-
-    `l2_prefetch` (decode only): a tensor a later kernel reads, which the decode launch's
-    programs ask L2 to hold while they run (`asyncengine_kernels.l2_prefetch`); it changes
-    no value. Ignored where the device cannot ask.
 
     Host hints (never read from device memory): `max_query_len` lets a batch of short queries
     skip the large-tile launch; T == B selects the decode path. `decode_only` promises one
@@ -1101,13 +1084,6 @@ def paged_attention_triton(
     else:
         rot_args = (q, q, q, q, q, 0, 0, 0, 0, 0)
         rot_flags = {"ROTARY": False, "HALF": 1}
-    prefetch = l2_prefetch is not None and decode_only and l2_prefetch_supported(l2_prefetch)
-    if prefetch:
-        assert l2_prefetch is not None
-        nbytes = l2_prefetch.numel() * l2_prefetch.element_size()
-        prefetch_args: tuple = (l2_prefetch.view(-1).view(torch.uint8), nbytes)
-    else:
-        prefetch_args = (q, 0)
     scale_log2 = float(scale) * _LOG2E
 
     def launch(
@@ -1129,8 +1105,8 @@ def paged_attention_triton(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), *rot_args, *prefetch_args,
-            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl, PREFETCH=prefetch,
+            block_tables.stride(0), *rot_args,
+            NUM_SEGMENTS=segments, DECODE=decode, USE_PDL=pdl,
             **{**common, **rot_flags, **cfg}, **pdl_kwargs(pdl),
         )  # fmt: skip
 
@@ -1195,7 +1171,6 @@ def paged_attention(
     num_segments: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
 
@@ -1205,15 +1180,13 @@ def paged_attention(
     q.dtype (written into `out` when given). Sequences with seq_len 0 give zeros.
     `max_seq_len` (the longest context) is a hint for the reference; `num_segments` is the
     Triton decode path's split-KV count (the step's `DecodePlan.segments`). An FP8 cache
-    (`torch.float8_e4m3fn`) needs `k_scale` and `v_scale`, float32 [Hkv]. `l2_prefetch`: a
-    tensor a later kernel reads, warmed into L2 by a decode launch (`paged_attention_triton`).
+    (`torch.float8_e4m3fn`) needs `k_scale` and `v_scale`, float32 [Hkv].
     """
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if use_triton(q):
         return paged_attention_triton(
             *args, max_query_len=max_query_len, decode_only=decode_only,
             num_segments=num_segments, k_scale=k_scale, v_scale=v_scale,
-            l2_prefetch=l2_prefetch,
         )  # fmt: skip
     return paged_attention_ref(
         *args, max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len,

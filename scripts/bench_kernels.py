@@ -15,7 +15,6 @@ GB/s and its fraction of the H200's measured copy rate (4.25 TB/s), or TFLOP/s a
     python scripts/bench_kernels.py --only fp8     # FP8 GEMV, GEMMs, activation quantization
     python scripts/bench_kernels.py --only fp8row  # FP8 one-row GEMVs with their input forms
     python scripts/bench_kernels.py --only kvfp8   # decode attention, e4m3 cache beside bf16
-    python scripts/bench_kernels.py --only l2prefetch  # batch-1 attention warming L2 for o_proj
     python scripts/bench_kernels.py --only skinny  # 1-16 row matmuls: few-row Triton vs cuBLAS
 
 Quantized matmuls count the packed codes, the bf16 scales and zeros, x and y as bytes. FP8
@@ -275,58 +274,6 @@ def sweep_fp8_kv_decode() -> None:
                      "kv": "fp8", **cfg}  # fmt: skip
             run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                      nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
-
-
-def bench_l2_prefetch(layers: int = 32) -> None:
-    """Batch-1 decode's attention then the output projection's GEMV, layer after layer
-    (Llama-2-7B: 32 heads, 640 keys, split as the engine plans one sequence; a distinct
-    4096 x 4096 weight per layer, as a step reads them), with the attention launch asking
-    L2 for the weight of the GEMV after it (`l2_prefetch`) or not; bf16 weights (tiled and whole-row
-    GEMVs) and e4m3 ones (whole-row pairs). Microseconds per layer; attention and the GEMV
-    alone beside them."""
-    from asyncengine_kernels.fp8_linear import FP8_WHOLE_ROW_CONFIGS, quantize_weight_per_channel
-    from asyncengine_kernels.gemv import DEFAULT_GEMV_CONFIG, PERSISTENT_GEMV_CONFIGS, gemv_triton
-    from asyncengine_kernels.paged_attention import decode_plan, paged_attention_triton
-
-    args, _, _ = _attention_inputs([1], [640], 32, 32)
-    segments = decode_plan(1, 32, torch.device("cuda"), 640).segments
-    out = torch.empty_like(args[0])
-    x = out.view(1, -1)  # the attention's output is the projection's input
-
-    def attend(prefetch: torch.Tensor | None) -> None:
-        paged_attention_triton(*args, out=out, decode_only=True, num_segments=segments,
-                               l2_prefetch=prefetch)  # fmt: skip
-
-    dense = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-             for _ in range(layers)]  # fmt: skip
-    e4m3 = [quantize_weight_per_channel(w) for w in dense]
-    forms: list[tuple[str, list[torch.Tensor], Callable[[int], Any]]] = [
-        (f"bf16 {cfg}", dense, lambda i, c=cfg: gemv_triton(x, dense[i], None, c))
-        for cfg in (DEFAULT_GEMV_CONFIG, *PERSISTENT_GEMV_CONFIGS[:2])
-    ]
-    forms += [
-        (f"fp8 {cfg}", [q for q, _ in e4m3],
-         lambda i, c=cfg: gemv_triton(x, e4m3[i][0], None, c, scale=e4m3[i][1].view(-1)))
-        for cfg in FP8_WHOLE_ROW_CONFIGS[:2]
-    ]  # fmt: skip
-    shape = {"layers": layers, "heads": 32, "ctx": 640, "segments": segments}
-    ms = bench(lambda: [attend(None) for _ in range(layers)], warmup=2, iters=10, inner=1)
-    emit("l2_prefetch", {**shape, "impl": "attention alone", "us_per_layer":
-                         round(1e3 * ms / layers, 2)}, ms)  # fmt: skip
-    for name, weights, gemv in forms:
-        def steps(prefetch: bool, attention: bool = True, gemv: Any = gemv,
-                  weights: list = weights) -> None:  # fmt: skip
-            for i in range(layers):
-                if attention:  # layer i's attention warms layer i's projection weight
-                    attend(weights[i] if prefetch else None)
-                gemv(i)
-
-        for impl, fn in ((f"{name} alone", lambda s=steps: s(False, attention=False)),
-                         (f"attention + {name}", lambda s=steps: s(False)),
-                         (f"attention asking L2 + {name}", lambda s=steps: s(True))):
-            ms = bench(fn, warmup=2, iters=10, inner=1)
-            emit("l2_prefetch", {**shape, "impl": impl,
-                                 "us_per_layer": round(1e3 * ms / layers, 2)}, ms)  # fmt: skip
 
 
 def _prefill_sweep_case(shape: dict[str, Any], heads: tuple[int, int], cfg: dict[str, int]) -> None:
@@ -971,7 +918,7 @@ def main() -> None:
         "--only",
         choices=[
             "attention", "prefill", "sweep", "elementwise", "sampling", "gemv", "quant", "fp8",
-            "fp8row", "kvfp8", "skinny", "int4", "int8", "l2prefetch",
+            "fp8row", "kvfp8", "skinny", "int4", "int8",
         ],
     )
     parser.add_argument("--sweep", action="store_true", help="also sweep decode configs")
@@ -1003,8 +950,6 @@ def main() -> None:
             sweep_prefill()
     if args.only in (None, "kvfp8"):
         sweep_fp8_kv_decode()
-    if args.only in (None, "l2prefetch"):
-        bench_l2_prefetch()
     if args.only in (None, "elementwise"):
         bench_elementwise()
     if args.only in (None, "sampling"):

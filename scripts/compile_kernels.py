@@ -2,12 +2,12 @@
 
 The CPU interpreter checks what the kernels compute but not whether they compile: this
 script lowers the main variants (paged attention with and without rotary, split-KV and
-prefill tiles, CUDA-core MHA decode tiles, the L2 prefetch of a later kernel's weight, the
-sm_90 prefill kernel (Triton, and the warp-specialized Gluon kernel when this Triton has
-Gluon), each also over an FP8 (e4m3) KV cache, the tiled and whole-row GEMV forms, the
-few-row matmul, the int4/int8 weight-only GEMM and GEMV, the FP8 GEMM, GEMV and activation
-quantization, the norm, rotary, KV-write and merge kernels) to a cubin for sm_90 with
-Triton's bundled ptxas, so a kernel change that would not build on an H200 fails here.
+prefill tiles, CUDA-core MHA decode tiles, the sm_90 prefill kernel (Triton, and the
+warp-specialized Gluon kernel when this Triton has Gluon), each also over an FP8 (e4m3) KV
+cache, the tiled and whole-row GEMV forms, the few-row matmul, the int4/int8 weight-only
+GEMM and GEMV, the FP8 GEMM, GEMV and activation quantization, the norm, rotary, KV-write
+and merge kernels) to a cubin for sm_90 with Triton's bundled ptxas, so a kernel change that
+would not build on an H200 fails here.
 
   python scripts/compile_kernels.py              # sm_90, every variant
   python scripts/compile_kernels.py --arch 100   # another compute capability
@@ -67,7 +67,6 @@ POINTER_TYPES = {
     "in_scale_ptr": "*fp32",
     "s_ptr": "*fp32",
     "norm_w_ptr": "*bf16",
-    "prefetch_ptr": "*u8",
 }
 # Variants with KV_FP8 on read and write an e4m3 cache; GEMVs with HAS_SCALE read e4m3 rows.
 FP8_KV_POINTERS = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
@@ -94,10 +93,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
           ROTARY=True), 4, 2),
-    # Batch-1 decode asking L2 for the output projection's weight while it runs.
-    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
-     dict(ATTENTION, GROUP=1, BLOCK_M=16, BLOCK_Q=16, TILE=32, NUM_SEGMENTS=16, DECODE=True,
-          ROTARY=True, PREFETCH=True), 4, 2),
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=4, BLOCK_M=16, BLOCK_Q=4, TILE=64, NUM_SEGMENTS=1, DECODE=True,
           ROTARY=True), 4, 2),

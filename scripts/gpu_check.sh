@@ -52,10 +52,10 @@
 #                                          # int4 start, L1/W1 bf16 and W1 int8 from DIR and here
 #   bash scripts/gpu_check.sh recheck DIR  # the quantization refactors on the GPU: tests, an
 #                                          # L1 start per format, the int8 ring, the verify
-#                                          # step; PARTS="attn": the CUDA-core MHA decode tiles
-#                                          # and the L2 prefetch (GPU tests, kvfp8 sweep,
-#                                          # l2prefetch bench); PARTS="compare w2": L1/W1
-#                                          # from DIR and here, W2 FP8 at 3,000 requests
+#                                          # step; PARTS="attn kvsweep fp8kv": the decode
+#                                          # tiles' GPU tests, the kvfp8 sweep, L1/W1 over an
+#                                          # FP8 cache from DIR and here; PARTS="compare w2":
+#                                          # L1/W1 from DIR and here, W2 FP8 at 3,000 requests
 #   bash scripts/gpu_check.sh tp           # several GPUs: TP tests, TP=1/2/4/8 check and bench
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin

@@ -235,8 +235,7 @@ def test_triton_split_count_changes_the_launch_not_the_result(segments: int) -> 
 
 
 def test_dispatcher_hands_the_split_count_to_triton_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`num_segments` (and the L2 prefetch) reach the Triton path; the reference gets the
-    context hint."""
+    """`num_segments` reaches the Triton path; the reference gets the context hint."""
     seen: dict[str, object] = {}
     batch = make_paged_batch(*DECODE, 4, 2, head_dim=8, block_size=4)
 
@@ -257,9 +256,8 @@ def test_dispatcher_hands_the_split_count_to_triton_only(monkeypatch: pytest.Mon
     monkeypatch.setattr(pa, "use_triton", lambda _: False)
     assert paged_attention(*batch.args(), **hints) == "ref"  # type: ignore[arg-type]
     assert seen["triton"] == {
-        "max_query_len": None, "decode_only": True, "num_segments": 4, **scales,
-        "l2_prefetch": None,
-    }  # fmt: skip
+        "max_query_len": None, "decode_only": True, "num_segments": 4, **scales
+    }
     assert seen["ref"] == {"max_query_len": None, "decode_only": True, "max_seq_len": 48, **scales}
 
 
@@ -304,18 +302,6 @@ def test_triton_mha_decode_on_cuda_cores_half_precision(dtype: torch.dtype, atol
     batch = to_fp8(batch, per_head=True)
     batch.q = batch.q.to(dtype)
     _triton_vs_ref(batch, atol=atol, decode_only=True, small_tiles=VECTOR_TILES)
-
-
-@pytest.mark.parametrize("segments", [1, 4])
-def test_triton_l2_prefetch_changes_no_value(segments: int) -> None:
-    """A decode launch given a later kernel's weight to warm L2 with returns what it does
-    without (on the CPU the asks are skipped: the launch and its arguments still run)."""
-    batch = make_paged_batch(*DECODE, 4, 4, head_dim=32, block_size=8, seed=10)
-    weight = torch.randn(96, 128)
-    plain = paged_attention_triton(*batch.args(), decode_only=True, num_segments=segments)
-    warmed = paged_attention_triton(*batch.args(), decode_only=True, num_segments=segments,
-                                    l2_prefetch=weight)  # fmt: skip
-    assert torch.equal(plain, warmed)
 
 
 def test_triton_split_kv_with_multi_token_rows() -> None:
@@ -444,24 +430,6 @@ def test_gpu_mha_decode_on_cuda_cores(fp8: bool, batch_size: int, ctx: int) -> N
             small_tiles=tiles,
         )  # fmt: skip
         _assert_close(out, ref, atol=2e-2)
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_l2_prefetch_changes_no_value(fp8: bool) -> None:
-    """Decode attention asking L2 for a 7B output projection's weight while it runs (batch 1,
-    split, and 64 sequences unsplit) gives bit-identical output."""
-    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    for batch_size, segments in ((1, 16), (64, 1)):
-        lens = [700] * batch_size
-        batch = _gpu_case([1] * batch_size, lens, 32)
-        batch = to_fp8(batch, per_head=True) if fp8 else batch
-        kw = {"decode_only": True, "num_segments": segments, **batch.scales()}
-        plain = paged_attention_triton(*batch.args(), **kw)
-        warmed = paged_attention_triton(*batch.args(), **kw, l2_prefetch=weight)
-        torch.cuda.synchronize()
-        assert torch.equal(plain, warmed)
 
 
 @pytest.mark.gpu
