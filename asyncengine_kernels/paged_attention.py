@@ -885,14 +885,15 @@ def _small_tile_config(
 
     An FP8 MHA cache there takes the CUDA-core tiles (`VECTOR`, one query row a program, one
     warp): the MMA form holds a 16-row accumulator and fp16-widened K/V for its one real
-    row, 255 registers a thread. Measured on an H200 (2026-12-05, two sweeps): at W1, 32-key
-    VECTOR tiles read at 0.886-0.888 of the copy rate against 0.871-0.875 for the MMA tiles
-    they replace (32 keys, 3 stages, capped at 168 registers); 64- and 128-key ones swung
-    between runs (0.84-0.95, 0.59-0.92); W1 in the engine over an FP8 cache rose from 8,293
-    to 8,624 tokens/s. Split launches keep the MMA tiles: alone, batch 1 over 4,000 keys in
-    16 segments took 0.017 ms with 64-key VECTOR tiles against 0.0193, but L1 over an FP8
-    cache fell from 275.8 to 231.5 tokens/s with them. Seven sequences unsplit (few
-    programs): 0.1175 ms for the MMA tiles against 0.127 for the best VECTOR tiles."""
+    row, 255 registers a thread. Measured on an H200 (2026-12-05, three calls): at W1, 32-key
+    VECTOR tiles read at 0.880-0.888 of the copy rate against 0.871-0.876 for the MMA tiles
+    they replace (32 keys, 3 stages, capped at 168 registers); 64- and 128-key ones held
+    within a call but swung between calls (0.84-0.95; 128 keys, which spill, 0.59-0.92);
+    W1 in the engine over an FP8 cache rose from 8,293 to 8,624 tokens/s. Split launches
+    keep the MMA tiles: alone, batch 1 over 4,000 keys in 16 segments took 0.017 ms with
+    64-key VECTOR tiles against 0.0193, but L1 over an FP8 cache fell from 275.8 to 231.5
+    tokens/s with them. Seven sequences unsplit (few programs): 0.1175 ms for the MMA tiles
+    against 0.127 for the best VECTOR tiles."""
     block_m = max(16, next_power_of_2(group))
     tile = 64 if group > 1 and elem_size <= 2 else 32
     warps = 4
