@@ -640,6 +640,7 @@ def _paged_attention_kernel(
     HEAD_MAJOR: tl.constexpr = False,
     VECTOR: tl.constexpr = False,
     KV_STAGES: tl.constexpr = None,
+    LATE_V: tl.constexpr = False,
 ):
     if not ROTARY:
         pdl_wait(USE_PDL)
@@ -769,13 +770,17 @@ def _paged_attention_kernel(
         first = tile_lo + 1
     # KV_STAGES: the full tiles' loop pipelined that deep whatever the launch's num_stages
     # does (None: as it does). The compiler pipelines loads that feed an MMA by itself; a
-    # VECTOR program's loads it pipelines only when asked here.
+    # VECTOR program's loads it pipelines only when asked here. LATE_V: a VECTOR program
+    # requests V after the scores, as large tiles do: one more round trip a tile, but a
+    # one-warp program over 32 / 64 / 128 keys then builds to 128 / 190 / 255 registers on
+    # sm_90 (11 spills at 128) against 166 / 250 / 255 (48 spills), so more fit a
+    # multiprocessor.
     for tile in tl.range(first, tl.minimum(tile_hi, num_full), num_stages=KV_STAGES):
         M, L, acc = _attend_tile(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
-            MASKED=False, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or VECTOR,
+            MASKED=False, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or (VECTOR and not LATE_V),
             PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
             IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
@@ -785,7 +790,7 @@ def _paged_attention_kernel(
             Q, M, L, acc, tile, num_keys, q_abs, k_base, v_base, bt_row_ptr,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, offs_d,
             new_pos=new_pos, k_new=k_new, v_new=v_new, K_pre=Q, V_pre=Q,
-            MASKED=True, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or VECTOR,
+            MASKED=True, HAS_NEW=ROTARY, EARLY_V=(NUM_SEGMENTS > 1) or (VECTOR and not LATE_V),
             PRELOADED=False,
             HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE, DOT_FP32=DOT_FP32,
             IEEE=IEEE, KV_FP8=KV_FP8, KV_DOT_F16=KV_DOT_F16, VECTOR=VECTOR,
@@ -939,6 +944,7 @@ def _with_overrides(
     if vector_default and not cfg.get("VECTOR"):
         cfg.pop("VECTOR")
         cfg.pop("KV_STAGES", None)
+        cfg.pop("LATE_V", None)
         if "BLOCK_M" not in overrides:
             cfg["BLOCK_M"] = max(16, next_power_of_2(group))
         cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group

@@ -224,13 +224,13 @@ def sweep_fp8_kv_decode() -> None:
     """Decode attention over an e4m3 cache beside the bf16 cache.
 
     At the throughput shapes (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500,
-    unsplit): the default tiles of each; for MHA the MMA tiles the CUDA-core ones replaced
+    unsplit): the default tiles of each. For MHA, the MMA tiles the CUDA-core ones replaced
     (one warp, 32 keys, 3 stages, 168 registers) and the CUDA-core tiles (`VECTOR`) by tile
-    and warps (the one-warp ones again on a reshuffled cache, then on the first: "draw" 1
-    and 2); for GQA one-warp MMA tiles by tile and stages. Then split launches (batch 1
-    and 7 over 4,000 keys, segments as `decode_plan` gives them), where MHA decode keeps the
-    16-row MMA tiles: the default against VECTOR tiles by tile, warps and loop pipelining
-    (`KV_STAGES`)."""
+    and warps, with V requested early or after the scores (`LATE_V`); the one-warp ones
+    again on a reshuffled cache, then on the first ("draw" 1 and 2). For GQA, one-warp MMA
+    tiles by tile and stages. Then small batches (1 and 7 sequences over 4,000 keys,
+    segments as `decode_plan` gives them), where MHA decode keeps the 16-row MMA tiles: the
+    default against VECTOR tiles by tile, warps and loop pipelining (`KV_STAGES`)."""
     from asyncengine_kernels.paged_attention import decode_plan
 
     vector = [
@@ -251,6 +251,8 @@ def sweep_fp8_kv_decode() -> None:
                     *vector,
                     # Its loop pipelined: 0.911 against 0.888 in the one call that timed it.
                     {"VECTOR": 1, "TILE": 32, "num_warps": 1, "num_stages": 2, "KV_STAGES": 3},
+                    # V requested after the scores: fewer registers, one more round trip.
+                    *[{**cfg, "LATE_V": 1} for cfg in vector if cfg["num_warps"] == 1],
                 ]
             elif kv_fp8:
                 configs += [

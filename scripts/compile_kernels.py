@@ -225,11 +225,16 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
           HALF_PAD=64, REST_PAD=0, D_PAD=128, BLOCK_SIZE=16, USE_PDL=True), 4, 1),
     # FP8 KV cache: split-KV decode (MHA, and GQA with rotary fused), short-query and
     # prefill tiles, and the two cache writers; MHA decode's CUDA-core tiles (VECTOR: one
-    # query row): unsplit as many-program launches take them (one warp), its loop
-    # pipelined (a sweep option), and split with rotary fused.
+    # query row): unsplit as many-program launches take them (one warp), with V requested
+    # after the scores and with the loop pipelined (sweep options), and split with rotary
+    # fused.
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=1, BLOCK_Q=1, TILE=32, NUM_SEGMENTS=1, DECODE=True,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True, HEAD_MAJOR=True, VECTOR=True), 1, 2),
+    ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
+     dict(ATTENTION, GROUP=1, BLOCK_M=1, BLOCK_Q=1, TILE=64, NUM_SEGMENTS=1, DECODE=True,
+          ROTARY=False, KV_FP8=True, KV_DOT_F16=True, HEAD_MAJOR=True, VECTOR=True,
+          LATE_V=True), 1, 2),
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
      dict(ATTENTION, GROUP=1, BLOCK_M=1, BLOCK_Q=1, TILE=32, NUM_SEGMENTS=1, DECODE=True,
           ROTARY=False, KV_FP8=True, KV_DOT_F16=True, HEAD_MAJOR=True, VECTOR=True,

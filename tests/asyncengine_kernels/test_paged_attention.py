@@ -215,6 +215,8 @@ def test_overrides_can_ask_for_mma_tiles_where_the_default_is_vector() -> None:
     default = pa._small_tile_config(1, 1, False, pa.MANY_PROGRAMS_PER_SM)
     mma = pa._with_overrides(default, {"VECTOR": 0, "TILE": 32, "num_stages": 3}, 1)
     assert "VECTOR" not in mma and (mma["BLOCK_M"], mma["BLOCK_Q"], mma["TILE"]) == (16, 16, 32)
+    mma = pa._with_overrides({**default, "LATE_V": 1}, {"VECTOR": 0}, 1)
+    assert "LATE_V" not in mma
     kept = pa._with_overrides(default, {"TILE": 32}, 1)
     assert (kept["VECTOR"], kept["BLOCK_M"], kept["TILE"]) == (1, 1, 32)
 
@@ -280,12 +282,13 @@ VECTOR_TILES = {"VECTOR": 1, "TILE": 32, "num_warps": 1}
 def test_triton_mha_decode_on_cuda_cores(segments: int, fp8: bool, tile: int) -> None:
     """VECTOR tiles compute the scores and P @ V as products and sums: the result of the MMA
     tiles, for 16-bit and e4m3 caches, split or not, head-major or not, their loop pipelined
-    or not (KV_STAGES), with a padding row and ragged tiles; a KV head with several query
-    heads is refused."""
+    or not (KV_STAGES), V requested early or after the scores (LATE_V), with a padding row
+    and ragged tiles; a KV head with several query heads is refused."""
     batch = make_paged_batch(*DECODE, 4, 4, head_dim=32, block_size=8, seed=8)
     batch = to_fp8(batch, per_head=True) if fp8 else batch
-    for head_major, stages in ((0, None), (1, 3)):
-        tiles = {**VECTOR_TILES, "TILE": tile, "HEAD_MAJOR": head_major, "KV_STAGES": stages}
+    for head_major, stages, late_v in ((0, None, 0), (1, 3, 0), (1, None, 1)):
+        tiles = {**VECTOR_TILES, "TILE": tile, "HEAD_MAJOR": head_major, "KV_STAGES": stages,
+                 "LATE_V": late_v}  # fmt: skip
         _triton_vs_ref(batch, atol=2e-5, num_segments=segments, decode_only=True,
                        small_tiles=tiles)  # fmt: skip
     gqa = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=8, seed=8)
@@ -422,9 +425,11 @@ def test_gpu_mha_decode_on_cuda_cores(fp8: bool, batch_size: int, ctx: int) -> N
     ref = paged_attention_ref(*batch.args(), **batch.scales())
     default = paged_attention_triton(*batch.args(), **batch.scales(), decode_only=True)
     _assert_close(default, ref, atol=2e-2)
-    swept = ((64, 1, None), (32, 4, 3), (64, 2, 3), (128, 4, None))  # a few compiles each
-    for (tile, warps, stages), segments in itertools.product(swept, (1, 16)):
-        tiles = {**VECTOR_TILES, "TILE": tile, "num_warps": warps, "KV_STAGES": stages}
+    swept = ((64, 1, None, 0), (32, 4, 3, 0), (64, 2, 3, 0), (128, 4, None, 0),
+             (128, 1, None, 1))  # fmt: skip
+    for (tile, warps, stages, late_v), segments in itertools.product(swept, (1, 16)):
+        tiles = {**VECTOR_TILES, "TILE": tile, "num_warps": warps, "KV_STAGES": stages,
+                 "LATE_V": late_v}  # fmt: skip
         out = paged_attention_triton(
             *batch.args(), **batch.scales(), decode_only=True, num_segments=segments,
             small_tiles=tiles,
