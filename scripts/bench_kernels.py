@@ -226,11 +226,13 @@ def sweep_fp8_kv_decode() -> None:
     At the throughput shapes (W1: 256 x 640 keys, the run's mean context; W2: 256 x 1500,
     unsplit): the default tiles of each. For MHA, the MMA tiles the CUDA-core ones replaced
     (one warp, 32 keys, 3 stages, 168 registers) and the CUDA-core tiles (`VECTOR`) by tile
-    and warps, with V requested early or after the scores (`LATE_V`); the one-warp ones
-    again on a reshuffled cache, then on the first ("draw" 1 and 2). For GQA, one-warp MMA
-    tiles by tile and stages. Then small batches (1 and 7 sequences over 4,000 keys,
+    and warps, with V requested early or after the scores (`LATE_V`). For GQA, one-warp
+    MMA tiles by tile and stages. Then small batches (1 and 7 sequences over 4,000 keys,
     segments as `decode_plan` gives them), where MHA decode keeps the 16-row MMA tiles: the
-    default against VECTOR tiles by tile, warps and loop pipelining (`KV_STAGES`)."""
+    default against one-warp VECTOR tiles by tile, V early or late.
+
+    Figures held within a call on three cache layouts (H200, 2026-12-05), but the 64- and
+    128-key VECTOR tiles' moved between calls: compare configs within one run."""
     from asyncengine_kernels.paged_attention import decode_plan
 
     vector = [
@@ -264,30 +266,15 @@ def sweep_fp8_kv_decode() -> None:
                          "kv": "fp8" if kv_fp8 else "bf16", **cfg}  # fmt: skip
                 run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                          nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
-            if kv_fp8 and heads[0] == heads[1]:
-                # The one-warp VECTOR tiles of 64 and 128 keys read at 0.84-0.95 and
-                # 0.59-0.92 of the copy rate in two calls: again on a cache shuffled
-                # anew, then on the first once more, to tell the layout from the run.
-                again = configs[:2] + [c for c in vector if c["num_warps"] == 1]
-                redrawn = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=True)
-                for draw, (d_args, _, d_scales) in enumerate((redrawn, (args, 0, scales)), 1):
-                    for cfg in again:
-                        shape = {"workload": wl, "batch": bsz, "ctx": ctx, "segments": 1,
-                                 "kv": "fp8", "draw": draw, **cfg}  # fmt: skip
-                        run_case("sweep_decode", shape, _sweep_case, args=d_args, out=out,
-                                 nbytes=nbytes, cfg=cfg, scales=d_scales)  # fmt: skip
     heads = WORKLOADS["W1"]
     for bsz in (1, 7):
         ctx = 4000
         segments = decode_plan(bsz, heads[1], torch.device("cuda"), ctx).segments
         args, nbytes, scales = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=True)
         out = torch.empty_like(args[0])
-        split_vector = [
-            {**cfg, "KV_STAGES": stages}
-            for cfg, stages in itertools.product(vector, (None, 3))
-        ]
-        for cfg in [{}, *split_vector]:
-            shape = {"workload": "split", "batch": bsz, "ctx": ctx, "segments": segments,
+        one_warp = [cfg for cfg in vector if cfg["num_warps"] == 1]
+        for cfg in [{}, *one_warp, *[{**cfg, "LATE_V": 1} for cfg in one_warp]]:
+            shape = {"workload": "small", "batch": bsz, "ctx": ctx, "segments": segments,
                      "kv": "fp8", **cfg}  # fmt: skip
             run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
                      nbytes=nbytes, cfg=cfg, scales=scales)  # fmt: skip
