@@ -869,6 +869,11 @@ MANY_PROGRAMS_PER_SM = 8
 # in mixed steps with the many-program tiles there and 19.46 s without, within noise.
 
 
+def _small_tile_rows(group: int) -> int:
+    """BLOCK_M of the small MMA tiles: the G heads of one KV head, at least the MMA's 16."""
+    return max(16, next_power_of_2(group))
+
+
 def _small_tile_config(
     group: int, elem_size: int, split: bool = False, programs_per_sm: float = 0.0
 ) -> dict[str, int]:
@@ -899,7 +904,7 @@ def _small_tile_config(
     64-key VECTOR tiles against 0.0193, but L1 over an FP8 cache fell from 275.8 to 231.5
     tokens/s with them. Seven sequences unsplit (few programs): 0.1175 ms for the MMA tiles
     against 0.127 for the best VECTOR tiles."""
-    block_m = max(16, next_power_of_2(group))
+    block_m = _small_tile_rows(group)
     tile = 64 if group > 1 and elem_size <= 2 else 32
     warps = 4
     if elem_size == 1 and not split:
@@ -939,23 +944,21 @@ def _with_overrides(
     asks for MMA tiles where the default is VECTOR, with their 16 rows."""
     if not overrides:
         return cfg
-    vector_default = bool(cfg.get("VECTOR"))
-    cfg = {**cfg, **overrides}
-    if vector_default and not cfg.get("VECTOR"):
-        cfg.pop("VECTOR")
-        cfg.pop("KV_STAGES", None)
-        cfg.pop("LATE_V", None)
-        if "BLOCK_M" not in overrides:
-            cfg["BLOCK_M"] = max(16, next_power_of_2(group))
-        cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
-    if cfg.get("VECTOR"):
+    merged = {**cfg, **overrides}
+    if merged.get("VECTOR"):
         if group != 1:
             raise ValueError(f"VECTOR tiles hold one query row; this launch has {group} query "
                              "heads a KV head")  # fmt: skip
-        cfg["BLOCK_M"] = 1
-    if "BLOCK_M" in overrides or cfg.get("VECTOR"):
-        cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
-    return cfg
+        merged["BLOCK_M"] = 1
+    elif cfg.get("VECTOR"):
+        # Back to the MMA tiles: their rows, and none of the VECTOR-only options.
+        for name in ("VECTOR", "KV_STAGES", "LATE_V"):
+            merged.pop(name, None)
+        merged["BLOCK_M"] = overrides.get("BLOCK_M", _small_tile_rows(group))
+    elif "BLOCK_M" not in overrides:
+        return merged
+    merged["BLOCK_Q"] = merged["BLOCK_M"] // group
+    return merged
 
 
 def _split_segments(
