@@ -517,20 +517,19 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     timeout 200 python3 scripts/bench_kernels.py --only kvfp8 2>>"$OUT/bench.log" \
       | tee "$OUT/kvfp8.jsonl" | cut -c1-260
   fi
-  if [[ " $parts " == *" fp8kv "* ]]; then  # L1 and W1 over an FP8 KV cache, DIR and here
-    for w in ${FP8KV_WORKLOADS:-l1 w1}; do
+  both_trees() {  # "WORKLOADS" ARGS...: each workload from DIR, then from here
+    local w tree
+    for w in $1; do
       for tree in "$other" "$PWD"; do
-        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" --kv-cache-dtype fp8 \
-          --max-num-seqs 512 | cut -c1-300
+        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" "${@:2}" | cut -c1-300
       done
     done
+  }
+  if [[ " $parts " == *" fp8kv "* ]]; then  # L1 and W1 over an FP8 KV cache
+    both_trees "${FP8KV_WORKLOADS:-l1 w1}" --kv-cache-dtype fp8 --max-num-seqs 512
   fi
   if [[ " $parts " == *" compare "* ]]; then
-    for w in l1 w1; do
-      for tree in "$other" "$PWD"; do
-        TREE_TIMEOUT=150 tree_bench "$tree" --workload "$w" | cut -c1-300
-      done
-    done
+    both_trees "l1 w1"
   fi
   if [[ " $parts " == *" w2 "* ]]; then
     bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
