@@ -239,6 +239,7 @@ def sweep_fp8_kv_decode() -> None:
         {"VECTOR": 1, "TILE": tile, "num_warps": warps, "num_stages": 2}
         for tile, warps in itertools.product((32, 64, 128), (1, 2))
     ]
+    late_v = [{**cfg, "LATE_V": 1} for cfg in vector if cfg["num_warps"] == 1]
     for wl, heads in WORKLOADS.items():
         bsz, ctx = DECODE_SHAPES[wl]
         for kv_fp8 in (False, True):
@@ -254,7 +255,7 @@ def sweep_fp8_kv_decode() -> None:
                     # Its loop pipelined: 0.911 against 0.888 in the one call that timed it.
                     {"VECTOR": 1, "TILE": 32, "num_warps": 1, "num_stages": 2, "KV_STAGES": 3},
                     # V requested after the scores: fewer registers, one more round trip.
-                    *[{**cfg, "LATE_V": 1} for cfg in vector if cfg["num_warps"] == 1],
+                    *late_v,
                 ]
             elif kv_fp8:
                 configs += [
@@ -272,8 +273,7 @@ def sweep_fp8_kv_decode() -> None:
         segments = decode_plan(bsz, heads[1], torch.device("cuda"), ctx).segments
         args, nbytes, scales = _attention_inputs([1] * bsz, [ctx] * bsz, *heads, kv_fp8=True)
         out = torch.empty_like(args[0])
-        one_warp = [cfg for cfg in vector if cfg["num_warps"] == 1]
-        for cfg in [{}, *one_warp, *[{**cfg, "LATE_V": 1} for cfg in one_warp]]:
+        for cfg in [{}, *[cfg for cfg in vector if cfg["num_warps"] == 1], *late_v]:
             shape = {"workload": "small", "batch": bsz, "ctx": ctx, "segments": segments,
                      "kv": "fp8", **cfg}  # fmt: skip
             run_case("sweep_decode", shape, _sweep_case, args=args, out=out,
