@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncengine.admission import GrowthEstimate
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.config import EngineArgs
 from asyncengine.detokenizer import IncrementalDetokenizer
@@ -92,6 +93,7 @@ class LLMEngine:
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
         self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
+        self.max_num_seqs = args.resolve_max_num_seqs(self.device)
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
         torch.manual_seed(args.seed)
 
@@ -153,10 +155,11 @@ class LLMEngine:
         swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks else None
         self.scheduler = Scheduler(
             self.pool,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=args.preemption_mode,
             swap_space=swap,
+            growth=GrowthEstimate(conservativeness=args.schedule_conservativeness),
         )
         self.spec_decoder = None
         proposer = None
@@ -184,13 +187,13 @@ class LLMEngine:
         spec = self.spec_decoder
         self.runner.prepare_for_serving(
             enforce_eager=args.enforce_eager,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
             verify_rows=0 if spec is None else spec.max_verify_rows,
         )
         if proposer is not None and self.runner.graphs is not None:  # the GPU, not eager
             proposer.capture_graphs(
-                args.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
+                self.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
                 expanded_rows=0 if spec is None else spec.max_verify_rows,
             )  # fmt: skip
         self._prompt_meter = RateMeter()
@@ -210,7 +213,7 @@ class LLMEngine:
         )  # fmt: skip
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), "
-            "max_model_len %d",
+            "max_model_len %d, max_num_seqs %d",
             time.monotonic() - t0,
             cfg.architecture,
             self.device,
@@ -220,6 +223,7 @@ class LLMEngine:
             kv_dtype_name(self.runner.kv_cache_dtype),
             num_blocks * self.runner.block_bytes() / 2**30,
             self.max_model_len,
+            self.max_num_seqs,
         )
 
     @classmethod

@@ -14,6 +14,10 @@ sample its own first token) and what it generates. Preemption takes a group's un
 sequences together: recompute frees them and parks them to be forked again (or, when none of
 the group still holds the prompt, requeues one to prefill it); swap moves them to CPU in one
 piece, each shared block once.
+
+Admission leaves room for growth (`asyncengine.admission`): a waiting request is admitted only
+while the free blocks cover its prompt and what it and the running requests are expected to
+still generate, so `max_num_seqs` is a ceiling and the pool decides how many requests run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from asyncengine.admission import GrowthEstimate
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.request import ParentRequest, Request, RequestStatus
 
@@ -77,8 +82,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: Literal["recompute", "swap"] = "recompute",
         swap_space: SwapSpace | None = None,
+        growth: GrowthEstimate | None = None,
     ) -> None:
         self.pool = pool
+        # None: admit whatever fits now (the running requests' growth is not reserved).
+        self.growth = growth if growth is not None and growth.enabled else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -125,6 +133,8 @@ class Scheduler:
                 self.swap_space.discard(request)
         self.pool.free(request)
         request.status = status
+        if self.growth is not None:
+            self.growth.observe_finish(request, status)
         group = request.parent
         if group is None or group.is_finished:
             self.requests.pop(request.request_id, None)
@@ -260,17 +270,28 @@ class Scheduler:
                     out.scheduled.append(ScheduledRequest(req, num_new))
                     budget -= num_new
 
+        held_back = False
         if not out.preempted and not self.swapped:
+            growth = self.growth if self.waiting else None
+            headroom = self._growth_headroom() if growth is not None else 0
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 # A request scoring its prompt (prompt_logprobs) must compute every position.
                 fresh = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
                 cached = self.pool.find_cached_blocks(req) if fresh else []
+                need = 0
+                if growth is not None:
+                    need = self.pool.blocks_needed(growth.expected_total_tokens(req)) - len(cached)
+                    # With nothing running, nothing grows but itself: it goes in if it fits.
+                    if need > headroom and self.running:
+                        held_back = True
+                        break
                 remaining = req.num_tokens_to_compute - len(cached) * self.pool.block_size
                 num_new = min(remaining, budget)
                 copies = self.pool.allocate_slots(req, num_new, cached)
                 if copies is None:
                     break
+                headroom -= need
                 self.pool.record_prefix_lookup(req.num_tokens, len(cached) * self.pool.block_size)
                 req.metrics.num_cached_prompt_tokens = len(cached) * self.pool.block_size
                 self.waiting.popleft()
@@ -279,8 +300,17 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
 
+        if self.growth is not None:
+            self.growth.observe_step(preempted=bool(out.preempted), held_back=held_back)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _growth_headroom(self) -> int:
+        """Free blocks less those the running requests are expected to still fill."""
+        assert self.growth is not None
+        return self.pool.num_free_blocks - self.growth.reserved_blocks(
+            self.running, self.pool.block_size
+        )
 
     def _victims(self, i: int) -> list[Request]:
         """The newest running sequence, with the rest of its group not yet scheduled in

@@ -224,6 +224,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         quantization=quantization_method(quant),
         skip_tokenizer_init=True,
         max_num_seqs=args.max_num_seqs,
+        schedule_conservativeness=args.schedule_conservativeness,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         async_scheduling=False if args.sync else None,
@@ -320,6 +321,9 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         "graphs": not args.enforce_eager,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "max_num_seqs": engine.max_num_seqs,
+        "schedule_conservativeness": args.schedule_conservativeness,
+        "preemptions": engine.scheduler.num_preemptions,
         "weight_gib": round(weight_bytes(w["shape"], args.quantization) / 2**30, 2),
         "output_tokens": out_tokens,
         "elapsed_s": round(elapsed, 3),
@@ -490,7 +494,10 @@ def main() -> None:
     ap.add_argument("--system", choices=["engine", "hf"], default="engine")
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine default")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: the engine's (1,024 on the H200)")
+    ap.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                    help="room admission keeps for growth (0: none, admit what fits now)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")

@@ -483,14 +483,31 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "tests formats int8 spec attn kvsweep fp8kv compare
-  # w2" (default: the first four), so a call fits its limit; FORMATS narrows "formats".
+  # decode tiles. PARTS picks some of "tests admit formats int8 spec attn kvsweep fp8kv
+  # compare w2" (default: tests formats int8 spec), so a call fits its limit; FORMATS narrows
+  # "formats"; "admit": W1 with max_num_seqs left to the engine against the old settings
+  # (ADMIT_W2=1: W2 FP8 too).
   other="${2:?usage: gpu_check.sh recheck DIR}"
   parts="${PARTS:-tests formats int8 spec}"
   if [[ " $parts " == *" tests "* ]]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization \
       tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
+  fi
+  if [[ " $parts " == *" admit "* ]]; then  # max_num_seqs left to the engine (1,024 on the
+    # H200, room kept for growth at admission) against the settings used before: W1 at 256 in
+    # bf16 and at 512 over an FP8 cache, no room kept
+    bench --workload w1 --system engine | cut -c1-400
+    bench --workload w1 --system engine --max-num-seqs 256 --schedule-conservativeness 0 \
+      | cut -c1-400
+    bench --workload w1 --system engine --kv-cache-dtype fp8 | cut -c1-400
+    bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512 \
+      --schedule-conservativeness 0 | cut -c1-400
+    if [ -n "${ADMIT_W2:-}" ]; then  # W2 with FP8 weights and KV, both ways
+      bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 | cut -c1-400
+      bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
+        --max-num-seqs 1024 --schedule-conservativeness 0 | cut -c1-400
+    fi
   fi
   if [[ " $parts " == *" formats "* ]]; then
     for q in ${FORMATS:-gptq-int4 gptq-int8 awq-int4 ct-w4a16 fp8}; do

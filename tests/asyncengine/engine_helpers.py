@@ -1,4 +1,5 @@
-"""Helpers for engine tests: HF greedy references and pool-emptiness checks."""
+"""Helpers for engine tests: HF greedy references, pool-emptiness checks, a pool that must
+preempt."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from pathlib import Path
 import torch
 
 from asyncengine.llm import LLM
+
+# Engine arguments for a pool too small for the batch, with no room kept for growth at
+# admission (which would spare the running requests): the engine must preempt.
+TINY_POOL = {"num_kv_blocks": 14, "schedule_conservativeness": 0}
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -40,6 +40,7 @@ def test_gpu_greedy_equals_hf(
         dtype="float32",
         device="cuda",
         num_kv_blocks=16,
+        schedule_conservativeness=0,
         max_num_batched_tokens=23,
         preemption_mode=preemption_mode,
         enforce_eager=enforce_eager,
@@ -84,8 +85,8 @@ def test_gpu_parallel_samples_share_the_prompt(
 
     def make_llm() -> LLM:
         return LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=16,
-                   max_num_batched_tokens=64, preemption_mode=preemption_mode,
-                   enforce_eager=enforce_eager, max_num_seqs=8)
+                   schedule_conservativeness=0, max_num_batched_tokens=64,
+                   preemption_mode=preemption_mode, enforce_eager=enforce_eager, max_num_seqs=8)
 
     llm = make_llm()
     greedy = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

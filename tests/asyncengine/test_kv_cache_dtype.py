@@ -13,7 +13,7 @@ import torch
 
 from asyncengine import LLM, EngineArgs, SamplingParams
 from asyncengine.outputs import RequestOutput
-from tests.asyncengine.engine_helpers import assert_pool_clean
+from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean
 from tests.asyncengine.test_llm_engine import make_prompts
 
 MAX_TOKENS = 24
@@ -92,7 +92,7 @@ def test_preemption_with_fp8_blocks_changes_nothing(tiny_llama_dir: Path, mode: 
     prompts = make_prompts(452)
     _, plain = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8")
     llm, preempted = _generate(
-        tiny_llama_dir, prompts, kv_cache_dtype="fp8", num_kv_blocks=14, preemption_mode=mode
+        tiny_llama_dir, prompts, kv_cache_dtype="fp8", **TINY_POOL, preemption_mode=mode
     )
     scheduler = llm.llm_engine.scheduler
     assert scheduler.num_preemptions > 0
@@ -151,8 +151,9 @@ def test_gpu_fp8_cache_follows_the_cpu_path(
     monkeypatch.setattr(ModelRunner, "fuse_decode_rotary", fused_rotary)
     prompts = make_prompts(452)
     cpu_llm, cpu = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8")
-    gpu_args = dict(device="cuda", num_kv_blocks=16, max_num_batched_tokens=23,
-                    preemption_mode="swap", enforce_eager=enforce_eager, max_num_seqs=8)
+    gpu_args = dict(device="cuda", num_kv_blocks=16, schedule_conservativeness=0,
+                    max_num_batched_tokens=23, preemption_mode="swap",
+                    enforce_eager=enforce_eager, max_num_seqs=8)
     llm, gpu = _generate(tiny_llama_dir, prompts, kv_cache_dtype="fp8", **gpu_args)
     engine = llm.llm_engine
     cpu_scales = cpu_llm.llm_engine.calibrated_kv_scales

@@ -15,7 +15,7 @@ from asyncengine.errors import (
     PromptTooLongError,
 )
 from asyncengine.scheduler import SchedulerOutput
-from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
+from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean, hf_greedy
 
 MAX_TOKENS = 24
 LENGTHS = [5, 37, 16, 70, 1, 23]
@@ -37,18 +37,16 @@ def run(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, 
 CASES = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 19},  # prefill chunks mixed with decodes
-    # The tiny pool must preempt.
-    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
-    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
+    "preempt_recompute": {**TINY_POOL, "preemption_mode": "recompute"},
+    "preempt_swap": {**TINY_POOL, "preemption_mode": "swap"},
     "few_seqs": {"max_num_seqs": 2},
     # Step N+1 launched before step N is resolved (the CUDA default; the CPU's is one at a
     # time), through chunking and both kinds of preemption.
     "async": {"async_scheduling": True},
     "async_chunked": {"async_scheduling": True, "max_num_batched_tokens": 19},
-    "async_preempt_recompute": {"async_scheduling": True, "num_kv_blocks": 14,
+    "async_preempt_recompute": {"async_scheduling": True, **TINY_POOL,
                                 "preemption_mode": "recompute"},
-    "async_preempt_swap": {"async_scheduling": True, "num_kv_blocks": 14,
-                           "preemption_mode": "swap"},
+    "async_preempt_swap": {"async_scheduling": True, **TINY_POOL, "preemption_mode": "swap"},
 }
 
 

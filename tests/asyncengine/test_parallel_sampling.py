@@ -173,7 +173,7 @@ def test_bad_n_is_refused_naming_the_field(tiny_llama_dir: Path, n: object) -> N
 
 
 def test_n_beyond_what_the_pool_can_hold_is_refused(tiny_llama_dir: Path) -> None:
-    llm = make_llm(tiny_llama_dir, num_kv_blocks=14)
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=14, schedule_conservativeness=0)
     engine = llm.llm_engine
     prompt = make_prompts(VOCAB, [40])[0]
     engine.add_request("ok", prompt, SamplingParams(n=5, max_tokens=8))  # 3 + 4 * 1 blocks

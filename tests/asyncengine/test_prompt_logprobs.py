@@ -54,8 +54,8 @@ CASES = {
     "one_step": {},
     "chunked": {"max_num_batched_tokens": 7},  # prompts scored across many chunks
     "async_chunked": {"max_num_batched_tokens": 7, "async_scheduling": True},
-    "preempt_recompute": {"num_kv_blocks": 10, "preemption_mode": "recompute",
-                          "max_num_batched_tokens": 16},
+    "preempt_recompute": {"num_kv_blocks": 10, "schedule_conservativeness": 0,
+                          "preemption_mode": "recompute", "max_num_batched_tokens": 16},
 }
 
 

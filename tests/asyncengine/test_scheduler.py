@@ -1,6 +1,7 @@
 """Scheduler: FCFS admission, the token budget, max_num_seqs, chunked prefill mixed with
-decodes, preemption of the newest request (recompute and swap), swapped-before-waiting, and
-a stateful property test that plays the engine's part without a model."""
+decodes, preemption of the newest request (recompute and swap), swapped-before-waiting, room
+kept for growth at admission, and a stateful property test that plays the engine's part
+without a model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from asyncengine.admission import GrowthEstimate
 from asyncengine.block_pool import BlockPool, SwapSpace
 from asyncengine.request import ParentRequest, Request, RequestStatus
 from asyncengine.request_check import parallel_blocks
@@ -38,6 +40,7 @@ def make_scheduler(
     preemption_mode: str = "recompute",
     num_cpu_blocks: int = 64,
     enable_prefix_caching: bool = True,
+    growth: GrowthEstimate | None = None,
 ) -> Scheduler:
     pool = BlockPool(num_blocks, BS, enable_prefix_caching)
     swap = SwapSpace(num_cpu_blocks) if preemption_mode == "swap" else None
@@ -47,6 +50,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         preemption_mode=preemption_mode,  # type: ignore[arg-type]
         swap_space=swap,
+        growth=growth,
     )
 
 
@@ -410,6 +414,77 @@ def test_finish_request_frees_blocks_from_any_queue(where: str) -> None:
     sched.check_integrity()
 
 
+# ------------------------------------------------------------ room for growth
+def run_to_completion(sched: Scheduler, reqs: list[Request]) -> int:
+    """Add every request, step until all finish; returns the most that ran at once."""
+    for r in reqs:
+        sched.add_request(r)
+    peak = 0
+    while sched.has_unfinished_requests():
+        step(sched)
+        peak = max(peak, len(sched.running))
+    return peak
+
+
+def test_admission_without_room_for_growth_preempts() -> None:
+    # 8 requests of 8 prompt + 8 output tokens: 4 blocks each once done, 32 blocks in all,
+    # in a pool of 16. Prompts alone fit 8 at once (2 blocks each), so all are admitted.
+    sched = make_scheduler(num_blocks=16, max_num_seqs=8)
+    peak = run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(8)])
+    assert peak == 8
+    assert sched.num_preemptions > 0
+
+
+def test_admission_with_room_for_growth_never_preempts() -> None:
+    # The same requests with the whole growth reserved: 4 run at once, none is preempted.
+    sched = make_scheduler(num_blocks=16, max_num_seqs=8, growth=GrowthEstimate(ratio=1.0))
+    peak = run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(8)])
+    assert peak == 4
+    assert sched.num_preemptions == 0
+
+
+def test_conservativeness_zero_admits_as_without_reserve() -> None:
+    sched = make_scheduler(num_blocks=16, max_num_seqs=8,
+                           growth=GrowthEstimate(conservativeness=0.0))
+    assert sched.growth is None
+    peak = run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(8)])
+    assert peak == 8 and sched.num_preemptions > 0
+
+
+def test_a_lone_request_is_admitted_whatever_its_growth() -> None:
+    # Its prompt fits but prompt + max_tokens does not: with nothing running, it goes in
+    # (nothing else could free room for it), and runs until the pool is full.
+    sched = make_scheduler(num_blocks=4, max_num_seqs=4, growth=GrowthEstimate(ratio=1.0))
+    big = make_request(8, max_tokens=40)
+    sched.add_request(big)
+    out = sched.schedule()
+    assert scheduled(out) == [(big.request_id, 8)]
+
+
+def test_held_back_requests_wait_in_order_and_steps_relax_the_ratio() -> None:
+    growth = GrowthEstimate(ratio=1.0, min_ratio=0.1)
+    sched = make_scheduler(num_blocks=16, max_num_seqs=8, growth=growth)
+    reqs = [make_request(8, max_tokens=8) for _ in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    out = step(sched)
+    assert scheduled(out) == [(r.request_id, 8) for r in reqs[:4]]
+    assert ids(sched.waiting) == ids(reqs[4:])
+    # Held back without a preemption: admission grows bolder, a step at a time.
+    assert growth.ratio == pytest.approx(1.0 - growth.decay)
+
+
+def test_a_preemption_sends_the_ratio_to_what_finished_requests_used() -> None:
+    # Bold admission (ratio 0.1) into a pool that cannot hold every output: preemptions come,
+    # and after them admission reserves what finished requests used, all of max_tokens.
+    growth = GrowthEstimate(ratio=0.1, min_ratio=0.1, decay=0.0)
+    sched = make_scheduler(num_blocks=16, max_num_seqs=8, growth=growth)
+    run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(16)])
+    assert sched.num_preemptions > 0
+    assert growth.used == pytest.approx(1.0)
+    assert growth.ratio == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------- stateful property
 ALPHABET = 3  # few token ids, so prompts share prefixes and hit the cache
 
@@ -438,13 +513,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_cpu_blocks=st.integers(1, 16),
         prefix_caching=st.booleans(),
         seed=st.integers(0, 2**16),
+        # Admission's room for growth: none, or the estimate at several conservativenesses.
+        conservativeness=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
     )
     def setup(self, num_blocks: int, max_num_seqs: int, budget: int, num_cpu_blocks: int,
-              prefix_caching: bool, seed: int) -> None:
+              prefix_caching: bool, seed: int, conservativeness: float) -> None:
         self.sched = make_scheduler(
             num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=prefix_caching,
+            growth=GrowthEstimate(conservativeness=conservativeness),
         )
         self.kv = KVShadow(num_blocks, num_cpu_blocks, BS)
         self.rng = random.Random(seed)  # the "model": sampled tokens

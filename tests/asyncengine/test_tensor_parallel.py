@@ -23,7 +23,7 @@ from asyncengine.tp_runner import TensorParallelModelRunner, check_tp_compatible
 from models.config import ModelConfig
 from models.loader import iterate_safetensors, load_model
 from models.parallel import get_tp_size, set_tensor_parallel
-from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
+from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean, hf_greedy
 
 MAX_TOKENS = 24
 LENGTHS = [5, 37, 16, 70, 1, 23]
@@ -215,7 +215,7 @@ CASES = {
     # prefill chunks mixed with decodes
     "tp2_chunked": dict(tensor_parallel_size=2, max_num_batched_tokens=19),
     # preemption by swap: block moves travel with the step
-    "tp2_preempt_swap": dict(tensor_parallel_size=2, num_kv_blocks=14, preemption_mode="swap"),
+    "tp2_preempt_swap": dict(tensor_parallel_size=2, **TINY_POOL, preemption_mode="swap"),
     # 2 KV heads over 4 ranks: each KV head lives on two ranks
     "tp4_replicated_kv": dict(tensor_parallel_size=4),
     # step N+1 launched before step N's ids reach the host: rank 0 broadcasts the filled ids
@@ -223,12 +223,12 @@ CASES = {
         tensor_parallel_size=2, async_scheduling=True, max_num_batched_tokens=19
     ),
     "tp2_async_preempt_swap": dict(
-        tensor_parallel_size=2, async_scheduling=True, num_kv_blocks=14, preemption_mode="swap"
+        tensor_parallel_size=2, async_scheduling=True, **TINY_POOL, preemption_mode="swap"
     ),
     # a draft model (the target itself: its drafts are all kept) whole on rank 0, its K/V in
     # rank 0's blocks only, swapped with them
     "tp2_draft_model_preempt_swap": dict(
-        tensor_parallel_size=2, num_kv_blocks=14, preemption_mode="swap", draft=2
+        tensor_parallel_size=2, **TINY_POOL, preemption_mode="swap", draft=2
     ),
 }
 
@@ -329,7 +329,7 @@ def test_gpu_tp2_over_nccl_equals_hf(tiny_llama_dir: Path, enforce_eager: bool) 
         dtype="float32",
         device="cuda",
         tensor_parallel_size=2,
-        num_kv_blocks=14,
+        **TINY_POOL,
         max_num_batched_tokens=19,
         preemption_mode="swap",
         enforce_eager=enforce_eager,
@@ -353,7 +353,7 @@ def test_tp_parallel_samples_copy_their_blocks_on_every_rank(
     with the step to every rank; each greedy sample equals TP=1."""
     prompts, expected = reference
     llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, num_kv_blocks=20,
-                   preemption_mode="swap")
+                   schedule_conservativeness=0, preemption_mode="swap")
     try:
         params = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -372,7 +372,7 @@ def test_tp_workers_build_the_fp8_kv_cache_too(tiny_llama_dir: Path) -> None:
     prompts = make_prompts()
     expected = generate(make_llm(tiny_llama_dir, kv_cache_dtype="fp8"), prompts)
     llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, kv_cache_dtype="fp8",
-                   num_kv_blocks=14, preemption_mode="swap")  # fmt: skip
+                   **TINY_POOL, preemption_mode="swap")  # fmt: skip
     try:
         runner = llm.llm_engine.runner
         assert isinstance(runner, TensorParallelModelRunner)

@@ -133,7 +133,7 @@ async def test_disconnect_storm_leaks_nothing_and_survivors_match_greedy(
 ) -> None:
     # A pool too small for every stream at once, so that the storm also runs through
     # recompute preemptions (aborts of preempted requests too).
-    engine = make_engine(num_kv_blocks=48, max_num_seqs=64)
+    engine = make_engine(num_kv_blocks=48, schedule_conservativeness=0, max_num_seqs=64)
     totals: dict[str, int] = {}
     async with serving(engine) as server:
         for r in range(ROUNDS):

@@ -12,7 +12,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.spec_decode import NgramProposer, SpecDecodingMetrics
 from asyncengine.spec_decode.replay import ReplayProposer
-from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
+from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean, hf_greedy
 
 VOCAB = 452
 MAX_TOKENS = 24
@@ -70,8 +70,8 @@ def reference(tiny_llama_dir: Path) -> dict[tuple[int, ...], list[int]]:
 CASES = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 19},  # drafts cut to the budget, mixed with prefill
-    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
-    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
+    "preempt_recompute": {**TINY_POOL, "preemption_mode": "recompute"},
+    "preempt_swap": {**TINY_POOL, "preemption_mode": "swap"},
     "async_few_seqs": {"async_scheduling": True, "max_num_seqs": 2},
 }
 

@@ -18,7 +18,7 @@ import torch
 from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
 from asyncengine.spec_decode.draft_model import EXPAND_MAX_TOKENS
-from tests.asyncengine.engine_helpers import assert_pool_clean
+from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean
 from tests.asyncengine.spec_decode.test_decoder import GREEDY, VOCAB, generate, prompts
 
 FIELD = r"speculative_config\.model"
@@ -119,12 +119,12 @@ CASES = {
     "default": {},
     # Drafts cut to the budget; the draft catches up over a long prompt in several forwards.
     "chunked": {"max_num_batched_tokens": 19},
-    "preempt_recompute": {"num_kv_blocks": 14, "preemption_mode": "recompute"},
+    "preempt_recompute": {**TINY_POOL, "preemption_mode": "recompute"},
     # Swapped requests keep the draft's K/V (it goes to CPU and back with the target's).
-    "preempt_swap": {"num_kv_blocks": 14, "preemption_mode": "swap"},
+    "preempt_swap": {**TINY_POOL, "preemption_mode": "swap"},
     "async_preempt_swap": {
         "async_scheduling": True,
-        "num_kv_blocks": 14,
+        **TINY_POOL,
         "preemption_mode": "swap",
     },
     "async_few_seqs": {"async_scheduling": True, "max_num_seqs": 2},
@@ -460,7 +460,7 @@ def test_swap_preemption_keeps_the_draft_kv(base: LLM, pair: tuple[Path, Path]) 
     from transformers import AutoModelForCausalLM
 
     target, draft = pair
-    llm = draft_llm(target, draft_config(draft, 4), num_kv_blocks=14, preemption_mode="swap")
+    llm = draft_llm(target, draft_config(draft, 4), **TINY_POOL, preemption_mode="swap")
     engine = llm.llm_engine
     swap = engine.scheduler.swap_space
     proposer = engine.spec_decoder.proposer
@@ -727,7 +727,7 @@ def test_gpu_greedy_equals_without_speculation(
     assert enforce_eager or graphs.replays > 0  # the draft's one-token steps replayed
     assert_pool_clean(small)
     small.shutdown()
-    same = draft_llm(target, draft_config(target, 3), num_kv_blocks=14, **common)
+    same = draft_llm(target, draft_config(target, 3), **TINY_POOL, **common)
     assert generate(same, ps, GREEDY) == want
     m = same.llm_engine.spec_decoder.metrics
     assert m.num_accepted_tokens == m.num_draft_tokens > 0
@@ -744,7 +744,7 @@ def test_gpu_swap_preemption_keeps_every_draft(pair: tuple[Path, Path]) -> None:
     back from the CPU intact, and greedy output equals the non-speculative engine's."""
     target = pair[0]
     ps = prompts() + shared_prefix_prompts()
-    common = dict(dtype="float32", device="cuda", num_kv_blocks=14, preemption_mode="swap")
+    common = dict(dtype="float32", device="cuda", **TINY_POOL, preemption_mode="swap")
     base = LLM(str(target), **common)
     want = generate(base, ps, GREEDY)
     base.shutdown()

@@ -178,8 +178,8 @@ def test_preemption_and_chunked_prefill_keep_the_grammar(default_model_dir: Path
                                                          mode: str) -> None:
     """A pool too small for the batch preempts constrained requests (recompute or swap) and
     small token budgets chunk their prompts: greedy outputs equal an unhindered run."""
-    tight = small_engine(default_model_dir, num_kv_blocks=6, block_size=16,
-                         max_num_batched_tokens=32, preemption_mode=mode)
+    tight = small_engine(default_model_dir, num_kv_blocks=6, schedule_conservativeness=0,
+                         block_size=16, max_num_batched_tokens=32, preemption_mode=mode)
     prompts = [[{"role": "user", "content": PROMPTS[i]}] for i in (1, 1)]
     for i, msgs in enumerate(prompts):
         tight.add_request(f"r{i}", tight.apply_chat_template(msgs),
