@@ -12,11 +12,19 @@ max_tokens leaves, clipped at 4,096 (a request allowed the whole context rarely 
 SGLang's scheduler estimates. The ratio
 
 - starts at 0.7;
-- steps down (to 0.1 at least) in each step where the reserve kept a request waiting and
-  nothing was preempted, so admission grows bolder while memory holds;
-- steps up when a step preempts, at least to the share of their max_tokens that finished
-  requests used (a moving average): a workload whose requests run to max_tokens goes back to
-  reserving all of it, one whose requests stop early to reserving what they use.
+- steps down in each step where the reserve kept a request waiting and nothing was
+  preempted, so admission grows bolder while memory holds;
+- steps up when a step preempts;
+- never stays below the share of their max_tokens that finished requests used (a moving
+  average; 0.1 before any finishes): a workload whose requests run to max_tokens reserves
+  all of it once its first requests finish, and never preempts after, while one whose
+  requests stop early reserves what they use.
+
+Why a floor, where SGLang lets the ratio decay until a preemption pushes it back: a
+simulation of W2 (3,000 requests of 1,000 + 1,000 tokens, the scheduler alone, steps costed
+by the bytes they read and the tokens they prefill) ran 2-6 % faster with it, with no
+preemptions against 88-330, and vLLM's way (no reserve) preempted 386 (FP8 KV) and 1,642
+(bf16) times, 7-14 % slower.
 
 `schedule_conservativeness` scales the ratio (SGLang's name): 0 reserves nothing and admits
 whatever fits now, as vLLM does; above 1 reserves more.
@@ -50,6 +58,11 @@ class GrowthEstimate:
     used: float | None = None  # the moving average; None until a request finishes
 
     @property
+    def floor(self) -> float:
+        """The least ratio: what finished requests used, and min_ratio before any finish."""
+        return self.min_ratio if self.used is None else max(self.min_ratio, self.used)
+
+    @property
     def effective_ratio(self) -> float:
         return min(1.0, self.ratio * self.conservativeness)
 
@@ -79,13 +92,14 @@ class GrowthEstimate:
         share = min(request.num_output_tokens / allowed, 1.0) if allowed > 0 else 1.0
         w = self.finish_weight
         self.used = share if self.used is None else (1 - w) * self.used + w * share
+        self.ratio = max(self.ratio, self.floor)
 
     def observe_step(self, *, preempted: bool, held_back: bool) -> None:
         """Adapt after a step: up if it preempted, down if the reserve alone held a request."""
         if preempted:
-            self.ratio = min(1.0, max(self.ratio + self.bump, self.used or 0.0))
+            self.ratio = min(1.0, self.ratio + self.bump)
         elif held_back:
-            self.ratio = max(self.min_ratio, self.ratio - self.decay)
+            self.ratio = max(self.floor, self.ratio - self.decay)
 
 
 def _expected_total(r: Request, ratio: float) -> int:

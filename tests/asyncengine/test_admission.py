@@ -1,6 +1,6 @@
-"""GrowthEstimate: the expected length of a request, the clip on large max_tokens, the
-average share finished requests used (aborts ignored), and the ratio's steps after
-preemptions and held-back admissions."""
+"""GrowthEstimate: the expected length of a request, the clip on large max_tokens, the floor
+that finished requests set (aborts ignored), and the ratio's steps after preemptions and
+held-back admissions."""
 
 from __future__ import annotations
 
@@ -58,15 +58,16 @@ def test_reserved_blocks_count_only_what_requests_do_not_hold() -> None:
     assert g.reserved_blocks([a, b], block_size=4) == 2
 
 
-def test_finishes_are_averaged_and_aborts_teach_nothing() -> None:
-    g = GrowthEstimate(ratio=0.2, finish_weight=0.5)
+def test_finishes_set_a_floor_and_aborts_teach_nothing() -> None:
+    g = GrowthEstimate(ratio=0.2, min_ratio=0.1, finish_weight=0.5)
+    assert g.floor == 0.1
     g.observe_finish(request(4, max_tokens=10, num_output=2), RequestStatus.FINISHED_ABORTED)
-    assert g.used is None
+    assert g.used is None and g.ratio == 0.2
     g.observe_finish(request(4, max_tokens=10, num_output=10), RequestStatus.FINISHED_LENGTH)
-    assert g.used == 1.0  # the first finish is the average
+    assert g.used == 1.0 and g.ratio == 1.0  # the first finish is the average
     g.observe_finish(request(4, max_tokens=10, num_output=2), RequestStatus.FINISHED_STOPPED)
     assert g.used == pytest.approx(0.6)  # half weight to the new share, 0.2
-    assert g.ratio == 0.2  # finishes alone do not move the ratio
+    assert g.floor == pytest.approx(0.6)
 
 
 def test_a_finish_far_below_a_huge_max_tokens_counts_against_the_clip() -> None:
@@ -76,7 +77,7 @@ def test_a_finish_far_below_a_huge_max_tokens_counts_against_the_clip() -> None:
     assert g.used == pytest.approx(0.25)
 
 
-def test_preemption_raises_the_ratio_and_held_back_steps_lower_it() -> None:
+def test_preemption_raises_the_ratio_and_held_back_steps_lower_it_to_the_floor() -> None:
     g = GrowthEstimate(ratio=0.5, min_ratio=0.1, decay=0.25, bump=0.3)
     g.observe_step(preempted=True, held_back=False)
     assert g.ratio == pytest.approx(0.8)
@@ -87,10 +88,8 @@ def test_preemption_raises_the_ratio_and_held_back_steps_lower_it() -> None:
     assert g.ratio == pytest.approx(0.1)
     g.observe_step(preempted=False, held_back=False)  # nothing waited: nothing learnt
     assert g.ratio == pytest.approx(0.1)
-
-
-def test_after_a_preemption_the_ratio_is_at_least_what_finished_requests_used() -> None:
-    g = GrowthEstimate(ratio=0.2, bump=0.1)
-    g.observe_finish(request(4, max_tokens=10, num_output=9), RequestStatus.FINISHED_STOPPED)
-    g.observe_step(preempted=True, held_back=False)
-    assert g.ratio == pytest.approx(0.9)
+    g.used = 0.4
+    g.ratio = 0.5
+    for _ in range(10):
+        g.observe_step(preempted=False, held_back=True)
+    assert g.ratio == pytest.approx(0.4)

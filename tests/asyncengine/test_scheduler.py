@@ -474,15 +474,19 @@ def test_held_back_requests_wait_in_order_and_steps_relax_the_ratio() -> None:
     assert growth.ratio == pytest.approx(1.0 - growth.decay)
 
 
-def test_a_preemption_sends_the_ratio_to_what_finished_requests_used() -> None:
-    # Bold admission (ratio 0.1) into a pool that cannot hold every output: preemptions come,
-    # and after them admission reserves what finished requests used, all of max_tokens.
-    growth = GrowthEstimate(ratio=0.1, min_ratio=0.1, decay=0.0)
+def test_requests_that_run_to_max_tokens_stop_the_preemptions() -> None:
+    # Bold admission (ratio 0.1) into a pool that cannot hold every output preempts, until
+    # finished requests show that outputs use all of max_tokens: from then on admission
+    # reserves all of it, and the second half of the requests runs without a preemption.
+    growth = GrowthEstimate(ratio=0.1, min_ratio=0.1)
     sched = make_scheduler(num_blocks=16, max_num_seqs=8, growth=growth)
-    run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(16)])
+    run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(8)])
     assert sched.num_preemptions > 0
-    assert growth.used == pytest.approx(1.0)
-    assert growth.ratio == pytest.approx(1.0)
+    assert growth.used == pytest.approx(1.0) and growth.ratio == 1.0
+    before = sched.num_preemptions
+    peak = run_to_completion(sched, [make_request(8, max_tokens=8) for _ in range(8)])
+    assert sched.num_preemptions == before
+    assert peak == 4
 
 
 # ---------------------------------------------------------- stateful property
