@@ -20,11 +20,12 @@ SGLang's scheduler estimates. The ratio
   all of it once its first requests finish, and never preempts after, while one whose
   requests stop early reserves what they use.
 
-Why a floor, where SGLang lets the ratio decay until a preemption pushes it back: a
-simulation of W2 (3,000 requests of 1,000 + 1,000 tokens, the scheduler alone, steps costed
-by the bytes they read and the tokens they prefill) ran 2-6 % faster with it, with no
-preemptions against 88-330, and vLLM's way (no reserve) preempted 386 (FP8 KV) and 1,642
-(bf16) times, 7-14 % slower.
+Why a floor, where SGLang lets the ratio decay until a preemption pushes it back:
+`scripts/simulate_admission.py` runs the scheduler alone over W2 (3,000 requests of 1,000 +
+1,000 tokens, steps costed by the bytes they read and the tokens they prefill). With the
+floor it preempted nothing; with the ratio free to decay (6e62e86) it preempted 311-332
+times and ran 2-6 % slower; with no reserve (vLLM's way) 386 times over an FP8 pool and
+1,642 over a bf16 one, 7 % and 12 % slower.
 
 `schedule_conservativeness` scales the ratio (SGLang's name): 0 reserves nothing and admits
 whatever fits now, as vLLM does; above 1 reserves more.
