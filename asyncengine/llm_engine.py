@@ -785,6 +785,7 @@ class LLMEngine:
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_free_blocks,
+            kv_blocks_reserved=min(sched.reserved_blocks(), pool.num_free_blocks),
             kv_block_size=pool.block_size,
             kv_cache_dtype=kv_dtype_name(self.runner.kv_cache_dtype),
             kv_block_map=block_map(pool),

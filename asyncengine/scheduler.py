@@ -305,12 +305,15 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
+    def reserved_blocks(self) -> int:
+        """Blocks the running requests are expected to still fill (0 when no room is kept)."""
+        if self.growth is None:
+            return 0
+        return self.growth.reserved_blocks(self.running, self.pool.block_size)
+
     def _growth_headroom(self) -> int:
         """Free blocks less those the running requests are expected to still fill."""
-        assert self.growth is not None
-        return self.pool.num_free_blocks - self.growth.reserved_blocks(
-            self.running, self.pool.block_size
-        )
+        return self.pool.num_free_blocks - self.reserved_blocks()
 
     def _victims(self, i: int) -> list[Request]:
         """The newest running sequence, with the rest of its group not yet scheduled in

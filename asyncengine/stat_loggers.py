@@ -113,6 +113,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.kv_reserved = gauge("kv_cache_reserved_perc",
+                                 "Fraction of KV-cache blocks kept free for the running "
+                                 "requests' expected growth (0-1).")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
                                      "Fraction of queried prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
@@ -168,6 +171,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_swapped.set(stats.num_swapped)
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
+        self.kv_reserved.set(stats.kv_blocks_reserved / total if total else 0.0)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self._add_delta("preemptions", stats.num_preemptions, self.preemptions)
         self._add_delta("prefix_queries", stats.prefix_cache_queries, self.prefix_queries)

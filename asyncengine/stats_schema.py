@@ -77,6 +77,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
+    # Free blocks that admission keeps for the running requests' expected growth (0 when it
+    # keeps no room: schedule_conservativeness 0).
+    kv_blocks_reserved: int = 0
     kv_block_size: int = 16
     # The KV cache's element type: the model dtype ("bfloat16", ...) or "fp8_e4m3".
     kv_cache_dtype: str = ""

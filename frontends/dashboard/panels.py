@@ -298,6 +298,9 @@ class LatencyPanel(Panel):
         usage = self.query_one("#kv-usage", Meter)
         usage.fraction = stats.kv_blocks_used / total if total else None
         usage.value_text = f"{stats.kv_blocks_used / total:.1%}" if total else ""
+        if total and stats.kv_blocks_reserved:
+            # Free but spoken for: why requests can wait while the pool is not full.
+            usage.value_text += f" + {stats.kv_blocks_reserved / total:.0%} kept for growth"
         spark = self.query_one("#kv-usage-spark", HistorySparkline)
         spark.floor = 1.0
         spark.data = history["kv_usage"]

@@ -235,3 +235,54 @@ def test_a_step_that_runs_nothing_still_moves_its_blocks(
     assert engine.step_timing["steps"] == 0  # nothing was launched
     assert torch.equal(runner.cpu_cache.data[:, :, [0, 3]], before[:, :, [5, 2]])
     llm.shutdown()
+
+
+# ------------------------------------------------------- room kept for growth
+def test_room_kept_for_growth_is_in_the_stats_and_spares_preemption(tiny_llama_dir: Path) -> None:
+    """A pool that holds the prompts but not every output: with room kept for growth the
+    engine runs fewer requests at once and preempts none; the outputs are the same."""
+    prompts = make_prompts(452)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for conservativeness in (1.0, 0.0):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=14,
+                  schedule_conservativeness=conservativeness)
+        engine = llm.llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        engine.step()
+        stats = engine.get_stats()
+        if conservativeness:
+            assert stats.kv_blocks_reserved > 0
+            assert stats.num_waiting > 0  # held back while blocks are free
+        else:
+            assert stats.kv_blocks_reserved == 0
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs[conservativeness] = engine.scheduler.num_preemptions
+        assert_pool_clean(llm)
+    assert outputs[1.0] == 0 and outputs[0.0] > 0
+
+
+def test_max_num_seqs_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from asyncengine.config import EngineArgs
+
+    assert EngineArgs().resolve_max_num_seqs(torch.device("cpu")) == 256
+    assert EngineArgs(max_num_seqs=7).resolve_max_num_seqs(torch.device("cpu")) == 7
+
+    class Props:
+        def __init__(self, gib: int) -> None:
+            self.total_memory = gib * 2**30
+
+    for gib, want in ((141, 1024), (80, 1024), (40, 256)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, g=gib: Props(g))
+        assert EngineArgs().resolve_max_num_seqs(torch.device("cuda")) == want
+
+
+def test_bad_schedule_conservativeness_is_refused_by_name() -> None:
+    from asyncengine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="schedule_conservativeness must be >= 0"):
+        EngineArgs(schedule_conservativeness=-1.0)

@@ -400,6 +400,17 @@ async def test_latency_table_shows_percentiles(source: ScriptedStatsSource) -> N
         assert cells[3] == ["400 ms", "31.0 ms"]  # p99
 
 
+async def test_kv_meter_shows_the_room_kept_for_growth(source: ScriptedStatsSource) -> None:
+    app = MonitorApp(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await fed(app, source, pilot, Connected(url=URL), busy_stats(kv_blocks_reserved=4))
+        usage = app.query_one("#kv-usage", Meter)
+        assert usage.fraction == pytest.approx(0.5)
+        assert usage.value_text == "50.0% + 25% kept for growth"
+        await fed(app, source, pilot, busy_stats(kv_blocks_reserved=0))
+        assert usage.value_text == "50.0%"
+
+
 async def test_cpu_device_shows_cpu_and_ram(source: ScriptedStatsSource) -> None:
     app = MonitorApp(source)
     async with app.run_test(size=SIZE) as pilot:

@@ -270,7 +270,7 @@ async def test_metrics_count_what_happened(server: EngineServer) -> None:
     finished = (("finished_reason", "length"), *model)
     assert samples[("asyncengine_request_success_total", tuple(sorted(finished)))] == 3
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
-                  "kv_cache_usage_perc", "prefix_cache_hit_rate"):
+                  "kv_cache_usage_perc", "kv_cache_reserved_perc", "prefix_cache_hit_rate"):
         assert (f"asyncengine_{gauge}", model) in samples
     assert ("asyncengine_num_preemptions_total", model) in samples
 
