@@ -548,9 +548,9 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" compare "* ]]; then
     both_trees "l1 w1"
   fi
-  if [[ " $parts " == *" w2 "* ]]; then
+  if [[ " $parts " == *" w2 "* ]]; then  # the engine's own max_num_seqs (W2_ARGS: more flags)
     bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
-      --max-num-seqs 1024 --num-requests 3000 | cut -c1-400
+      --num-requests 3000 ${W2_ARGS:-} | cut -c1-400
   fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \
