@@ -545,8 +545,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" fp8kv "* ]]; then  # L1 and W1 over an FP8 KV cache
     both_trees "${FP8KV_WORKLOADS:-l1 w1}" --kv-cache-dtype fp8 --max-num-seqs 512
   fi
-  if [[ " $parts " == *" compare "* ]]; then
-    both_trees "l1 w1"
+  if [[ " $parts " == *" compare "* ]]; then  # COMPARE_ARGS: flags for both trees' runs
+    both_trees "l1 w1" ${COMPARE_ARGS:-}
   fi
   if [[ " $parts " == *" w2 "* ]]; then  # the engine's own max_num_seqs (W2_ARGS: more flags)
     bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
