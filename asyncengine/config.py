@@ -32,10 +32,9 @@ class EngineArgs:
     swap_space: float = 4.0
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     enable_prefix_caching: bool = True
-    # None: 1,024 on a GPU of 70 GiB or more (H100/H200 class), else 256, as vLLM. Admission
-    # reserves room for the running requests' growth, so the pool, not this ceiling, decides
-    # how many run (see asyncengine.admission).
-    max_num_seqs: int | None = None
+    # A ceiling: admission keeps room for the running requests' growth, so the KV pool
+    # decides how many run below it (see asyncengine.admission).
+    max_num_seqs: int = 256
     # How much room admission keeps for the running requests' expected growth (SGLang's
     # name): 1.0 the adaptive estimate, 0 none (admit whatever fits now, as vLLM), above 1
     # more.
@@ -99,7 +98,7 @@ class EngineArgs:
             fail("swap_space", "must be >= 0")
         if self.preemption_mode not in ("recompute", "swap"):
             fail("preemption_mode", "must be recompute or swap")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+        if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")
         if not self.schedule_conservativeness >= 0:
             fail("schedule_conservativeness", "must be >= 0")
@@ -139,17 +138,6 @@ class EngineArgs:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but no CUDA device is available")
         return torch.device(self.device)
-
-    def resolve_max_num_seqs(self, device: torch.device) -> int:
-        """The batch ceiling: as given, else vLLM's default for the device (1,024 on GPUs of
-        70 GiB or more, whose pools hold that many short requests, and 256 elsewhere)."""
-        if self.max_num_seqs is not None:
-            return self.max_num_seqs
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            if total >= 70 * 2**30:
-                return 1024
-        return 256
 
     def resolve_dtype(self, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

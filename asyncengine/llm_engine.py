@@ -93,7 +93,7 @@ class LLMEngine:
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
         self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
-        self.max_num_seqs = args.resolve_max_num_seqs(self.device)
+        self.max_num_seqs = args.max_num_seqs
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
         torch.manual_seed(args.seed)
 

@@ -46,8 +46,8 @@ _ENGINE_HELP = {
     "swap_space": "CPU swap space for preempted requests, GiB",
     "preemption_mode": "what preemption does with a request's KV blocks",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "max_num_seqs": "most requests in one batch (default: 1024 on a GPU of 70 GiB or more, "
-    "else 256; the KV pool decides how many of them run)",
+    "max_num_seqs": "most requests in one batch (a ceiling: the KV pool decides how many of "
+    "them run)",
     "schedule_conservativeness": "room admission keeps for running requests' growth: 1 "
     "adaptive, 0 none (admit whatever fits now), above 1 more",
     "max_num_batched_tokens": "token budget of one step",

@@ -494,8 +494,7 @@ def main() -> None:
     ap.add_argument("--system", choices=["engine", "hf"], default="engine")
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="default: the engine's (1,024 on the H200)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine default")
     ap.add_argument("--schedule-conservativeness", type=float, default=1.0,
                     help="room admission keeps for growth (0: none, admit what fits now)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

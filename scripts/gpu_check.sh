@@ -485,8 +485,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
   # decode tiles. PARTS picks some of "tests admit formats int8 spec attn kvsweep fp8kv
   # compare w2" (default: tests formats int8 spec), so a call fits its limit; FORMATS narrows
-  # "formats"; "admit": W1 with max_num_seqs left to the engine against the old settings
-  # (ADMIT_W2=1: W2 FP8 too).
+  # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
+  # figures' settings (ADMIT_W2=1: W2 FP8 at 1,024 with and without the room).
   other="${2:?usage: gpu_check.sh recheck DIR}"
   parts="${PARTS:-tests formats int8 spec}"
   if [[ " $parts " == *" tests "* ]]; then
@@ -494,19 +494,20 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization \
       tests/asyncengine/spec_decode 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 6
   fi
-  if [[ " $parts " == *" admit "* ]]; then  # max_num_seqs left to the engine (1,024 on the
-    # H200, room kept for growth at admission) against the settings used before: W1 at 256 in
-    # bf16 and at 512 over an FP8 cache, no room kept
-    bench --workload w1 --system engine | cut -c1-400
+  if [[ " $parts " == *" admit "* ]]; then  # a ceiling of 1,024 sequences (vLLM's default on
+    # the H200) with room kept for growth at admission, against the settings of the figures
+    # of record: W1 at 256 in bf16 and at 512 over an FP8 cache, no room kept
+    bench --workload w1 --system engine --max-num-seqs 1024 | cut -c1-400
     bench --workload w1 --system engine --max-num-seqs 256 --schedule-conservativeness 0 \
       | cut -c1-400
-    bench --workload w1 --system engine --kv-cache-dtype fp8 | cut -c1-400
+    bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 1024 | cut -c1-400
     bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512 \
       --schedule-conservativeness 0 | cut -c1-400
-    if [ -n "${ADMIT_W2:-}" ]; then  # W2 with FP8 weights and KV, both ways
-      bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 | cut -c1-400
-      bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
-        --max-num-seqs 1024 --schedule-conservativeness 0 | cut -c1-400
+    if [ -n "${ADMIT_W2:-}" ]; then  # W2 with FP8 weights and KV at 1,024, with room and without
+      for c in 1 0; do
+        bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
+          --max-num-seqs 1024 --schedule-conservativeness "$c" | cut -c1-400
+      done
     fi
   fi
   if [[ " $parts " == *" formats "* ]]; then
@@ -548,9 +549,9 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" compare "* ]]; then  # COMPARE_ARGS: flags for both trees' runs
     both_trees "l1 w1" ${COMPARE_ARGS:-}
   fi
-  if [[ " $parts " == *" w2 "* ]]; then  # the engine's own max_num_seqs (W2_ARGS: more flags)
+  if [[ " $parts " == *" w2 "* ]]; then  # W2_ARGS: more flags (--schedule-conservativeness 0)
     bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 \
-      --num-requests 3000 ${W2_ARGS:-} | cut -c1-400
+      --max-num-seqs 1024 --num-requests 3000 ${W2_ARGS:-} | cut -c1-400
   fi
 elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine/test_tensor_parallel.py \

@@ -264,23 +264,6 @@ def test_room_kept_for_growth_is_in_the_stats_and_spares_preemption(tiny_llama_d
     assert outputs[1.0] == 0 and outputs[0.0] > 0
 
 
-def test_max_num_seqs_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    from asyncengine.config import EngineArgs
-
-    assert EngineArgs().resolve_max_num_seqs(torch.device("cpu")) == 256
-    assert EngineArgs(max_num_seqs=7).resolve_max_num_seqs(torch.device("cpu")) == 7
-
-    class Props:
-        def __init__(self, gib: int) -> None:
-            self.total_memory = gib * 2**30
-
-    for gib, want in ((141, 1024), (80, 1024), (40, 256)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, g=gib: Props(g))
-        assert EngineArgs().resolve_max_num_seqs(torch.device("cuda")) == want
-
-
 def test_bad_schedule_conservativeness_is_refused_by_name() -> None:
     from asyncengine.config import EngineArgs
 
