@@ -1,6 +1,5 @@
 """int4 and int8 weight-only matmul on Hopper's tensor cores: the packed codes become wgmma's
-register operand (Gluon), for decode batches of up to 256 rows in int4 (128 a launch) and 64
-in int8.
+register operand (Gluon), for decode batches of up to 256 rows (128 a launch).
 
 Marlin's idea on sm_90: the weights are repacked once, at load, so that what a thread loads
 is already its share of the MMA's left operand; no shuffles and no shared-memory round trip
@@ -117,10 +116,13 @@ RING_PROGRAMS = 132
 # reference on the GPU, but has not been timed: int8 keeps the whole slice until it is.
 RING_MIN_ROWS = {4: 17, 8: MAX_ROWS + 1}
 RING_FEW_ROWS_PROGRAMS = 3 * RING_PROGRAMS
-# int8 stops at 64 rows: at 256 its ring form needed more than 255 registers a thread (the
-# 64 x 256 float32 accumulator and three iterations of 16 words), and spilled; at 128 rows
-# it has not been built.
-_MAX_ROWS_BY_BITS = {4: MAX_ROWS, 8: SLICE_MAX_ROWS}
+# int8 up to 64 rows keeps the whole slice; above, it launches the ring 128 rows at a time, as
+# int4 does. A single 256-row int8 launch needed more than 255 registers a thread (the 64 x
+# 256 float32 accumulator and three iterations of 16 words) and spilled; the 128-row launch
+# builds on sm_90 to 193-220 registers with the scale on the weights (what the ring takes
+# from 33 rows), without spills (`scripts/compile_kernels.py --asm-stats`). Its speed at
+# 65-256 rows is not yet measured: the start-up tuner times it beside dequantize + BLAS and
+# the GEMM tiles there, and plans it only where it wins.
 # Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
 # grow (each split's float32 partial sums grow with them), each split at least
 # `MIN_SPLIT_ITERS` iterations long (4 from 16 rows). On the 7B layers (bench_kernels
@@ -150,8 +152,10 @@ class QuantWgmmaConfig:
 
 
 def max_rows(bits: int) -> int:
-    """The most activation rows `quant_wgmma_matmul` serves for `bits`-bit codes."""
-    return _MAX_ROWS_BY_BITS[bits]
+    """The most activation rows `quant_wgmma_matmul` serves for `bits`-bit codes (the same
+    for both widths since int8 streams through the ring from 65 rows)."""
+    _check_bits(bits)
+    return MAX_ROWS
 
 
 def launch_max_rows(bits: int) -> int:

@@ -157,11 +157,12 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # 75.7 / 131.1 at 16; at 32 rows 105 / 174, where it beats bf16 cuBLAS's 116). At one row
 # the at-once GEMVs won q/k/v, o and down (52.8 us a layer against its 54.7; it won
 # gate/up), at 64 rows the 64x64x128 tiles won q/k/v and gate/up (192 / 237) until the
-# ring below took those rows. Above 64 rows (int4 only) the activations stream through a
-# ring, 128 rows a launch: at 128 rows it won every layer against the tiles and dequantize +
-# cuBLAS (151 us a layer against 256 and 269; 2026-12-04), at 256 (two launches: 290 us a
-# layer against dequantize + cuBLAS's 302) it won gate/up only (93 / 136), so it is timed
-# beside the 256-row step's kinds.
+# ring below took those rows. Above 64 rows the activations stream through a ring, 128
+# rows a launch (int8 too since 2026-12-05, not yet timed there: the 65-256 step times it
+# beside the others, as for int4). In int4: at 128 rows it won every layer against the
+# tiles and dequantize + cuBLAS (151 us a layer against 256 and 269; 2026-12-04), at 256
+# (two launches: 290 us a layer against dequantize + cuBLAS's 302) it won gate/up only
+# (93 / 136), so it is timed beside the 256-row step's kinds.
 #
 # int8 measured the same way (2026-12-04): 81-94 us a layer at 2-16 rows against 127-149
 # for the best of the other kinds (1.5-1.7x, every layer), 125 / 199 at 32 rows, and behind

@@ -241,13 +241,24 @@ def test_a_given_config_must_fit_one_launch() -> None:
                            config=too_wide)  # fmt: skip
 
 
-def test_int8_stops_at_64_rows_before_launching() -> None:
-    assert max_rows(4) == MAX_ROWS and max_rows(8) == 64
-    words = pack_quant_wgmma(pack_int_weight(_codes(64, 256, bits=8), 8), 8)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_both_widths_stop_at_256_rows_before_launching(bits: int) -> None:
+    assert max_rows(bits) == MAX_ROWS == 256
+    words = pack_quant_wgmma(pack_int_weight(_codes(64, 256, bits=bits), bits), bits)
     s = torch.ones(2, 64, dtype=torch.bfloat16)
-    z = torch.full((2, 64), 128.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="up to 64 rows in int8"):
-        quant_wgmma_matmul(torch.zeros(65, 256, dtype=torch.bfloat16), words, s, z, 128, bits=8)
+    z = torch.full((2, 64), float(1 << (bits - 1)), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"up to 256 rows in int{bits}"):
+        quant_wgmma_matmul(torch.zeros(257, 256, dtype=torch.bfloat16), words, s, z, 128,
+                           bits=bits)  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [65, 128, 200, 256])
+def test_int8_streams_through_the_ring_above_64_rows(m: int) -> None:
+    """int8 past its whole slice's 64 rows takes the ring, 128 rows a launch, with the
+    scale on the weights, as int4 does."""
+    for bits in (4, 8):
+        cfg = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), 4096, 4096, 128, bits=bits)
+        assert cfg.x_ring == X_RING and cfg.rows == 128 and not cfg.scale_on_acc
 
 
 def test_supported_only_on_sm90_bf16_whole_groups() -> None:
@@ -340,18 +351,20 @@ def test_gpu_int8_through_the_ring_matches_reference(m: int, n: int, k: int, gro
 @pytest.mark.parametrize(("n", "k", "group", "symmetric"),
                          [(4096, 4096, 128, True), (1024, 11008, 128, False),
                           (512, 4096, 4096, False)])  # fmt: skip
+@pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_ring_rows_match_reference(m: int, n: int, k: int, group: int,
-                                       symmetric: bool) -> None:  # fmt: skip
-    """int4 at 65-256 rows: the activations through the ring, split K where the tiles are
-    few (n = 512, 1024) and not where they are many, with bias; past 128 rows in launches of
-    128 rows (and the rest)."""
-    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + k)
+                                       symmetric: bool, bits: int) -> None:  # fmt: skip
+    """int4 and int8 at 65-256 rows: the activations through the ring, split K where the
+    tiles are few (n = 512, 1024) and not where they are many, with bias; past 128 rows in
+    launches of 128 rows (and the rest)."""
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + k, bits=bits)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    cfg = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), n, k, group)
+    cfg = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), n, k, group, bits=bits)
     assert cfg.x_ring
-    ref = quant_matmul_ref(x, qweight, scales, zeros, 4, group, bias).float()
-    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight), scales, zeros, group, bias).float()
+    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight, bits), scales, zeros, group, bias,
+                             bits=bits).float()  # fmt: skip
     err = (got - ref).abs().max().item()
     assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
 
