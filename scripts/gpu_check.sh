@@ -516,7 +516,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     done
   fi
   if [[ " $parts " == *" int8 "* ]]; then
-    timeout 150 python3 scripts/bench_kernels.py --only int8 --quant-rows 32 64 \
+    timeout 200 python3 scripts/bench_kernels.py --only int8 --quant-rows 32 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int8_kernels.jsonl" | cut -c1-260
   fi
   if [[ " $parts " == *" spec "* ]]; then
