@@ -5,12 +5,15 @@ arrive, and hands each figure to every `StatLoggerBase`: `LatencyStatLogger` kee
 samples for the percentiles in `EngineStats.ttft`/`.itl` (the dashboard's figures), and
 `PrometheusStatLogger` turns them (and the engine's `EngineStats` snapshots) into Prometheus
 series in a registry of its own, so several servers in one process never collide.
-Nothing here touches the model.
+`LoggingStatLogger` writes one line every few seconds while the engine works, as vLLM's
+server does. Nothing here touches the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import time
+from collections.abc import Callable, Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -194,3 +197,56 @@ class PrometheusStatLogger(StatLoggerBase):
     def render(self) -> bytes:
         """The registry in Prometheus text format."""
         return prometheus_client.generate_latest(self.registry)
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """One log line at most every `interval_s` while the engine works (vLLM's default
+    interval, 10 s): prompt and generation throughput since the last line, the queues, KV
+    usage with the room admission keeps for growth, prefix-cache hits and preemptions. An
+    idle engine logs nothing. It logs from the snapshots it receives, so whoever attaches it
+    also asks the engine for one every interval (`asyncengine serve` does)."""
+
+    def __init__(
+        self,
+        interval_s: float = 10.0,
+        log: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval_s = interval_s
+        self._log = log if log is not None else logging.getLogger("asyncengine.stats").info
+        self._clock = clock
+        # When the last line (or the first snapshot) was taken, and the counters then.
+        self._last: tuple[float, int, int, int] | None = None
+
+    def on_stats(self, stats: EngineStats) -> None:
+        now = self._clock()
+        counters = (stats.prompt_tokens_total, stats.generation_tokens_total,
+                    stats.num_preemptions)  # fmt: skip
+        if self._last is None:
+            self._last = (now, *counters)
+            return
+        then, *before = self._last
+        if now - then < self.interval_s:
+            return
+        self._last = (now, *counters)
+        moved = [c - b for c, b in zip(counters, before, strict=True)]
+        if not (any(moved) or stats.num_running or stats.num_waiting or stats.num_swapped):
+            return
+        self._log(format_stats_line(stats, now - then, *moved))
+
+
+def format_stats_line(stats: EngineStats, seconds: float, prompt_tokens: int,
+                      generation_tokens: int, preemptions: int) -> str:  # fmt: skip
+    """The line `LoggingStatLogger` writes: throughput over `seconds`, then the snapshot."""
+    total = stats.kv_blocks_total
+    kv = f"{stats.kv_blocks_used / total:.1%}" if total else "-"
+    if total and stats.kv_blocks_reserved:
+        kv += f" (+{stats.kv_blocks_reserved / total:.1%} kept for growth)"
+    return (
+        f"Avg prompt throughput: {prompt_tokens / seconds:.1f} tokens/s, "
+        f"Avg generation throughput: {generation_tokens / seconds:.1f} tokens/s, "
+        f"Running: {stats.num_running} reqs, Swapped: {stats.num_swapped} reqs, "
+        f"Waiting: {stats.num_waiting} reqs, KV cache usage: {kv}, "
+        f"Prefix cache hit rate: {stats.prefix_cache_hit_rate:.1%}, "
+        f"Preemptions: {preemptions}"
+    )

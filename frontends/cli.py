@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(hermes: <tool_call> JSON blocks)")
     net.add_argument("--log-prompts", action="store_true",
                      help="log prompt text (off by default)")
+    net.add_argument("--disable-log-stats", action="store_true",
+                     help="no throughput/queue/KV line in the log every 10 s while serving")
     net.add_argument("--dashboard", action="store_true",
                      help="run the terminal dashboard in this process")
     net.add_argument("--demo-load", action="store_true",
@@ -267,6 +269,9 @@ async def serve(ns: argparse.Namespace) -> None:
                 http_failure.append(exc)
                 raise
             http_servers.append(http)
+        stats_lines = None
+        if not ns.disable_log_stats:
+            stats_lines = asyncio.create_task(log_stats_every(engine, STATS_LOG_INTERVAL_S))
         demo = None
         if ns.demo_load:
             from frontends.demo_load import run_demo_load
@@ -279,9 +284,10 @@ async def serve(ns: argparse.Namespace) -> None:
             else:
                 await asyncio.Event().wait()  # until a signal stops the server
         finally:
-            if demo is not None:
-                demo.cancel()
-                await asyncio.gather(demo, return_exceptions=True)
+            for task in (demo, stats_lines):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
 
     async def drain_http() -> None:
         await stop.wait()
@@ -297,6 +303,22 @@ async def serve(ns: argparse.Namespace) -> None:
         await engine.shutdown()
     if http_failure:
         raise http_failure[0]
+
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+async def log_stats_every(engine: Any, interval_s: float) -> None:
+    """A `LoggingStatLogger` on `engine`, fed a fresh snapshot every `interval_s`: the
+    engine takes snapshots only when asked (`AsyncLLMEngine.stats`)."""
+    from asyncengine.stat_loggers import LoggingStatLogger
+
+    # Spaced a little under the asks, so that a snapshot arriving a moment early never
+    # skips a line.
+    engine.add_stat_logger(LoggingStatLogger(0.9 * interval_s))
+    while True:
+        await asyncio.sleep(interval_s)
+        engine.stats()
 
 
 @contextlib.contextmanager

@@ -101,3 +101,34 @@ def test_a_subprocess_run_exits_non_zero_with_one_line() -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("asyncengine:")]
     assert errors == ["asyncengine: error: model path does not exist: /no/such/dir"]
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_logs_stats_unless_disabled() -> None:
+    assert not build_parser().parse_args(["serve"]).disable_log_stats
+    assert build_parser().parse_args(["serve", "--disable-log-stats"]).disable_log_stats
+
+
+async def test_log_stats_every_asks_the_engine_for_snapshots() -> None:
+    import asyncio
+
+    from asyncengine.stat_loggers import LoggingStatLogger
+    from frontends.cli import log_stats_every
+
+    class Engine:
+        def __init__(self) -> None:
+            self.loggers: list[object] = []
+            self.asks = 0
+
+        def add_stat_logger(self, stat_logger: object) -> None:
+            self.loggers.append(stat_logger)
+
+        def stats(self) -> None:
+            self.asks += 1
+
+    engine = Engine()
+    task = asyncio.create_task(log_stats_every(engine, 0.01))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(engine.loggers) == 1 and isinstance(engine.loggers[0], LoggingStatLogger)
+    assert engine.asks >= 3
