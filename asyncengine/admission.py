@@ -16,9 +16,11 @@ SGLang's scheduler estimates. The ratio
   preempted, so admission grows bolder while memory holds;
 - steps up when a step preempts;
 - never stays below the share of their max_tokens that finished requests used (a moving
-  average; 0.1 before any finishes): a workload whose requests run to max_tokens reserves
-  all of it once its first requests finish, and never preempts after, while one whose
-  requests stop early reserves what they use.
+  average; 0.1 before any finishes), nor, after a finish, above 1.5 times it: a workload
+  whose requests run to max_tokens reserves all of it once its first requests finish, and
+  never preempts after, while one whose requests stop early (a chat server's, whose
+  max_tokens is the rest of the context) reserves about what they use without waiting for
+  the steps to lower it.
 
 Why a floor, where SGLang lets the ratio decay until a preemption pushes it back:
 `scripts/simulate_admission.py` runs the scheduler alone over W2 (3,000 requests of 1,000 +
@@ -56,12 +58,15 @@ class GrowthEstimate:
     bump: float = 0.1
     # Weight of each finished request in the moving average of the share it used.
     finish_weight: float = 1 / 16
+    # After a finish the ratio is at most this times the average share: room for requests
+    # longer than the average, which a preemption's step up covers beyond that.
+    finish_margin: float = 1.5
     used: float | None = None  # the moving average; None until a request finishes
 
     @property
     def floor(self) -> float:
         """The least ratio: what finished requests used, and min_ratio before any finish."""
-        return self.min_ratio if self.used is None else max(self.min_ratio, self.used)
+        return self.min_ratio if self.used is None else self.used
 
     @property
     def effective_ratio(self) -> float:
@@ -94,7 +99,7 @@ class GrowthEstimate:
         share = min(request.num_output_tokens / allowed, 1.0) if allowed > 0 else 1.0
         w = self.finish_weight
         self.used = share if self.used is None else (1 - w) * self.used + w * share
-        self.ratio = max(self.ratio, self.floor)
+        self.ratio = max(self.floor, min(self.ratio, self.finish_margin * self.used))
 
     def observe_step(self, *, preempted: bool, held_back: bool) -> None:
         """Adapt after a step: up if it preempted, down if the reserve alone held a request."""

@@ -10,12 +10,16 @@ for comparing admission policies, not a figure to report as measured.
 
     python scripts/simulate_admission.py --num-requests 3000 --conservativeness 1 0
     python scripts/simulate_admission.py --kv-bytes-per-token 131072 --pool-tokens 850000
+
+`--max-tokens` above `--output-len` models a chat server: each request may write up to
+max_tokens but stops after a length drawn uniformly from 1 to output_len (seeded).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -32,14 +36,20 @@ COPY_RATE = 4.25e12  # bytes/s, the H200's measured copy rate
 
 def simulate(args: argparse.Namespace, conservativeness: float) -> dict:
     pool = BlockPool(args.pool_tokens // args.block_size, args.block_size, False)
-    growth = GrowthEstimate(conservativeness=conservativeness)
+    growth = GrowthEstimate(conservativeness=conservativeness,
+                            finish_margin=args.finish_margin)
+    max_tokens = args.max_tokens or args.output_len
     if args.warm:  # as after bench_throughput's warm-up: requests seen running to max_tokens
-        growth.observe_finish(_finished(args.output_len), RequestStatus.FINISHED_LENGTH)
+        growth.observe_finish(_finished(args.output_len, max_tokens),
+                              RequestStatus.FINISHED_LENGTH)
     sched = Scheduler(pool, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, growth=growth)
+    rng = random.Random(args.seed)
+    stops = {}
     for i in range(args.num_requests):
         prompt = list(range(i * args.prompt_len, (i + 1) * args.prompt_len))
-        sched.add_request(Request(f"r{i}", None, prompt, SamplingParams(), args.output_len))
+        sched.add_request(Request(f"r{i}", None, prompt, SamplingParams(), max_tokens))
+        stops[f"r{i}"] = rng.randint(1, args.output_len) if args.max_tokens else max_tokens
     seconds, outputs, peak, steps = 0.0, 0, 0, 0
     step_s = args.weight_bytes / COPY_RATE
     while sched.has_unfinished_requests():
@@ -59,6 +69,8 @@ def simulate(args: argparse.Namespace, conservativeness: float) -> dict:
                 outputs += 1
                 if req.num_output_tokens >= req.max_tokens:
                     sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                elif req.num_output_tokens >= stops[req.request_id]:
+                    sched.finish_request(req, RequestStatus.FINISHED_STOPPED)
     return {
         "conservativeness": conservativeness,
         "modelled_output_tok_s": round(outputs / seconds),
@@ -69,8 +81,8 @@ def simulate(args: argparse.Namespace, conservativeness: float) -> dict:
     }
 
 
-def _finished(output_len: int) -> Request:
-    req = Request("warm", None, [0], SamplingParams(), output_len)
+def _finished(output_len: int, max_tokens: int) -> Request:
+    req = Request("warm", None, [0], SamplingParams(), max_tokens)
     req.output_token_ids = [1] * output_len
     return req
 
@@ -80,6 +92,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="each request's max_tokens; above --output-len, requests stop early")
+    ap.add_argument("--finish-margin", type=float, default=GrowthEstimate.finish_margin,
+                    help="GrowthEstimate.finish_margin ('inf': finishes do not lower the ratio)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-tokens", type=int, default=1_700_000,
                     help="KV pool size (W2 FP8 on the H200: about 1.7M tokens)")
     ap.add_argument("--block-size", type=int, default=16)

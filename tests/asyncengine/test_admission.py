@@ -70,6 +70,17 @@ def test_finishes_set_a_floor_and_aborts_teach_nothing() -> None:
     assert g.floor == pytest.approx(0.6)
 
 
+def test_finishes_far_below_max_tokens_lower_the_ratio_at_once() -> None:
+    # A chat server's requests: max_tokens is the rest of the context (clipped at 4,096),
+    # and replies stop after a few hundred tokens.
+    g = GrowthEstimate(ratio=0.7, min_ratio=0.05)
+    g.observe_finish(request(4, max_tokens=8000, num_output=410), RequestStatus.FINISHED_STOPPED)
+    assert g.used == pytest.approx(0.1, abs=1e-3)
+    assert g.ratio == pytest.approx(1.5 * g.used)  # not 600 held-back steps later
+    g.observe_finish(request(4, max_tokens=8000, num_output=40), RequestStatus.FINISHED_STOPPED)
+    assert g.floor <= g.ratio <= 1.5 * g.used
+
+
 def test_a_finish_far_below_a_huge_max_tokens_counts_against_the_clip() -> None:
     g = GrowthEstimate()
     g.observe_finish(request(4, max_tokens=10**6, num_output=CLIP_MAX_NEW_TOKENS // 4),

@@ -12,7 +12,7 @@ def args(**overrides: object) -> argparse.Namespace:
     base = dict(num_requests=40, prompt_len=64, output_len=64, pool_tokens=40 * 128 // 2,
                 block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
                 weight_bytes=8.5e9, kv_bytes_per_token=65536, prefill_s_per_token=15e-6,
-                warm=True)
+                warm=True, max_tokens=None, finish_margin=1.5, seed=0)
     return argparse.Namespace(**{**base, **overrides})
 
 
