@@ -22,12 +22,13 @@ SGLang's scheduler estimates. The ratio
   max_tokens is the rest of the context) reserves about what they use without waiting for
   the steps to lower it.
 
-Why a floor, where SGLang lets the ratio decay until a preemption pushes it back:
-`scripts/simulate_admission.py` runs the scheduler alone over W2 (3,000 requests of 1,000 +
-1,000 tokens, steps costed by the bytes they read and the tokens they prefill). With the
-floor it preempted nothing; with the ratio free to decay (6e62e86) it preempted 311-332
-times and ran 2-6 % slower; with no reserve (vLLM's way) 386 times over an FP8 pool and
-1,642 over a bf16 one, 7 % and 12 % slower.
+Why the floor and the cap, where SGLang only steps the ratio: `scripts/simulate_admission.py`
+runs the scheduler alone, steps costed by the bytes they read and the tokens they prefill (a
+model, not a measurement). Over W2 (3,000 requests of 1,000 + 1,000 tokens) the floor
+preempted nothing; the ratio free to decay (6e62e86) preempted 311-332 times and modelled
+2-6 % slower; no reserve (vLLM's way) preempted 386 times over an FP8 pool and 1,642 over a
+bf16 one, 7 % and 12 % slower. A chat server from a cold start at 256 sequences modelled
+0.2 % below no reserve with the cap, 4.3 % below with SGLang's stepping alone.
 
 `schedule_conservativeness` scales the ratio (SGLang's name): 0 reserves nothing and admits
 whatever fits now, as vLLM does; above 1 reserves more.
