@@ -243,14 +243,15 @@ def test_room_kept_for_growth_is_in_the_stats_and_spares_preemption(tiny_llama_d
     engine runs fewer requests at once and preempts none; the outputs are the same."""
     prompts = make_prompts(452)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = {}
+    tokens: dict[float, dict[str, list[int]]] = {}
+    preemptions = {}
     for conservativeness in (1.0, 0.0):
         llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=14,
                   schedule_conservativeness=conservativeness)
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)
-        engine.step()
+        done = {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
         stats = engine.get_stats()
         if conservativeness:
             assert stats.kv_blocks_reserved > 0
@@ -258,10 +259,13 @@ def test_room_kept_for_growth_is_in_the_stats_and_spares_preemption(tiny_llama_d
         else:
             assert stats.kv_blocks_reserved == 0
         while engine.has_unfinished_requests():
-            engine.step()
-        outputs[conservativeness] = engine.scheduler.num_preemptions
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        tokens[conservativeness] = done
+        preemptions[conservativeness] = engine.scheduler.num_preemptions
         assert_pool_clean(llm)
-    assert outputs[1.0] == 0 and outputs[0.0] > 0
+    assert preemptions[1.0] == 0 and preemptions[0.0] > 0
+    assert len(tokens[1.0]) == len(prompts) and tokens[1.0] == tokens[0.0]
+    assert all(len(ids) == MAX_TOKENS for ids in tokens[1.0].values())
 
 
 def test_bad_schedule_conservativeness_is_refused_by_name() -> None:
