@@ -93,7 +93,6 @@ class LLMEngine:
         self.dtype = args.resolve_dtype(cfg.torch_dtype, self.device)
         self.kv_cache_dtype = args.resolve_kv_cache_dtype(self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(cfg)
-        self.max_num_seqs = args.max_num_seqs
         self.model_name = args.model or "SmolLM2-135M-Instruct (embedded)"
         torch.manual_seed(args.seed)
 
@@ -155,7 +154,7 @@ class LLMEngine:
         swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks else None
         self.scheduler = Scheduler(
             self.pool,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=args.preemption_mode,
             swap_space=swap,
@@ -187,13 +186,13 @@ class LLMEngine:
         spec = self.spec_decoder
         self.runner.prepare_for_serving(
             enforce_eager=args.enforce_eager,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=self.pool.blocks_needed(self.max_model_len),
             verify_rows=0 if spec is None else spec.max_verify_rows,
         )
         if proposer is not None and self.runner.graphs is not None:  # the GPU, not eager
             proposer.capture_graphs(
-                self.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
+                args.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
                 expanded_rows=0 if spec is None else spec.max_verify_rows,
             )  # fmt: skip
         self._prompt_meter = RateMeter()
@@ -223,7 +222,7 @@ class LLMEngine:
             kv_dtype_name(self.runner.kv_cache_dtype),
             num_blocks * self.runner.block_bytes() / 2**30,
             self.max_model_len,
-            self.max_num_seqs,
+            args.max_num_seqs,
         )
 
     @classmethod

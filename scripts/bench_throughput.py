@@ -321,7 +321,7 @@ def timed_run(engine, w: dict, params, args: argparse.Namespace, prefix: str) ->
         "graphs": not args.enforce_eager,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "max_num_seqs": engine.max_num_seqs,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
         "schedule_conservativeness": args.schedule_conservativeness,
         "preemptions": engine.scheduler.num_preemptions,
         "weight_gib": round(weight_bytes(w["shape"], args.quantization) / 2**30, 2),
