@@ -21,15 +21,20 @@ steps; a loop iteration is two chunks.
   takes a byte: the low seven bits OR'ed into 128.0 read 128 + low, the top bit XOR'ed
   into 256.0's bits reads 256 (clear) or 128 (set), and their difference is code - 128,
   exactly. Two `lop3` and one `sub` per register, both registers of a word from one shift.
+- fp16 activations: fp16 has ten explicit mantissa bits, so 1024.0's bits take a nibble or a
+  whole byte alike: one `lop3` per register reads 1024 + code, in int8 too.
 
-The codes then lose the zero point with `sub.bf16x2` (exact): int4 (128 + code) -
-(128 + zero); int8 (code - 128) - (zero - 128), skipped when every zero point is 128.
+The codes then lose the zero point with a 16-bit `sub` (exact): bf16 int4 (128 + code) -
+(128 + zero); bf16 int8 (code - 128) - (zero - 128), skipped when every zero point is 128;
+fp16 (1024 + code) - (1024 + zero), or - 1152 for int8 without zero points.
+Groups of 64 input features are one chunk each: the two chunks of an iteration take their
+own zero points and scales.
 The scale is applied where it is cheapest:
 - `SCALE_ON_ACC` (few rows): the integers (code - zero) enter the MMA exactly, each group's
   products accumulate in a float32 tile of their own, and the group's per-feature scale
   multiplies that tile once: a few float32 operations per group instead of one `mul` per
   two weight values. It is more exact than dequantizing (no rounding of the weights).
-- otherwise (more rows, where the per-group float32 work grows with them): `mul.rn.bf16x2`
+- otherwise (more rows, where the per-group float32 work grows with them): a 16-bit `mul.rn`
   on the fragment, rounding as `asyncengine_kernels.quant_linear.dequantize_weight` does.
 
 Up to 64 rows the activation slice of a program's K range sits in shared memory for the
@@ -39,8 +44,9 @@ the current one is multiplied. K is split across programs so that the grid fills
 GPU at one row; the last split of a tile to arrive adds the others' float32 partial sums
 (`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
 
-Contract: `quant_matmul_ref`'s, for bf16 activations, 4- or 8-bit codes, N a multiple of 64,
-K a multiple of 128, and groups that are a multiple of 128 input features (or one per row).
+Contract: `quant_matmul_ref`'s, for bf16 or fp16 activations (the scales in the same type),
+4- or 8-bit codes, N a multiple of 64, K a multiple of 128, and groups of 64 input features,
+of a multiple of 128, or one per row.
 `available()` says whether this Triton build has Gluon's Hopper module; `supported()`
 whether a launch qualifies.
 """
@@ -86,6 +92,10 @@ __all__ = [
 BLOCK_N = 64  # output features per program: one warpgroup's wgmma M
 CHUNK_K = 64  # input features of one packed chunk: four 16-deep wgmma steps
 BITS = (4, 8)  # the code widths served
+# The activation types served: the 16-bit operand types of wgmma with a float32 accumulator.
+# fp16 matters as much as bf16: most GPTQ and AWQ checkpoints declare float16, which is what
+# the engine then runs in.
+DTYPES = (torch.bfloat16, torch.float16)
 # Input features per loop iteration: two chunks, so that the loop's own instructions (the
 # wgmma descriptors, the addresses, the branch) weigh on 64 weight values a thread, not 32.
 ITER_K = 2 * CHUNK_K
@@ -171,13 +181,13 @@ def available() -> bool:
 def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits: int,
                   group_size: int) -> bool:  # fmt: skip
     """Whether `quant_wgmma_matmul` serves an [N, K] weight on `device` for activations of
-    `dtype`: an sm_90 GPU, bf16, 4- or 8-bit codes, N a multiple of 64, K of 128, and groups
-    of whole iterations (128 input features) or one per row."""
+    `dtype`: an sm_90 GPU, bf16 or fp16, 4- or 8-bit codes, N a multiple of 64, K of 128,
+    and groups of 64 input features, of whole iterations (128) or one per row."""
     return (
         available()
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device) == (9, 0)
-        and dtype == torch.bfloat16
+        and dtype in DTYPES
         and bits in BITS
         and n % BLOCK_N == 0
         and _groups_fit(k, group_size)
@@ -192,8 +202,10 @@ def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bo
 
 
 def _groups_fit(k: int, group_size: int) -> bool:
-    """K in whole iterations, and groups of whole iterations that tile K (or one group)."""
-    return k % ITER_K == 0 and k % group_size == 0 and group_size % ITER_K == 0
+    """K in whole iterations, and groups that tile it: of one chunk (64 input features), of
+    whole iterations, or one group."""
+    return (k % ITER_K == 0 and k % group_size == 0
+            and (group_size == CHUNK_K or group_size % ITER_K == 0))  # fmt: skip
 
 
 def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
@@ -244,8 +256,8 @@ def ring_config(rows: int, n: int, k: int, group_size: int,
 
 def _split_iters(k: int, group_size: int) -> tuple[int, int]:
     """K's loop iterations, and the iterations a split is made of: whole groups, or one
-    iteration where a group spans all of K."""
-    return k // ITER_K, group_size // ITER_K if group_size < k else 1
+    iteration where a group spans all of K or is shorter than an iteration."""
+    return k // ITER_K, max(1, group_size // ITER_K) if group_size < k else 1
 
 
 def _check_bits(bits: int) -> None:
@@ -330,6 +342,15 @@ if _GLUON:
     _CODES_LESS_ZERO = gl.constexpr("{" + _LESS_ZERO + _OUT + "}")
     _CODES_SCALED = gl.constexpr("{" + _LESS_ZERO + _TIMES_SCALE + _OUT + "}")
 
+    def _as_f16(asm: str) -> str:
+        """The bf16 sequence for fp16 activations: fp16 has ten explicit mantissa bits, so a
+        nibble OR'ed into 1024.0's bits (0x6400) reads 1024 + code, as 128.0's do in bf16."""
+        return (asm.replace("0x43004300", "0x64006400").replace("sub.bf16x2", "sub.f16x2")
+                .replace("mul.rn.bf16x2", "mul.rn.f16x2"))  # fmt: skip
+
+    _CODES_LESS_ZERO_F16 = gl.constexpr("{" + _as_f16(_LESS_ZERO) + _OUT + "}")
+    _CODES_SCALED_F16 = gl.constexpr("{" + _as_f16(_LESS_ZERO + _TIMES_SCALE) + _OUT + "}")
+
     # int8: $4 a word, registers (hr, hc = 0) in bytes 0 and 2 (a) and (hr, hc = 1) in bytes
     # 1 and 3 (c); $5 the word's row's zero point less 128, $6 its scale, as bf16x2.
     # 0xea: (word & mask) | bits; 0x6a: (word & mask) ^ bits.
@@ -362,6 +383,31 @@ if _GLUON:
         "{" + _BYTES + _BYTES_LESS_ZERO + _BYTES_TIMES_SCALE + _BYTES_OUT + "}"
     )
 
+    # fp16 holds 1024 + a whole byte (ten explicit mantissa bits): one `lop3` per register
+    # reads 1024 + code. Zero points then come as 1024 + zero, taken away in one `sub`;
+    # without them 1152.0 (0x6480) is, which leaves code - 128 as in bf16.
+    _BYTES_F16 = """
+    .reg .b32 a, c, t, k;
+    lop3.b32 a, $4, 0x00ff00ff, 0x64006400, 0xea;
+    shr.u32 t, $4, 8;
+    lop3.b32 c, t, 0x00ff00ff, 0x64006400, 0xea;
+    """
+    _BYTES_F16_CENTRE = """
+    mov.b32 k, 0x64806480;
+    sub.f16x2 a, a, k;
+    sub.f16x2 c, c, k;
+    """
+    _INT8_CENTRED_F16 = gl.constexpr("{" + _BYTES_F16 + _BYTES_F16_CENTRE + _BYTES_OUT + "}")
+    _INT8_LESS_ZERO_F16 = gl.constexpr(
+        "{" + _BYTES_F16 + _as_f16(_BYTES_LESS_ZERO) + _BYTES_OUT + "}"
+    )
+    _INT8_SCALED_F16 = gl.constexpr(
+        "{" + _BYTES_F16 + _BYTES_F16_CENTRE + _as_f16(_BYTES_TIMES_SCALE) + _BYTES_OUT + "}"
+    )
+    _INT8_LESS_ZERO_SCALED_F16 = gl.constexpr(
+        "{" + _BYTES_F16 + _as_f16(_BYTES_LESS_ZERO + _BYTES_TIMES_SCALE) + _BYTES_OUT + "}"
+    )
+
     @gluon.jit
     def _twice(bits16):
         """A 16-bit value's bits in both halves of an int32 (a bf16x2 operand)."""
@@ -369,14 +415,16 @@ if _GLUON:
         return (b << 16) | b
 
     @gluon.jit
-    def _row_pairs(ptr, group, N, row_lo, spread, OFFSET: gl.constexpr, BITS: gl.constexpr):
-        """The bf16x2 pairs (value twice) of a group's per-feature value plus OFFSET for the
-        words' low and high rows (hr = 0, 1), spread over the words' shape."""
+    def _row_pairs(ptr, group, N, row_lo, spread, OFFSET: gl.constexpr, BITS: gl.constexpr,
+                   half: gl.constexpr):  # fmt: skip
+        """The 16-bit pairs (value twice, in the activations' type `half`) of a group's
+        per-feature value plus OFFSET for the words' low and high rows (hr = 0, 1), spread
+        over the words' shape."""
         lo = gl.load(ptr + group * N + row_lo)
         hi = gl.load(ptr + group * N + row_lo + 8)
         if OFFSET != 0:
-            lo = (lo.to(gl.float32) + OFFSET).to(gl.bfloat16)
-            hi = (hi.to(gl.float32) + OFFSET).to(gl.bfloat16)
+            lo = (lo.to(gl.float32) + OFFSET).to(half)
+            hi = (hi.to(gl.float32) + OFFSET).to(half)
         if BITS == 4:
             lo_pairs = _twice(lo)[:, None, None] + spread
             hi_pairs = _twice(hi)[:, None, None] + spread
@@ -410,18 +458,29 @@ if _GLUON:
         return lanes, n_p
 
     @gluon.jit
-    def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr):
+    def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr,
+                 half: gl.constexpr):  # fmt: skip
         """One chunk's words [32 row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
-        [64 rows, 64 columns] bf16 tile (code - zero, times the scale if SCALED)."""
+        [64 rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale if
+        SCALED)."""
+        if half == gl.float16:
+            if SCALED:
+                asm: gl.constexpr = _CODES_SCALED_F16
+            else:
+                asm: gl.constexpr = _CODES_LESS_ZERO_F16
+        elif SCALED:
+            asm: gl.constexpr = _CODES_SCALED
+        else:
+            asm: gl.constexpr = _CODES_LESS_ZERO
         if SCALED:
             v = gl.inline_asm_elementwise(
-                _CODES_SCALED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-                [words, z_lo, z_hi, s_lo, s_hi], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1,
+                asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+                [words, z_lo, z_hi, s_lo, s_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
             )  # fmt: skip
         else:
             v = gl.inline_asm_elementwise(
-                _CODES_LESS_ZERO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [words, z_lo, z_hi], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1,
+                asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [words, z_lo, z_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
             )  # fmt: skip
         # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hr, hc, e] -> [64 rows, 64 columns]. A
         # join appends its axis last, and that axis is the registers' fastest: joining over
@@ -434,7 +493,7 @@ if _GLUON:
 
     @gluon.jit
     def _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  SCALED: gl.constexpr):  # fmt: skip
+                  SCALED: gl.constexpr, half: gl.constexpr):  # fmt: skip
         """int8: one chunk's words [2 (j // 2), 32 row pairs, 4 (q), 4 (j % 2, hr)] ->
         wgmma's register operand, as `_operand`."""
         # A word's two registers share its row (hr, the last axis's low bit): its pairs.
@@ -442,7 +501,17 @@ if _GLUON:
             2, words.type.layout))))[None, None, None, :] % 2  # fmt: skip
         z = gl.where(hr == 1, z_hi, z_lo)
         s = gl.where(hr == 1, s_hi, s_lo)
-        if HAS_ZERO:
+        if half == gl.float16:
+            if HAS_ZERO:
+                if SCALED:
+                    asm: gl.constexpr = _INT8_LESS_ZERO_SCALED_F16
+                else:
+                    asm: gl.constexpr = _INT8_LESS_ZERO_F16
+            elif SCALED:
+                asm: gl.constexpr = _INT8_SCALED_F16
+            else:
+                asm: gl.constexpr = _INT8_CENTRED_F16
+        elif HAS_ZERO:
             if SCALED:
                 asm: gl.constexpr = _INT8_LESS_ZERO_SCALED
             else:
@@ -452,7 +521,7 @@ if _GLUON:
         else:
             asm: gl.constexpr = _INT8_CENTRED
         v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
-                                      dtype=[gl.bfloat16] * 4, is_pure=True, pack=1)  # fmt: skip
+                                      dtype=[half.value] * 4, is_pure=True, pack=1)  # fmt: skip
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
         # registers' order (e, hc, hr, jl, jh fastest first) is int4's (e, hc, hr, j).
         t = gl.join(gl.join(v[0], v[2]), gl.join(v[1], v[3]))
@@ -466,9 +535,12 @@ if _GLUON:
         stride_xm, stride_ym, BITS: gl.constexpr, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
-        X_RING: gl.constexpr = 0,
+        X_RING: gl.constexpr = 0, F16: gl.constexpr = False, GROUP_64: gl.constexpr = False,
     ):  # fmt: skip
-        """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module)."""
+        """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module). F16:
+        fp16 activations (else bf16); GROUP_64: groups of 64 input features, one a chunk (two
+        an iteration; GROUP_ITERS is then 1), else GROUP_ITERS iterations a group."""
+        DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
         )
@@ -476,7 +548,7 @@ if _GLUON:
         # x's chunks [ROWS, 64] in 16-byte pieces along K (contiguous in memory and in the
         # K-major shared tile alike, so each is one asynchronous copy).
         x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], gl.bfloat16)
+        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], DT)
         ITERS: gl.constexpr = K_SPLIT // _ITER_K
         CHUNK_WORDS: gl.constexpr = 128 * BITS  # 64 x 64 codes
 
@@ -485,10 +557,12 @@ if _GLUON:
         first = pid_k * ITERS
         n_iters = gl.minimum(ITERS, K // _ITER_K - first)
 
-        # z_lo: int4's built-in zero point (128 + 8, twice); int8 applies none unless read.
+        # z_lo: int4's built-in zero point (128 + 8 in bf16, 1024 + 8 in fp16, twice); int8
+        # applies none unless read.
         if BITS == 4:
             lane_words, n_p = _lanes4()
-            z_lo = gl.full(lane_words.shape, 0x43084308, gl.int32, lane_words.type.layout)
+            sym: gl.constexpr = 0x64086408 if F16 else 0x43084308
+            z_lo = gl.full(lane_words.shape, sym, gl.int32, lane_words.type.layout)
         else:
             lane_words, n_p = _lanes8()
             z_lo = gl.full(lane_words.shape, 0, gl.int32, lane_words.type.layout)
@@ -498,6 +572,11 @@ if _GLUON:
         z_hi = z_lo
         s_lo = z_lo
         s_hi = z_lo
+        # The second chunk's (GROUP_64: its own group's; else the same).
+        z_lo1 = z_lo
+        z_hi1 = z_lo
+        s_lo1 = z_lo
+        s_hi1 = z_lo
         offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
 
         acc = gl.zeros([64, ROWS], gl.float32, acc_l)
@@ -526,7 +605,7 @@ if _GLUON:
         if X_RING == 0:
             # The activation slice as 64-deep wgmma operands, copied once, asynchronously:
             # every chunk's copy is in flight at once (the weights' first loads already are).
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * ITERS, ROWS, _CHUNK_K], b_l)
+            xs = gl.allocate_shared_memory(DT, [2 * ITERS, ROWS, _CHUNK_K], b_l)
             for i in range(n_chunks):
                 _copy_async(xs.index(i), x_at + i * _CHUNK_K, x_mask)
             async_copy.commit_group()
@@ -535,7 +614,7 @@ if _GLUON:
             _sync_threads()
         else:
             # A ring of X_RING chunks: the first X_RING - 1 requested now, one group each.
-            xs = gl.allocate_shared_memory(gl.bfloat16, [X_RING, ROWS, _CHUNK_K], b_l)
+            xs = gl.allocate_shared_memory(DT, [X_RING, ROWS, _CHUNK_K], b_l)
             for c in gl.static_range(X_RING - 1):
                 if c < n_chunks:
                     _copy_async(xs.index(c), x_at + c * _CHUNK_K, x_mask)
@@ -545,21 +624,45 @@ if _GLUON:
             ahead = gl.minimum(2 * (step + 2), last)
             ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
             ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
-            group = step // GROUP_ITERS
+            # GROUP_64: chunk 2 step + h is group 2 step + h; else one group a whole iteration.
+            group = 2 * step if GROUP_64 else step // GROUP_ITERS
+            # What the codes read as before the zero point goes (see the module): bf16 int4
+            # 128 + code, int8 code - 128; fp16 1024 + code for both.
+            z_off: gl.constexpr = 1024.0 if F16 else (128.0 if BITS == 4 else -128.0)
             if HAS_ZERO:
-                # int4's codes read 128 + code, int8's code - 128 (see the module).
-                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread,
-                                        128.0 if BITS == 4 else -128.0, BITS)  # fmt: skip
+                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread, z_off, BITS, DT)
+                if GROUP_64:
+                    z_lo1, z_hi1 = _row_pairs(z_ptr, group + 1, N, row_lo, spread, z_off, BITS,
+                                              DT)  # fmt: skip
+                else:
+                    z_lo1 = z_lo
+                    z_hi1 = z_hi
             if not SCALE_ON_ACC:
-                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, 0.0, BITS)
+                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, 0.0, BITS, DT)
+                if GROUP_64:
+                    s_lo1, s_hi1 = _row_pairs(s_ptr, group + 1, N, row_lo, spread, 0.0, BITS, DT)
+                else:
+                    s_lo1 = s_lo
+                    s_hi1 = s_hi
             if BITS == 4:
-                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
-                a1 = _operand(words1, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC)
+                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT)
+                a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT)
             else:
-                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
-                a1 = _operand8(words1, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC)
+                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
+                               DT)  # fmt: skip
+                a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
+                               not SCALE_ON_ACC, DT)  # fmt: skip
             x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
-            if SCALE_ON_ACC:
+            if SCALE_ON_ACC and GROUP_64:
+                # Each chunk is a group: its products are scaled as soon as they are formed.
+                acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
+                s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
+                acc += acc_g * s[:, None]
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                acc_g = warpgroup_mma(a1, x1, acc_g, use_acc=False)
+                s = gl.load(s_ptr + (group + 1) * N + offs_n).to(gl.float32)
+                acc += acc_g * s[:, None]
+            elif SCALE_ON_ACC:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
@@ -636,8 +739,9 @@ def quant_wgmma_matmul(
     group_size: int, bias: torch.Tensor | None = None, config: QuantWgmmaConfig | None = None,
     counters: torch.Tensor | None = None, *, bits: int = 4, has_zero: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (bf16) -> x W^T (+ b) [M, N], W's `bits`-bit codes as `pack_quant_wgmma` packed
-    them and `scales`/`zeros` [G, N] as `asyncengine_kernels.quant_linear` keeps them.
+    """x [M, K] (bf16 or fp16) -> x W^T (+ b) [M, N], W's `bits`-bit codes as
+    `pack_quant_wgmma` packed them and `scales`/`zeros` [G, N] as
+    `asyncengine_kernels.quant_linear` keeps them (the scales in x's type).
     `counters`: int32, one per 64 output features, zeroed (the kernel leaves them so; default:
     fresh ones); has_zero: whether the zero points must be read (default: `reads_zeros`).
     More rows than one launch takes (`launch_max_rows`) run as launches of that many rows,
@@ -648,11 +752,17 @@ def quant_wgmma_matmul(
     codes = words.numel() * (32 // bits)
     if codes != n * k:
         raise ValueError(f"{words.numel()} words hold {codes} {bits}-bit codes, not {n} x {k}")
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"quant_wgmma takes bf16 activations with unit stride, got {x.dtype}")
+    if x.dtype not in DTYPES or x.stride(1) != 1:
+        raise ValueError(f"quant_wgmma takes bf16 or fp16 activations with unit stride, got "
+                         f"{x.dtype}")  # fmt: skip
+    if scales.dtype != x.dtype:
+        # The scales enter 16-bit arithmetic on the weights as they are stored.
+        raise ValueError(f"quant_wgmma needs the scales in the activations' type {x.dtype}, "
+                         f"got {scales.dtype}")  # fmt: skip
     if not _groups_fit(k, group_size):
-        raise ValueError(f"quant_wgmma needs K={k} and its groups of {group_size} in whole "
-                         f"{ITER_K}-feature iterations")  # fmt: skip
+        raise ValueError(f"quant_wgmma needs K={k} in whole {ITER_K}-feature iterations and "
+                         f"its groups of {group_size} in {CHUNK_K}-feature chunks or whole "
+                         "iterations")  # fmt: skip
     if m > max_rows(bits):
         raise ValueError(f"quant_wgmma serves up to {max_rows(bits)} rows in int{bits}, got {m}")
     step = launch_max_rows(bits)
@@ -686,13 +796,14 @@ def _launch(
         check_gemv_counters(counters, 1, tiles)
     else:
         parts = counters = y
-    group_iters = group_size // ITER_K
+    group_iters = max(1, group_size // ITER_K)
     pdl = use_pdl(x)
     _quant_wgmma_kernel[(tiles, splits)](
         words, scales, zeros, x, bias if bias is not None else y, y, parts, counters, m, n, k,
         x.stride(0), y.stride(0), BITS=bits, ROWS=config.rows, K_SPLIT=config.k_split,
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
         SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl,
-        X_RING=config.x_ring, num_warps=4,
+        X_RING=config.x_ring, F16=x.dtype == torch.float16, GROUP_64=group_size == CHUNK_K,
+        num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip

@@ -232,7 +232,7 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         enable_prefix_caching=False,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
-        dtype="bfloat16" if args.device != "cpu" else "float32",
+        dtype=args.dtype or ("bfloat16" if args.device != "cpu" else "float32"),
     )
     t0 = time.perf_counter()
     engine = LLMEngine(engine_args)
@@ -509,6 +509,9 @@ def main() -> None:
         help="decode attention override PROGRAMS_PER_SM,MAX_SEGMENTS[,TILE] (heuristic tuning)",
     )
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="activations (default bfloat16 on a GPU, float32 on the CPU); most "
+                         "GPTQ and AWQ checkpoints declare float16")  # fmt: skip
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
     ap.add_argument("--n-as-requests", action="store_true",
                     help="send the --n samples as separate requests (the baseline)")

@@ -390,6 +390,25 @@ QUANT_WGMMA_VARIANTS = [
          SCALE_ON_ACC=False, SPLIT_K=False, X_RING=4),
     dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
          SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4),
+    # fp16 activations (most GPTQ checkpoints' dtype), and groups of 64 input features.
+    dict(BITS=4, ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=True, SPLIT_K=True, USE_PDL=True, F16=True),
+    dict(BITS=4, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, F16=True),
+    dict(BITS=8, ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=True, SPLIT_K=True, F16=True),
+    dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, F16=True),
+    dict(BITS=4, ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=True, SPLIT_K=True, USE_PDL=True, GROUP_64=True),
+    dict(BITS=4, ROWS=32, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=True, SPLIT_K=True, X_RING=4, GROUP_64=True, F16=True),
+    dict(BITS=4, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, GROUP_64=True),
+    dict(BITS=8, ROWS=16, K_SPLIT=1024, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=True, SPLIT_K=True, GROUP_64=True),
+    dict(BITS=8, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=False, GROUP_64=True, F16=True),
 ]  # fmt: skip
 
 
@@ -403,9 +422,11 @@ def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
 
     fn = quant_wgmma._quant_wgmma_kernel
     signature = {p: "i32" for p in fn.arg_names}
-    signature.update(w_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", x_ptr="*bf16", b_ptr="*bf16",
-                     y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
-    constexprs = {"USE_PDL": False, "X_RING": 0, **constexprs}  # the kernel's defaults
+    half = "*fp16" if constexprs.get("F16") else "*bf16"
+    signature.update(w_ptr="*i32", s_ptr=half, z_ptr=half, x_ptr=half, b_ptr=half, y_ptr=half,
+                     part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
+    constexprs = {"USE_PDL": False, "X_RING": 0, "F16": False, "GROUP_64": False,
+                  **constexprs}  # the kernel's defaults
     signature.update({k: "constexpr" for k in constexprs})
     aligned = [fn.arg_names.index(p) for p in signature if p.endswith("_ptr")]
     aligned += [fn.arg_names.index(p) for p in ("N", "K", "stride_xm", "stride_ym")]

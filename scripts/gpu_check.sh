@@ -483,7 +483,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "tests admit formats int8 spec attn kvsweep fp8kv
+  # decode tiles. PARTS picks some of "tests admit formats fp16 int8 spec attn kvsweep fp8kv
   # compare w2" (default: tests formats int8 spec), so a call fits its limit; FORMATS narrows
   # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
   # figures' settings (ADMIT_W2=1: W2 FP8 at 1,024 with and without the room).
@@ -513,6 +513,15 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" formats "* ]]; then
     for q in ${FORMATS:-gptq-int4 gptq-int8 awq-int4 ct-w4a16 fp8}; do
       bench --workload l1 --system engine --quantization "$q" | cut -c1-300
+    done
+  fi
+  if [[ " $parts " == *" fp16 "* ]]; then  # fp16 activations, which most GPTQ and AWQ
+    # checkpoints declare: L1 in each integer format in fp16, then in bf16, since the wgmma
+    # matmul serves both (and groups of 64)
+    for q in ${FP16_FORMATS:-gptq-int4 gptq-int8}; do
+      for dt in float16 bfloat16; do
+        bench --workload l1 --system engine --quantization "$q" --dtype "$dt" | cut -c1-300
+      done
     done
   fi
   if [[ " $parts " == *" int8 "* ]]; then

@@ -6,6 +6,7 @@ kernels (`test_compile_for_gpu`)."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -128,6 +129,130 @@ def test_int8_registers_are_the_fragment_values() -> None:
     assert torch.equal(frag, (q - 128).float())
 
 
+_HALF = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+
+def _halves(word: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int64 words of two 16-bit floats -> float32 [..., 2] (low half first)."""
+    bits = torch.stack([word & 0xFFFF, (word >> 16) & 0xFFFF], dim=-1)
+    return bits.to(torch.int16).view(dtype).float()
+
+
+def _word(halves: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 [..., 2] -> int64 words of the two rounded to `dtype` (low half first)."""
+    bits = halves.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def _run_ptx(asm: str, n_out: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run one of the kernel's inline-asm blocks, element-wise over int64 tensors of 32-bit
+    words: the instructions it uses (`lop3`, `shr.u32`, `mov.b32`, 16-bit pair `sub` and
+    `mul.rn`), each as PTX defines it. `$i` are the `n_out` outputs (16-bit halves), then the
+    inputs.
+    Returns the outputs as 16-bit patterns."""
+    regs: dict[str, torch.Tensor] = {}
+    outs: list[torch.Tensor | None] = [None] * n_out
+
+    def val(op: str) -> torch.Tensor:
+        op = op.strip()
+        if op.startswith("$"):
+            return inputs[int(op[1:]) - n_out] & 0xFFFFFFFF
+        if op[0].isdigit():  # an immediate
+            return torch.tensor(int(op, 0), dtype=torch.int64)
+        return regs[op]
+
+    for line in str(asm).replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg") or line.startswith("constexpr["):
+            continue
+        op, _, rest = line.partition(" ")
+        if op == "mov.b32" and rest.lstrip().startswith("$"):  # unpack into two halves
+            lo, hi, src = re.match(r"\$(\d+), \$(\d+)\s*,\s*(\w+)", rest.replace("{", "")).groups()
+            outs[int(lo)], outs[int(hi)] = regs[src] & 0xFFFF, (regs[src] >> 16) & 0xFFFF
+            continue
+        dst, *args = [a.strip() for a in rest.split(",")]
+        a = [val(x) for x in args]
+        if op == "lop3.b32":
+            lut, out = int(args[3], 16), torch.zeros_like(a[0])
+            for bit in range(32):
+                idx = (((a[0] >> bit) & 1) << 2) | (((a[1] >> bit) & 1) << 1) | ((a[2] >> bit) & 1)
+                out |= ((lut >> idx) & 1) << bit
+            regs[dst] = out
+        elif op == "shr.u32":
+            regs[dst] = (a[0] & 0xFFFFFFFF) >> int(args[1])
+        elif op == "mov.b32":
+            regs[dst] = a[0] & 0xFFFFFFFF
+        elif op.startswith(("sub.", "mul.rn.")):
+            dtype = _HALF[op.rsplit(".", 1)[1]]
+            x, y = _halves(a[0], dtype), _halves(a[1], dtype)
+            # float32 holds the exact difference or product of two 16-bit values here, so
+            # one rounding to the type is the instruction's round-to-nearest-even.
+            regs[dst] = _word(x - y if op.startswith("sub.") else x * y, dtype)
+        else:
+            raise AssertionError(f"the emulator does not know {op}")
+    return outs  # type: ignore[return-value]
+
+
+def _pairs(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A value twice as a 16-bit pair (int64 word), as the kernel's `_row_pairs` makes it."""
+    return _word(torch.stack([values, values], dim=-1).float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_int4_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, scaled: bool) -> None:
+    """The int4 asm the kernel runs, emulated: every code in every nibble against every zero
+    point reads code - zero (times the scale, rounded to the type as the reference rounds)."""
+    f16 = dtype == torch.float16
+    asm = ((quant_wgmma._CODES_SCALED_F16 if scaled else quant_wgmma._CODES_LESS_ZERO_F16)
+           if f16 else (quant_wgmma._CODES_SCALED if scaled else quant_wgmma._CODES_LESS_ZERO))
+    codes, zeros = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    codes, zeros = codes.flatten(), zeros.flatten()
+    base = 1024.0 if f16 else 128.0
+    z_lo, z_hi = _pairs(base + zeros, dtype), _pairs(base + zeros, dtype)
+    scale = torch.full_like(codes, 3, dtype=torch.float32) * 0.0123
+    s = _pairs(scale, dtype)
+    for nibble in range(8):
+        words = codes << (4 * nibble)
+        outs = _run_ptx(asm.value, 8, [words, z_lo, z_hi, s, s] if scaled else [words, z_lo, z_hi])
+        # nibble 4 e + r: register r (output 2 r + e); registers 1, 3 take z_hi (the same).
+        e, r = nibble // 4, nibble % 4
+        got = torch.stack(outs).to(torch.int16).view(dtype).float()
+        want = (codes - zeros).float()
+        if scaled:
+            want = (want * scale.to(dtype).float()).to(dtype).float()
+        assert torch.equal(got[2 * r + e], want)
+        blank = (-zeros.float() * (scale.to(dtype).float() if scaled else 1)).to(dtype).float()
+        assert all(torch.equal(got[i], blank) for i in range(8) if i != 2 * r + e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("has_zero", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_int8_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, has_zero: bool,
+                                                   scaled: bool) -> None:  # fmt: skip
+    """The int8 asm, emulated: every code in every byte reads code - zero (zero 128 when
+    none is read), times the scale when scaled. The zero pair is what the kernel passes:
+    bf16 zero - 128, fp16 1024 + zero."""
+    f16 = dtype == torch.float16
+    name = ("_INT8_LESS_ZERO" if has_zero else "_INT8_CENTRED") if not scaled else (
+        "_INT8_LESS_ZERO_SCALED" if has_zero else "_INT8_SCALED")  # fmt: skip
+    asm = getattr(quant_wgmma, name + ("_F16" if f16 else "")).value
+    codes = torch.arange(256).repeat_interleave(4)
+    zeros = torch.tensor([0, 77, 128, 255]).repeat(256) if has_zero else torch.full_like(codes, 128)
+    z = _pairs(zeros + (1024.0 if f16 else -128.0), dtype)
+    scale = torch.full((codes.numel(),), 0.0071)
+    s = _pairs(scale, dtype)
+    for byte in range(4):
+        outs = _run_ptx(asm, 4, [codes << (8 * byte), z, s])
+        got = torch.stack(outs).to(torch.int16).view(dtype).float()  # [e + 2 hc]
+        hc, e = byte % 2, byte // 2
+        want = (codes - zeros).float()
+        if scaled:
+            want = (want * scale.to(dtype).float()).to(dtype).float()
+        assert torch.equal(got[e + 2 * hc], want)
+
+
 def test_packing_refuses_shapes_off_the_tiles() -> None:
     with pytest.raises(ValueError, match="multiples of 64"):
         pack_quant_wgmma(pack_int_weight(_codes(96, 128), 4))
@@ -155,6 +280,22 @@ def test_config_splits_k_in_whole_groups_within_shared_memory(
     splits = -(-k // cfg.k_split)
     assert (splits - 1) * cfg.k_split < k  # no split is empty
     assert cfg.scale_on_acc == (cfg.rows <= 16)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 128])
+def test_groups_of_64_split_k_in_whole_iterations(m: int) -> None:
+    """Groups of 64 input features (one chunk; two an iteration) take the same launches as
+    groups of 128: splits of whole iterations, which hold whole groups."""
+    for bits in (4, 8):
+        cfg64 = quant_wgmma_config(m, 4096, 4096, 64, bits=bits)
+        assert cfg64 == quant_wgmma_config(m, 4096, 4096, 128, bits=bits)
+        assert cfg64.k_split % ITER_K == 0
+
+
+def test_groups_fit_chunks_or_whole_iterations() -> None:
+    fits = quant_wgmma._groups_fit
+    assert fits(4096, 64) and fits(4096, 128) and fits(4096, 256) and fits(4096, 4096)
+    assert not fits(4096, 32) and not fits(4096, 192) and not fits(4160, 64)
 
 
 def test_config_fills_the_gpu_at_one_row() -> None:
@@ -278,28 +419,31 @@ def test_matmul_refuses_bad_operands_before_launching() -> None:
     q = pack_quant_wgmma(pack_int_weight(_codes(64, 256), 4))
     s = torch.ones(2, 64, dtype=torch.bfloat16)
     z = torch.full((2, 64), 8.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.float32), q, s, z, 128)
+    with pytest.raises(ValueError, match="scales in the activations' type"):
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.float16), q, s, z, 128)
-    with pytest.raises(ValueError, match="whole"):
+    with pytest.raises(ValueError, match="chunks or whole"):
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q,
-                          torch.ones(4, 64, dtype=torch.bfloat16), z, 64)  # fmt: skip
+                          torch.ones(8, 64, dtype=torch.bfloat16), z, 32)  # fmt: skip
     with pytest.raises(ValueError, match="codes"):
         quant_wgmma_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), q, s, z, 128)
     with pytest.raises(ValueError, match="8-bit codes"):  # int4 words read as int8
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q, s, z, 128, bits=8)
 
 
-def _operands(n: int, k: int, group: int, symmetric: bool, seed: int, bits: int = 4
+def _operands(n: int, k: int, group: int, symmetric: bool, seed: int, bits: int = 4,
+              dtype: torch.dtype = torch.bfloat16,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     groups = k // group
     q = torch.randint(0, 1 << bits, (n, k), generator=gen)
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
     if symmetric:
         zeros = torch.full((groups, n), float(1 << (bits - 1)))
     else:
         zeros = torch.randint(0, 1 << bits, (groups, n), generator=gen).float()
-    return pack_int_weight(q, bits).cuda(), scales.cuda(), zeros.to(torch.bfloat16).cuda()
+    return pack_int_weight(q, bits).cuda(), scales.cuda(), zeros.to(dtype).cuda()
 
 
 @requires_hopper
@@ -320,6 +464,36 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
     got = quant_wgmma_matmul(x, words, scales, zeros, group, config=cfg, bits=bits).float()
     err = (got - ref).abs().max().item()
     assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 130])
+@pytest.mark.parametrize(("dtype", "group", "symmetric"),
+                         [(torch.float16, 128, True), (torch.float16, 128, False),
+                          (torch.float16, 64, False), (torch.bfloat16, 64, True),
+                          (torch.bfloat16, 64, False), (torch.float16, 4096, False)])  # fmt: skip
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, group: int,
+                                                   symmetric: bool, bits: int) -> None:  # fmt: skip
+    """fp16 activations and groups of 64 input features, at the launch rules' configs for
+    each row count (the whole slice, the ring, two launches past 128), with bias, and with
+    the scale on both sides at 16 rows."""
+    n, k = 1024, 4096
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + group, bits=bits,
+                                       dtype=dtype)  # fmt: skip
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    words = pack_quant_wgmma(qweight, bits)
+    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
+    configs = [None]
+    if m == 16:
+        configs = [quant_wgmma_config(m, n, k, group, scale_on_acc=on, bits=bits)
+                   for on in (True, False)]  # fmt: skip
+    for cfg in configs:
+        got = quant_wgmma_matmul(x, words, scales, zeros, group, bias, cfg, bits=bits).float()
+        err = (got - ref).abs().max().item()
+        assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
 
 
 @requires_hopper

@@ -32,6 +32,7 @@ from models.quantization.kinds import (
     pack_wgmma_copy,
     release_unplanned_copies,
     tuning_kinds,
+    wgmma_serves,
 )
 from tests.quant_writers import Scheme
 
@@ -253,10 +254,14 @@ def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
 )
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int) -> None:
+@pytest.mark.parametrize(("dtype", "group"), [(torch.bfloat16, 128), (torch.float16, 128),
+                                              (torch.bfloat16, 64), (torch.float16, 64)])
+def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int, dtype: torch.dtype,
+                                                      group: int) -> None:  # fmt: skip
+    """bf16 and fp16 layers (most GPTQ checkpoints declare fp16), groups of 128 and 64."""
     from asyncengine_kernels.quant_linear import pack_int_weight
 
-    n, k, group = 1024, 4096, 128
+    n, k = 1024, 4096
     gen = torch.Generator().manual_seed(5)
     top = 1 << bits
     codes = torch.randint(0, top, (n, k), generator=gen)
@@ -265,12 +270,13 @@ def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int) -> N
     layer = SimpleNamespace(
         quant_config=IntQuantConfig("gptq", bits, group), group_size=group, in_features=k,
         out_features=n, input_perm=None, qweight=pack_int_weight(codes, bits).cuda(),
-        scales=(torch.rand(k // group, n, generator=gen) * 0.01).to(torch.bfloat16).cuda(),
-        zeros=zeros.to(torch.bfloat16).cuda(),
+        scales=(torch.rand(k // group, n, generator=gen) * 0.01).to(dtype).cuda(),
+        zeros=zeros.to(dtype).cuda(),
         gemv_counters=torch.zeros(n, dtype=torch.int32, device="cuda"),
     )  # fmt: skip
+    assert wgmma_serves(layer)
     pack_wgmma_copy(layer)
     assert layer.wgmma_has_zero == (not sym)
-    for rows in (1, 5, 16, 64) + ((200, 256) if bits == 4 else ()):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 5, 16, 33, 64, 200, 256):
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
         assert agrees_with_reference(QuantWgmma(), layer, x, None), rows
