@@ -28,7 +28,9 @@ The codes then lose the zero point with a 16-bit `sub` (exact): bf16 int4 (128 +
 (128 + zero); bf16 int8 (code - 128) - (zero - 128), skipped when every zero point is 128;
 fp16 (1024 + code) - (1024 + zero), or - 1152 for int8 without zero points.
 Groups of 64 input features are one chunk each: the two chunks of an iteration take their
-own zero points and scales.
+own zero points and scales. Groups of 32 are half a chunk: steps 0-1 and 2-3 of a chunk (the
+thread's words j < 2 and j >= 2; in int8 its two 16-byte loads) take two groups' values, so
+the scale goes on the fragment there.
 The scale is applied where it is cheapest:
 - `SCALE_ON_ACC` (few rows): the integers (code - zero) enter the MMA exactly, each group's
   products accumulate in a float32 tile of their own, and the group's per-feature scale
@@ -45,8 +47,8 @@ GPU at one row; the last split of a tile to arrive adds the others' float32 part
 (`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
 
 Contract: `quant_matmul_ref`'s, for bf16 or fp16 activations (the scales in the same type),
-4- or 8-bit codes, N a multiple of 64, K a multiple of 128, and groups of 64 input features,
-of a multiple of 128, or one per row.
+4- or 8-bit codes, N a multiple of 64, K a multiple of 128, and groups of 32 or 64 input
+features, of a multiple of 128, or one per row.
 `available()` says whether this Triton build has Gluon's Hopper module; `supported()`
 whether a launch qualifies.
 """
@@ -91,6 +93,7 @@ __all__ = [
 
 BLOCK_N = 64  # output features per program: one warpgroup's wgmma M
 CHUNK_K = 64  # input features of one packed chunk: four 16-deep wgmma steps
+HALF_CHUNK_K = 32  # the smallest group served: half a chunk, whose scale goes on the weights
 BITS = (4, 8)  # the code widths served
 # The activation types served: the 16-bit operand types of wgmma with a float32 accumulator.
 # fp16 matters as much as bf16: most GPTQ and AWQ checkpoints declare float16, which is what
@@ -182,7 +185,7 @@ def serves_weight(device: torch.device, dtype: torch.dtype, n: int, k: int, bits
                   group_size: int) -> bool:  # fmt: skip
     """Whether `quant_wgmma_matmul` serves an [N, K] weight on `device` for activations of
     `dtype`: an sm_90 GPU, bf16 or fp16, 4- or 8-bit codes, N a multiple of 64, K of 128,
-    and groups of 64 input features, of whole iterations (128) or one per row."""
+    and groups of 32 or 64 input features, of whole iterations (128) or one per row."""
     return (
         available()
         and device.type == "cuda"
@@ -202,10 +205,10 @@ def supported(x: torch.Tensor, n: int, k: int, bits: int, group_size: int) -> bo
 
 
 def _groups_fit(k: int, group_size: int) -> bool:
-    """K in whole iterations, and groups that tile it: of one chunk (64 input features), of
-    whole iterations, or one group."""
+    """K in whole iterations, and groups that tile it: of half a chunk or one (32 or 64 input
+    features), of whole iterations, or one group."""
     return (k % ITER_K == 0 and k % group_size == 0
-            and (group_size == CHUNK_K or group_size % ITER_K == 0))  # fmt: skip
+            and (group_size in (HALF_CHUNK_K, CHUNK_K) or group_size % ITER_K == 0))  # fmt: skip
 
 
 def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
@@ -216,14 +219,18 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     below, K is split so that the grid reaches about `TARGET_PROGRAMS` programs (fewer past
     8 rows), each split whole groups (or whole iterations when a group spans several splits)
     and its activation slice within `X_SLICE_BYTES`. The scale on the accumulator up to 16
-    rows (32 in the ring) unless told."""
+    rows (32 in the ring) unless told, and never for groups of 32."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > LAUNCH_MAX_ROWS:
         raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
     _check_bits(bits)
     ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS
     if scale_on_acc is None:
-        scale_on_acc = rows <= (32 if ring else 16)
+        # Groups of 32 split a chunk's wgmma steps between two scales: on the weights only.
+        scale_on_acc = rows <= (32 if ring else 16) and group_size >= CHUNK_K
+    elif scale_on_acc and group_size < CHUNK_K:
+        raise ValueError(f"groups of {group_size} take the scale on the weights, not on the "
+                         "accumulator")  # fmt: skip
     if ring:
         return ring_config(rows, n, k, group_size, scale_on_acc)
     iters, unit = _split_iters(k, group_size)
@@ -434,6 +441,18 @@ if _GLUON:
         return lo_pairs, hi_pairs
 
     @gluon.jit
+    def _chunk_pairs(ptr, group, N, row_lo, spread, upper, OFFSET: gl.constexpr,
+                     BITS: gl.constexpr, half: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
+        """`_row_pairs` for a chunk whose first group is `group`; HALVES (groups of 32): the
+        words of the chunk's upper 32 input features (`upper`) take group + 1's instead."""
+        lo, hi = _row_pairs(ptr, group, N, row_lo, spread, OFFSET, BITS, half)
+        if HALVES:
+            lo1, hi1 = _row_pairs(ptr, group + 1, N, row_lo, spread, OFFSET, BITS, half)
+            lo = gl.where(upper, lo1, lo)
+            hi = gl.where(upper, hi1, hi)
+        return lo, hi
+
+    @gluon.jit
     def _lanes4():
         """int4: each thread's word offsets within a chunk [32 row pairs (w, g), 4 (q), 4 (j)]
         (lanes over (g, q), warps over w, one 16-byte load) and its row pairs."""
@@ -536,10 +555,12 @@ if _GLUON:
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
         X_RING: gl.constexpr = 0, F16: gl.constexpr = False, GROUP_64: gl.constexpr = False,
+        GROUP_32: gl.constexpr = False,
     ):  # fmt: skip
         """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module). F16:
         fp16 activations (else bf16); GROUP_64: groups of 64 input features, one a chunk (two
-        an iteration; GROUP_ITERS is then 1), else GROUP_ITERS iterations a group."""
+        an iteration; GROUP_ITERS is then 1); GROUP_32: groups of 32, two a chunk (the scale
+        on the weights only), else GROUP_ITERS iterations a group."""
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
@@ -567,6 +588,9 @@ if _GLUON:
             lane_words, n_p = _lanes8()
             z_lo = gl.full(lane_words.shape, 0, gl.int32, lane_words.type.layout)
         spread = gl.zeros_like(lane_words)
+        # GROUP_32: the words of each chunk's upper 32 input features (int4: steps j = 2, 3;
+        # int8: the second 16-byte load).
+        upper = (lane_words % 4 >= 2) if BITS == 4 else (lane_words >= 512)
         w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * CHUNK_WORDS + lane_words
         row_lo = pid_n * 64 + (n_p // 8) * 16 + n_p % 8  # the words' rows: row_lo, row_lo + 8
         z_hi = z_lo
@@ -624,23 +648,35 @@ if _GLUON:
             ahead = gl.minimum(2 * (step + 2), last)
             ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
             ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
-            # GROUP_64: chunk 2 step + h is group 2 step + h; else one group a whole iteration.
-            group = 2 * step if GROUP_64 else step // GROUP_ITERS
+            # GROUP_64: chunk 2 step + h is group 2 step + h; GROUP_32: its halves are groups
+            # 4 step + 2 h and + 1; else one group a whole iteration.
+            if GROUP_32:
+                group = 4 * step
+                second = group + 2
+            elif GROUP_64:
+                group = 2 * step
+                second = group + 1
+            else:
+                group = step // GROUP_ITERS
+                second = group
             # What the codes read as before the zero point goes (see the module): bf16 int4
             # 128 + code, int8 code - 128; fp16 1024 + code for both.
             z_off: gl.constexpr = 1024.0 if F16 else (128.0 if BITS == 4 else -128.0)
             if HAS_ZERO:
-                z_lo, z_hi = _row_pairs(z_ptr, group, N, row_lo, spread, z_off, BITS, DT)
-                if GROUP_64:
-                    z_lo1, z_hi1 = _row_pairs(z_ptr, group + 1, N, row_lo, spread, z_off, BITS,
-                                              DT)  # fmt: skip
+                z_lo, z_hi = _chunk_pairs(z_ptr, group, N, row_lo, spread, upper, z_off, BITS,
+                                          DT, GROUP_32)  # fmt: skip
+                if GROUP_64 or GROUP_32:
+                    z_lo1, z_hi1 = _chunk_pairs(z_ptr, second, N, row_lo, spread, upper, z_off,
+                                                BITS, DT, GROUP_32)  # fmt: skip
                 else:
                     z_lo1 = z_lo
                     z_hi1 = z_hi
             if not SCALE_ON_ACC:
-                s_lo, s_hi = _row_pairs(s_ptr, group, N, row_lo, spread, 0.0, BITS, DT)
-                if GROUP_64:
-                    s_lo1, s_hi1 = _row_pairs(s_ptr, group + 1, N, row_lo, spread, 0.0, BITS, DT)
+                s_lo, s_hi = _chunk_pairs(s_ptr, group, N, row_lo, spread, upper, 0.0, BITS, DT,
+                                          GROUP_32)  # fmt: skip
+                if GROUP_64 or GROUP_32:
+                    s_lo1, s_hi1 = _chunk_pairs(s_ptr, second, N, row_lo, spread, upper, 0.0,
+                                                BITS, DT, GROUP_32)  # fmt: skip
                 else:
                     s_lo1 = s_lo
                     s_hi1 = s_hi
@@ -653,7 +689,9 @@ if _GLUON:
                 a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
                                not SCALE_ON_ACC, DT)  # fmt: skip
             x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
-            if SCALE_ON_ACC and GROUP_64:
+            if SCALE_ON_ACC and GROUP_32:
+                gl.static_assert(False, "groups of 32 take the scale on the weights")
+            elif SCALE_ON_ACC and GROUP_64:
                 # Each chunk is a group: its products are scaled as soon as they are formed.
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
                 s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
@@ -804,6 +842,6 @@ def _launch(
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
         SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl,
         X_RING=config.x_ring, F16=x.dtype == torch.float16, GROUP_64=group_size == CHUNK_K,
-        num_warps=4,
+        GROUP_32=group_size == HALF_CHUNK_K, num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip

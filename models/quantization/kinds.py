@@ -403,7 +403,7 @@ class QuantWgmma(MatmulKind):
 
 def wgmma_serves(layer: torch.nn.Module) -> bool:
     """Whether `QuantWgmma` can serve `layer` (int4/int8 codes, bf16 or fp16, an sm_90 GPU,
-    groups of 64 or of whole 128-feature iterations, its shapes)."""
+    groups of 32, 64 or whole 128-feature iterations, its shapes)."""
     bits = layer.quant_config.bits
     k, n = layer.qweight.shape[0] * (32 // bits), layer.qweight.shape[1]  # this rank's shard
     return quant_wgmma.serves_weight(layer.qweight.device, layer.scales.dtype, n, k, bits,

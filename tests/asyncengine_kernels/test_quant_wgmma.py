@@ -294,8 +294,20 @@ def test_groups_of_64_split_k_in_whole_iterations(m: int) -> None:
 
 def test_groups_fit_chunks_or_whole_iterations() -> None:
     fits = quant_wgmma._groups_fit
-    assert fits(4096, 64) and fits(4096, 128) and fits(4096, 256) and fits(4096, 4096)
-    assert not fits(4096, 32) and not fits(4096, 192) and not fits(4160, 64)
+    assert all(fits(4096, g) for g in (32, 64, 128, 256, 4096))
+    assert not fits(4096, 16) and not fits(4096, 192) and not fits(4160, 64)
+
+
+@pytest.mark.parametrize("m", [1, 16, 32, 128])
+def test_groups_of_32_take_the_scale_on_the_weights(m: int) -> None:
+    """Groups of 32 split a chunk's four wgmma steps between two scales, so the scale goes
+    on the weights at every row count, and asking for it on the accumulator is refused."""
+    for bits in (4, 8):
+        cfg = quant_wgmma_config(m, 4096, 4096, 32, bits=bits)
+        assert not cfg.scale_on_acc
+        assert cfg.k_split == quant_wgmma_config(m, 4096, 4096, 128, bits=bits).k_split
+        with pytest.raises(ValueError, match="on the weights"):
+            quant_wgmma_config(m, 4096, 4096, 32, scale_on_acc=True, bits=bits)
 
 
 def test_config_fills_the_gpu_at_one_row() -> None:
@@ -425,7 +437,7 @@ def test_matmul_refuses_bad_operands_before_launching() -> None:
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.float16), q, s, z, 128)
     with pytest.raises(ValueError, match="chunks or whole"):
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q,
-                          torch.ones(8, 64, dtype=torch.bfloat16), z, 32)  # fmt: skip
+                          torch.ones(16, 64, dtype=torch.bfloat16), z, 16)  # fmt: skip
     with pytest.raises(ValueError, match="codes"):
         quant_wgmma_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), q, s, z, 128)
     with pytest.raises(ValueError, match="8-bit codes"):  # int4 words read as int8
@@ -472,13 +484,14 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
 @pytest.mark.parametrize(("dtype", "group", "symmetric"),
                          [(torch.float16, 128, True), (torch.float16, 128, False),
                           (torch.float16, 64, False), (torch.bfloat16, 64, True),
-                          (torch.bfloat16, 64, False), (torch.float16, 4096, False)])  # fmt: skip
+                          (torch.bfloat16, 64, False), (torch.float16, 4096, False),
+                          (torch.bfloat16, 32, False), (torch.float16, 32, True)])  # fmt: skip
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, group: int,
                                                    symmetric: bool, bits: int) -> None:  # fmt: skip
-    """fp16 activations and groups of 64 input features, at the launch rules' configs for
-    each row count (the whole slice, the ring, two launches past 128), with bias, and with
-    the scale on both sides at 16 rows."""
+    """fp16 activations and groups of 64 and 32 input features, at the launch rules' configs
+    for each row count (the whole slice, the ring, two launches past 128), with bias, and
+    with the scale on both sides at 16 rows (groups of 64 and more)."""
     n, k = 1024, 4096
     qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + group, bits=bits,
                                        dtype=dtype)  # fmt: skip
@@ -487,7 +500,7 @@ def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, g
     words = pack_quant_wgmma(qweight, bits)
     ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
     configs = [None]
-    if m == 16:
+    if m == 16 and group >= 64:
         configs = [quant_wgmma_config(m, n, k, group, scale_on_acc=on, bits=bits)
                    for on in (True, False)]  # fmt: skip
     for cfg in configs:

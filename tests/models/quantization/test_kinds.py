@@ -255,10 +255,11 @@ def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("dtype", "group"), [(torch.bfloat16, 128), (torch.float16, 128),
-                                              (torch.bfloat16, 64), (torch.float16, 64)])
+                                              (torch.bfloat16, 64), (torch.float16, 64),
+                                              (torch.float16, 32)])
 def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int, dtype: torch.dtype,
                                                       group: int) -> None:  # fmt: skip
-    """bf16 and fp16 layers (most GPTQ checkpoints declare fp16), groups of 128 and 64."""
+    """bf16 and fp16 layers (most GPTQ checkpoints declare fp16), groups of 128, 64 and 32."""
     from asyncengine_kernels.quant_linear import pack_int_weight
 
     n, k = 1024, 4096
