@@ -342,9 +342,16 @@ def plan_quantized_linears(
             best = []
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
                 x, low_rows = _step_input(first, ladder, i)
+                agreeing, fallback = [], []
                 if len(kinds) == 1:
-                    # Nothing to choose between: only the agreement check runs.
+                    # Nothing to choose between: only the agreement check runs, and where the
+                    # kind fails it the format's fallbacks, if any, take its place.
                     agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
+                    fallback = [] if agreeing else method.fallback_kinds(first, rows)
+                    kinds = fallback or kinds
+                if len(kinds) == 1:
+                    if fallback:
+                        agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
                     row_times, checked = {}, checked + 1
                     fastest = agreeing[0].describe() if agreeing else None
                 else:

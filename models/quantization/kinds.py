@@ -217,14 +217,26 @@ def int_rule(bits: int, rows: int) -> IntRule:
     return next(r for r in INT_TUNING_RULES[bits] if r.max_rows is None or rows <= r.max_rows)
 
 
-def rule_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+def fallback_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+    """Where the rules time the wgmma matmul alone and it disagrees with the reference, the
+    kinds the rule would time without it, so that a failing kernel costs speed, not the
+    whole step's (the reference dequantizes with torch ops at every call); else none."""
+    rule = int_rule(layer.quant_config.bits, rows)
+    if envs.tune_all_kinds() or not (rule.wgmma_alone and wgmma_serves_rows(layer, rows)):
+        return []
+    return rule_int_kinds(layer, rows, with_wgmma=False)
+
+
+def rule_int_kinds(layer: torch.nn.Module, rows: int,
+                   with_wgmma: bool = True) -> list[MatmulKind]:  # fmt: skip
     """The kinds `INT_TUNING_RULES` names for `layer` at `rows` rows, less the configs that
     do not fit its group and K (and off the GPU, the GEMMs above `CPU_GEMM_MAX_ROWS`);
     dequantize + BLAS (the Triton pass on a GPU, the torch one elsewhere) where the rule
-    names it or nothing else fits."""
+    names it or nothing else fits. `with_wgmma=False`: as if the wgmma matmul could not
+    serve the layer."""
     group, k = layer.group_size, layer.in_features
     rule = int_rule(layer.quant_config.bits, rows)
-    wgmma = rule.wgmma and wgmma_serves_rows(layer, rows)
+    wgmma = with_wgmma and rule.wgmma and wgmma_serves_rows(layer, rows)
     if wgmma and rule.wgmma_alone:
         return [QuantWgmma()]
     kinds: list[MatmulKind] = []

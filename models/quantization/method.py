@@ -54,6 +54,12 @@ class QuantLinearMethod(ABC):
     def tuning_kinds(self, module: nn.Module, rows: int) -> list[MatmulKind]:
         """The kinds the start-up tuner times for `module` at `rows` rows."""
 
+    def fallback_kinds(self, module: nn.Module, rows: int) -> list[MatmulKind]:
+        """The kinds the tuner times instead where every one of `tuning_kinds` disagrees with
+        the reference (a kernel that fails on this GPU or for this layer): none by default,
+        which leaves the reference planned there."""
+        return []
+
 
 class IntLinearMethod(QuantLinearMethod):
     """Weight-only int4/int8 (GPTQ, AWQ, compressed-tensors pack-quantized)."""
@@ -71,6 +77,9 @@ class IntLinearMethod(QuantLinearMethod):
 
     def tuning_kinds(self, module: nn.Module, rows: int) -> list[MatmulKind]:
         return kinds.tuning_kinds(module, rows)
+
+    def fallback_kinds(self, module: nn.Module, rows: int) -> list[MatmulKind]:
+        return kinds.fallback_kinds(module, rows)
 
 
 class Fp8LinearMethod(QuantLinearMethod):

@@ -497,6 +497,40 @@ def test_a_step_of_one_candidate_is_checked_not_timed(monkeypatch: pytest.Monkey
     assert [type(e.kind) for e in plans[model["a"]].entries] == [DequantMatmul]
 
 
+def test_a_lone_candidate_that_fails_gives_way_to_the_fallbacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Where a step's one candidate (the wgmma matmul, timed alone where it serves) disagrees
+    with the reference, the format's fallback kinds are timed there instead and the fastest
+    is planned, rather than the torch reference."""
+    from asyncengine_kernels.quant_linear import QuantGemmConfig
+    from models.quantization import kinds as int_kinds
+    from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantWgmma
+
+    lone, reference = QuantWgmma(), DequantMatmul()
+    gemm = QuantTritonGemm(QuantGemmConfig(16, 64, 64))
+    monkeypatch.setattr(int_kinds, "tuning_kinds",
+                        lambda layer, rows: [lone] if rows == 2 else [reference])  # fmt: skip
+    monkeypatch.setattr(int_kinds, "fallback_kinds",
+                        lambda layer, rows: [gemm, reference] if rows == 2 else [])  # fmt: skip
+    monkeypatch.setattr(tuning, "_agreeing_kinds",
+                        lambda kinds, pairs, x, low_rows: [k for k in kinds if k != lone])
+    timed: dict[int, list[str]] = {}
+
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
+        timed[x.shape[0]] = [k.describe() for k in kinds]
+        return {gemm.describe(): 1.0, reference.describe(): 2.0}
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    model = _quantized_model("cpu", torch.float32)
+    plans, _ = tuning.plan_quantized_linears(model, device_type="cpu")
+    assert timed == {2: [gemm.describe(), reference.describe()]}
+    entries = plans[model["a"]].entries
+    assert [(e.kind, e.max_rows) for e in entries] == [
+        (reference, 1), (gemm, 2), (reference, None)
+    ]  # fmt: skip
+
+
 class _CountingReference(Blas):
     """A reference that counts its outputs (x W^T, as the exact kind computes it)."""
 

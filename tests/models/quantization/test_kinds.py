@@ -29,6 +29,7 @@ from models.quantization.kinds import (
     QuantWgmma,
     agrees_with_reference,
     all_int_kinds,
+    fallback_kinds,
     pack_wgmma_copy,
     release_unplanned_copies,
     tuning_kinds,
@@ -234,6 +235,24 @@ def test_int8_layers_time_the_wgmma_copy_as_int4_does(
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
         assert QuantWgmma() not in tuning_kinds(plain, rows), rows
     assert tuning_kinds(layer, 1024) == tuning_kinds(plain, 1024)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fallbacks_are_the_rules_kinds_without_a_lone_wgmma(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Where the rules time the wgmma matmul alone, the fallbacks (timed if it fails the
+    agreement check) are what the rule names for a layer without its copy; elsewhere none."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    plain = _shape(128, 4096, bits=bits, cuda=True)
+    layer = _shape(128, 4096, bits=bits, cuda=True)
+    layer.wgmma_words = torch.empty(0, dtype=torch.int32)
+    for rows in (2, 4, 8, 16):
+        assert tuning_kinds(layer, rows) == [QuantWgmma()]
+        assert fallback_kinds(layer, rows) == tuning_kinds(plain, rows) != [], rows
+    for rows in (1, 256, 1024):  # the wgmma matmul is timed beside others, or not at all
+        assert fallback_kinds(layer, rows) == [], rows
+    assert all(fallback_kinds(plain, rows) == [] for rows in (1, 2, 16, 64))
 
 
 def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
