@@ -106,7 +106,7 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
     if wgmma_serves_rows(layer, rows):
-        kinds.append(QuantWgmma())
+        kinds += wgmma_kinds(layer, rows)
     return kinds
 
 
@@ -252,9 +252,28 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
     if wgmma:
-        kinds.append(QuantWgmma())
+        kinds += wgmma_kinds(layer, rows)
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
+    return kinds
+
+
+# From this many rows the wgmma matmul is also timed with two warpgroups a program: above 64
+# rows each 64-feature program copied the whole activation slice through its ring, about
+# 0.8 GB a 7B layer from L2 at 128 rows, as much as the layer's time at L2's rate; two
+# warpgroups sharing one ring halve it. Not yet timed on a GPU (compiled for sm_90 without
+# spills, 156-218 registers), so the tuner times it beside the one-warpgroup form.
+WGMMA_PAIR_MIN_ROWS = quant_wgmma.SLICE_MAX_ROWS + 1
+
+
+def wgmma_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
+    """The wgmma matmul's forms for `layer` at a ladder step of `rows` rows: one warpgroup a
+    program, and from `WGMMA_PAIR_MIN_ROWS` two where N holds whole pairs of 64-feature
+    tiles."""
+    kinds: list[MatmulKind] = [QuantWgmma()]
+    n = layer.qweight.shape[1]  # this rank's output features
+    if rows >= WGMMA_PAIR_MIN_ROWS and n % (2 * quant_wgmma.BLOCK_N) == 0:
+        kinds.append(QuantWgmma(warpgroups=2))
     return kinds
 
 
@@ -391,6 +410,7 @@ class QuantWgmma(MatmulKind):
     `wgmma_has_zero`: whether any zero point is off the symmetric one). Its split-K arrival
     counters are the GEMV's."""
 
+    warpgroups: int = 1  # a program's, 64 output features each (`QuantWgmmaConfig`)
     name: ClassVar[str] = "wgmma"
     max_rows: ClassVar[int | None] = quant_wgmma.MAX_ROWS
 
@@ -409,8 +429,11 @@ class QuantWgmma(MatmulKind):
         return quant_wgmma.quant_wgmma_matmul(
             x, layer.wgmma_words, scales, zeros, layer.group_size, bias,
             counters=layer.gemv_counters, bits=layer.quant_config.bits,
-            has_zero=layer.wgmma_has_zero,
+            has_zero=layer.wgmma_has_zero, warpgroups=self.warpgroups,
         )  # fmt: skip
+
+    def describe(self) -> str:
+        return self.name if self.warpgroups == 1 else f"{self.name} {self.warpgroups} warpgroups"
 
 
 def wgmma_serves(layer: torch.nn.Module) -> bool:

@@ -96,10 +96,13 @@ def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
                for k in gemvs)  # fmt: skip
 
 
-def _shape(group: int, k: int, bits: int = 4, cuda: bool = False) -> SimpleNamespace:
-    """What `tuning_kinds` reads of an integer layer: its format, group, K and device (a
+def _shape(group: int, k: int, bits: int = 4, cuda: bool = False, n: int = 4096
+           ) -> SimpleNamespace:  # fmt: skip
+    """What `tuning_kinds` reads of an integer layer: its format, group, K, N and device (a
     stand-in for a GPU tensor where `cuda`)."""
-    qweight = SimpleNamespace(is_cuda=True) if cuda else torch.empty(0, dtype=torch.int32)
+    words = (k * bits // 32, n)
+    qweight = (SimpleNamespace(is_cuda=True, shape=words) if cuda
+               else torch.empty(words, dtype=torch.int32))  # fmt: skip
     return SimpleNamespace(quant_config=IntQuantConfig("gptq", bits, group), group_size=group,
                            in_features=k, qweight=qweight)  # fmt: skip
 
@@ -207,7 +210,9 @@ def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_256_rows(
     for rows in (1, 256):
         got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
         assert [k for k in got if not isinstance(k, QuantWgmma)] == without, rows
-        assert sum(isinstance(k, QuantWgmma) for k in got) == 1, rows
+        # Above 64 rows also with two warpgroups a program.
+        assert [k for k in got if isinstance(k, QuantWgmma)] == (
+            [QuantWgmma()] if rows == 1 else [QuantWgmma(), QuantWgmma(warpgroups=2)]), rows
     for rows in (2, 4, 8, 16, 64):
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
     assert len(tuning_kinds(plain, 64)) > 1  # without the copy the GEMM tiles are timed
@@ -230,7 +235,7 @@ def test_int8_layers_time_the_wgmma_copy_as_int4_does(
     for rows in (1, 64, 256):
         got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
         assert without and [k for k in got if not isinstance(k, QuantWgmma)] == without, rows
-        assert sum(isinstance(k, QuantWgmma) for k in got) == 1, rows
+        assert sum(isinstance(k, QuantWgmma) for k in got) == (2 if rows == 256 else 1), rows
     for rows in (2, 4, 8, 16):
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
         assert QuantWgmma() not in tuning_kinds(plain, rows), rows
@@ -253,6 +258,25 @@ def test_fallbacks_are_the_rules_kinds_without_a_lone_wgmma(
     for rows in (1, 256, 1024):  # the wgmma matmul is timed beside others, or not at all
         assert fallback_kinds(layer, rows) == [], rows
     assert all(fallback_kinds(plain, rows) == [] for rows in (1, 2, 16, 64))
+
+
+def test_two_warpgroups_a_program_only_above_64_rows_on_whole_pairs_of_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The two-warpgroup form of the wgmma matmul is a candidate from 65 rows, where N holds
+    whole 128-feature pairs of tiles, and describes itself apart (plan cache, logs)."""
+    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
+    pairs = _shape(128, 4096, cuda=True, n=4096)
+    odd = _shape(128, 4096, cuda=True, n=4160)  # 65 tiles of 64
+    for layer in (pairs, odd):
+        layer.wgmma_words = torch.empty(0, dtype=torch.int32)
+    assert QuantWgmma(warpgroups=2) in tuning_kinds(pairs, 256)
+    assert QuantWgmma(warpgroups=2) not in tuning_kinds(odd, 256)
+    assert QuantWgmma() in tuning_kinds(odd, 256)
+    assert all(QuantWgmma(warpgroups=2) not in tuning_kinds(pairs, r) for r in (1, 2, 16, 64))
+    assert QuantWgmma(warpgroups=2) in all_int_kinds(pairs, 128)
+    assert QuantWgmma().describe() == "wgmma"
+    assert QuantWgmma(warpgroups=2).describe() == "wgmma 2 warpgroups"
 
 
 def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
@@ -300,3 +324,5 @@ def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int, dtyp
     for rows in (1, 5, 16, 33, 64, 200, 256):
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
         assert agrees_with_reference(QuantWgmma(), layer, x, None), rows
+        if rows > 64:
+            assert agrees_with_reference(QuantWgmma(warpgroups=2), layer, x, None), rows
