@@ -569,6 +569,18 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(t, [64 * WG, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
+    def _chunk_operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, BITS: gl.constexpr,
+                       HAS_ZERO: gl.constexpr, SCALED: gl.constexpr, half: gl.constexpr,
+                       WG: gl.constexpr):  # fmt: skip
+        """One chunk's words -> wgmma's register operand, int4 or int8 (`_operand`,
+        `_operand8`)."""
+        if BITS == 4:
+            a = _operand(words, z_lo, z_hi, s_lo, s_hi, a_l, SCALED, half, WG)
+        else:
+            a = _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, SCALED, half, WG)
+        return a
+
+    @gluon.jit
     def _quant_wgmma_kernel(
         w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         stride_xm, stride_ym, BITS: gl.constexpr, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
@@ -584,6 +596,8 @@ if _GLUON:
         an iteration; GROUP_ITERS is then 1); GROUP_32: groups of 32, two a chunk (the scale
         on the weights only), else GROUP_ITERS iterations a group."""
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+        # Several warpgroups refill a ring slot only after the barrier (`_x_chunk`).
+        LATE: gl.constexpr = WG > 1
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, ROWS, 16]
         )
@@ -635,6 +649,7 @@ if _GLUON:
 
         acc = gl.zeros([64 * WG, ROWS], gl.float32, acc_l)
         acc_g = gl.zeros([64 * WG, ROWS], gl.float32, acc_l)
+
         # Weight words two iterations ahead (8 KB a program in flight for int4, 16 KB for
         # int8); past the split's end the last iteration's words are reloaded, harmlessly.
         # No kernel writes the weights, so the first ones are requested before waiting for
@@ -710,16 +725,11 @@ if _GLUON:
                 else:
                     s_lo1 = s_lo
                     s_hi1 = s_hi
-            if BITS == 4:
-                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT, WG)
-                a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT,
-                              WG)  # fmt: skip
-            else:
-                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
-                               DT, WG)  # fmt: skip
-                a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
-                               not SCALE_ON_ACC, DT, WG)  # fmt: skip
-            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
+            a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO,
+                                not SCALE_ON_ACC, DT, WG)  # fmt: skip
+            a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO,
+                                not SCALE_ON_ACC, DT, WG)  # fmt: skip
+            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING, LATE)
             if SCALE_ON_ACC and GROUP_32:
                 gl.static_assert(False, "groups of 32 take the scale on the weights")
             elif SCALE_ON_ACC and GROUP_64:
@@ -727,7 +737,7 @@ if _GLUON:
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
                 s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                 acc += acc_g * s[:, None]
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
                 acc_g = warpgroup_mma(a1, x1, acc_g, use_acc=False)
                 s = gl.load(s_ptr + (group + 1) * N + offs_n).to(gl.float32)
                 acc += acc_g * s[:, None]
@@ -735,14 +745,14 @@ if _GLUON:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
                 acc_g = warpgroup_mma(a1, x1, acc_g)
                 if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
                     s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                     acc += acc_g * s[:, None]
             else:
                 acc = warpgroup_mma(a0, x0, acc)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
                 acc = warpgroup_mma(a1, x1, acc)
             words0 = next0
             words1 = next1
@@ -769,21 +779,31 @@ if _GLUON:
             _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
 
     @gluon.jit
-    def _x_chunk(xs, x_at, x_mask, c, n_chunks, X_RING: gl.constexpr):
+    def _x_chunk(xs, x_at, x_mask, c, n_chunks, X_RING: gl.constexpr,
+                 LATE: gl.constexpr = False):  # fmt: skip
         """Chunk c of the activation slice as wgmma's B operand [64, ROWS]. From a ring
-        (X_RING > 0): first request chunk c + X_RING - 1 into the slot chunk c - 1 left
-        (its wgmma has completed: they are synchronous), then wait for chunk c, whose group
-        is X_RING - 1 groups back (empty groups keep the count past the last chunk)."""
+        (X_RING > 0): chunk c + X_RING - 1 goes into the slot chunk c - 1 left, and chunk c,
+        X_RING - 1 groups back, is waited for (empty groups keep the count past the last
+        chunk). One warpgroup requests before waiting: its wgmma, the slot's only reader, is
+        synchronous and has completed. LATE (several warpgroups): after the barrier, which
+        every warpgroup passes only once its own wgmma on that slot has completed."""
         if X_RING == 0:
             chunk = xs.index(c)
         else:
             ahead = c + X_RING - 1
-            if ahead < n_chunks:
-                _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
-            async_copy.commit_group()
-            async_copy.wait_group(X_RING - 1)
+            if not LATE:
+                if ahead < n_chunks:
+                    _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
+                async_copy.commit_group()
+                async_copy.wait_group(X_RING - 1)
+            else:
+                async_copy.wait_group(X_RING - 2)
             fence_async_shared()
             _sync_threads()  # every thread's copies of chunk c have landed
+            if LATE:
+                if ahead < n_chunks:
+                    _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
+                async_copy.commit_group()
             chunk = xs.index(c % X_RING)
         return chunk.permute((1, 0))
 
