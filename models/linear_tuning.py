@@ -342,23 +342,19 @@ def plan_quantized_linears(
             best = []
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
                 x, low_rows = _step_input(first, ladder, i)
-                agreeing, fallback = [], []
-                if len(kinds) == 1:
-                    # Nothing to choose between: only the agreement check runs, and where the
-                    # kind fails it the format's fallbacks, if any, take its place.
-                    agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
-                    fallback = [] if agreeing else method.fallback_kinds(first, rows)
-                    kinds = fallback or kinds
-                if len(kinds) == 1:
+                fastest, row_times = _fastest(kinds, x, pairs, reps, low_rows, declared)
+                if fastest is None:
+                    # Every candidate failed the agreement check (a kernel that fails on this
+                    # GPU): the format's fallbacks, if any, take their place.
+                    fallback = method.fallback_kinds(first, rows)
                     if fallback:
-                        agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
-                    row_times, checked = {}, checked + 1
-                    fastest = agreeing[0].describe() if agreeing else None
-                else:
-                    row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
+                        kinds = fallback
+                        fastest, row_times = _fastest(kinds, x, pairs, reps, low_rows, declared)
+                if len(kinds) > 1:
                     timed += len(row_times)
-                    fastest = min(row_times, key=row_times.__getitem__) if row_times else None
                     timings.setdefault((n, k), {})[rows] = row_times
+                else:
+                    checked += 1
                 # No kind agreeing (a non-finite reference) leaves the reference planned.
                 best.append(_named(kinds)[fastest] if fastest else reference_of(kinds[0]))
                 bar.update()
@@ -377,6 +373,21 @@ def plan_quantized_linears(
                     "ladder steps with one candidate checked only", len(groups),
                     time.perf_counter() - started, timed, checked)  # fmt: skip
     return plans, timings
+
+
+def _fastest(
+    kinds: Sequence[MatmulKind], x: torch.Tensor,
+    pairs: list[tuple[LinearBase, torch.Tensor | None]], reps: int, low_rows: int,
+    declared: InputTransform,
+) -> tuple[str | None, dict[str, float]]:  # fmt: skip
+    """The name of the fastest of `kinds` that agrees with the reference at a ladder step,
+    and every agreeing kind's time (none timed where there is one kind: it is only checked);
+    None where no kind agrees."""
+    if len(kinds) == 1:
+        agreeing = _agreeing_kinds(kinds, pairs, x, low_rows)
+        return (agreeing[0].describe() if agreeing else None), {}
+    row_times = _time_kinds(kinds, x, pairs, reps, low_rows, declared=declared)
+    return (min(row_times, key=row_times.__getitem__) if row_times else None), row_times
 
 
 def _named(kinds: Sequence[MatmulKind]) -> dict[str, MatmulKind]:

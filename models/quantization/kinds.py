@@ -238,7 +238,7 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
     rule = int_rule(layer.quant_config.bits, rows)
     wgmma = with_wgmma and rule.wgmma and wgmma_serves_rows(layer, rows)
     if wgmma and rule.wgmma_alone:
-        return [QuantWgmma()]
+        return wgmma_kinds(layer, rows)
     kinds: list[MatmulKind] = []
     if rows <= QUANT_GEMV_MAX_ROWS:
         # A row shorter than a rule's rows per program is read whole by each program (the
@@ -258,12 +258,12 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
     return kinds
 
 
-# From this many rows the wgmma matmul is also timed with two warpgroups a program: above 64
-# rows each 64-feature program copied the whole activation slice through its ring, about
-# 0.8 GB a 7B layer from L2 at 128 rows, as much as the layer's time at L2's rate; two
-# warpgroups sharing one ring halve it. Not yet timed on a GPU (compiled for sm_90 without
-# spills, 156-218 registers), so the tuner times it beside the one-warpgroup form.
-WGMMA_PAIR_MIN_ROWS = quant_wgmma.SLICE_MAX_ROWS + 1
+# From this many rows the wgmma matmul is also timed with two warpgroups a program: each
+# 64-feature program of the ring copies the whole activation slice of its K range, about
+# 0.8 GB a 7B layer from L2 at 128 rows (0.4 at 64), as much as the layer's time at L2's
+# rate; two warpgroups sharing one ring halve it. Not yet timed on a GPU (compiled for sm_90
+# without spills), so the tuner times it beside the one-warpgroup form, where the ring runs.
+WGMMA_PAIR_MIN_ROWS = 17
 
 
 def wgmma_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:

@@ -497,37 +497,44 @@ def test_a_step_of_one_candidate_is_checked_not_timed(monkeypatch: pytest.Monkey
     assert [type(e.kind) for e in plans[model["a"]].entries] == [DequantMatmul]
 
 
-def test_a_lone_candidate_that_fails_gives_way_to_the_fallbacks(
+def test_candidates_that_all_fail_give_way_to_the_fallbacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Where a step's one candidate (the wgmma matmul, timed alone where it serves) disagrees
-    with the reference, the format's fallback kinds are timed there instead and the fastest
-    is planned, rather than the torch reference."""
+    """Where a step's candidates all disagree with the reference (the wgmma matmul's forms,
+    timed alone where they serve), the format's fallback kinds are timed there instead and
+    the fastest is planned, rather than the torch reference: for a lone candidate (only
+    checked) and for two (timed)."""
     from asyncengine_kernels.quant_linear import QuantGemmConfig
     from models.quantization import kinds as int_kinds
     from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantWgmma
 
-    lone, reference = QuantWgmma(), DequantMatmul()
+    failing = {QuantWgmma(), QuantWgmma(warpgroups=2)}
+    reference = DequantMatmul()
     gemm = QuantTritonGemm(QuantGemmConfig(16, 64, 64))
+    steps = {2: [QuantWgmma()], 64: [QuantWgmma(), QuantWgmma(warpgroups=2)]}
     monkeypatch.setattr(int_kinds, "tuning_kinds",
-                        lambda layer, rows: [lone] if rows == 2 else [reference])  # fmt: skip
+                        lambda layer, rows: steps.get(rows, [reference]))  # fmt: skip
     monkeypatch.setattr(int_kinds, "fallback_kinds",
-                        lambda layer, rows: [gemm, reference] if rows == 2 else [])  # fmt: skip
+                        lambda layer, rows: [gemm, reference] if rows in steps else [])
     monkeypatch.setattr(tuning, "_agreeing_kinds",
-                        lambda kinds, pairs, x, low_rows: [k for k in kinds if k != lone])
-    timed: dict[int, list[str]] = {}
+                        lambda kinds, pairs, x, low_rows: [k for k in kinds if k not in failing])
+    timed: dict[int, list[str]] = {}  # per row count, what each shape's tuning timed
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
-        timed[x.shape[0]] = [k.describe() for k in kinds]
-        return {gemm.describe(): 1.0, reference.describe(): 2.0}
+        timed.setdefault(x.shape[0], []).extend(k.describe() for k in kinds)
+        times = {gemm.describe(): 1.0, reference.describe(): 2.0}
+        return {k.describe(): times[k.describe()] for k in kinds if k not in failing}
 
     monkeypatch.setattr(tuning, "_time_kinds", fake_times)
     model = _quantized_model("cpu", torch.float32)
     plans, _ = tuning.plan_quantized_linears(model, device_type="cpu")
-    assert timed == {2: [gemm.describe(), reference.describe()]}
+    fallback = [gemm.describe(), reference.describe()]
+    shapes = 2  # the model's two weight shapes, tuned in turn
+    assert timed == {2: fallback * shapes,
+                     64: ([f.describe() for f in steps[64]] + fallback) * shapes}
     entries = plans[model["a"]].entries
     assert [(e.kind, e.max_rows) for e in entries] == [
-        (reference, 1), (gemm, 2), (reference, None)
+        (reference, 1), (gemm, 2), (reference, 16), (gemm, 64), (reference, None)
     ]  # fmt: skip
 
 
