@@ -590,24 +590,27 @@ def _dequantize_cublas_ms(x: torch.Tensor, weights: list[Any], bits: int, group:
         w, s, z, bits, group, x.dtype), weights))
 
 
-def _int_weight_copies(n: int, k: int, bits: int, group: int
+def _int_weight_copies(n: int, k: int, bits: int, group: int,
+                       dtype: torch.dtype = torch.bfloat16,
                        ) -> tuple[int, list[tuple[torch.Tensor, ...]], list[Any], str | None,
                                   list[torch.Tensor]]:  # fmt: skip
     """Random symmetric integer weights [N, K] in the kernels' layout, as many copies as keep
-    L2 from serving any read: (bytes of one, the copies as (qweight, scales, zeros), torch's
-    int4 operands of each (tinygemm; none with the reason where it cannot run), and enough
-    dequantized bf16 copies [N, K] for cuBLAS)."""
+    L2 from serving any read: (bytes of one, the copies as (qweight, scales, zeros) with the
+    scales in `dtype`, torch's int4 operands of each (tinygemm, bf16 only; none with the
+    reason where it cannot run), and enough dequantized copies [N, K] in `dtype` for
+    cuBLAS)."""
     from asyncengine_kernels.quant_linear import dequantize_weight, pack_int_weight
 
     g = k // group
     wbytes = n * k * bits // 8 + 2 * 2 * g * n
     copies = max(4, math.ceil(512 * 2**20 / wbytes))
     weights, tiny = [], []
-    tiny_error = None if bits == 4 else "int4 only"
+    tiny_error = "int4 only" if bits != 4 else (
+        None if dtype == torch.bfloat16 else "bf16 only")  # fmt: skip
     for _ in range(copies):
         q = torch.randint(0, 1 << bits, (n, k), device="cuda", dtype=torch.uint8)
-        scales = torch.rand(g, n, device="cuda", dtype=torch.bfloat16) * 0.002
-        zeros = torch.full((g, n), float(1 << (bits - 1)), device="cuda", dtype=torch.bfloat16)
+        scales = torch.rand(g, n, device="cuda", dtype=dtype) * 0.002
+        zeros = torch.full((g, n), float(1 << (bits - 1)), device="cuda", dtype=dtype)
         weights.append((pack_int_weight(q, bits), scales, zeros))
         if tiny_error is None:
             try:
@@ -677,7 +680,8 @@ WGMMA_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # int8: up to 64
 
 
 def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
-                rows_list: tuple[int, ...] = WGMMA_ROWS) -> None:  # fmt: skip
+                rows_list: tuple[int, ...] = WGMMA_ROWS,
+                dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
     """int4 or int8 at decode batch sizes, kernel against kernel on one weight (cycled over
     copies so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm, int4
     only), the fastest of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner
@@ -695,7 +699,7 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
         quant_gemv_candidates,
     )
 
-    wbytes, weights, tiny, _, dense_weights = _int_weight_copies(n, k, bits, group)
+    wbytes, weights, tiny, _, dense_weights = _int_weight_copies(n, k, bits, group, dtype)
     packed = [(wg.pack_quant_wgmma(qweight, bits), scales, zeros)
               for qweight, scales, zeros in weights]  # fmt: skip
     kernel = f"int{bits}"
@@ -704,15 +708,16 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     cycling = _cycle_over
 
     for rows in (r for r in rows_list if r <= wg.max_rows(bits)):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
         nbytes, flops = wbytes + 2 * rows * (n + k), 2 * rows * n * k
         case = {**shape, "rows": rows}
         ms = bench(cycling(lambda w, x=x: F.linear(x, w), dense))
-        emit(kernel, {**case, "impl": "bf16 cublas"}, ms, nbytes=2 * n * k, flops=flops)
+        half = "bf16" if dtype == torch.bfloat16 else "fp16"
+        emit(kernel, {**case, "impl": f"{half} cublas"}, ms, nbytes=2 * n * k, flops=flops)
         if rows > wg.SLICE_MAX_ROWS:
             ms = _dequantize_cublas_ms(x, weights, bits, group)
             emit(kernel, {**case, "impl": "dequantize + cublas"}, ms, nbytes=nbytes, flops=flops)
-        if bits == 4:
+        if bits == 4 and tiny:
             ms = bench(cycling(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(
                 x, w, group, sz), tiny))
             emit(kernel, {**case, "impl": "torch int4 (tinygemm)"}, ms, nbytes=nbytes)
@@ -755,12 +760,14 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
 
 
 def bench_wgmma(bits: int, rows: tuple[int, ...] = WGMMA_ROWS,
-                shapes: tuple[str, ...] = tuple(QUANT_SHAPES)) -> None:  # fmt: skip
+                shapes: tuple[str, ...] = tuple(QUANT_SHAPES), group: int = 128,
+                dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
     for name in shapes:
         n, k = QUANT_SHAPES[name]
-        shape = {"workload": "L1", "layer": name, "n": n, "k": k, "bits": bits, "group": 128}
-        run_case(f"int{bits}", shape, _wgmma_case, n=n, k=k, group=128, bits=bits,
-                 rows_list=rows)  # fmt: skip
+        shape = {"workload": "L1", "layer": name, "n": n, "k": k, "bits": bits, "group": group,
+                 "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        run_case(f"int{bits}", shape, _wgmma_case, n=n, k=k, group=group, bits=bits,
+                 rows_list=rows, dtype=dtype)  # fmt: skip
 
 
 FP8_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -940,6 +947,10 @@ def main() -> None:
     )
     parser.add_argument("--quant-rows", nargs="+", default=[",".join(map(str, QUANT_ROWS))],
                         help="batch rows of the quantized matmul bench (16 64 or 16,64)")
+    parser.add_argument("--quant-dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="activations of the int4/int8 wgmma bench (--only int4/int8)")
+    parser.add_argument("--quant-group", type=int, default=128,
+                        help="group size of the int4/int8 wgmma bench")
     parser.add_argument("--quant-shapes", nargs="+", default=["w1"],
                         choices=["w1", *QUANT_SHAPES],
                         help="W1 layers of the quantized matmul bench (w1: all four)")
@@ -975,7 +986,8 @@ def main() -> None:
     if args.only in ("int4", "int8"):
         rows = tuple(int(r) for arg in args.quant_rows for r in arg.split(",") if r)
         bench_wgmma(int(args.only[3:]),
-                    rows if args.quant_rows != parser.get_default("quant_rows") else WGMMA_ROWS)
+                    rows if args.quant_rows != parser.get_default("quant_rows") else WGMMA_ROWS,
+                    group=args.quant_group, dtype=getattr(torch, args.quant_dtype))
     if args.only in (None, "fp8"):
         bench_fp8()
     if args.only in (None, "fp8row"):

@@ -517,7 +517,13 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   fi
   if [[ " $parts " == *" fp16 "* ]]; then  # fp16 activations, which most GPTQ and AWQ
     # checkpoints declare: L1 in each integer format in fp16, then in bf16, since the wgmma
-    # matmul serves both (and groups of 64)
+    # matmul serves both (and groups of 32 and 64): the int4 kernels at 1-128 rows in fp16,
+    # groups of 128 and 64 (fp16 cuBLAS beside them), then the engines
+    for g in 128 64; do
+      timeout 100 python3 scripts/bench_kernels.py --only int4 --quant-dtype float16 \
+        --quant-group "$g" --quant-rows 1 8 32 128 2>>"$OUT/bench.log" \
+        | tee -a "$OUT/fp16_kernels.jsonl" | cut -c1-260
+    done
     for q in ${FP16_FORMATS:-gptq-int4 gptq-int8}; do
       for dt in float16 bfloat16; do
         bench --workload l1 --system engine --quantization "$q" --dtype "$dt" | cut -c1-300
