@@ -686,7 +686,7 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     copies so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm, int4
     only), the fastest of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner
     would find it), dequantize + cuBLAS above 64 rows (the plans' pick there so far), and
-    the wgmma kernel at its default launch and with the scale on either side (above 64 rows
+    the wgmma kernel at its default launch and with the scale on either side (from 17 rows
     also with two warpgroups a program)."""
     import torch.nn.functional as F
 
@@ -736,16 +736,17 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
         per_launch = min(rows, wg.launch_max_rows(bits))
         default = wg.quant_wgmma_config(per_launch, n, k, group, bits=bits)
         launches = {default}
-        for on_acc in (True, False):
+        # Groups of 32 take the scale on the weights only.
+        for on_acc in (True, False) if group >= wg.CHUNK_K else (False,):
             base = wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc,
                                          bits=bits)
             forms = [base]
             if bits == 8 and 16 < per_launch <= wg.SLICE_MAX_ROWS:
                 # int8's ring: correct on the GPU, not yet planned; timed beside the slice.
                 forms.append(wg.ring_config(base.rows, n, k, group, on_acc))
-            if per_launch > wg.SLICE_MAX_ROWS and n % (2 * wg.BLOCK_N) == 0 and not on_acc:
+            if per_launch >= 17 and n % (2 * wg.BLOCK_N) == 0:
                 # Two warpgroups a program sharing one activation ring (timed by the tuner
-                # beside one from 65 rows).
+                # beside one from the 17-64 row step).
                 forms.append(wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc,
                                                    bits=bits, warpgroups=2))  # fmt: skip
             for form, factor in itertools.product(forms, (0.5, 1, 2)):
