@@ -428,6 +428,17 @@ if _GLUON:
     _INT8_LESS_ZERO_SCALED_F16 = gl.constexpr(
         "{" + _BYTES_F16 + _as_f16(_BYTES_LESS_ZERO + _BYTES_TIMES_SCALE) + _BYTES_OUT + "}"
     )
+    # The asm of each form: int4's at 2 fp16 + scaled (its zero point is always taken away,
+    # the built-in one if none is read), int8's at 4 fp16 + 2 zero points + scaled.
+    _INT4_ASM = gl.constexpr((
+        _CODES_LESS_ZERO.value, _CODES_SCALED.value, _CODES_LESS_ZERO_F16.value,
+        _CODES_SCALED_F16.value,
+    ))  # fmt: skip
+    _INT8_ASM = gl.constexpr((
+        _INT8_CENTRED.value, _INT8_SCALED.value, _INT8_LESS_ZERO.value,
+        _INT8_LESS_ZERO_SCALED.value, _INT8_CENTRED_F16.value, _INT8_SCALED_F16.value,
+        _INT8_LESS_ZERO_F16.value, _INT8_LESS_ZERO_SCALED_F16.value,
+    ))  # fmt: skip
 
     @gluon.jit
     def _twice(bits16):
@@ -502,15 +513,7 @@ if _GLUON:
         """One chunk's words [32 WG row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
         [64 WG rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale
         if SCALED)."""
-        if half == gl.float16:
-            if SCALED:
-                asm: gl.constexpr = _CODES_SCALED_F16
-            else:
-                asm: gl.constexpr = _CODES_LESS_ZERO_F16
-        elif SCALED:
-            asm: gl.constexpr = _CODES_SCALED
-        else:
-            asm: gl.constexpr = _CODES_LESS_ZERO
+        asm: gl.constexpr = _INT4_ASM[2 * (half == gl.float16) + SCALED]
         if SCALED:
             v = gl.inline_asm_elementwise(
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
@@ -540,25 +543,7 @@ if _GLUON:
             2, words.type.layout))))[None, None, None, :] % 2  # fmt: skip
         z = gl.where(hr == 1, z_hi, z_lo)
         s = gl.where(hr == 1, s_hi, s_lo)
-        if half == gl.float16:
-            if HAS_ZERO:
-                if SCALED:
-                    asm: gl.constexpr = _INT8_LESS_ZERO_SCALED_F16
-                else:
-                    asm: gl.constexpr = _INT8_LESS_ZERO_F16
-            elif SCALED:
-                asm: gl.constexpr = _INT8_SCALED_F16
-            else:
-                asm: gl.constexpr = _INT8_CENTRED_F16
-        elif HAS_ZERO:
-            if SCALED:
-                asm: gl.constexpr = _INT8_LESS_ZERO_SCALED
-            else:
-                asm: gl.constexpr = _INT8_LESS_ZERO
-        elif SCALED:
-            asm: gl.constexpr = _INT8_SCALED
-        else:
-            asm: gl.constexpr = _INT8_CENTRED
+        asm: gl.constexpr = _INT8_ASM[4 * (half == gl.float16) + 2 * HAS_ZERO + SCALED]
         v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
                                       dtype=[half.value] * 4, is_pure=True, pack=1)  # fmt: skip
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
