@@ -506,6 +506,21 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
     assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
 
 
+def _check_with_bias(m: int, n: int, k: int, group: int, symmetric: bool, bits: int,
+                     dtype: torch.dtype, **launch: object) -> None:
+    """`quant_wgmma_matmul` with a bias, `launch` its keyword arguments (a config, the
+    warpgroups), against `quant_matmul_ref` on random operands (on the GPU)."""
+    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + 3 * group, bits=bits,
+                                       dtype=dtype)  # fmt: skip
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
+    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight, bits), scales, zeros, group, bias,
+                             bits=bits, **launch).float()  # type: ignore[arg-type]
+    err = (got - ref).abs().max().item()
+    assert err <= 0.01 * ref.abs().max().item(), (launch, err)
+
+
 @requires_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 130])
@@ -521,20 +536,12 @@ def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, g
     for each row count (the whole slice, the ring, two launches past 128), with bias, and
     with the scale on both sides at 16 rows (groups of 64 and more)."""
     n, k = 1024, 4096
-    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + group, bits=bits,
-                                       dtype=dtype)  # fmt: skip
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    bias = torch.randn(n, device="cuda", dtype=dtype)
-    words = pack_quant_wgmma(qweight, bits)
-    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
-    configs = [None]
+    configs: list[quant_wgmma.QuantWgmmaConfig | None] = [None]
     if m == 16 and group >= 64:
         configs = [quant_wgmma_config(m, n, k, group, scale_on_acc=on, bits=bits)
                    for on in (True, False)]  # fmt: skip
     for cfg in configs:
-        got = quant_wgmma_matmul(x, words, scales, zeros, group, bias, cfg, bits=bits).float()
-        err = (got - ref).abs().max().item()
-        assert err <= 0.01 * ref.abs().max().item(), (cfg, err)
+        _check_with_bias(m, n, k, group, symmetric, bits, dtype, config=cfg)
 
 
 @requires_hopper
@@ -549,16 +556,7 @@ def test_gpu_two_warpgroups_match_reference(m: int, dtype: torch.dtype, group: i
                                             symmetric: bool, bits: int) -> None:  # fmt: skip
     """Two warpgroups a program sharing the activation ring, at the launch rules' configs for
     each row count (split K where the pairs of tiles are few: n = 1024), with bias."""
-    n, k = 1024, 4096
-    qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + 3 * group, bits=bits,
-                                       dtype=dtype)  # fmt: skip
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    bias = torch.randn(n, device="cuda", dtype=dtype)
-    ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
-    got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight, bits), scales, zeros, group, bias,
-                             bits=bits, warpgroups=2).float()  # fmt: skip
-    err = (got - ref).abs().max().item()
-    assert err <= 0.01 * ref.abs().max().item(), err
+    _check_with_bias(m, 1024, 4096, group, symmetric, bits, dtype, warpgroups=2)
 
 
 @requires_hopper
