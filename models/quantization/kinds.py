@@ -413,6 +413,7 @@ class QuantWgmma(MatmulKind):
     warpgroups: int = 1  # a program's, 64 output features each (`QuantWgmmaConfig`)
     name: ClassVar[str] = "wgmma"
     max_rows: ClassVar[int | None] = quant_wgmma.MAX_ROWS
+    compiles_per_rows: ClassVar[bool] = True  # the rows a launch pads to are a constexpr
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not has_wgmma_copy(layer):  # a plan read from the cache after a release

@@ -598,6 +598,20 @@ def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
     assert _CountingReference.calls == []
 
 
+def test_above_64_rows_only_the_kinds_compiled_per_row_count_compile_ahead() -> None:
+    """Up to 64 rows every kind of a step of several compiles side by side; above, only the
+    kinds whose kernels are compiled anew for each row count (the wgmma matmul's forms,
+    timed side by side at 256 rows), where there are two or more."""
+    from models.quantization.kinds import QuantWgmma, TritonDequantMatmul
+
+    forms = [QuantWgmma(), QuantWgmma(warpgroups=2)]
+    step = [TritonDequantMatmul(), *forms]
+    assert tuning.kinds_to_compile_ahead(step, 64) == step
+    assert tuning.kinds_to_compile_ahead(step, 256) == forms
+    assert tuning.kinds_to_compile_ahead([TritonDequantMatmul(), QuantWgmma()], 256) == []
+    assert tuning.kinds_to_compile_ahead([QuantWgmma()], 16) == []
+
+
 def test_quantized_plans_are_read_back_from_the_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:  # fmt: skip
