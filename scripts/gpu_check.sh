@@ -483,8 +483,9 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "tests admit formats fp16 int8 wg2 spec attn kvsweep
-  # fp8kv compare w2" (default: tests formats int8 spec), so a call fits its limit; FORMATS narrows
+  # decode tiles. PARTS picks some of "tests admit formats fp16 cold int8 wg2 spec attn
+  # kvsweep fp8kv compare w2" (default: tests formats int8 spec), so a call fits its limit;
+  # FORMATS narrows
   # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
   # figures' settings (ADMIT_W2=1: W2 FP8 at 1,024 with and without the room).
   other="${2:?usage: gpu_check.sh recheck DIR}"
@@ -534,6 +535,16 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       for dt in float16 bfloat16; do
         bench --workload l1 --system engine --quantization "$q" --dtype "$dt" | cut -c1-300
       done
+    done
+  fi
+  if [[ " $parts " == *" cold "* ]]; then  # a cold GPTQ int4 start (empty compile and plan
+    # caches; target 30 s) in bf16, then in fp16 (its own kernels to compile)
+    for dt in bfloat16 float16; do
+      rm -rf /tmp/cold-cache /tmp/cold-triton
+      ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 150 \
+        python3 scripts/bench_throughput.py --workload l1 --system engine \
+        --quantization gptq-int4 --dtype "$dt" 2>>"$OUT/bench.log" \
+        | tee -a "$OUT/results.jsonl" | cut -c1-300
     done
   fi
   if [[ " $parts " == *" int8 "* ]]; then
