@@ -150,27 +150,18 @@ MIN_SPLIT_ITERS = 2
 @dataclass(frozen=True)
 class QuantWgmmaConfig:
     """A launch: `rows` (wgmma N, the activation rows padded up), `k_split` input features
-    per program, where the scale is applied (`scale_on_acc`), the activation ring's chunks
-    (`x_ring`; 0: the whole slice at once) and the warpgroups a program runs (`warpgroups`,
-    64 output features each, sharing the ring's chunks: 2 needs the ring)."""
+    per program, where the scale is applied (`scale_on_acc`), and the activation ring's
+    chunks (`x_ring`; 0: the whole slice at once)."""
 
     rows: int
     k_split: int
     scale_on_acc: bool
     x_ring: int = 0
-    warpgroups: int = 1
-
-    def __post_init__(self) -> None:
-        if self.warpgroups not in (1, 2) or (self.warpgroups == 2 and not self.x_ring):
-            raise ValueError(f"a program runs 1 warpgroup, or 2 sharing an activation ring; "
-                             f"got {self.warpgroups} with x_ring={self.x_ring}")  # fmt: skip
 
     def __str__(self) -> str:
         where = "acc" if self.scale_on_acc else "weights"
         ring = f", x_ring={self.x_ring}" if self.x_ring else ""
-        wgs = f", warpgroups={self.warpgroups}" if self.warpgroups > 1 else ""
-        return (f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}"
-                f"{ring}{wgs})")  # fmt: skip
+        return f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}{ring})"
 
 
 def max_rows(bits: int) -> int:
@@ -221,24 +212,19 @@ def _groups_fit(k: int, group_size: int) -> bool:
 
 
 def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
-                       scale_on_acc: bool | None = None, *, bits: int = 4,
-                       warpgroups: int = 1) -> QuantWgmmaConfig:  # fmt: skip
+                       scale_on_acc: bool | None = None, *, bits: int = 4
+                       ) -> QuantWgmmaConfig:  # fmt: skip
     """The launch for M = m rows of `bits`-bit codes: rows padded to a power of two from 8.
     From `RING_MIN_ROWS` (int4: 17) the activations stream through a ring (`ring_config`);
     below, K is split so that the grid reaches about `TARGET_PROGRAMS` programs (fewer past
     8 rows), each split whole groups (or whole iterations when a group spans several splits)
     and its activation slice within `X_SLICE_BYTES`. The scale on the accumulator up to 16
-    rows (32 in the ring) unless told, and never for groups of 32. `warpgroups=2` (64 output
-    features each, one activation ring a program) takes the ring at any row count and N a
-    multiple of 128."""
+    rows (32 in the ring) unless told, and never for groups of 32."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > LAUNCH_MAX_ROWS:
         raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
     _check_bits(bits)
-    ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS or warpgroups > 1
-    if n % (BLOCK_N * warpgroups):
-        raise ValueError(f"{warpgroups} warpgroups a program need N a multiple of "
-                         f"{BLOCK_N * warpgroups}, got {n}")  # fmt: skip
+    ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS
     if scale_on_acc is None:
         # Groups of 32 split a chunk's wgmma steps between two scales: on the weights only.
         scale_on_acc = rows <= (32 if ring else 16) and group_size >= CHUNK_K
@@ -246,7 +232,7 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
         raise ValueError(f"groups of {group_size} take the scale on the weights, not on the "
                          "accumulator")  # fmt: skip
     if ring:
-        return ring_config(rows, n, k, group_size, scale_on_acc, warpgroups)
+        return ring_config(rows, n, k, group_size, scale_on_acc)
     iters, unit = _split_iters(k, group_size)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
@@ -257,22 +243,22 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
 
 
-def ring_config(rows: int, n: int, k: int, group_size: int, scale_on_acc: bool,
-                warpgroups: int = 1) -> QuantWgmmaConfig:  # fmt: skip
+def ring_config(rows: int, n: int, k: int, group_size: int,
+                scale_on_acc: bool) -> QuantWgmmaConfig:  # fmt: skip
     """The ring form's launch for `rows` padded rows: the activations stream through
     `X_RING` chunks, each split whole groups (or whole iterations when a group spans
     several splits). K is split only so that the grid reaches `RING_PROGRAMS` programs
     above 64 rows, about `RING_FEW_ROWS_PROGRAMS` up to 64 (the nearest whole number of
-    splits); a program of two warpgroups counts as one."""
+    splits)."""
     iters, unit = _split_iters(k, group_size)
-    tiles = n // (BLOCK_N * warpgroups)
+    tiles = n // BLOCK_N
     if rows > SLICE_MAX_ROWS:
         want = max(1, -(-RING_PROGRAMS // tiles))
     else:
         want = max(1, round(RING_FEW_ROWS_PROGRAMS / tiles))
     per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)
     return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
-                            x_ring=X_RING, warpgroups=warpgroups)  # fmt: skip
+                            x_ring=X_RING)  # fmt: skip
 
 
 def _split_iters(k: int, group_size: int) -> tuple[int, int]:
@@ -478,41 +464,35 @@ if _GLUON:
         return lo, hi
 
     @gluon.jit
-    def _lanes4(WG: gl.constexpr):
-        """int4: each thread's word offsets within its warpgroup's chunk [32 WG row pairs (w,
-        g), 4 (q), 4 (j)] (lanes over (g, q), warps over w, one 16-byte load) and its row
-        pairs (warpgroup w // 4 reads its own 64-row tile: its offsets are added by the
-        caller)."""
-        p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4 * WG, 1, 1], [2, 1, 0])
-        n_p = gl.arange(0, 32 * WG, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
+    def _lanes4():
+        """int4: each thread's word offsets within a chunk [32 row pairs (w, g), 4 (q), 4 (j)]
+        (lanes over (g, q), warps over w, one 16-byte load) and its row pairs."""
+        p_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        n_p = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, p_l)))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, p_l)))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, p_l)))
-        row_pair = n_p % 32 if WG > 1 else n_p  # within the warpgroup's tile
-        return (row_pair[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :], n_p
+        return (n_p[:, None, None] * 4 + q[None, :, None]) * 4 + j[None, None, :], n_p
 
     @gluon.jit
-    def _lanes8(WG: gl.constexpr):
-        """int8: each thread's word offsets within its warpgroup's chunk [2 (j // 2), 32 WG
-        row pairs (w, g), 4 (q), 4 (j % 2, hr)] (two 16-byte loads, 2 KB apart) and its row
-        pairs (the tile offsets as in `_lanes4`)."""
-        p_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 4], [1, 8, 4, 1], [1, 4 * WG, 1, 1],
+    def _lanes8():
+        """int8: each thread's word offsets within a chunk [2 (j // 2), 32 row pairs (w, g),
+        4 (q), 4 (j % 2, hr)] (two 16-byte loads, 2 KB apart) and its row pairs."""
+        p_l: gl.constexpr = gl.BlockedLayout([2, 1, 1, 4], [1, 8, 4, 1], [1, 4, 1, 1],
                                              [3, 2, 1, 0])  # fmt: skip
         jh = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, p_l))))
-        n_p = gl.arange(0, 32 * WG,
-                        layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, p_l))))
+        n_p = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, p_l))))
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, p_l))))
         u = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, p_l))))
-        row_pair = n_p % 32 if WG > 1 else n_p  # within the warpgroup's tile
-        lanes = (jh[:, None, None, None] * 512 + (row_pair[None, :, None, None] * 4
+        lanes = (jh[:, None, None, None] * 512 + (n_p[None, :, None, None] * 4
                  + q[None, None, :, None]) * 4 + u[None, None, None, :])  # fmt: skip
         return lanes, n_p
 
     @gluon.jit
     def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr,
-                 half: gl.constexpr, WG: gl.constexpr = 1):  # fmt: skip
-        """One chunk's words [32 WG row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
-        [64 WG rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale
-        if SCALED)."""
+                 half: gl.constexpr):  # fmt: skip
+        """One chunk's words [32 row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
+        [64 rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale if
+        SCALED)."""
         asm: gl.constexpr = _INT4_ASM[2 * (half == gl.float16) + SCALED]
         if SCALED:
             v = gl.inline_asm_elementwise(
@@ -529,13 +509,13 @@ if _GLUON:
         # e last pairs each register's two values as wgmma reads them (no byte permutes).
         e0 = gl.join(gl.join(v[0], v[2]), gl.join(v[4], v[6]))
         e1 = gl.join(gl.join(v[1], v[3]), gl.join(v[5], v[7]))
-        t = gl.reshape(gl.join(e0, e1), [4 * WG, 8, 4, 4, 2, 2, 2])  # [w, g, q, j, hr, hc, e]
+        t = gl.reshape(gl.join(e0, e1), [4, 8, 4, 4, 2, 2, 2])  # [w, g, q, j, hr, hc, e]
         t = gl.permute(t, [0, 4, 1, 3, 5, 2, 6])  # [w, hr, g, j, hc, q, e]
-        return gl.convert_layout(gl.reshape(t, [64 * WG, 64]), a_l, assert_trivial=True)
+        return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
     def _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  SCALED: gl.constexpr, half: gl.constexpr, WG: gl.constexpr = 1):  # fmt: skip
+                  SCALED: gl.constexpr, half: gl.constexpr):  # fmt: skip
         """int8: one chunk's words [2 (j // 2), 32 row pairs, 4 (q), 4 (j % 2, hr)] ->
         wgmma's register operand, as `_operand`."""
         # A word's two registers share its row (hr, the last axis's low bit): its pairs.
@@ -549,21 +529,9 @@ if _GLUON:
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
         # registers' order (e, hc, hr, jl, jh fastest first) is int4's (e, hc, hr, j).
         t = gl.join(gl.join(v[0], v[2]), gl.join(v[1], v[3]))
-        t = gl.reshape(t, [2, 4 * WG, 8, 4, 2, 2, 2, 2])  # [jh, w, g, q, jl, hr, hc, e]
+        t = gl.reshape(t, [2, 4, 8, 4, 2, 2, 2, 2])  # [jh, w, g, q, jl, hr, hc, e]
         t = gl.permute(t, [1, 5, 2, 0, 4, 6, 3, 7])  # [w, hr, g, jh, jl, hc, q, e]
-        return gl.convert_layout(gl.reshape(t, [64 * WG, 64]), a_l, assert_trivial=True)
-
-    @gluon.jit
-    def _chunk_operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, BITS: gl.constexpr,
-                       HAS_ZERO: gl.constexpr, SCALED: gl.constexpr, half: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
-        """One chunk's words -> wgmma's register operand, int4 or int8 (`_operand`,
-        `_operand8`)."""
-        if BITS == 4:
-            a = _operand(words, z_lo, z_hi, s_lo, s_hi, a_l, SCALED, half, WG)
-        else:
-            a = _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, SCALED, half, WG)
-        return a
+        return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
     def _quant_wgmma_kernel(
@@ -572,24 +540,20 @@ if _GLUON:
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
         X_RING: gl.constexpr = 0, F16: gl.constexpr = False, GROUP_64: gl.constexpr = False,
-        GROUP_32: gl.constexpr = False, WG: gl.constexpr = 1,
+        GROUP_32: gl.constexpr = False,
     ):  # fmt: skip
-        """y [M, N] for output features 64 WG pid_n.. over K split pid_k (see the module);
-        WG warpgroups a program, each with its own 64 output features, all reading the same
-        activation chunks (one copy a program, so WG = 2 halves their traffic). F16:
+        """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module). F16:
         fp16 activations (else bf16); GROUP_64: groups of 64 input features, one a chunk (two
         an iteration; GROUP_ITERS is then 1); GROUP_32: groups of 32, two a chunk (the scale
         on the weights only), else GROUP_ITERS iterations a group."""
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-        # Several warpgroups refill a ring slot only after the barrier (`_x_chunk`).
-        LATE: gl.constexpr = WG > 1
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, ROWS, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
         )
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         # x's chunks [ROWS, 64] in 16-byte pieces along K (contiguous in memory and in the
         # K-major shared tile alike, so each is one asynchronous copy).
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, _CHUNK_K], DT)
         ITERS: gl.constexpr = K_SPLIT // _ITER_K
         CHUNK_WORDS: gl.constexpr = 128 * BITS  # 64 x 64 codes
@@ -602,26 +566,18 @@ if _GLUON:
         # z_lo: int4's built-in zero point (128 + 8 in bf16, 1024 + 8 in fp16, twice); int8
         # applies none unless read.
         if BITS == 4:
-            lane_words, n_p = _lanes4(WG)
+            lane_words, n_p = _lanes4()
             sym: gl.constexpr = 0x64086408 if F16 else 0x43084308
             z_lo = gl.full(lane_words.shape, sym, gl.int32, lane_words.type.layout)
         else:
-            lane_words, n_p = _lanes8(WG)
+            lane_words, n_p = _lanes8()
             z_lo = gl.full(lane_words.shape, 0, gl.int32, lane_words.type.layout)
         spread = gl.zeros_like(lane_words)
         # GROUP_32: the words of each chunk's upper 32 input features (int4: steps j = 2, 3;
         # int8: the second 16-byte load).
         upper = (lane_words % 4 >= 2) if BITS == 4 else (lane_words >= 512)
-        if WG == 1:
-            w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * CHUNK_WORDS + lane_words
-        else:
-            # Warpgroup n_p // 32 reads 64-row tile WG pid_n + n_p // 32.
-            if BITS == 4:
-                wg_of = (n_p // 32)[:, None, None]
-            else:
-                wg_of = (n_p // 32)[None, :, None, None]
-            w_tile = w_ptr + ((pid_n * WG + wg_of) * (K // _CHUNK_K)) * CHUNK_WORDS + lane_words
-        row_lo = pid_n * (64 * WG) + (n_p // 8) * 16 + n_p % 8  # the words' rows: +0, +8
+        w_tile = w_ptr + (pid_n * (K // _CHUNK_K)) * CHUNK_WORDS + lane_words
+        row_lo = pid_n * 64 + (n_p // 8) * 16 + n_p % 8  # the words' rows: row_lo, row_lo + 8
         z_hi = z_lo
         s_lo = z_lo
         s_hi = z_lo
@@ -630,11 +586,10 @@ if _GLUON:
         z_hi1 = z_lo
         s_lo1 = z_lo
         s_hi1 = z_lo
-        offs_n = pid_n * (64 * WG) + gl.arange(0, 64 * WG, layout=gl.SliceLayout(1, acc_l))
+        offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
 
-        acc = gl.zeros([64 * WG, ROWS], gl.float32, acc_l)
-        acc_g = gl.zeros([64 * WG, ROWS], gl.float32, acc_l)
-
+        acc = gl.zeros([64, ROWS], gl.float32, acc_l)
+        acc_g = gl.zeros([64, ROWS], gl.float32, acc_l)
         # Weight words two iterations ahead (8 KB a program in flight for int4, 16 KB for
         # int8); past the split's end the last iteration's words are reloaded, harmlessly.
         # No kernel writes the weights, so the first ones are requested before waiting for
@@ -710,11 +665,15 @@ if _GLUON:
                 else:
                     s_lo1 = s_lo
                     s_hi1 = s_hi
-            a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO,
-                                not SCALE_ON_ACC, DT, WG)  # fmt: skip
-            a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO,
-                                not SCALE_ON_ACC, DT, WG)  # fmt: skip
-            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING, LATE)
+            if BITS == 4:
+                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT)
+                a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT)
+            else:
+                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
+                               DT)  # fmt: skip
+                a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
+                               not SCALE_ON_ACC, DT)  # fmt: skip
+            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
             if SCALE_ON_ACC and GROUP_32:
                 gl.static_assert(False, "groups of 32 take the scale on the weights")
             elif SCALE_ON_ACC and GROUP_64:
@@ -722,7 +681,7 @@ if _GLUON:
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
                 s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                 acc += acc_g * s[:, None]
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc_g = warpgroup_mma(a1, x1, acc_g, use_acc=False)
                 s = gl.load(s_ptr + (group + 1) * N + offs_n).to(gl.float32)
                 acc += acc_g * s[:, None]
@@ -730,14 +689,14 @@ if _GLUON:
                 # A group's products start from zero at its first iteration (or the split's).
                 keep = (it != 0) & (step % GROUP_ITERS != 0)
                 acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc_g = warpgroup_mma(a1, x1, acc_g)
                 if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
                     s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                     acc += acc_g * s[:, None]
             else:
                 acc = warpgroup_mma(a0, x0, acc)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING, LATE)
+                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc = warpgroup_mma(a1, x1, acc)
             words0 = next0
             words1 = next1
@@ -754,7 +713,7 @@ if _GLUON:
             counter = count_ptr + pid_n
             if gl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
                 _sync_threads()
-                acc = gl.zeros([64 * WG, ROWS], gl.float32, acc_l)
+                acc = gl.zeros([64, ROWS], gl.float32, acc_l)
                 for sp in range(n_splits):
                     acc += gl.load(part_ptr + (sp * M + offs_r[None, :]) * N + offs_n[:, None],
                                    mask=r_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
@@ -764,31 +723,21 @@ if _GLUON:
             _store_tile(acc, b_ptr, y_ptr, offs_n, offs_r, r_mask, stride_ym, HAS_BIAS)
 
     @gluon.jit
-    def _x_chunk(xs, x_at, x_mask, c, n_chunks, X_RING: gl.constexpr,
-                 LATE: gl.constexpr = False):  # fmt: skip
+    def _x_chunk(xs, x_at, x_mask, c, n_chunks, X_RING: gl.constexpr):
         """Chunk c of the activation slice as wgmma's B operand [64, ROWS]. From a ring
-        (X_RING > 0): chunk c + X_RING - 1 goes into the slot chunk c - 1 left, and chunk c,
-        X_RING - 1 groups back, is waited for (empty groups keep the count past the last
-        chunk). One warpgroup requests before waiting: its wgmma, the slot's only reader, is
-        synchronous and has completed. LATE (several warpgroups): after the barrier, which
-        every warpgroup passes only once its own wgmma on that slot has completed."""
+        (X_RING > 0): first request chunk c + X_RING - 1 into the slot chunk c - 1 left
+        (its wgmma has completed: they are synchronous), then wait for chunk c, whose group
+        is X_RING - 1 groups back (empty groups keep the count past the last chunk)."""
         if X_RING == 0:
             chunk = xs.index(c)
         else:
             ahead = c + X_RING - 1
-            if not LATE:
-                if ahead < n_chunks:
-                    _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
-                async_copy.commit_group()
-                async_copy.wait_group(X_RING - 1)
-            else:
-                async_copy.wait_group(X_RING - 2)
+            if ahead < n_chunks:
+                _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
+            async_copy.commit_group()
+            async_copy.wait_group(X_RING - 1)
             fence_async_shared()
             _sync_threads()  # every thread's copies of chunk c have landed
-            if LATE:
-                if ahead < n_chunks:
-                    _copy_async(xs.index(ahead % X_RING), x_at + ahead * _CHUNK_K, x_mask)
-                async_copy.commit_group()
             chunk = xs.index(c % X_RING)
         return chunk.permute((1, 0))
 
@@ -812,7 +761,6 @@ def quant_wgmma_matmul(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     group_size: int, bias: torch.Tensor | None = None, config: QuantWgmmaConfig | None = None,
     counters: torch.Tensor | None = None, *, bits: int = 4, has_zero: bool | None = None,
-    warpgroups: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] (bf16 or fp16) -> x W^T (+ b) [M, N], W's `bits`-bit codes as
     `pack_quant_wgmma` packed them and `scales`/`zeros` [G, N] as
@@ -843,19 +791,12 @@ def quant_wgmma_matmul(
     step = launch_max_rows(bits)
     if config is not None and not min(m, step) <= config.rows <= step:
         raise ValueError(f"{config} cannot launch {min(m, step)} rows (at most {step} a launch)")
-    if config is not None and config.scale_on_acc and group_size < CHUNK_K:
-        raise ValueError(f"{config}: groups of {group_size} take the scale on the weights")
-    wgs = config.warpgroups if config is not None else warpgroups
-    if n % (BLOCK_N * wgs):
-        raise ValueError(f"{wgs} warpgroups a program need N a multiple of {BLOCK_N * wgs}, "
-                         f"got {n}")  # fmt: skip
     if has_zero is None:
         has_zero = reads_zeros(zeros, bits)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     for lo in range(0, m, step):  # one launch up to `LAUNCH_MAX_ROWS` rows, in order
         hi = min(m, lo + step)
-        cfg = config or quant_wgmma_config(hi - lo, n, k, group_size, bits=bits,
-                                           warpgroups=warpgroups)  # fmt: skip
+        cfg = config or quant_wgmma_config(hi - lo, n, k, group_size, bits=bits)
         _launch(x[lo:hi], words, scales, zeros, group_size, bias, cfg, counters, y[lo:hi],
                 bits, has_zero)  # fmt: skip
     return y
@@ -869,7 +810,7 @@ def _launch(
     """One launch over x's rows (at most `config.rows`) into y (a row range of the output)."""
     m, k = x.shape
     n = scales.shape[1]
-    tiles = n // (BLOCK_N * config.warpgroups)
+    tiles = n // BLOCK_N
     splits = math.ceil(k / config.k_split)
     if splits > 1:
         parts = torch.empty(splits * m * n, device=x.device, dtype=torch.float32)
@@ -886,6 +827,6 @@ def _launch(
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
         SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl,
         X_RING=config.x_ring, F16=x.dtype == torch.float16, GROUP_64=group_size == CHUNK_K,
-        GROUP_32=group_size == HALF_CHUNK_K, WG=config.warpgroups, num_warps=4 * config.warpgroups,
+        GROUP_32=group_size == HALF_CHUNK_K, num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip

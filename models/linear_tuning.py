@@ -89,8 +89,7 @@ CPU_PACKED_MAX_SHARE_OF_FREE = 0.5
 # Threads that compile the quantized kinds' Triton kernels side by side before they are
 # timed (`_compile_ahead`); 1 compiles each on its first run instead.
 COMPILE_AHEAD_THREADS = min(16, os.cpu_count() or 1)
-# The largest ladder step whose kinds all compile in that pool (`_compile_ahead`); above it
-# only the kinds compiled anew for each row count (`MatmulKind.compiles_per_rows`).
+# The largest ladder step whose kinds compile in that pool (`_compile_ahead`).
 COMPILE_AHEAD_MAX_ROWS = 64
 
 Plans = dict[PlannedMatmul, MatmulPlan]
@@ -485,15 +484,6 @@ def _agreeing_kinds(
     return [kind for kind in kinds if kind not in dropped]
 
 
-def kinds_to_compile_ahead(kinds: Sequence[MatmulKind], rows: int) -> list[MatmulKind]:
-    """Which of a ladder step's `kinds` `_compile_ahead` runs from its pool: all of them up
-    to `COMPILE_AHEAD_MAX_ROWS` rows, above only those compiled anew for each row count;
-    none where fewer than two would run (nothing to compile side by side)."""
-    if rows > COMPILE_AHEAD_MAX_ROWS:
-        kinds = [kind for kind in kinds if kind.compiles_per_rows]
-    return list(kinds) if len(kinds) > 1 else []
-
-
 def _compile_ahead(
     kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
     x: torch.Tensor, low_rows: int, timed_input: Callable,
@@ -504,12 +494,11 @@ def _compile_ahead(
     specializes a row count only on being 1 or a multiple of 16, and a config's kernel at
     one weight shape mostly serves the others). The kernels run on the caller's stream, one
     after another as launched; what they return is dropped, and a kind that fails here
-    fails again in the serial pass, which skips it. Only for steps of more than one kind,
-    all of them up to `COMPILE_AHEAD_MAX_ROWS` rows; above, only the kinds compiled anew
-    for each row count (the wgmma matmul's forms), since the others are compiled by then and
-    some (dequantize + BLAS) would hold a dense weight per thread."""
-    kinds = kinds_to_compile_ahead(kinds, x.shape[0])
-    if x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or not kinds:
+    fails again in the serial pass, which skips it. Only for steps of more than one kind
+    and up to `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then,
+    and the pool's outputs stay small."""
+    if (x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(kinds) < 2
+            or x.shape[0] > COMPILE_AHEAD_MAX_ROWS):  # fmt: skip
         return
     layer, bias = pairs[0]
     stream = torch.cuda.current_stream(x.device)

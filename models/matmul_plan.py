@@ -109,9 +109,6 @@ class MatmulKind:
     # Input transforms and epilogues the kernel can apply itself.
     fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset()
     fusable_epilogues: ClassVar[frozenset[Epilogue]] = frozenset()
-    # Whether its kernel is compiled anew for each padded row count (a row count in its
-    # compile-time constants), so that each ladder step compiles it again.
-    compiles_per_rows: ClassVar[bool] = False
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Build what `apply` reads beside `layer.weight` (called when a plan holding this

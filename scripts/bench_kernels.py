@@ -686,8 +686,7 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
     copies so that L2 serves none of it): bf16 cuBLAS, torch's int4 kernel (tinygemm, int4
     only), the fastest of the Triton GEMV and GEMM candidates (the plan's pick, as the tuner
     would find it), dequantize + cuBLAS above 64 rows (the plans' pick there so far), and
-    the wgmma kernel at its default launch and with the scale on either side (from 17 rows
-    also with two warpgroups a program)."""
+    the wgmma kernel at its default launch and with the scale on either side."""
     import torch.nn.functional as F
 
     from asyncengine_kernels import quant_wgmma as wg
@@ -744,15 +743,9 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
             if bits == 8 and 16 < per_launch <= wg.SLICE_MAX_ROWS:
                 # int8's ring: correct on the GPU, not yet planned; timed beside the slice.
                 forms.append(wg.ring_config(base.rows, n, k, group, on_acc))
-            if per_launch >= 17 and n % (2 * wg.BLOCK_N) == 0:
-                # Two warpgroups a program sharing one activation ring (timed by the tuner
-                # beside one from the 17-64 row step).
-                forms.append(wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc,
-                                                   bits=bits, warpgroups=2))  # fmt: skip
             for form, factor in itertools.product(forms, (0.5, 1, 2)):
                 k_split = max(wg.ITER_K, int(form.k_split * factor) // group * group or group)
-                launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring,
-                                                 form.warpgroups))  # fmt: skip
+                launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring))
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(
                 x, w, s, z, group, None, c, counters, bits=bits, has_zero=False), packed))

@@ -418,17 +418,6 @@ QUANT_WGMMA_VARIANTS = [
          SCALE_ON_ACC=False, SPLIT_K=True, GROUP_32=True),
     dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, GROUP_32=True, F16=True),
-    # Two warpgroups a program sharing the activation ring (65-256 rows).
-    dict(BITS=4, ROWS=128, K_SPLIT=4096, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
-         SCALE_ON_ACC=False, SPLIT_K=False, X_RING=4, WG=2),
-    dict(BITS=4, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
-         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, WG=2),
-    dict(BITS=8, ROWS=128, K_SPLIT=4096, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
-         SCALE_ON_ACC=False, SPLIT_K=False, X_RING=4, WG=2),
-    dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
-         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, WG=2, F16=True, GROUP_64=True),
-    dict(BITS=4, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
-         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, WG=2, GROUP_32=True),
 ]  # fmt: skip
 
 
@@ -446,7 +435,7 @@ def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
     signature.update(w_ptr="*i32", s_ptr=half, z_ptr=half, x_ptr=half, b_ptr=half, y_ptr=half,
                      part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
     constexprs = {"USE_PDL": False, "X_RING": 0, "F16": False, "GROUP_64": False,
-                  "GROUP_32": False, "WG": 1, **constexprs}  # the kernel's defaults
+                  "GROUP_32": False, **constexprs}  # the kernel's defaults
     signature.update({k: "constexpr" for k in constexprs})
     aligned = [fn.arg_names.index(p) for p in signature if p.endswith("_ptr")]
     aligned += [fn.arg_names.index(p) for p in ("N", "K", "stride_xm", "stride_ym")]
@@ -454,8 +443,7 @@ def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
         fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4 * constexprs.get("WG", 1)})  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
 def _cubin_tool(compiled: Any, tool: str, *args: str) -> str:

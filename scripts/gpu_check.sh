@@ -483,7 +483,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "wgtests tests admit formats fp16 cold int8 wg2 qw1
+  # decode tiles. PARTS picks some of "wgtests tests admit formats fp16 cold int8 int4 qw1
   # spec attn kvsweep fp8kv compare w2" (default: wgtests tests formats int8 spec), so a call
   # fits its limit; FORMATS narrows
   # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
@@ -491,7 +491,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   other="${2:?usage: gpu_check.sh recheck DIR}"
   parts="${PARTS:-wgtests tests formats int8 spec}"
   if [[ " $parts " == *" wgtests "* ]]; then  # the wgmma GPU tests alone (fp16, groups of 32
-    # and 64 and two warpgroups a program compile many variants)
+    # and 64 compile many variants)
     timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=20 \
       -rf tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization/test_kinds.py \
       2>&1 | tee "$OUT/gpu_wgmma_tests.log" | tail -n 12
@@ -552,13 +552,11 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     timeout 200 python3 scripts/bench_kernels.py --only int8 --quant-rows 32 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int8_kernels.jsonl" | cut -c1-260
   fi
-  if [[ " $parts " == *" wg2 "* ]]; then  # two warpgroups a program sharing the activation
-    # ring, at 64, 128 and 256 rows, int4 (int8's part above times them too)
+  if [[ " $parts " == *" int4 "* ]]; then  # the int4 kernels at 64, 128 and 256 rows
     timeout 200 python3 scripts/bench_kernels.py --only int4 --quant-rows 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
   fi
-  if [[ " $parts " == *" qw1 "* ]]; then  # W1 in bf16, GPTQ int4 and int8, whose tuner now
-    # times the two-warpgroup form from 17 rows
+  if [[ " $parts " == *" qw1 "* ]]; then  # W1 in bf16, GPTQ int4 and int8
     for q in none gptq-int4 gptq-int8; do
       flag=$([ "$q" = none ] || echo "--quantization $q")
       bench --workload w1 --system engine $flag | cut -c1-300

@@ -106,7 +106,7 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
     if rows <= QUANT_GEMV_MAX_ROWS:
         kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
     if wgmma_serves_rows(layer, rows):
-        kinds += wgmma_kinds(layer, rows)
+        kinds.append(QuantWgmma())
     return kinds
 
 
@@ -238,7 +238,7 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
     rule = int_rule(layer.quant_config.bits, rows)
     wgmma = with_wgmma and rule.wgmma and wgmma_serves_rows(layer, rows)
     if wgmma and rule.wgmma_alone:
-        return wgmma_kinds(layer, rows)
+        return [QuantWgmma()]
     kinds: list[MatmulKind] = []
     if rows <= QUANT_GEMV_MAX_ROWS:
         # A row shorter than a rule's rows per program is read whole by each program (the
@@ -252,28 +252,9 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
     if wgmma:
-        kinds += wgmma_kinds(layer, rows)
+        kinds.append(QuantWgmma())
     if rule.dequantize or not kinds:
         kinds.append(TritonDequantMatmul() if layer.qweight.is_cuda else DequantMatmul())
-    return kinds
-
-
-# From this many rows the wgmma matmul is also timed with two warpgroups a program: each
-# 64-feature program of the ring copies the whole activation slice of its K range, about
-# 0.8 GB a 7B layer from L2 at 128 rows (0.4 at 64), as much as the layer's time at L2's
-# rate; two warpgroups sharing one ring halve it. Not yet timed on a GPU (compiled for sm_90
-# without spills), so the tuner times it beside the one-warpgroup form, where the ring runs.
-WGMMA_PAIR_MIN_ROWS = 17
-
-
-def wgmma_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
-    """The wgmma matmul's forms for `layer` at a ladder step of `rows` rows: one warpgroup a
-    program, and from `WGMMA_PAIR_MIN_ROWS` two where N holds whole pairs of 64-feature
-    tiles."""
-    kinds: list[MatmulKind] = [QuantWgmma()]
-    n = layer.qweight.shape[1]  # this rank's output features
-    if rows >= WGMMA_PAIR_MIN_ROWS and n % (2 * quant_wgmma.BLOCK_N) == 0:
-        kinds.append(QuantWgmma(warpgroups=2))
     return kinds
 
 
@@ -410,10 +391,8 @@ class QuantWgmma(MatmulKind):
     `wgmma_has_zero`: whether any zero point is off the symmetric one). Its split-K arrival
     counters are the GEMV's."""
 
-    warpgroups: int = 1  # a program's, 64 output features each (`QuantWgmmaConfig`)
     name: ClassVar[str] = "wgmma"
     max_rows: ClassVar[int | None] = quant_wgmma.MAX_ROWS
-    compiles_per_rows: ClassVar[bool] = True  # the rows a launch pads to are a constexpr
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not has_wgmma_copy(layer):  # a plan read from the cache after a release
@@ -430,11 +409,8 @@ class QuantWgmma(MatmulKind):
         return quant_wgmma.quant_wgmma_matmul(
             x, layer.wgmma_words, scales, zeros, layer.group_size, bias,
             counters=layer.gemv_counters, bits=layer.quant_config.bits,
-            has_zero=layer.wgmma_has_zero, warpgroups=self.warpgroups,
+            has_zero=layer.wgmma_has_zero,
         )  # fmt: skip
-
-    def describe(self) -> str:
-        return self.name if self.warpgroups == 1 else f"{self.name} {self.warpgroups} warpgroups"
 
 
 def wgmma_serves(layer: torch.nn.Module) -> bool:

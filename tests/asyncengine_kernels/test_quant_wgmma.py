@@ -310,34 +310,6 @@ def test_groups_of_32_take_the_scale_on_the_weights(m: int) -> None:
             quant_wgmma_config(m, 4096, 4096, 32, scale_on_acc=True, bits=bits)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(128, 4096, 4096), (256, 22016, 4096),
-                                            (100, 12288, 4096), (64, 4096, 11008)])
-def test_two_warpgroups_share_the_ring_over_twice_the_features(m: int, n: int, k: int) -> None:
-    """Two warpgroups a program: the ring at any row count, and K split as if the program
-    were one tile of 128 features (so the grid still reaches a program a multiprocessor)."""
-    one = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), n, k, 128)
-    two = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), n, k, 128, warpgroups=2)
-    assert two.warpgroups == 2 and two.x_ring == X_RING and two.rows == one.rows
-    assert two.k_split % ITER_K == 0
-    programs = (n // 128) * -(-k // two.k_split)
-    assert programs >= RING_PROGRAMS or two.k_split == ITER_K
-    assert two.k_split <= one.k_split if one.x_ring else True
-
-
-def test_two_warpgroups_need_the_ring_and_whole_pairs_of_tiles() -> None:
-    with pytest.raises(ValueError, match="2 sharing an activation ring"):
-        quant_wgmma.QuantWgmmaConfig(rows=64, k_split=256, scale_on_acc=False, warpgroups=2)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        quant_wgmma_config(128, 4160, 4096, 128, warpgroups=2)
-    words = pack_quant_wgmma(pack_int_weight(_codes(192, 256), 4))
-    s = torch.ones(2, 192, dtype=torch.bfloat16)
-    z = torch.full((2, 192), 8.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        quant_wgmma_matmul(torch.zeros(100, 256, dtype=torch.bfloat16), words, s, z, 128,
-                           warpgroups=2)  # fmt: skip
-    assert "warpgroups=2" in str(quant_wgmma_config(128, 4096, 4096, 128, warpgroups=2))
-
-
 def test_config_fills_the_gpu_at_one_row() -> None:
     cfg = quant_wgmma_config(1, 4096, 4096, 128)
     assert (4096 // 64) * (4096 // cfg.k_split) >= 132 * 4
@@ -508,8 +480,8 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
 
 def _check_with_bias(m: int, n: int, k: int, group: int, symmetric: bool, bits: int,
                      dtype: torch.dtype, **launch: object) -> None:
-    """`quant_wgmma_matmul` with a bias, `launch` its keyword arguments (a config, the
-    warpgroups), against `quant_matmul_ref` on random operands (on the GPU)."""
+    """`quant_wgmma_matmul` with a bias, `launch` its keyword arguments (a config), against
+    `quant_matmul_ref` on random operands (on the GPU)."""
     qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + 3 * group, bits=bits,
                                        dtype=dtype)  # fmt: skip
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -542,21 +514,6 @@ def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, g
                    for on in (True, False)]  # fmt: skip
     for cfg in configs:
         _check_with_bias(m, n, k, group, symmetric, bits, dtype, config=cfg)
-
-
-@requires_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [8, 33, 65, 128, 200, 256])
-@pytest.mark.parametrize(("dtype", "group", "symmetric"),
-                         [(torch.bfloat16, 128, True), (torch.bfloat16, 128, False),
-                          (torch.float16, 64, False), (torch.bfloat16, 32, False),
-                          (torch.float16, 4096, True)])  # fmt: skip
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gpu_two_warpgroups_match_reference(m: int, dtype: torch.dtype, group: int,
-                                            symmetric: bool, bits: int) -> None:  # fmt: skip
-    """Two warpgroups a program sharing the activation ring, at the launch rules' configs for
-    each row count (split K where the pairs of tiles are few: n = 1024), with bias."""
-    _check_with_bias(m, 1024, 4096, group, symmetric, bits, dtype, warpgroups=2)
 
 
 @requires_hopper

@@ -500,18 +500,19 @@ def test_a_step_of_one_candidate_is_checked_not_timed(monkeypatch: pytest.Monkey
 def test_candidates_that_all_fail_give_way_to_the_fallbacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Where a step's candidates all disagree with the reference (the wgmma matmul's forms,
-    timed alone where they serve), the format's fallback kinds are timed there instead and
-    the fastest is planned, rather than the torch reference: for a lone candidate (only
+    """Where a step's candidates all disagree with the reference (the wgmma matmul, timed
+    alone where it serves), the format's fallback kinds are timed there instead and the
+    fastest is planned, rather than the torch reference: for a lone candidate (only
     checked) and for two (timed)."""
     from asyncengine_kernels.quant_linear import QuantGemmConfig
     from models.quantization import kinds as int_kinds
     from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantWgmma
 
-    failing = {QuantWgmma(), QuantWgmma(warpgroups=2)}
+    bad_gemm = QuantTritonGemm(QuantGemmConfig(64, 64, 64))
+    failing = {QuantWgmma(), bad_gemm}
     reference = DequantMatmul()
     gemm = QuantTritonGemm(QuantGemmConfig(16, 64, 64))
-    steps = {2: [QuantWgmma()], 64: [QuantWgmma(), QuantWgmma(warpgroups=2)]}
+    steps = {2: [QuantWgmma()], 64: [QuantWgmma(), bad_gemm]}
     monkeypatch.setattr(int_kinds, "tuning_kinds",
                         lambda layer, rows: steps.get(rows, [reference]))  # fmt: skip
     monkeypatch.setattr(int_kinds, "fallback_kinds",
@@ -596,20 +597,6 @@ def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
         lambda k, m, b: k.apply(m, torch.randn(2, 8), b),
     )
     assert _CountingReference.calls == []
-
-
-def test_above_64_rows_only_the_kinds_compiled_per_row_count_compile_ahead() -> None:
-    """Up to 64 rows every kind of a step of several compiles side by side; above, only the
-    kinds whose kernels are compiled anew for each row count (the wgmma matmul's forms,
-    timed side by side at 256 rows), where there are two or more."""
-    from models.quantization.kinds import QuantWgmma, TritonDequantMatmul
-
-    forms = [QuantWgmma(), QuantWgmma(warpgroups=2)]
-    step = [TritonDequantMatmul(), *forms]
-    assert tuning.kinds_to_compile_ahead(step, 64) == step
-    assert tuning.kinds_to_compile_ahead(step, 256) == forms
-    assert tuning.kinds_to_compile_ahead([TritonDequantMatmul(), QuantWgmma()], 256) == []
-    assert tuning.kinds_to_compile_ahead([QuantWgmma()], 16) == []
 
 
 def test_quantized_plans_are_read_back_from_the_cache(

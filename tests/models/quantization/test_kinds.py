@@ -202,8 +202,7 @@ def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_256_rows(
 ) -> None:  # fmt: skip
     """A layer holding the codes packed for `QuantWgmma` has it timed at every ladder step
     it serves (1-256 rows): beside the rules' other kinds at 1 and 256 rows, alone at 2-64
-    (where it won every 7B layer, through the ring from 17 rows; with its two-warpgroup form
-    from there); without the copy, never."""
+    (where it won every 7B layer, through the ring from 17 rows); without the copy, never."""
     monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
     plain = _shape(128, 4096, cuda=True)
     layer = _shape(128, 4096, cuda=True)
@@ -211,12 +210,9 @@ def test_int4_layers_with_the_wgmma_copy_also_time_it_up_to_256_rows(
     for rows in (1, 256):
         got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
         assert [k for k in got if not isinstance(k, QuantWgmma)] == without, rows
-        # From 17 rows also with two warpgroups a program.
-        assert [k for k in got if isinstance(k, QuantWgmma)] == (
-            [QuantWgmma()] if rows == 1 else [QuantWgmma(), QuantWgmma(warpgroups=2)]), rows
-    for rows in (2, 4, 8, 16):
+        assert sum(isinstance(k, QuantWgmma) for k in got) == 1, rows
+    for rows in (2, 4, 8, 16, 64):
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
-    assert tuning_kinds(layer, 64) == [QuantWgmma(), QuantWgmma(warpgroups=2)]
     assert len(tuning_kinds(plain, 64)) > 1  # without the copy the GEMM tiles are timed
     for rows in (1, 2, 4, 8, 16, 64, 256):
         assert QuantWgmma() in all_int_kinds(layer, rows)
@@ -237,7 +233,7 @@ def test_int8_layers_time_the_wgmma_copy_as_int4_does(
     for rows in (1, 64, 256):
         got, without = tuning_kinds(layer, rows), tuning_kinds(plain, rows)
         assert without and [k for k in got if not isinstance(k, QuantWgmma)] == without, rows
-        assert sum(isinstance(k, QuantWgmma) for k in got) == (1 if rows == 1 else 2), rows
+        assert sum(isinstance(k, QuantWgmma) for k in got) == 1, rows
     for rows in (2, 4, 8, 16):
         assert tuning_kinds(layer, rows) == [QuantWgmma()], rows
         assert QuantWgmma() not in tuning_kinds(plain, rows), rows
@@ -255,32 +251,11 @@ def test_fallbacks_are_the_rules_kinds_without_a_lone_wgmma(
     layer = _shape(128, 4096, bits=bits, cuda=True)
     layer.wgmma_words = torch.empty(0, dtype=torch.int32)
     for rows in (2, 4, 8, 16) + ((64,) if bits == 4 else ()):
-        assert all(isinstance(k, QuantWgmma) for k in tuning_kinds(layer, rows))
+        assert tuning_kinds(layer, rows) == [QuantWgmma()]
         assert fallback_kinds(layer, rows) == tuning_kinds(plain, rows) != [], rows
     for rows in (1, 256, 1024):  # the wgmma matmul is timed beside others, or not at all
         assert fallback_kinds(layer, rows) == [], rows
     assert all(fallback_kinds(plain, rows) == [] for rows in (1, 2, 16, 64))
-
-
-def test_two_warpgroups_a_program_only_above_64_rows_on_whole_pairs_of_tiles(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """The two-warpgroup form of the wgmma matmul is a candidate from the 17-64 row step
-    (where the ring runs), where N holds whole 128-feature pairs of tiles, and describes
-    itself apart (plan cache, logs)."""
-    monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
-    pairs = _shape(128, 4096, cuda=True, n=4096)
-    odd = _shape(128, 4096, cuda=True, n=4160)  # 65 tiles of 64
-    for layer in (pairs, odd):
-        layer.wgmma_words = torch.empty(0, dtype=torch.int32)
-    assert QuantWgmma(warpgroups=2) in tuning_kinds(pairs, 256)
-    assert QuantWgmma(warpgroups=2) not in tuning_kinds(odd, 256)
-    assert QuantWgmma() in tuning_kinds(odd, 256)
-    assert all(QuantWgmma(warpgroups=2) not in tuning_kinds(pairs, r) for r in (1, 2, 16))
-    assert QuantWgmma(warpgroups=2) in tuning_kinds(pairs, 64)
-    assert QuantWgmma(warpgroups=2) in all_int_kinds(pairs, 128)
-    assert QuantWgmma().describe() == "wgmma"
-    assert QuantWgmma(warpgroups=2).describe() == "wgmma 2 warpgroups"
 
 
 def test_the_wgmma_copy_is_dropped_unless_the_plan_runs_it() -> None:
@@ -328,5 +303,3 @@ def test_gpu_the_wgmma_kind_agrees_with_the_reference(sym: bool, bits: int, dtyp
     for rows in (1, 5, 16, 33, 64, 200, 256):
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
         assert agrees_with_reference(QuantWgmma(), layer, x, None), rows
-        if rows > 64:
-            assert agrees_with_reference(QuantWgmma(warpgroups=2), layer, x, None), rows
