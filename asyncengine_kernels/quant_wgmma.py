@@ -791,6 +791,8 @@ def quant_wgmma_matmul(
     step = launch_max_rows(bits)
     if config is not None and not min(m, step) <= config.rows <= step:
         raise ValueError(f"{config} cannot launch {min(m, step)} rows (at most {step} a launch)")
+    if config is not None and config.scale_on_acc and group_size < CHUNK_K:
+        raise ValueError(f"{config}: groups of {group_size} take the scale on the weights")
     if has_zero is None:
         has_zero = reads_zeros(zeros, bits)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)

@@ -438,6 +438,11 @@ def test_matmul_refuses_bad_operands_before_launching() -> None:
     with pytest.raises(ValueError, match="chunks or whole"):
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q,
                           torch.ones(16, 64, dtype=torch.bfloat16), z, 16)  # fmt: skip
+    on_acc = quant_wgmma.QuantWgmmaConfig(rows=8, k_split=256, scale_on_acc=True)
+    s32 = torch.ones(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="groups of 32 take the scale on the weights"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q, s32, z, 32,
+                           config=on_acc)  # fmt: skip
     with pytest.raises(ValueError, match="codes"):
         quant_wgmma_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), q, s, z, 128)
     with pytest.raises(ValueError, match="8-bit codes"):  # int4 words read as int8
