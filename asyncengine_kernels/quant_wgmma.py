@@ -581,7 +581,7 @@ if _GLUON:
         z_hi = z_lo
         s_lo = z_lo
         s_hi = z_lo
-        # The second chunk's (GROUP_64: its own group's; else the same).
+        # The second chunk's (groups of 64 or 32: its own groups'; else the same).
         z_lo1 = z_lo
         z_hi1 = z_lo
         s_lo1 = z_lo

@@ -161,13 +161,13 @@ def _run_ptx(asm: str, n_out: int, inputs: list[torch.Tensor]) -> list[torch.Ten
             return torch.tensor(int(op, 0), dtype=torch.int64)
         return regs[op]
 
-    for line in str(asm).replace("{", "").replace("}", "").split(";"):
+    for line in asm.replace("{", "").replace("}", "").split(";"):
         line = line.strip()
-        if not line or line.startswith(".reg") or line.startswith("constexpr["):
+        if not line or line.startswith(".reg"):
             continue
         op, _, rest = line.partition(" ")
         if op == "mov.b32" and rest.lstrip().startswith("$"):  # unpack into two halves
-            lo, hi, src = re.match(r"\$(\d+), \$(\d+)\s*,\s*(\w+)", rest.replace("{", "")).groups()
+            lo, hi, src = re.match(r"\$(\d+), \$(\d+)\s*,\s*(\w+)", rest).groups()
             outs[int(lo)], outs[int(hi)] = regs[src] & 0xFFFF, (regs[src] >> 16) & 0xFFFF
             continue
         dst, *args = [a.strip() for a in rest.split(",")]
@@ -201,11 +201,11 @@ def _pairs(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_int4_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, scaled: bool) -> None:
-    """The int4 asm the kernel runs, emulated: every code in every nibble against every zero
-    point reads code - zero (times the scale, rounded to the type as the reference rounds)."""
+    """The int4 asm the kernel runs, emulated, picked from its table as the kernel picks it:
+    every code in every nibble against every zero point reads code - zero (times the scale,
+    rounded to the type as the reference rounds)."""
     f16 = dtype == torch.float16
-    asm = ((quant_wgmma._CODES_SCALED_F16 if scaled else quant_wgmma._CODES_LESS_ZERO_F16)
-           if f16 else (quant_wgmma._CODES_SCALED if scaled else quant_wgmma._CODES_LESS_ZERO))
+    asm = quant_wgmma._INT4_ASM.value[2 * f16 + scaled]
     codes, zeros = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     codes, zeros = codes.flatten(), zeros.flatten()
     base = 1024.0 if f16 else 128.0
@@ -214,7 +214,7 @@ def test_int4_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, scaled: b
     s = _pairs(scale, dtype)
     for nibble in range(8):
         words = codes << (4 * nibble)
-        outs = _run_ptx(asm.value, 8, [words, z_lo, z_hi, s, s] if scaled else [words, z_lo, z_hi])
+        outs = _run_ptx(asm, 8, [words, z_lo, z_hi, s, s] if scaled else [words, z_lo, z_hi])
         # nibble 4 e + r: register r (output 2 r + e); registers 1, 3 take z_hi (the same).
         e, r = nibble // 4, nibble % 4
         got = torch.stack(outs).to(torch.int16).view(dtype).float()
@@ -231,13 +231,11 @@ def test_int4_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, scaled: b
 @pytest.mark.parametrize("scaled", [False, True])
 def test_int8_asm_gives_code_less_zero_times_scale(dtype: torch.dtype, has_zero: bool,
                                                    scaled: bool) -> None:  # fmt: skip
-    """The int8 asm, emulated: every code in every byte reads code - zero (zero 128 when
-    none is read), times the scale when scaled. The zero pair is what the kernel passes:
-    bf16 zero - 128, fp16 1024 + zero."""
+    """The int8 asm, emulated, picked from its table as the kernel picks it: every code in
+    every byte reads code - zero (zero 128 when none is read), times the scale when scaled.
+    The zero pair is what the kernel passes: bf16 zero - 128, fp16 1024 + zero."""
     f16 = dtype == torch.float16
-    name = ("_INT8_LESS_ZERO" if has_zero else "_INT8_CENTRED") if not scaled else (
-        "_INT8_LESS_ZERO_SCALED" if has_zero else "_INT8_SCALED")  # fmt: skip
-    asm = getattr(quant_wgmma, name + ("_F16" if f16 else "")).value
+    asm = quant_wgmma._INT8_ASM.value[4 * f16 + 2 * has_zero + scaled]
     codes = torch.arange(256).repeat_interleave(4)
     zeros = torch.tensor([0, 77, 128, 255]).repeat(256) if has_zero else torch.full_like(codes, 128)
     z = _pairs(zeros + (1024.0 if f16 else -128.0), dtype)
@@ -484,8 +482,8 @@ def test_gpu_matches_reference(m: int, n: int, k: int, group: int, symmetric: bo
 
 
 def _check_with_bias(m: int, n: int, k: int, group: int, symmetric: bool, bits: int,
-                     dtype: torch.dtype, **launch: object) -> None:
-    """`quant_wgmma_matmul` with a bias, `launch` its keyword arguments (a config), against
+                     dtype: torch.dtype, config: quant_wgmma.QuantWgmmaConfig | None) -> None:
+    """`quant_wgmma_matmul` with a bias and `config` (None: the launch rules'), against
     `quant_matmul_ref` on random operands (on the GPU)."""
     qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + 3 * group, bits=bits,
                                        dtype=dtype)  # fmt: skip
@@ -493,9 +491,9 @@ def _check_with_bias(m: int, n: int, k: int, group: int, symmetric: bool, bits: 
     bias = torch.randn(n, device="cuda", dtype=dtype)
     ref = quant_matmul_ref(x, qweight, scales, zeros, bits, group, bias).float()
     got = quant_wgmma_matmul(x, pack_quant_wgmma(qweight, bits), scales, zeros, group, bias,
-                             bits=bits, **launch).float()  # type: ignore[arg-type]
+                             config, bits=bits).float()  # fmt: skip
     err = (got - ref).abs().max().item()
-    assert err <= 0.01 * ref.abs().max().item(), (launch, err)
+    assert err <= 0.01 * ref.abs().max().item(), (config, err)
 
 
 @requires_hopper
@@ -518,7 +516,7 @@ def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, g
         configs = [quant_wgmma_config(m, n, k, group, scale_on_acc=on, bits=bits)
                    for on in (True, False)]  # fmt: skip
     for cfg in configs:
-        _check_with_bias(m, n, k, group, symmetric, bits, dtype, config=cfg)
+        _check_with_bias(m, n, k, group, symmetric, bits, dtype, cfg)
 
 
 @requires_hopper

@@ -96,13 +96,10 @@ def test_the_at_once_gemv_applies_silu_and_mul_itself(quantized: Make) -> None:
                for k in gemvs)  # fmt: skip
 
 
-def _shape(group: int, k: int, bits: int = 4, cuda: bool = False, n: int = 4096
-           ) -> SimpleNamespace:  # fmt: skip
-    """What `tuning_kinds` reads of an integer layer: its format, group, K, N and device (a
+def _shape(group: int, k: int, bits: int = 4, cuda: bool = False) -> SimpleNamespace:
+    """What `tuning_kinds` reads of an integer layer: its format, group, K and device (a
     stand-in for a GPU tensor where `cuda`)."""
-    words = (k * bits // 32, n)
-    qweight = (SimpleNamespace(is_cuda=True, shape=words) if cuda
-               else torch.empty(words, dtype=torch.int32))  # fmt: skip
+    qweight = SimpleNamespace(is_cuda=True) if cuda else torch.empty(0, dtype=torch.int32)
     return SimpleNamespace(quant_config=IntQuantConfig("gptq", bits, group), group_size=group,
                            in_features=k, qweight=qweight)  # fmt: skip
 
