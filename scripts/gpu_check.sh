@@ -483,7 +483,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # config split, the format as a constructor argument): their GPU tests and an L1 start in
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
-  # decode tiles. PARTS picks some of "wgtests tests admit formats fp16 cold int8 int4 ncu qw1
+  # decode tiles. PARTS picks some of "wgtests tests admit runs formats fp16 cold int8 int4 ncu qw1
   # spec attn kvsweep fp8kv compare w2" (default: wgtests tests formats int8 spec), so a call
   # fits its limit; FORMATS narrows
   # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
@@ -555,6 +555,13 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" int4 "* ]]; then  # the int4 kernels at 64, 128 and 256 rows
     timeout 200 python3 scripts/bench_kernels.py --only int4 --quant-rows 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
+  fi
+  if [[ " $parts " == *" runs "* ]]; then  # RUNS: engine runs' flags, one run per ';'
+    IFS=';' read -r -a runs <<< "${RUNS:?PARTS=runs needs RUNS}"
+    for r in "${runs[@]}"; do
+      # shellcheck disable=SC2086  # each run's flags split on spaces
+      bench --system engine $r | cut -c1-400
+    done
   fi
   if [[ " $parts " == *" ncu "* ]]; then  # Nsight Compute on the int4 wgmma matmul and bf16
     # cuBLAS at 128 and 256 rows (gate/up, down): tensor-pipe and L2 use, warp stalls
