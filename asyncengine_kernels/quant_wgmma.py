@@ -71,6 +71,7 @@ try:  # Gluon ships with Triton 3.5+; CPU-only installs without it fall back.
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
 
     _GLUON = True
@@ -157,11 +158,16 @@ class QuantWgmmaConfig:
     k_split: int
     scale_on_acc: bool
     x_ring: int = 0
+    # Each chunk's wgmma issued asynchronously, the next operand formed while it runs (with
+    # the scale on the weights only).
+    async_mma: bool = False
 
     def __str__(self) -> str:
         where = "acc" if self.scale_on_acc else "weights"
         ring = f", x_ring={self.x_ring}" if self.x_ring else ""
-        return f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}{ring})"
+        overlap = ", async" if self.async_mma else ""
+        return (f"quant_wgmma(rows={self.rows}, k_split={self.k_split}, scale_on={where}"
+                f"{ring}{overlap})")  # fmt: skip
 
 
 def max_rows(bits: int) -> int:
@@ -464,6 +470,32 @@ if _GLUON:
         return lo, hi
 
     @gluon.jit
+    def _step_pairs(ptr, step, N, row_lo, spread, upper, OFFSET: gl.constexpr,
+                    BITS: gl.constexpr, half: gl.constexpr, GROUP_ITERS: gl.constexpr,
+                    GROUP_64: gl.constexpr, GROUP_32: gl.constexpr):  # fmt: skip
+        """`_chunk_pairs` for loop iteration `step`'s two chunks: (lo, hi) of the first and of
+        the second. GROUP_64: chunk 2 step + h is group 2 step + h; GROUP_32: its halves are
+        groups 4 step + 2 h and + 1; else one group a whole iteration."""
+        if GROUP_32:
+            group = 4 * step
+            second = group + 2
+        elif GROUP_64:
+            group = 2 * step
+            second = group + 1
+        else:
+            group = step // GROUP_ITERS
+            second = group
+        lo, hi = _chunk_pairs(ptr, group, N, row_lo, spread, upper, OFFSET, BITS, half,
+                              GROUP_32)  # fmt: skip
+        if GROUP_64 or GROUP_32:
+            lo1, hi1 = _chunk_pairs(ptr, second, N, row_lo, spread, upper, OFFSET, BITS, half,
+                                    GROUP_32)  # fmt: skip
+        else:
+            lo1 = lo
+            hi1 = hi
+        return lo, hi, lo1, hi1
+
+    @gluon.jit
     def _lanes4():
         """int4: each thread's word offsets within a chunk [32 row pairs (w, g), 4 (q), 4 (j)]
         (lanes over (g, q), warps over w, one 16-byte load) and its row pairs."""
@@ -489,7 +521,7 @@ if _GLUON:
 
     @gluon.jit
     def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr,
-                 half: gl.constexpr):  # fmt: skip
+                 half: gl.constexpr, PURE: gl.constexpr = True):  # fmt: skip
         """One chunk's words [32 row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
         [64 rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale if
         SCALED)."""
@@ -497,12 +529,12 @@ if _GLUON:
         if SCALED:
             v = gl.inline_asm_elementwise(
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-                [words, z_lo, z_hi, s_lo, s_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
+                [words, z_lo, z_hi, s_lo, s_hi], dtype=[half.value] * 8, is_pure=PURE, pack=1,
             )  # fmt: skip
         else:
             v = gl.inline_asm_elementwise(
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [words, z_lo, z_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
+                [words, z_lo, z_hi], dtype=[half.value] * 8, is_pure=PURE, pack=1,
             )  # fmt: skip
         # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hr, hc, e] -> [64 rows, 64 columns]. A
         # join appends its axis last, and that axis is the registers' fastest: joining over
@@ -515,7 +547,7 @@ if _GLUON:
 
     @gluon.jit
     def _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  SCALED: gl.constexpr, half: gl.constexpr):  # fmt: skip
+                  SCALED: gl.constexpr, half: gl.constexpr, PURE: gl.constexpr = True):  # fmt: skip
         """int8: one chunk's words [2 (j // 2), 32 row pairs, 4 (q), 4 (j % 2, hr)] ->
         wgmma's register operand, as `_operand`."""
         # A word's two registers share its row (hr, the last axis's low bit): its pairs.
@@ -525,7 +557,7 @@ if _GLUON:
         s = gl.where(hr == 1, s_hi, s_lo)
         asm: gl.constexpr = _INT8_ASM[4 * (half == gl.float16) + 2 * HAS_ZERO + SCALED]
         v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
-                                      dtype=[half.value] * 4, is_pure=True, pack=1)  # fmt: skip
+                                      dtype=[half.value] * 4, is_pure=PURE, pack=1)  # fmt: skip
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
         # registers' order (e, hc, hr, jl, jh fastest first) is int4's (e, hc, hr, j).
         t = gl.join(gl.join(v[0], v[2]), gl.join(v[1], v[3]))
@@ -534,13 +566,24 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(t, [64, 64]), a_l, assert_trivial=True)
 
     @gluon.jit
+    def _chunk_operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, BITS: gl.constexpr,
+                       HAS_ZERO: gl.constexpr, half: gl.constexpr):  # fmt: skip
+        """One chunk's words -> wgmma's register operand with the scale on the weights,
+        int4 or int8 (`_operand`, `_operand8`)."""
+        if BITS == 4:
+            a = _operand(words, z_lo, z_hi, s_lo, s_hi, a_l, True, half, False)
+        else:
+            a = _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, True, half, False)
+        return a
+
+    @gluon.jit
     def _quant_wgmma_kernel(
         w_ptr, s_ptr, z_ptr, x_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         stride_xm, stride_ym, BITS: gl.constexpr, ROWS: gl.constexpr, K_SPLIT: gl.constexpr,
         GROUP_ITERS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SCALE_ON_ACC: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr = False,
         X_RING: gl.constexpr = 0, F16: gl.constexpr = False, GROUP_64: gl.constexpr = False,
-        GROUP_32: gl.constexpr = False,
+        GROUP_32: gl.constexpr = False, ASYNC_MMA: gl.constexpr = False,
     ):  # fmt: skip
         """y [M, N] for output features 64 pid_n.. over K split pid_k (see the module). F16:
         fp16 activations (else bf16); GROUP_64: groups of 64 input features, one a chunk (two
@@ -628,80 +671,109 @@ if _GLUON:
                 if c < n_chunks:
                     _copy_async(xs.index(c), x_at + c * _CHUNK_K, x_mask)
                 async_copy.commit_group()
-        for it in range(n_iters):
-            step = first + it
-            ahead = gl.minimum(2 * (step + 2), last)
-            ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
-            ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
-            # GROUP_64: chunk 2 step + h is group 2 step + h; GROUP_32: its halves are groups
-            # 4 step + 2 h and + 1; else one group a whole iteration.
-            if GROUP_32:
-                group = 4 * step
-                second = group + 2
-            elif GROUP_64:
-                group = 2 * step
-                second = group + 1
-            else:
-                group = step // GROUP_ITERS
-                second = group
-            # What the codes read as before the zero point goes (see the module): bf16 int4
-            # 128 + code, int8 code - 128; fp16 1024 + code for both.
-            z_off: gl.constexpr = 1024.0 if F16 else (128.0 if BITS == 4 else -128.0)
+        # What the codes read as before the zero point goes (see the module): bf16 int4
+        # 128 + code, int8 code - 128; fp16 1024 + code for both.
+        z_off: gl.constexpr = 1024.0 if F16 else (128.0 if BITS == 4 else -128.0)
+        if ASYNC_MMA:
+            # Each chunk's wgmma is issued asynchronously, and the next iteration's operand
+            # for the same chunk is formed while it runs, then the wgmma is waited for: the
+            # conversion leaves the tensor cores' critical path. Both operands are carried
+            # from one iteration to the next, so that the compiler gives the new ones their own
+            # registers (an operand used within the iteration shared the in-flight wgmma's, and
+            # the wait moved ahead of the conversion). The ring's slot refill in `_x_chunk`
+            # still follows a completed wgmma.
+            gl.static_assert(not SCALE_ON_ACC, "the asynchronous loop scales the weights")
             if HAS_ZERO:
-                z_lo, z_hi = _chunk_pairs(z_ptr, group, N, row_lo, spread, upper, z_off, BITS,
-                                          DT, GROUP_32)  # fmt: skip
-                if GROUP_64 or GROUP_32:
-                    z_lo1, z_hi1 = _chunk_pairs(z_ptr, second, N, row_lo, spread, upper, z_off,
-                                                BITS, DT, GROUP_32)  # fmt: skip
-                else:
-                    z_lo1 = z_lo
-                    z_hi1 = z_hi
-            if not SCALE_ON_ACC:
-                s_lo, s_hi = _chunk_pairs(s_ptr, group, N, row_lo, spread, upper, 0.0, BITS, DT,
-                                          GROUP_32)  # fmt: skip
-                if GROUP_64 or GROUP_32:
-                    s_lo1, s_hi1 = _chunk_pairs(s_ptr, second, N, row_lo, spread, upper, 0.0,
-                                                BITS, DT, GROUP_32)  # fmt: skip
-                else:
-                    s_lo1 = s_lo
-                    s_hi1 = s_hi
-            if BITS == 4:
-                a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT)
-                a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT)
-            else:
-                a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
-                               DT)  # fmt: skip
-                a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
-                               not SCALE_ON_ACC, DT)  # fmt: skip
-            x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
-            if SCALE_ON_ACC and GROUP_32:
-                gl.static_assert(False, "groups of 32 take the scale on the weights")
-            elif SCALE_ON_ACC and GROUP_64:
-                # Each chunk is a group: its products are scaled as soon as they are formed.
-                acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
-                s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
-                acc += acc_g * s[:, None]
+                z_lo, z_hi, z_lo1, z_hi1 = _step_pairs(
+                    z_ptr, first, N, row_lo, spread, upper, z_off, BITS, DT, GROUP_ITERS,
+                    GROUP_64, GROUP_32)  # fmt: skip
+            s_lo, s_hi, s_lo1, s_hi1 = _step_pairs(
+                s_ptr, first, N, row_lo, spread, upper, 0.0, BITS, DT, GROUP_ITERS, GROUP_64,
+                GROUP_32)  # fmt: skip
+            a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, DT)
+            a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO, DT)
+            last_step = first + n_iters - 1
+            for it in range(n_iters):
+                step = first + it
+                ahead = gl.minimum(2 * (step + 2), last)
+                ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
+                ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
+                # The next iteration's groups (past the split's end, the last one's again).
+                nxt = gl.minimum(step + 1, last_step)
+                if HAS_ZERO:
+                    z_lo, z_hi, z_lo1, z_hi1 = _step_pairs(
+                        z_ptr, nxt, N, row_lo, spread, upper, z_off, BITS, DT, GROUP_ITERS,
+                        GROUP_64, GROUP_32)  # fmt: skip
+                s_lo, s_hi, s_lo1, s_hi1 = _step_pairs(
+                    s_ptr, nxt, N, row_lo, spread, upper, 0.0, BITS, DT, GROUP_ITERS,
+                    GROUP_64, GROUP_32)  # fmt: skip
+                x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
+                acc = warpgroup_mma(a0, x0, acc, is_async=True)
+                a0n = _chunk_operand(next0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, DT)
+                acc, a0 = warpgroup_mma_wait(0, deps=[acc, a0])
                 x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
-                acc_g = warpgroup_mma(a1, x1, acc_g, use_acc=False)
-                s = gl.load(s_ptr + (group + 1) * N + offs_n).to(gl.float32)
-                acc += acc_g * s[:, None]
-            elif SCALE_ON_ACC:
-                # A group's products start from zero at its first iteration (or the split's).
-                keep = (it != 0) & (step % GROUP_ITERS != 0)
-                acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
-                acc_g = warpgroup_mma(a1, x1, acc_g)
-                if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
+                acc = warpgroup_mma(a1, x1, acc, is_async=True)
+                a1n = _chunk_operand(next1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO,
+                                     DT)  # fmt: skip
+                acc, a1 = warpgroup_mma_wait(0, deps=[acc, a1])
+                a0 = a0n
+                a1 = a1n
+                next0 = ahead0
+                next1 = ahead1
+        else:
+            for it in range(n_iters):
+                step = first + it
+                ahead = gl.minimum(2 * (step + 2), last)
+                ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
+                ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
+                # GROUP_64: chunk 2 step + h is group 2 step + h; GROUP_32: its halves are groups
+                # 4 step + 2 h and + 1; else one group a whole iteration.
+                group = 2 * step if GROUP_64 else step // GROUP_ITERS  # the first chunk's
+                if HAS_ZERO:
+                    z_lo, z_hi, z_lo1, z_hi1 = _step_pairs(
+                        z_ptr, step, N, row_lo, spread, upper, z_off, BITS, DT, GROUP_ITERS,
+                        GROUP_64, GROUP_32)  # fmt: skip
+                if not SCALE_ON_ACC:
+                    s_lo, s_hi, s_lo1, s_hi1 = _step_pairs(
+                        s_ptr, step, N, row_lo, spread, upper, 0.0, BITS, DT, GROUP_ITERS,
+                        GROUP_64, GROUP_32)  # fmt: skip
+                if BITS == 4:
+                    a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT)
+                    a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT)
+                else:
+                    a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
+                                   DT)  # fmt: skip
+                    a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
+                                   not SCALE_ON_ACC, DT)  # fmt: skip
+                x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
+                if SCALE_ON_ACC and GROUP_32:
+                    gl.static_assert(False, "groups of 32 take the scale on the weights")
+                elif SCALE_ON_ACC and GROUP_64:
+                    # Each chunk is a group: its products are scaled as soon as they are formed.
+                    acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=False)
                     s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
                     acc += acc_g * s[:, None]
-            else:
-                acc = warpgroup_mma(a0, x0, acc)
-                x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
-                acc = warpgroup_mma(a1, x1, acc)
-            words0 = next0
-            words1 = next1
-            next0 = ahead0
-            next1 = ahead1
+                    x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                    acc_g = warpgroup_mma(a1, x1, acc_g, use_acc=False)
+                    s = gl.load(s_ptr + (group + 1) * N + offs_n).to(gl.float32)
+                    acc += acc_g * s[:, None]
+                elif SCALE_ON_ACC:
+                    # A group's products start from zero at its first iteration (or the split's).
+                    keep = (it != 0) & (step % GROUP_ITERS != 0)
+                    acc_g = warpgroup_mma(a0, x0, acc_g, use_acc=keep)
+                    x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                    acc_g = warpgroup_mma(a1, x1, acc_g)
+                    if (it == n_iters - 1) | ((step + 1) % GROUP_ITERS == 0):
+                        s = gl.load(s_ptr + group * N + offs_n).to(gl.float32)
+                        acc += acc_g * s[:, None]
+                else:
+                    acc = warpgroup_mma(a0, x0, acc)
+                    x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
+                    acc = warpgroup_mma(a1, x1, acc)
+                words0 = next0
+                words1 = next1
+                next0 = ahead0
+                next1 = ahead1
 
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
         r_mask = (offs_r < M)[None, :]
@@ -793,6 +865,8 @@ def quant_wgmma_matmul(
         raise ValueError(f"{config} cannot launch {min(m, step)} rows (at most {step} a launch)")
     if config is not None and config.scale_on_acc and group_size < CHUNK_K:
         raise ValueError(f"{config}: groups of {group_size} take the scale on the weights")
+    if config is not None and config.scale_on_acc and config.async_mma:
+        raise ValueError(f"{config}: the asynchronous wgmma takes the scale on the weights")
     if has_zero is None:
         has_zero = reads_zeros(zeros, bits)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -829,6 +903,6 @@ def _launch(
         GROUP_ITERS=group_iters, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
         SCALE_ON_ACC=config.scale_on_acc, SPLIT_K=splits > 1, USE_PDL=pdl,
         X_RING=config.x_ring, F16=x.dtype == torch.float16, GROUP_64=group_size == CHUNK_K,
-        GROUP_32=group_size == HALF_CHUNK_K, num_warps=4,
+        GROUP_32=group_size == HALF_CHUNK_K, ASYNC_MMA=config.async_mma, num_warps=4,
         **pdl_kwargs(pdl),
     )  # fmt: skip

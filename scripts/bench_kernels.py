@@ -746,6 +746,9 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
             for form, factor in itertools.product(forms, (0.5, 1, 2)):
                 k_split = max(wg.ITER_K, int(form.k_split * factor) // group * group or group)
                 launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring))
+                if not on_acc:  # the asynchronous wgmma beside the synchronous one
+                    launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring,
+                                                     async_mma=True))  # fmt: skip
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(
                 x, w, s, z, group, None, c, counters, bits=bits, has_zero=False), packed))

@@ -409,6 +409,18 @@ QUANT_WGMMA_VARIANTS = [
          SCALE_ON_ACC=True, SPLIT_K=True, GROUP_64=True),
     dict(BITS=8, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=False, GROUP_64=True, F16=True),
+    # The asynchronous wgmma (the next operand formed while a chunk's wgmma runs): the ring
+    # at 128 and 64 rows, int4 and int8, and the whole slice at 64.
+    dict(BITS=4, ROWS=128, K_SPLIT=4096, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=False, X_RING=4, ASYNC_MMA=True),
+    dict(BITS=4, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, ASYNC_MMA=True, F16=True),
+    dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, ASYNC_MMA=True, GROUP_64=True),
+    dict(BITS=8, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=False, ASYNC_MMA=True),
+    dict(BITS=4, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, GROUP_32=True, ASYNC_MMA=True),
     # Groups of 32: two a chunk, the scale on the weights.
     dict(BITS=4, ROWS=8, K_SPLIT=512, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=True, USE_PDL=True, GROUP_32=True, F16=True),
@@ -435,7 +447,7 @@ def lower_quant_wgmma(constexprs: dict[str, Any], arch: int) -> Any:
     signature.update(w_ptr="*i32", s_ptr=half, z_ptr=half, x_ptr=half, b_ptr=half, y_ptr=half,
                      part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
     constexprs = {"USE_PDL": False, "X_RING": 0, "F16": False, "GROUP_64": False,
-                  "GROUP_32": False, **constexprs}  # the kernel's defaults
+                  "GROUP_32": False, "ASYNC_MMA": False, **constexprs}  # the kernel's defaults
     signature.update({k: "constexpr" for k in constexprs})
     aligned = [fn.arg_names.index(p) for p in signature if p.endswith("_ptr")]
     aligned += [fn.arg_names.index(p) for p in ("N", "K", "stride_xm", "stride_ym")]

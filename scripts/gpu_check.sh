@@ -492,8 +492,10 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   parts="${PARTS:-wgtests tests formats int8 spec}"
   if [[ " $parts " == *" wgtests "* ]]; then  # the wgmma GPU tests alone (fp16, groups of 32
     # and 64 compile many variants)
+    # WG_K: a pytest -k expression that picks some of them
     timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=20 \
-      -rf tests/asyncengine_kernels/test_quant_wgmma.py tests/models/quantization/test_kinds.py \
+      ${WG_K:+-k "$WG_K"} -rf tests/asyncengine_kernels/test_quant_wgmma.py \
+      tests/models/quantization/test_kinds.py \
       2>&1 | tee "$OUT/gpu_wgmma_tests.log" | tail -n 12
   fi
   if [[ " $parts " == *" tests "* ]]; then  # the other quantization and speculative GPU tests

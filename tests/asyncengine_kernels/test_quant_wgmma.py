@@ -5,6 +5,7 @@ kernels (`test_compile_for_gpu`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -441,6 +442,11 @@ def test_matmul_refuses_bad_operands_before_launching() -> None:
     with pytest.raises(ValueError, match="groups of 32 take the scale on the weights"):
         quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q, s32, z, 32,
                            config=on_acc)  # fmt: skip
+    async_on_acc = quant_wgmma.QuantWgmmaConfig(rows=8, k_split=256, scale_on_acc=True,
+                                                async_mma=True)  # fmt: skip
+    with pytest.raises(ValueError, match="asynchronous wgmma takes the scale on the weights"):
+        quant_wgmma_matmul(torch.zeros(1, 256, dtype=torch.bfloat16), q, s, z, 128,
+                           config=async_on_acc)  # fmt: skip
     with pytest.raises(ValueError, match="codes"):
         quant_wgmma_matmul(torch.zeros(1, 128, dtype=torch.bfloat16), q, s, z, 128)
     with pytest.raises(ValueError, match="8-bit codes"):  # int4 words read as int8
@@ -517,6 +523,26 @@ def test_gpu_fp16_and_groups_of_64_match_reference(m: int, dtype: torch.dtype, g
                    for on in (True, False)]  # fmt: skip
     for cfg in configs:
         _check_with_bias(m, n, k, group, symmetric, bits, dtype, cfg)
+
+
+@requires_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [20, 64, 128, 200])
+@pytest.mark.parametrize(("dtype", "group", "symmetric"),
+                         [(torch.bfloat16, 128, True), (torch.bfloat16, 128, False),
+                          (torch.float16, 64, False), (torch.bfloat16, 32, True),
+                          (torch.float16, 4096, False)])  # fmt: skip
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_async_mma_matches_reference(m: int, dtype: torch.dtype, group: int,
+                                         symmetric: bool, bits: int) -> None:  # fmt: skip
+    """The asynchronous wgmma (each chunk's next operand formed while its wgmma runs) at the
+    launch rules' rows, split and activation form, the scale on the weights, with bias: the
+    ring, the whole slice (int8 to 64 rows) and two launches past 128."""
+    n, k = 1024, 4096
+    cfg = quant_wgmma_config(min(m, LAUNCH_MAX_ROWS), n, k, group, scale_on_acc=False,
+                             bits=bits)  # fmt: skip
+    _check_with_bias(m, n, k, group, symmetric, bits, dtype,
+                     dataclasses.replace(cfg, async_mma=True))  # fmt: skip
 
 
 @requires_hopper
