@@ -55,11 +55,13 @@ whether a launch qualifies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from asyncengine_kernels import envs
 from asyncengine_kernels._triton_utils import pdl_kwargs, use_pdl
 from asyncengine_kernels.gemv_split_k import check_gemv_counters
 from asyncengine_kernels.quant_linear import unpack_int_weight
@@ -237,8 +239,10 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     elif scale_on_acc and group_size < CHUNK_K:
         raise ValueError(f"groups of {group_size} take the scale on the weights, not on the "
                          "accumulator")  # fmt: skip
+    overlap = not scale_on_acc and envs.wgmma_async()
     if ring:
-        return ring_config(rows, n, k, group_size, scale_on_acc)
+        return dataclasses.replace(ring_config(rows, n, k, group_size, scale_on_acc),
+                                   async_mma=overlap)  # fmt: skip
     iters, unit = _split_iters(k, group_size)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
@@ -246,7 +250,8 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     least = MIN_SPLIT_ITERS if rows <= 8 else 2 * MIN_SPLIT_ITERS
     per_split = max(least, math.ceil(iters / want))
     per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
-    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
+    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
+                            async_mma=overlap)  # fmt: skip
 
 
 def ring_config(rows: int, n: int, k: int, group_size: int,

@@ -558,11 +558,19 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     timeout 200 python3 scripts/bench_kernels.py --only int4 --quant-rows 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
   fi
-  if [[ " $parts " == *" runs "* ]]; then  # RUNS: engine runs' flags, one run per ';'
+  if [[ " $parts " == *" runs "* ]]; then  # RUNS: engine runs' flags, one run per ';', each
+    # optionally led by NAME=VALUE environment settings
     IFS=';' read -r -a runs <<< "${RUNS:?PARTS=runs needs RUNS}"
     for r in "${runs[@]}"; do
-      # shellcheck disable=SC2086  # each run's flags split on spaces
-      bench --system engine $r | cut -c1-400
+      read -r -a words <<< "$r"
+      settings=()
+      while [[ ${#words[@]} -gt 0 && ${words[0]} =~ ^[A-Z_]+= ]]; do
+        settings+=("${words[0]}"); words=("${words[@]:1}")
+      done
+      echo "== run: $r"
+      env "${settings[@]}" python3 scripts/bench_throughput.py --system engine "${words[@]}" \
+        2>>"$OUT/bench.log" | sed "s|^{|{\"run\": \"$r\", |" | tee -a "$OUT/results.jsonl" \
+        | cut -c1-400
     done
   fi
   if [[ " $parts " == *" ncu "* ]]; then  # Nsight Compute on the int4 wgmma matmul and bf16
