@@ -14,8 +14,8 @@ kernels: `quant_gemm` (tensor-core tiles: each weight tile dequantized in regist
 activation dtype with its scales applied, as `dequantize_weight` rounds it, then chained
 into one fp32 accumulator; tiles inside a group or spanning whole groups, K optionally
 split) from a few rows to prefill, and `quant_gemv` (one program per output block, input
-row and K split, dequantization fused, fp32 partial sums reduced after) for decode batches
-of a few rows.
+row and K split, all of a program's tiles loaded at once, dequantization fused, products
+in half-precision pairs, fp32 partial sums reduced after) for decode batches of a few rows.
 """
 
 from __future__ import annotations
@@ -40,14 +40,11 @@ from asyncengine_kernels.half_pairs import (
 __all__ = [
     "QuantAtOnceGemvConfig",
     "QuantGemmConfig",
-    "QuantGemvConfig",
-    "QuantLoopGemvConfig",
     "at_once_gemv_config",
     "dequantize_weight",
     "dequantize_weight_triton",
     "gemm_block_k",
     "gemm_config",
-    "loop_gemv_config",
     "pack_int_weight",
     "quant_gemm",
     "quant_gemm_candidates",
@@ -141,29 +138,11 @@ class QuantGemmConfig:
 
 
 @dataclass(frozen=True)
-class QuantLoopGemvConfig:
-    """Blocking of `quant_gemv`'s loop form (`_quant_gemv_kernel`): output columns per
-    program, K per loop step, K splits; `pairs`: products in half-precision pairs
-    (`asyncengine_kernels.half_pairs`) rather than float32."""
-
-    block_n: int = 128
-    block_k: int = 32
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    pairs: bool = False
-
-    def __str__(self) -> str:
-        return (f"gemv n{self.block_n} k{self.block_k} split{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}{' pairs' if self.pairs else ''}")  # fmt: skip
-
-
-@dataclass(frozen=True)
 class QuantAtOnceGemvConfig:
-    """Blocking of `quant_gemv`'s at-once form (`_quant_gemv_at_once_kernel`): output columns
-    per program, and `tiles` tiles of `block_k` input rows that each program loads at once,
-    with no K loop; the K splits follow from them. Its products are always in
-    half-precision pairs, and it runs one stage (there is no loop to pipeline)."""
+    """Blocking of `quant_gemv` (`_quant_gemv_at_once_kernel`): output columns per program,
+    and `tiles` tiles of `block_k` input rows that each program loads at once, with no K
+    loop; the K splits follow from them. Its products are always in half-precision pairs,
+    and it runs one stage (there is no loop to pipeline)."""
 
     block_n: int
     block_k: int
@@ -176,10 +155,6 @@ class QuantAtOnceGemvConfig:
 
     def __str__(self) -> str:
         return f"gemv n{self.block_n} k{self.block_k}x{self.tiles} at once w{self.num_warps} pairs"
-
-
-# One blocking of `quant_gemv`; its type is its form.
-QuantGemvConfig = QuantLoopGemvConfig | QuantAtOnceGemvConfig
 
 
 def gemm_block_k(block_k: int, group_size: int, k: int) -> int:
@@ -200,19 +175,6 @@ def gemm_config(
     if bk & (bk - 1) or bk < 16 or split_k & (split_k - 1) or k // bk < split_k:
         return None
     return QuantGemmConfig(block_m, block_n, bk, num_warps, num_stages, split_k)
-
-
-def loop_gemv_config(
-    group_size: int, k: int, block_n: int, block_k: int, split_k: int, num_warps: int,
-    pairs: bool,
-) -> QuantLoopGemvConfig | None:  # fmt: skip
-    """A `quant_gemv` whose programs walk their K split one tile at a time (BLOCK_K narrowed
-    to the group where the group is shorter), or None where that does not fit the group and
-    K."""
-    bk = min(block_k, group_size)
-    if group_size % bk or k % bk or bk & (bk - 1) or k // bk < split_k:
-        return None
-    return QuantLoopGemvConfig(block_n, bk, split_k, num_warps, pairs=pairs)
 
 
 def at_once_gemv_config(
@@ -253,9 +215,6 @@ def at_once_gemv_config(
 # 1.14, 128x128x64 w8 s3 1.11, 256x128x64 w8 s3 1.31.
 QUANT_GEMM_SHAPES = ((16, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2),
                      (128, 64, 64, 4, 3, 1))  # fmt: skip
-# GEMVs walking K a tile at a time (block_n, block_k, split_k, warps, pairs): int8 at 2-4 rows.
-QUANT_LOOP_GEMV_SHAPES = ((64, 128, 2, 4, False), (128, 128, 2, 4, True),
-                          (128, 128, 4, 4, True))  # fmt: skip
 # GEMVs loading all of a program's tiles at once (block_n, input rows per program, warps):
 # many small programs of 32 int4 words a thread came out best at 1-4 rows.
 QUANT_AT_ONCE_GEMV_SHAPES = ((32, 256, 1), (32, 512, 1), (32, 1024, 4), (32, 256, 2),
@@ -269,12 +228,11 @@ def quant_gemm_candidates(group_size: int, k: int) -> list[QuantGemmConfig]:
     return list(dict.fromkeys(c for c in out if c is not None))
 
 
-def quant_gemv_candidates(group_size: int, k: int) -> list[QuantGemvConfig]:
-    """Every GEMV blocking the start-up tuner can time: the loop forms (float32 products
-    or half-precision pairs), then the at-once forms."""
-    loops = (loop_gemv_config(group_size, k, *shape) for shape in QUANT_LOOP_GEMV_SHAPES)
-    at_once = (at_once_gemv_config(group_size, k, *shape) for shape in QUANT_AT_ONCE_GEMV_SHAPES)
-    return list(dict.fromkeys(c for c in (*loops, *at_once) if c is not None))
+def quant_gemv_candidates(group_size: int, k: int) -> list[QuantAtOnceGemvConfig]:
+    """Every GEMV blocking the start-up tuner can time (those of `QUANT_AT_ONCE_GEMV_SHAPES`
+    that fit the group and K)."""
+    out = (at_once_gemv_config(group_size, k, *shape) for shape in QUANT_AT_ONCE_GEMV_SHAPES)
+    return list(dict.fromkeys(c for c in out if c is not None))
 
 
 # Integers below 2^23 OR'ed into this float's mantissa read back as 2^23 + q: unpacking with
@@ -402,89 +360,6 @@ def quant_gemm(
 
 
 @triton.jit
-def _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, mask, N, GROUP_SIZE: tl.constexpr,
-                PACK: tl.constexpr):  # fmt: skip
-    """The words [BLOCK_W, BLOCK_N] of input rows k0.. and their group's scales and zeros."""
-    words = tl.load(qw_ptr + (k0 // PACK + offs_w)[:, None] * N + offs_n[None, :],
-                    mask=mask[None, :], other=0)  # fmt: skip
-    g = k0 // GROUP_SIZE
-    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    return words, s, z
-
-
-@triton.jit
-def _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_w, offs_n, n_mask, N,
-                    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """The products [BLOCK_W, BLOCK_N] of input rows k_start..k_end in half-precision pairs,
-    times the scales. The loop issues the next tile's loads (words, scales, zeros and x)
-    before the current tile's arithmetic: loads that feed no `tl.dot` are not pipelined by
-    the compiler, and without this one tile per program is in flight."""
-    PACK: tl.constexpr = 32 // BITS
-    x_scale: tl.constexpr = INT4_X_SCALE if BITS == 4 else INT8_X_SCALE
-    acc = tl.zeros([offs_w.shape[0], offs_n.shape[0]], dtype=tl.float32)
-    words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k_start, offs_w, offs_n, n_mask, N,
-                              GROUP_SIZE, PACK)  # fmt: skip
-    xa, xb, xc, xd = int_x_pairs(x_row + k_start + offs_w * PACK, BITS)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        nk = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile reloads itself
-        n_words, n_s, n_z = _group_tile(qw_ptr, s_ptr, z_ptr, nk, offs_w, offs_n, n_mask, N,
-                                        GROUP_SIZE, PACK)  # fmt: skip
-        n_xa, n_xb, n_xc, n_xd = int_x_pairs(x_row + nk + offs_w * PACK, BITS)
-        zb, zh = zero_pairs(z, BITS)
-        if BITS == 4:
-            part = int4_word_dot(words, xa[:, None], xb[:, None], xc[:, None], xd[:, None],
-                                 zb[None, :], zh[None, :], z[None, :])  # fmt: skip
-        else:
-            part = int8_word_dot(words, xa[:, None], xb[:, None], zb[None, :], z[None, :])
-        acc += part * (s * x_scale)[None, :]
-        words, s, z = n_words, n_s, n_z
-        xa, xb, xc, xd = n_xa, n_xb, n_xc, n_xd
-    return acc
-
-
-@triton.jit
-def _quant_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-    stride_ym, K_PER_SPLIT, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PAIRS: tl.constexpr = False,
-):  # fmt: skip
-    PACK: tl.constexpr = 32 // BITS
-    BLOCK_W: tl.constexpr = BLOCK_K // PACK
-    pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_W)
-    n_mask = offs_n < N
-    # Products stay a [words, columns] tile until the end: no reduction across threads in
-    # the loop, only one per program.
-    acc = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
-    x_row = x_ptr + row * stride_xm
-    # The last split may be shorter (K need not divide into equal splits of whole tiles).
-    k_start = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if PAIRS:
-        acc = _pairs_products(x_row, qw_ptr, s_ptr, z_ptr, k_start, k_end, offs_w, offs_n,
-                              n_mask, N, GROUP_SIZE, BITS, BLOCK_K)  # fmt: skip
-    else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            words, s, z = _group_tile(qw_ptr, s_ptr, z_ptr, k0, offs_w, offs_n, n_mask, N,
-                                      GROUP_SIZE, PACK)  # fmt: skip
-            biased_zero = z + _MAGIC  # subtracting it leaves q - zero exactly
-            part = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
-            for i in tl.static_range(PACK):
-                # Word w holds input rows k0 + w * PACK + i, value i at bit i * BITS.
-                bits = ((words >> (i * BITS)) & ((1 << BITS) - 1)) | _MAGIC_BITS
-                q = bits.to(tl.float32, bitcast=True) - biased_zero[None, :]
-                xi = tl.load(x_row + k0 + offs_w * PACK + i).to(tl.float32)
-                part += q * xi[:, None]
-            acc += part * s[None, :]  # the tile lies inside one group: one scale per column
-    finish_gemv_row(tl.sum(acc, axis=0), b_ptr, y_ptr, part_ptr, count_ptr, row, pid_n,
-                    pid_k, M, N, stride_ym, offs_n, n_mask, HAS_BIAS, SPLIT_K)  # fmt: skip
-
-
-@triton.jit
 def _quant_gemv_at_once_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_ym, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -582,32 +457,21 @@ def dequantize_weight_triton(
 def quant_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     bits: int, group_size: int, bias: torch.Tensor | None = None,
-    config: QuantGemvConfig = QuantLoopGemvConfig(), counters: torch.Tensor | None = None,
-    *, gated: bool = False,
+    config: QuantAtOnceGemvConfig = QuantAtOnceGemvConfig(32, 128, tiles=2, num_warps=1),
+    counters: torch.Tensor | None = None, *, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """`quant_matmul_ref` for a few rows: each program reads one output block's weights
-    once per row and K split (later rows find them in L2), dequantization fused; with K
-    splits, the last split of a block adds the others' fp32 partial sums. `counters`: from
-    `gemv_counters` (default: fresh ones). gated (`QuantAtOnceGemvConfig` only): x is
-    [M, 2K] holding [gate, up] and the product is taken with silu(gate) * up."""
+    """`quant_matmul_ref` for a few rows of 16-bit activations: each program reads one
+    output block's weights once per row and K split (later rows find them in L2), all of
+    its tiles at once, dequantization fused; with K splits, the last split of a block adds
+    the others' fp32 partial sums. `config`'s tiles narrow to the group where it is
+    shorter (default: the blocking that won one-row int4 on the H200). `counters`: from
+    `gemv_counters` (default: fresh ones). gated: x is [M, 2K] holding [gate, up] and the
+    product is taken with silu(gate) * up."""
     block_k = min(config.block_k, group_size)
     m, n, k = _check(x, qweight, bits, group_size, block_k, gated)
-    if isinstance(config, QuantAtOnceGemvConfig):
-        check_pair_activation(x)
-        per_split = config.tiles * block_k
-        splits = triton.cdiv(k, per_split)
-        split = triton.next_power_of_2(splits)
-    else:
-        if gated:
-            raise ValueError(f"{config}: only the at-once form takes a gated input")
-        if config.pairs:
-            check_pair_activation(x)
-        split = config.split_k
-        if split & (split - 1):
-            raise ValueError(f"split_k={split} must be a power of two")
-        # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
-        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        splits = triton.cdiv(k, per_split)
+    check_pair_activation(x)
+    splits = triton.cdiv(k, config.tiles * block_k)
+    split = triton.next_power_of_2(splits)
     blocks = triton.cdiv(n, config.block_n)
     if counters is None:
         counters = gemv_counters(m, n, x.device)
@@ -615,20 +479,11 @@ def quant_gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n) if split > 1 else (1,), dtype=torch.float32,
                        device=x.device)  # fmt: skip
-    if isinstance(config, QuantAtOnceGemvConfig):
-        pdl = use_pdl(x)
-        _quant_gemv_at_once_kernel[(blocks, splits, m)](
-            x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m,
-            n, k, x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits,
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n,
-            BLOCK_K=block_k, TILES=config.tiles, USE_PDL=pdl, GATED=gated,
-            num_warps=config.num_warps, num_stages=1, **pdl_kwargs(pdl),
-        )  # fmt: skip
-        return y
-    _quant_gemv_kernel[(blocks, splits, m)](
+    pdl = use_pdl(x)
+    _quant_gemv_at_once_kernel[(blocks, splits, m)](
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
-        x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,
-        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        PAIRS=config.pairs, num_warps=config.num_warps, num_stages=config.num_stages,
+        x.stride(0), y.stride(0), GROUP_SIZE=group_size, BITS=bits, HAS_BIAS=bias is not None,
+        SPLIT_K=split, BLOCK_N=config.block_n, BLOCK_K=block_k, TILES=config.tiles,
+        USE_PDL=pdl, GATED=gated, num_warps=config.num_warps, num_stages=1, **pdl_kwargs(pdl),
     )  # fmt: skip
     return y

@@ -176,20 +176,8 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
      dict(GROUP_SIZE=128, BITS=4, BLOCK_K=64, BLOCK_N=128), 4, 1),
     ("asyncengine_kernels.quant_linear", "_dequantize_kernel",
      dict(GROUP_SIZE=4096, BITS=8, BLOCK_K=64, BLOCK_N=128), 4, 1),
-    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, BLOCK_N=128, BLOCK_K=128), 4, 3),
-    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=True, SPLIT_K=8, BLOCK_N=64, BLOCK_K=64), 4, 3),
-    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=32, BITS=8, HAS_BIAS=False, SPLIT_K=4, BLOCK_N=64, BLOCK_K=32), 4, 3),
-    # The same GEMVs with products in half-precision pairs (inline PTX).
-    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=2, BLOCK_N=256, BLOCK_K=128,
-          PAIRS=True), 4, 3),
-    ("asyncengine_kernels.quant_linear", "_quant_gemv_kernel",
-     dict(GROUP_SIZE=128, BITS=8, HAS_BIAS=True, SPLIT_K=4, BLOCK_N=128, BLOCK_K=128,
-          PAIRS=True), 4, 3),
-    # All of a program's tiles loaded at once, no K loop.
+    # The GEMV: all of a program's tiles loaded at once, no K loop, products in
+    # half-precision pairs (inline PTX).
     ("asyncengine_kernels.quant_linear", "_quant_gemv_at_once_kernel",
      dict(GROUP_SIZE=128, BITS=4, HAS_BIAS=False, SPLIT_K=16, BLOCK_N=32, BLOCK_K=128,
           TILES=8, USE_PDL=True), 4, 1),

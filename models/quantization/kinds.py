@@ -10,8 +10,8 @@ with torch ops, then the library's matmul: the CPU path and the oracle),
 `TritonDequantMatmul` (the same with one Triton dequantization pass: on the GPU, a choice
 for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
-rows to prefill) and `QuantTritonGemv` (a few rows; `QuantTritonGemvAtOnce`, its form
-without a K loop, can also take a [gate, up] input and apply SiLU-and-mul itself).
+rows to prefill) and `QuantTritonGemv` (a few rows of 16-bit activations, all of a program's
+tiles loaded at once; it can also take a [gate, up] input and apply SiLU-and-mul itself).
 `QuantWgmma` (int4 and int8 on Hopper's tensor cores, up to 256 rows in int4 and 64 in int8:
 `asyncengine_kernels.quant_wgmma`) reads a second copy of the codes packed for it at load
 (`wgmma_words`, as many bytes as `qweight`), which `release_unplanned_copies` drops once tuning
@@ -31,11 +31,9 @@ from asyncengine_kernels.activation import silu_and_mul
 from asyncengine_kernels.quant_linear import (
     QuantAtOnceGemvConfig,
     QuantGemmConfig,
-    QuantGemvConfig,
     at_once_gemv_config,
     dequantize_weight_triton,
     gemm_config,
-    loop_gemv_config,
     quant_gemm,
     quant_gemm_candidates,
     quant_gemv,
@@ -104,32 +102,22 @@ def all_int_kinds(layer: torch.nn.Module, rows: int) -> list[MatmulKind]:
         kinds.append(TritonDequantMatmul())
     kinds += [QuantTritonGemm(c) for c in quant_gemm_candidates(group, k)]
     if rows <= QUANT_GEMV_MAX_ROWS:
-        kinds += [gemv_kind(c) for c in quant_gemv_candidates(group, k)]
+        kinds += [QuantTritonGemv(c) for c in quant_gemv_candidates(group, k)]
     if wgmma_serves_rows(layer, rows):
         kinds.append(QuantWgmma())
     return kinds
 
 
-def gemv_kind(config: QuantGemvConfig) -> QuantTritonGemv:
-    """The GEMV kind of `config`: `QuantTritonGemvAtOnce` for an at-once config (it can also
-    form a SiLU-and-mul input), else `QuantTritonGemv`."""
-    if isinstance(config, QuantAtOnceGemvConfig):
-        return QuantTritonGemvAtOnce(config)
-    return QuantTritonGemv(config)
-
-
 @dataclass(frozen=True)
 class IntRule:
     """The kinds timed for integer weights at a ladder step of up to `max_rows` rows (None:
-    any): at-once GEMVs as (block_n, input rows per program, warps), GEMVs walking K as
-    (block_n, block_k, split_k, warps, pairs), GEMM tiles as (block_m, block_n, block_k,
-    warps, stages, split_k), whether dequantize + BLAS is one, and whether the wgmma matmul
-    is (where the layer has its copy of the codes): beside the others, or alone
-    (`wgmma_alone`: the others are then not timed)."""
+    any): GEMVs as (block_n, input rows per program, warps), GEMM tiles as (block_m,
+    block_n, block_k, warps, stages, split_k), whether dequantize + BLAS is one, and whether
+    the wgmma matmul is (where the layer has its copy of the codes): beside the others, or
+    alone (`wgmma_alone`: the others are then not timed)."""
 
     max_rows: int | None
     at_once: tuple[tuple[int, int, int], ...] = ()
-    loops: tuple[tuple[int, int, int, int, bool], ...] = ()
     gemms: tuple[tuple[int, int, int, int, int, int], ...] = ()
     dequantize: bool = False
     wgmma: bool = False
@@ -181,7 +169,11 @@ _FROM_65_ROWS = (
 # within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
 # of full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up
 # tuning by rules"); beside them at 3-4 rows the small GEMM tile (split 4, as it won at 16
-# rows; not timed at 4).
+# rows; not timed at 4). int8 also planned GEMVs walking K a tile at a time at 2-4 rows
+# (q/k/v at 2, o and down at 2-4); no plan used them once the wgmma matmul took 2-16 rows,
+# and they were removed (docs/performance.md, 2026-12-05). Where int8's 2-4-row rules run
+# without the wgmma matmul (no copy of the codes, or its agreement check failed), the 2-row
+# at-once GEMV stands in for them at 3-4 rows too, untimed there.
 INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     4: (
         IntRule(1, at_once=((32, 256, 1), (32, 512, 1), (32, 1024, 4)), wgmma=True),
@@ -195,10 +187,8 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
     ),
     8: (
         IntRule(1, at_once=((32, 256, 2), (32, 512, 1)), wgmma=True),
-        IntRule(2, at_once=((32, 256, 2),), loops=((64, 128, 2, 4, False), (128, 128, 4, 4, True)),
-                wgmma=True, wgmma_alone=True),
-        IntRule(4, loops=((128, 128, 2, 4, True),), gemms=_SMALL_GEMM, wgmma=True,
-                wgmma_alone=True),
+        IntRule(2, at_once=((32, 256, 2),), wgmma=True, wgmma_alone=True),
+        IntRule(4, at_once=((32, 256, 2),), gemms=_SMALL_GEMM, wgmma=True, wgmma_alone=True),
         _UP_TO_16_ROWS,
         IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True),
         *_FROM_65_ROWS,
@@ -246,8 +236,7 @@ def rule_int_kinds(layer: torch.nn.Module, rows: int,
         whole = 1 << (k.bit_length() - 1)
         gemvs = [at_once_gemv_config(group, k, bn, min(values, whole), warps)
                  for bn, values, warps in rule.at_once]  # fmt: skip
-        gemvs += [loop_gemv_config(group, k, *shape) for shape in rule.loops]
-        kinds += [gemv_kind(c) for c in dict.fromkeys(gemvs) if c is not None]
+        kinds += [QuantTritonGemv(c) for c in dict.fromkeys(gemvs) if c is not None]
     if layer.qweight.is_cuda or rows <= CPU_GEMM_MAX_ROWS:
         gemms = (gemm_config(group, k, *shape) for shape in rule.gemms)
         kinds += [QuantTritonGemm(c) for c in dict.fromkeys(gemms) if c is not None]
@@ -340,32 +329,12 @@ class QuantTritonGemm(MatmulKind):
 @dataclass(frozen=True)
 class QuantTritonGemv(MatmulKind):
     """The Triton GEMV with dequantization fused (`asyncengine_kernels.quant_linear.quant_gemv`),
-    in the form its config's type names (`gemv_kind` gives an at-once config the subclass
-    below, which can also form a SiLU-and-mul input)."""
-
-    config: QuantGemvConfig
-    name: ClassVar[str] = "quantized Triton GEMV"
-    max_rows: ClassVar[int | None] = QUANT_GEMV_MAX_ROWS
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
-        gated: bool = False, glu: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        bits, group = layer.quant_config.bits, layer.group_size
-        return quant_gemv(*_operands(layer, x), bits, group, bias, self.config,
-                          layer.gemv_counters)  # fmt: skip
-
-    def describe(self) -> str:
-        return f"{self.name} {self.config}"
-
-
-@dataclass(frozen=True)
-class QuantTritonGemvAtOnce(QuantTritonGemv):
-    """`QuantTritonGemv` with all of a program's tiles loaded at once (`QuantAtOnceGemvConfig`),
-    which can also form a SiLU-and-mul input as it loads x: the down projection of a decode
-    step then runs no activation kernel before it."""
+    all of a program's tiles loaded at once, which can also form a SiLU-and-mul input as it
+    loads x: the down projection of a decode step then runs no activation kernel before it."""
 
     config: QuantAtOnceGemvConfig
+    name: ClassVar[str] = "quantized Triton GEMV"
+    max_rows: ClassVar[int | None] = QUANT_GEMV_MAX_ROWS
     fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
         {InputTransform.SILU_AND_MUL}
     )
@@ -374,14 +343,18 @@ class QuantTritonGemvAtOnce(QuantTritonGemv):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, *,
         gated: bool = False, glu: bool = False,
     ) -> torch.Tensor:  # fmt: skip
+        bits, group = layer.quant_config.bits, layer.group_size
         if gated and layer.input_perm is not None:
             # Act-order gathers the input's columns: they are gathered from the activation.
             x, gated = silu_and_mul(x), False
         if not gated:
-            return super().apply(layer, x, bias)
-        bits, group = layer.quant_config.bits, layer.group_size
+            return quant_gemv(*_operands(layer, x), bits, group, bias, self.config,
+                              layer.gemv_counters)  # fmt: skip
         return quant_gemv(x.contiguous(), layer.qweight, layer.scales, layer.zeros, bits, group,
                           bias, self.config, layer.gemv_counters, gated=True)  # fmt: skip
+
+    def describe(self) -> str:
+        return f"{self.name} {self.config}"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from asyncengine_kernels.quant_linear import (
     QUANT_GEMM_SHAPES,
     QuantAtOnceGemvConfig,
     QuantGemmConfig,
-    QuantLoopGemvConfig,
     at_once_gemv_config,
     dequantize_weight,
     dequantize_weight_triton,
@@ -198,34 +197,6 @@ def test_split_k_gemm_adds_the_splits_in_order_and_leaves_the_counters_zeroed() 
     assert float((first.float() - whole.float()).abs().max()) <= tol
 
 
-@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES)
-def test_gemv_matches_reference(n: int, k: int, bits: int, group: int, rows: int) -> None:
-    _, qweight, scales, zeros = _case(n, k, bits, group, torch.float32)
-    x = torch.randn(rows, k)
-    want = quant_matmul_ref(x, qweight, scales, zeros, bits, group)
-    # split 8 of K=96 or 128 in 16-wide tiles: 6 or 8 splits, and uneven ones of 32-wide tiles
-    for cfg in (QuantLoopGemvConfig(32, 32, 1), QuantLoopGemvConfig(16, 16, 2),
-                QuantLoopGemvConfig(16, 16, 8), QuantLoopGemvConfig(16, 32, 4)):  # fmt: skip
-        got = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES[:5])
-def test_gemv_in_half_pairs_matches_reference(n: int, k: int, bits: int, group: int,
-                                              rows: int) -> None:  # fmt: skip
-    _, qweight, scales, zeros = _case(n, k, bits, group, torch.bfloat16)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits, group)
-    tol = 1e-2 * float(want.abs().max())
-    for cfg in (QuantLoopGemvConfig(32, 32, 1, pairs=True),
-                QuantLoopGemvConfig(16, 16, 2, pairs=True)):  # fmt: skip
-        got = quant_gemv(x, qweight, scales, zeros, bits, group, None, cfg).float()
-        assert float((got - want).abs().max()) <= tol, cfg
-    with pytest.raises(ValueError, match="16-bit activations"):
-        quant_gemv(x.float(), qweight, scales.float(), zeros.float(), bits, group, None,
-                   QuantLoopGemvConfig(32, 32, 1, pairs=True))  # fmt: skip
-
-
 @pytest.mark.parametrize(("n", "k", "bits", "group", "rows"), CASES[:5])
 def test_gemv_with_tiles_at_once_matches_reference(n: int, k: int, bits: int, group: int,
                                                    rows: int) -> None:  # fmt: skip
@@ -270,9 +241,6 @@ def test_gemv_at_once_forms_a_gated_input(n: int, k: int, bits: int, group: int,
     one_step = torch.finfo(torch.bfloat16).eps * 2 * scale
     assert float((got - unfused).abs().max()) <= one_step
     assert float((got - want).abs().max()) <= 2e-2 * scale
-    with pytest.raises(ValueError, match="only the at-once form"):
-        quant_gemv(pair, qweight, scales, zeros, bits, group, None,
-                   QuantLoopGemvConfig(16, 32, pairs=True), gated=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(("n", "k", "bits", "group"), [(48, 128, 4, 32), (40, 128, 8, 64),
@@ -301,7 +269,7 @@ def test_tiles_never_span_two_groups() -> None:
     _, qweight, scales, zeros = _case(32, 96, 4, 96, torch.float32)  # one group per row
     x = torch.randn(1, 96)
     with pytest.raises(ValueError, match="BLOCK_K=64 must divide the group size 96"):
-        quant_gemv(x, qweight, scales, zeros, 4, 96, None, QuantLoopGemvConfig(32, 64, 1))
+        quant_gemv(x, qweight, scales, zeros, 4, 96, None, QuantAtOnceGemvConfig(32, 64, 1))
     with pytest.raises(ValueError, match="BLOCK_K=48 must be a power of two"):
         quant_gemm(x, qweight, scales, zeros, 4, 96, None, QuantGemmConfig(16, 16, 48))
     with pytest.raises(ValueError, match="x has 64 columns"):
@@ -314,26 +282,18 @@ def test_candidates_fit_the_group_and_the_split() -> None:
         assert gemm and all(k % c.block_k == 0 and k // c.block_k >= c.split_k for c in gemm)
         # A GEMM tile lies inside one group or spans whole groups.
         assert all(group % c.block_k == 0 or c.block_k % group == 0 for c in gemm)
-        # A GEMV tile lies inside one group; a loop's K splits hold a tile each, an at-once
-        # program's tiles fit in K.
-        assert all(group % c.block_k == 0 for c in gemv)
-        assert all(k // c.block_k >= c.split_k for c in gemv if isinstance(c, QuantLoopGemvConfig))
-        assert all(k >= c.tiles * c.block_k for c in gemv if isinstance(c, QuantAtOnceGemvConfig))
+        # A GEMV tile lies inside one group, and a program's tiles fit in K.
+        assert gemv and all(group % c.block_k == 0 for c in gemv)
+        assert all(k >= c.tiles * c.block_k for c in gemv)
     assert quant_gemv_candidates(128, 4096)
 
 
-def test_gemv_config_type_is_its_form_and_its_name_stays() -> None:
-    """A GEMV config holds only the fields its form reads; its `str` is how timing tables,
-    plan caches and logs key it, so it must not change."""
-    loop, at_once = QuantLoopGemvConfig(64, 128, 2, 4), at_once_gemv_config(128, 4096, 32, 256, 1)
+def test_gemv_config_name_stays() -> None:
+    """A GEMV config's `str` is how timing tables, plan caches and logs key it, so it must
+    not change; its tiles are a power of two."""
+    at_once = at_once_gemv_config(128, 4096, 32, 256, 1)
     assert at_once == QuantAtOnceGemvConfig(32, 128, tiles=2, num_warps=1)
-    assert str(loop) == "gemv n64 k128 split2 w4 s3"
-    assert str(QuantLoopGemvConfig(128, 128, 4, 4, pairs=True)) == (
-        "gemv n128 k128 split4 w4 s3 pairs"
-    )
     assert str(at_once) == "gemv n32 k128x2 at once w1 pairs"
-    assert not hasattr(loop, "tiles")
-    assert not any(hasattr(at_once, f) for f in ("split_k", "num_stages", "pairs"))
     with pytest.raises(ValueError, match="power-of-two tile count"):
         QuantAtOnceGemvConfig(32, 128, tiles=3)
 
@@ -406,7 +366,7 @@ def test_gpu_gated_gemv_at_once_equals_silu_and_mul_then_gemv(bits: int) -> None
     scales = scales / 4
     pair = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) / 2
     x = silu_and_mul(pair)
-    for cfg in [c for c in quant_gemv_candidates(128, k) if isinstance(c, QuantAtOnceGemvConfig)]:
+    for cfg in quant_gemv_candidates(128, k):
         got = quant_gemv(pair, qweight, scales, zeros, bits, 128, None, cfg, gated=True)
         unfused = quant_gemv(x, qweight, scales, zeros, bits, 128, None, cfg)
         scale = float(unfused.float().abs().max())

@@ -433,12 +433,7 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     dequantize + BLAS up to 64 rows give one entry per choice; the steps above 64 rows hold
     dequantize + BLAS alone, which is checked but not timed. RMSNorm inputs keep their
     declared transform."""
-    from models.quantization.kinds import (
-        DequantMatmul,
-        QuantTritonGemm,
-        QuantTritonGemv,
-        QuantTritonGemvAtOnce,
-    )
+    from models.quantization.kinds import DequantMatmul, QuantTritonGemm, QuantTritonGemv
 
     def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
         rows = x.shape[0]
@@ -461,7 +456,7 @@ def test_quantized_layers_are_planned_per_row_range(monkeypatch: pytest.MonkeyPa
     entries = plans[model["a"]].entries
     assert [e.max_rows for e in entries] == [4, 16, 64, None]
     assert [type(e.kind) for e in entries] == [
-        QuantTritonGemvAtOnce, QuantTritonGemm, QuantTritonGemm, DequantMatmul
+        QuantTritonGemv, QuantTritonGemm, QuantTritonGemm, DequantMatmul
     ]  # fmt: skip
     assert [e.kind.config.block_m for e in entries[1:3]] == [16, 64]
     assert all(e.input is InputTransform.RMS_NORM for e in plans[model["c"]].entries)

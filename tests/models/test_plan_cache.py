@@ -51,24 +51,20 @@ def test_cached_kinds_keep_their_names() -> None:
     """Entries name kinds by `describe()`, which holds their config's `str`: a start reads
     back only kinds whose names have not changed, so these must stay as they are."""
     from asyncengine_kernels.gemv import TiledGemvConfig, WholeRowGemvConfig
-    from asyncengine_kernels.quant_linear import QuantAtOnceGemvConfig, QuantLoopGemvConfig
+    from asyncengine_kernels.quant_linear import QuantAtOnceGemvConfig
     from models.matmul_plan import TritonGemv
     from models.quantization.fp8 import Fp8WholeRowGemv
-    from models.quantization.kinds import gemv_kind
+    from models.quantization.kinds import QuantTritonGemv
 
     names = [
         TritonGemv(TiledGemvConfig(8, 512, 4, 4)).describe(),
         TritonGemv(WholeRowGemvConfig(2, 4, 3, programs_per_sm=4)).describe(),
         Fp8WholeRowGemv(WholeRowGemvConfig(2, 4, 3, programs_per_sm=8, pairs=True)).describe(),
-        gemv_kind(QuantLoopGemvConfig(64, 128, 2, 4)).describe(),
-        gemv_kind(QuantLoopGemvConfig(128, 128, 4, 4, pairs=True)).describe(),
-        gemv_kind(QuantAtOnceGemvConfig(32, 128, tiles=4, num_warps=2)).describe(),
+        QuantTritonGemv(QuantAtOnceGemvConfig(32, 128, tiles=4, num_warps=2)).describe(),
     ]
     assert names == [
         "Triton GEMV tiled[8, 512, 4, 4]",
         "Triton GEMV whole_row[2, 4, 4, 3]",
         "fp8 Triton whole-row GEMV (W8A16) whole_row[2, 8, 4, 3] pairs",
-        "quantized Triton GEMV gemv n64 k128 split2 w4 s3",
-        "quantized Triton GEMV gemv n128 k128 split4 w4 s3 pairs",
         "quantized Triton GEMV gemv n32 k128x4 at once w2 pairs",
     ]

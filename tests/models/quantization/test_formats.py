@@ -43,7 +43,7 @@ SCHEMES = [
     Scheme("compressed-tensors", 8, -1, sym=True),
 ]
 PROMPTS = [[5, 9, 33, 2, 7, 100, 3], [17], list(range(40, 80))]
-# The names of the integer layers' kinds (`QuantTritonGemvAtOnce` shares its GEMV's).
+# The names of the integer layers' kinds.
 INT_KIND_NAMES = {kind.name for kind in (DequantMatmul, TritonDequantMatmul, QuantTritonGemm,
                                          QuantTritonGemv, QuantWgmma)}  # fmt: skip
 
