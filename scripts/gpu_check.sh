@@ -554,8 +554,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     timeout 200 python3 scripts/bench_kernels.py --only int8 --quant-rows 32 64 128 256 \
       2>>"$OUT/bench.log" | tee "$OUT/int8_kernels.jsonl" | cut -c1-260
   fi
-  if [[ " $parts " == *" int4 "* ]]; then  # the int4 kernels at 64, 128 and 256 rows
-    timeout 200 python3 scripts/bench_kernels.py --only int4 --quant-rows 64 128 256 \
+  if [[ " $parts " == *" int4 "* ]]; then  # the int4 kernels at 64, 128 and 256 rows (INT4_ROWS)
+    timeout 200 python3 scripts/bench_kernels.py --only int4 --quant-rows ${INT4_ROWS:-64 128 256} \
       2>>"$OUT/bench.log" | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
   fi
   if [[ " $parts " == *" runs "* ]]; then  # RUNS: engine runs' flags, one run per ';', each
