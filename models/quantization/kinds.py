@@ -12,7 +12,7 @@ for large batches),
 `QuantTritonGemm` (16-bit weight tiles formed in registers for the tensor cores, from a few
 rows to prefill) and `QuantTritonGemv` (a few rows of 16-bit activations, all of a program's
 tiles loaded at once; it can also take a [gate, up] input and apply SiLU-and-mul itself).
-`QuantWgmma` (int4 and int8 on Hopper's tensor cores, up to 256 rows in int4 and 64 in int8:
+`QuantWgmma` (int4 and int8 on Hopper's tensor cores, up to 256 rows in both widths:
 `asyncengine_kernels.quant_wgmma`) reads a second copy of the codes packed for it at load
 (`wgmma_words`, as many bytes as `qweight`), which `release_unplanned_copies` drops once tuning
 has planned the layer without it. The engine tunes before its memory profile, so the KV pool
