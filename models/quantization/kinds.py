@@ -134,9 +134,10 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # dequantize + cuBLAS o. At 128 rows 128x64x64 won gate/up; the split-2 tile came within
 # 10 % on o and down (int8), which dequantize + cuBLAS won with q/k/v int4 (64x64x128 won
 # q/k/v int8 by 3 % and is not timed there). At 256 rows dequantize + cuBLAS won every
-# layer by 1.15-1.97x over the best tile, so above that no GEMM is timed. The 65-256 step
-# is timed at its top (`models.linear_tuning.QUANT_ROW_LADDER`), where on these layers its
-# tiles lose: they are there for the 128-row wins, which only a 128-row step would use.
+# layer by 1.15-1.97x over the best tile, so from 65 rows no GEMM tile is timed: the
+# 65-256 step is timed at its top (`models.linear_tuning.QUANT_ROW_LADDER`), where the tiles
+# lose on every layer, so timing them there (and compiling them for it) only lengthened a
+# cold start (2026-12-05: in a cold GPTQ int4 start on the H200 tuning took 23 of its 33.7 s).
 #
 # The int4 wgmma matmul, where a layer has its copy of the codes, is timed at every step up
 # to 64 rows, and alone from 2 to 16: there it was 1.5-2.2x ahead of the best of the kinds
@@ -160,11 +161,7 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # int4 times it alone there.
 _UP_TO_16_ROWS = IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True)
 _64_ROW_GEMMS = ((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2))
-_FROM_65_ROWS = (
-    IntRule(256, gemms=((128, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 2)), dequantize=True,
-            wgmma=True),
-    IntRule(None, dequantize=True),
-)
+_FROM_65_ROWS = (IntRule(256, dequantize=True, wgmma=True), IntRule(None, dequantize=True))
 # Per weight width, the GEMVs that won a Llama-2-7B shape on the H200 at 1-4 rows, or came
 # within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
 # of full-sweep starts in GPTQ int8 g128 and AWQ int4 (docs/quantization.md, "Start-up

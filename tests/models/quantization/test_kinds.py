@@ -108,9 +108,9 @@ def _names(kinds: list[MatmulKind]) -> list[str]:
 def test_the_rule_table_names_a_few_kinds_per_row_range(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Llama-2-7B shape in int4 g128: the at-once GEMVs that won at 1-2 rows, two of them
     and the small GEMM tile split 4 at 4, that tile against dequantize + BLAS at 8-16, two
-    64-row tiles against it at 64, and on a GPU the two tiles that won at 128 rows against
-    it at 256; off the GPU that step keeps the torch reference alone, and above 256 rows it
-    is alone on either."""
+    64-row tiles against it at 64, and from 65 rows dequantize + BLAS alone (the Triton
+    pass on a GPU; the GEMM tiles lost every layer at 256 rows, the step's timed size) where
+    the layer has no copy of the codes for the wgmma matmul."""
     monkeypatch.delenv("ASYNCENGINE_TUNE_ALL_KINDS", raising=False)
     layer = _shape(128, 4096)
     one, two = ["GEMV gemv n32 k128x2 at once w1 pairs", "GEMV gemv n32 k128x4 at once w1 pairs"]
@@ -129,9 +129,7 @@ def test_the_rule_table_names_a_few_kinds_per_row_range(monkeypatch: pytest.Monk
     assert all(isinstance(k, QuantTritonGemv) for k in tuning_kinds(layer, 1))
     gpu = _shape(128, 4096, cuda=True)
     assert _names(tuning_kinds(gpu, 64))[:2] == got[64][:2]
-    assert _names(tuning_kinds(gpu, 256)) == [
-        "GEMM gemm 128x64x64 w4 s3", "GEMM gemm 64x64x128 w4 s3 split2", "Triton dequantize + BLAS"
-    ]  # fmt: skip
+    assert _names(tuning_kinds(gpu, 256)) == ["Triton dequantize + BLAS"]
     assert _names(tuning_kinds(gpu, 1024)) == ["Triton dequantize + BLAS"]
 
 
