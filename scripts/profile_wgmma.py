@@ -1,6 +1,7 @@
-"""Launch the integer wgmma matmul and bf16 cuBLAS once each on Llama-2-7B layers, inside a
-profiler range, for Nsight Compute to read their counters (tensor-pipe and L2 use, warp
-stalls, occupancy): where the 128- and 256-row launches lose to cuBLAS.
+"""Launch the integer wgmma matmul (synchronous and, where the scale is on the weights,
+asynchronous) and bf16 cuBLAS once each on Llama-2-7B layers, inside a profiler range, for
+Nsight Compute to read their counters (tensor-pipe and L2 use, warp stalls, occupancy):
+where the 128- and 256-row launches lose to cuBLAS.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section WarpStateStats python3 scripts/profile_wgmma.py --rows 128 256
@@ -13,6 +14,8 @@ CUDA-event time outside the profiler, so the report's kernels can be matched to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -81,8 +84,12 @@ def main() -> None:
                                              bits=args.bits, has_zero=False)  # fmt: skip
 
             launches.append(({**case, "impl": "bf16 cublas"}, cublas))
-            launches.append(({**case, "impl": str(cfg),
-                              "launches": -(-rows // per_launch)}, wgmma))  # fmt: skip
+            forms = [cfg]
+            if not cfg.scale_on_acc:  # the asynchronous form beside the synchronous one
+                forms.append(dataclasses.replace(cfg, async_mma=True))
+            for form in forms:
+                launches.append(({**case, "impl": str(form), "launches": -(-rows // per_launch)},
+                                 functools.partial(wgmma, cfg=form)))  # fmt: skip
 
     for _, fn in launches:  # compile and warm up outside the profiled range
         fn()
