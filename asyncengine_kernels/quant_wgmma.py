@@ -526,7 +526,7 @@ if _GLUON:
 
     @gluon.jit
     def _operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, SCALED: gl.constexpr,
-                 half: gl.constexpr, PURE: gl.constexpr = True):  # fmt: skip
+                 half: gl.constexpr):  # fmt: skip
         """One chunk's words [32 row pairs, 4 (q), 4 (j)] -> wgmma's register operand, the
         [64 rows, 64 columns] tile in `half`, bf16 or fp16 (code - zero, times the scale if
         SCALED)."""
@@ -534,12 +534,12 @@ if _GLUON:
         if SCALED:
             v = gl.inline_asm_elementwise(
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-                [words, z_lo, z_hi, s_lo, s_hi], dtype=[half.value] * 8, is_pure=PURE, pack=1,
+                [words, z_lo, z_hi, s_lo, s_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
             )  # fmt: skip
         else:
             v = gl.inline_asm_elementwise(
                 asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [words, z_lo, z_hi], dtype=[half.value] * 8, is_pure=PURE, pack=1,
+                [words, z_lo, z_hi], dtype=[half.value] * 8, is_pure=True, pack=1,
             )  # fmt: skip
         # v[e + 2 hr + 4 hc] -> [row pairs, q, j, hr, hc, e] -> [64 rows, 64 columns]. A
         # join appends its axis last, and that axis is the registers' fastest: joining over
@@ -552,7 +552,7 @@ if _GLUON:
 
     @gluon.jit
     def _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  SCALED: gl.constexpr, half: gl.constexpr, PURE: gl.constexpr = True):  # fmt: skip
+                  SCALED: gl.constexpr, half: gl.constexpr):  # fmt: skip
         """int8: one chunk's words [2 (j // 2), 32 row pairs, 4 (q), 4 (j % 2, hr)] ->
         wgmma's register operand, as `_operand`."""
         # A word's two registers share its row (hr, the last axis's low bit): its pairs.
@@ -562,7 +562,7 @@ if _GLUON:
         s = gl.where(hr == 1, s_hi, s_lo)
         asm: gl.constexpr = _INT8_ASM[4 * (half == gl.float16) + 2 * HAS_ZERO + SCALED]
         v = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r,r,r", [words, z, s],
-                                      dtype=[half.value] * 4, is_pure=PURE, pack=1)  # fmt: skip
+                                      dtype=[half.value] * 4, is_pure=True, pack=1)  # fmt: skip
         # v[e + 2 hc] -> [jh, row pairs, q, jl, hr, hc, e] -> [64 rows, 64 columns]: the
         # registers' order (e, hc, hr, jl, jh fastest first) is int4's (e, hc, hr, j).
         t = gl.join(gl.join(v[0], v[2]), gl.join(v[1], v[3]))
@@ -572,13 +572,14 @@ if _GLUON:
 
     @gluon.jit
     def _chunk_operand(words, z_lo, z_hi, s_lo, s_hi, a_l: gl.constexpr, BITS: gl.constexpr,
-                       HAS_ZERO: gl.constexpr, half: gl.constexpr):  # fmt: skip
-        """One chunk's words -> wgmma's register operand with the scale on the weights,
-        int4 or int8 (`_operand`, `_operand8`)."""
+                       HAS_ZERO: gl.constexpr, SCALED: gl.constexpr,
+                       half: gl.constexpr):  # fmt: skip
+        """One chunk's words -> wgmma's register operand, int4 or int8 (`_operand`,
+        `_operand8`)."""
         if BITS == 4:
-            a = _operand(words, z_lo, z_hi, s_lo, s_hi, a_l, True, half, False)
+            a = _operand(words, z_lo, z_hi, s_lo, s_hi, a_l, SCALED, half)
         else:
-            a = _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, True, half, False)
+            a = _operand8(words, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, SCALED, half)
         return a
 
     @gluon.jit
@@ -695,8 +696,9 @@ if _GLUON:
             s_lo, s_hi, s_lo1, s_hi1 = _step_pairs(
                 s_ptr, first, N, row_lo, spread, upper, 0.0, BITS, DT, GROUP_ITERS, GROUP_64,
                 GROUP_32)  # fmt: skip
-            a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, DT)
-            a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO, DT)
+            a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, True, DT)
+            a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO, True,
+                                DT)  # fmt: skip
             last_step = first + n_iters - 1
             for it in range(n_iters):
                 step = first + it
@@ -714,12 +716,13 @@ if _GLUON:
                     GROUP_64, GROUP_32)  # fmt: skip
                 x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
                 acc = warpgroup_mma(a0, x0, acc, is_async=True)
-                a0n = _chunk_operand(next0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, DT)
+                a0n = _chunk_operand(next0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO, True,
+                                     DT)  # fmt: skip
                 acc, a0 = warpgroup_mma_wait(0, deps=[acc, a0])
                 x1 = _x_chunk(xs, x_at, x_mask, 2 * it + 1, n_chunks, X_RING)
                 acc = warpgroup_mma(a1, x1, acc, is_async=True)
                 a1n = _chunk_operand(next1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO,
-                                     DT)  # fmt: skip
+                                     True, DT)  # fmt: skip
                 acc, a1 = warpgroup_mma_wait(0, deps=[acc, a1])
                 a0 = a0n
                 a1 = a1n
@@ -731,9 +734,8 @@ if _GLUON:
                 ahead = gl.minimum(2 * (step + 2), last)
                 ahead0 = gl.load(w_tile + ahead * CHUNK_WORDS)
                 ahead1 = gl.load(w_tile + (ahead + 1) * CHUNK_WORDS)
-                # GROUP_64: chunk 2 step + h is group 2 step + h; GROUP_32: its halves are groups
-                # 4 step + 2 h and + 1; else one group a whole iteration.
-                group = 2 * step if GROUP_64 else step // GROUP_ITERS  # the first chunk's
+                # The first chunk's group, for the scale on the accumulator (`_step_pairs`).
+                group = 2 * step if GROUP_64 else step // GROUP_ITERS
                 if HAS_ZERO:
                     z_lo, z_hi, z_lo1, z_hi1 = _step_pairs(
                         z_ptr, step, N, row_lo, spread, upper, z_off, BITS, DT, GROUP_ITERS,
@@ -742,14 +744,10 @@ if _GLUON:
                     s_lo, s_hi, s_lo1, s_hi1 = _step_pairs(
                         s_ptr, step, N, row_lo, spread, upper, 0.0, BITS, DT, GROUP_ITERS,
                         GROUP_64, GROUP_32)  # fmt: skip
-                if BITS == 4:
-                    a0 = _operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, not SCALE_ON_ACC, DT)
-                    a1 = _operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, not SCALE_ON_ACC, DT)
-                else:
-                    a0 = _operand8(words0, z_lo, z_hi, s_lo, s_hi, a_l, HAS_ZERO, not SCALE_ON_ACC,
-                                   DT)  # fmt: skip
-                    a1 = _operand8(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, HAS_ZERO,
-                                   not SCALE_ON_ACC, DT)  # fmt: skip
+                a0 = _chunk_operand(words0, z_lo, z_hi, s_lo, s_hi, a_l, BITS, HAS_ZERO,
+                                    not SCALE_ON_ACC, DT)  # fmt: skip
+                a1 = _chunk_operand(words1, z_lo1, z_hi1, s_lo1, s_hi1, a_l, BITS, HAS_ZERO,
+                                    not SCALE_ON_ACC, DT)  # fmt: skip
                 x0 = _x_chunk(xs, x_at, x_mask, 2 * it, n_chunks, X_RING)
                 if SCALE_ON_ACC and GROUP_32:
                     gl.static_assert(False, "groups of 32 take the scale on the weights")
