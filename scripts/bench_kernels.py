@@ -743,8 +743,16 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
             if bits == 8 and 16 < per_launch <= wg.SLICE_MAX_ROWS:
                 # int8's ring: correct on the GPU, not yet planned; timed beside the slice.
                 forms.append(wg.ring_config(base.rows, n, k, group, on_acc))
+            splits = []
             for form, factor in itertools.product(forms, (0.5, 1, 2)):
-                k_split = max(wg.ITER_K, int(form.k_split * factor) // group * group or group)
+                splits.append((form, max(wg.ITER_K,
+                                         int(form.k_split * factor) // group * group or group)))
+            if per_launch > wg.SLICE_MAX_ROWS:
+                # A K split of four: o's and down's 64 tiles fill two programs on nearly every
+                # multiprocessor, where the default three leave 72 of 132 with one.
+                unit = max(wg.ITER_K, group)
+                splits.append((base, -(-k // (4 * unit)) * unit))
+            for form, k_split in splits:
                 launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring))
                 if not on_acc:  # the asynchronous wgmma beside the synchronous one
                     launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring,
