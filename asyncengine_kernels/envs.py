@@ -113,11 +113,3 @@ def no_pdl() -> bool:
     and their sum exceeds the step's. Read at each launch and baked into CUDA graphs when
     they are captured, so it must be set before the engine starts."""
     return _flag("NO_PDL")
-
-
-def wgmma_async() -> bool:
-    """Whether the integer wgmma matmul's launch rules pick its asynchronous form (each chunk's
-    next operand formed while its wgmma runs) wherever the scale goes on the weights: an A/B
-    switch for measuring it in the engine. Read when a layer's launch is chosen (at start-up
-    tuning), so it must be set before the engine starts."""
-    return _flag("WGMMA_ASYNC")

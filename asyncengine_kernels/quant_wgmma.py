@@ -61,7 +61,6 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine_kernels import envs
 from asyncengine_kernels._triton_utils import pdl_kwargs, use_pdl
 from asyncengine_kernels.gemv_split_k import check_gemv_counters
 from asyncengine_kernels.quant_linear import unpack_int_weight
@@ -119,26 +118,42 @@ X_SLICE_BYTES = 64 * 1024
 # Above 64 rows the slice streams through a ring of `X_RING` chunks (64 features each, 16 KB
 # at 128 rows), `X_RING - 1` of them in flight, so a split may span all of K: at 128 rows
 # the partial sums of short splits would cost as much traffic as the weights. K is split
-# only to give each multiprocessor one program (`RING_PROGRAMS`: o and down have 64 tiles).
+# only to give each multiprocessor about two programs (`RING_PROGRAMS` each): o and down
+# have 64 tiles, split four ways. Three splits (192 programs) left 72 of the 132
+# multiprocessors one program, with the tensor pipe busy 27 % of the time (Nsight Compute,
+# H200, 2026-12-05); four ran down 4-10 % faster and o 1 % (bench_kernels --only int4
+# and int8 --quant-rows 128 256, H100, 2026-12-05: down at 128 rows 38.8 against 43.1 us in
+# int4, 43.3 against 45.2 in int8).
 X_RING = 4
 RING_PROGRAMS = 132
-# In int4 the ring also serves 17-64 rows, where it beat the whole-slice launch on every
-# 7B layer (bench_kernels --only int4 --quant-rows 32 64, H200, 2026-12-04; us per layer of
-# four matmuls, the best split of each form: 81.4 against 102.0 at 32 rows, 104.6 against
-# 206.7 at 64, where the best Triton GEMM took 189.8). There the best splits gave the grid
-# about three programs a multiprocessor (q/k/v 2 splits, gate/up 1, o and down 6-7:
-# `RING_FEW_ROWS_PROGRAMS`), and the scale went on the accumulator up to 32 rows. int8's ring
-# at 32 and 64 rows compiles without spills (132 and 160 registers) and matched the
-# reference on the GPU, but has not been timed: int8 keeps the whole slice until it is.
-RING_MIN_ROWS = {4: 17, 8: MAX_ROWS + 1}
+RING_PROGRAMS_PER_MP = 2
+# Above 64 rows the wgmma is issued asynchronously (`QuantWgmmaConfig.async_mma`) wherever
+# the scale goes on the weights, except where it costs a wave: it takes more registers (181
+# against 166 in int4 at 128 rows: two programs a multiprocessor instead of three), so int4
+# gate/up's 344 tiles, one wave synchronous, took two (69.3 against 48.6 us at 128 rows).
+# Elsewhere at 128 rows it ran 4-10 % faster (H100, 2026-12-05, the same bench: int4 q/k/v
+# 35.5 against 38.1, o 21.9 against 23.2, down 37.3 against 38.8 at four splits; int8 q/k/v
+# 37.5 against 40.6, gate/up 66.7 against 74.3, down 40.9 against 43.3; int8's synchronous
+# launch already fits two programs a multiprocessor). At 17-64 rows it won nothing by more
+# than the noise (int4 q/k/v at 64 rows 27.9 against 26.2), so there it is not used.
+ASYNC_MIN_ROWS = SLICE_MAX_ROWS + 1
+# The ring also serves 17-64 rows, where it beat the whole-slice launch on every 7B layer.
+# int4 (bench_kernels --only int4 --quant-rows 32 64, H200, 2026-12-04; us per layer of
+# four matmuls, the best split of each form): 81.4 against 102.0 at 32 rows, 104.6 against
+# 206.7 at 64, where the best Triton GEMM took 189.8. int8 (--only int8, H100, 2026-12-05):
+# 108.0 against 150.8 at 32 rows, 120.7 against 282.2 at 64. There the best splits gave the
+# grid about three programs a multiprocessor (q/k/v 2 splits, gate/up 1, o and down 6:
+# `RING_FEW_ROWS_PROGRAMS`). The scale goes on the accumulator up to 32 rows in int4
+# (`RING_ACC_MAX_ROWS`); in int8 on the weights, which was faster on every layer at 32 rows
+# (q/k/v 27.5 against 31.0 us, gate/up 40.2 against 47.8).
+RING_MIN_ROWS = {4: 17, 8: 17}
+RING_ACC_MAX_ROWS = {4: 32, 8: 0}
 RING_FEW_ROWS_PROGRAMS = 3 * RING_PROGRAMS
-# int8 up to 64 rows keeps the whole slice; above, it launches the ring 128 rows at a time, as
-# int4 does. A single 256-row int8 launch needed more than 255 registers a thread (the 64 x
-# 256 float32 accumulator and three iterations of 16 words) and spilled; the 128-row launch
-# builds on sm_90 to 193-220 registers with the scale on the weights (what the ring takes
-# from 33 rows), without spills (`scripts/compile_kernels.py --asm-stats`). Its speed at
-# 65-256 rows is not yet measured: the start-up tuner times it beside dequantize + BLAS and
-# the GEMM tiles there, and plans it only where it wins.
+# int8 launches the ring 128 rows at a time above 64 rows, as int4 does. A single 256-row
+# int8 launch needed more than 255 registers a thread (the 64 x 256 float32 accumulator and
+# three iterations of 16 words) and spilled; the 128-row launch builds on sm_90 to 193-220
+# registers with the scale on the weights, without spills (`scripts/compile_kernels.py
+# --asm-stats`).
 # Programs to aim for: 16 per multiprocessor of an H200 up to 8 rows, fewer as the rows
 # grow (each split's float32 partial sums grow with them), each split at least
 # `MIN_SPLIT_ITERS` iterations long (4 from 16 rows). On the 7B layers (bench_kernels
@@ -235,14 +250,19 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS
     if scale_on_acc is None:
         # Groups of 32 split a chunk's wgmma steps between two scales: on the weights only.
-        scale_on_acc = rows <= (32 if ring else 16) and group_size >= CHUNK_K
+        scale_on_acc = (rows <= (RING_ACC_MAX_ROWS[bits] if ring else 16)
+                        and group_size >= CHUNK_K)  # fmt: skip
     elif scale_on_acc and group_size < CHUNK_K:
         raise ValueError(f"groups of {group_size} take the scale on the weights, not on the "
                          "accumulator")  # fmt: skip
-    overlap = not scale_on_acc and envs.wgmma_async()
     if ring:
-        return dataclasses.replace(ring_config(rows, n, k, group_size, scale_on_acc),
-                                   async_mma=overlap)  # fmt: skip
+        config = ring_config(rows, n, k, group_size, scale_on_acc)
+        programs = n // BLOCK_N * math.ceil(k / config.k_split)
+        # int4's synchronous launch fits three programs a multiprocessor, its asynchronous
+        # one two: there a grid of more than two waves' worth stays synchronous.
+        fits = bits == 8 or programs <= RING_PROGRAMS_PER_MP * RING_PROGRAMS
+        overlap = rows >= ASYNC_MIN_ROWS and not scale_on_acc and fits
+        return dataclasses.replace(config, async_mma=overlap)
     iters, unit = _split_iters(k, group_size)
     most = max(unit, (X_SLICE_BYTES // (rows * 2 * ITER_K)) // unit * unit)
     programs = TARGET_PROGRAMS if rows <= 8 else TARGET_PROGRAMS * 8 // rows
@@ -250,21 +270,20 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     least = MIN_SPLIT_ITERS if rows <= 8 else 2 * MIN_SPLIT_ITERS
     per_split = max(least, math.ceil(iters / want))
     per_split = max(unit, min(most, math.ceil(per_split / unit) * unit))
-    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc,
-                            async_mma=overlap)  # fmt: skip
+    return QuantWgmmaConfig(rows=rows, k_split=per_split * ITER_K, scale_on_acc=scale_on_acc)
 
 
 def ring_config(rows: int, n: int, k: int, group_size: int,
                 scale_on_acc: bool) -> QuantWgmmaConfig:  # fmt: skip
     """The ring form's launch for `rows` padded rows: the activations stream through
     `X_RING` chunks, each split whole groups (or whole iterations when a group spans
-    several splits). K is split only so that the grid reaches `RING_PROGRAMS` programs
-    above 64 rows, about `RING_FEW_ROWS_PROGRAMS` up to 64 (the nearest whole number of
-    splits)."""
+    several splits). K is split so that the grid reaches at most `RING_PROGRAMS_PER_MP`
+    programs a multiprocessor above 64 rows, and about `RING_FEW_ROWS_PROGRAMS` programs up
+    to 64 (the nearest whole number of splits)."""
     iters, unit = _split_iters(k, group_size)
     tiles = n // BLOCK_N
     if rows > SLICE_MAX_ROWS:
-        want = max(1, -(-RING_PROGRAMS // tiles))
+        want = max(1, RING_PROGRAMS_PER_MP * RING_PROGRAMS // tiles)
     else:
         want = max(1, round(RING_FEW_ROWS_PROGRAMS / tiles))
     per_split = max(unit, math.ceil(math.ceil(iters / want) / unit) * unit)

@@ -359,14 +359,13 @@ QUANT_WGMMA_VARIANTS = [
          SCALE_ON_ACC=False, SPLIT_K=False),
     dict(BITS=8, ROWS=32, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=True),
-    # 17-128 rows a launch (int4; int8 from 65 rows, and at 17-64 timed in the kernel bench,
-    # not planned): the activations stream through a ring of chunks.
+    # 17-128 rows a launch: the activations stream through a ring of chunks.
     dict(BITS=4, ROWS=32, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
          SCALE_ON_ACC=True, SPLIT_K=True, USE_PDL=True, X_RING=4),
     dict(BITS=4, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
          SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4),
     dict(BITS=8, ROWS=32, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
-         SCALE_ON_ACC=True, SPLIT_K=True, X_RING=4),
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4),
     dict(BITS=8, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
          SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4),
     dict(BITS=4, ROWS=128, K_SPLIT=4096, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
@@ -397,10 +396,12 @@ QUANT_WGMMA_VARIANTS = [
          SCALE_ON_ACC=True, SPLIT_K=True, GROUP_64=True),
     dict(BITS=8, ROWS=64, K_SPLIT=256, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=False, GROUP_64=True, F16=True),
-    # The asynchronous wgmma (the next operand formed while a chunk's wgmma runs): the ring
-    # at 128 and 64 rows, int4 and int8, and the whole slice at 64.
+    # The asynchronous wgmma (the next operand formed while a chunk's wgmma runs; planned
+    # above 64 rows): the ring at 128 and 64 rows, int4 and int8, and the whole slice at 64.
     dict(BITS=4, ROWS=128, K_SPLIT=4096, GROUP_ITERS=1, HAS_ZERO=False, HAS_BIAS=False,
          SCALE_ON_ACC=False, SPLIT_K=False, X_RING=4, ASYNC_MMA=True),
+    dict(BITS=4, ROWS=128, K_SPLIT=2816, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=False,
+         SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, ASYNC_MMA=True),
     dict(BITS=4, ROWS=64, K_SPLIT=1920, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,
          SCALE_ON_ACC=False, SPLIT_K=True, X_RING=4, ASYNC_MMA=True, F16=True),
     dict(BITS=8, ROWS=128, K_SPLIT=2048, GROUP_ITERS=1, HAS_ZERO=True, HAS_BIAS=True,

@@ -559,18 +559,21 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       2>>"$OUT/bench.log" | tee "$OUT/int4_kernels.jsonl" | cut -c1-260
   fi
   if [[ " $parts " == *" runs "* ]]; then  # RUNS: engine runs' flags, one run per ';', each
-    # optionally led by NAME=VALUE environment settings
+    # optionally led by NAME=VALUE environment settings; TREE=DIR runs it from tree DIR
     IFS=';' read -r -a runs <<< "${RUNS:?PARTS=runs needs RUNS}"
     for r in "${runs[@]}"; do
       read -r -a words <<< "$r"
-      settings=()
+      settings=(); tree=.
       while [[ ${#words[@]} -gt 0 && ${words[0]} =~ ^[A-Z_]+= ]]; do
-        settings+=("${words[0]}"); words=("${words[@]:1}")
+        if [[ ${words[0]} == TREE=* ]]; then tree="${words[0]#TREE=}"
+        else settings+=("${words[0]}"); fi
+        words=("${words[@]:1}")
       done
       echo "== run: $r"
-      env "${settings[@]}" python3 scripts/bench_throughput.py --system engine "${words[@]}" \
-        2>>"$OUT/bench.log" | sed "s|^{|{\"run\": \"$r\", |" | tee -a "$OUT/results.jsonl" \
-        | cut -c1-400
+      (export PYTHONPATH="${PYTHONPATH/$PWD/$(cd "$tree" && pwd)}"; cd "$tree" \
+        && env "${settings[@]}" python3 scripts/bench_throughput.py --system engine \
+        "${words[@]}" 2>>"$OUT/bench.log") | sed "s|^{|{\"run\": \"$r\", |" \
+        | tee -a "$OUT/results.jsonl" | cut -c1-400
     done
   fi
   if [[ " $parts " == *" ncu "* ]]; then  # Nsight Compute on the int4 wgmma matmul and bf16

@@ -154,13 +154,15 @@ _SMALL_GEMM = ((16, 64, 128, 4, 4, 4),)
 # (93 / 136), so it is timed beside the 256-row step's kinds.
 #
 # int8 measured the same way (2026-12-04): 81-94 us a layer at 2-16 rows against 127-149
-# for the best of the other kinds (1.5-1.7x, every layer), 125 / 199 at 32 rows, and behind
-# at 64 (237 / 217); so its rules are int4's from 2 rows up, but for 17-64 rows: there int4
-# streams its activations through the ring (`quant_wgmma.RING_MIN_ROWS`), which took 81 us a
-# layer at 32 rows and 105 at 64 against the best GEMM tile's 171 and 190 (2026-12-04), so
-# int4 times it alone there.
+# for the best of the other kinds (1.5-1.7x, every layer). At 17-64 rows both widths stream
+# their activations through the ring (`quant_wgmma.RING_MIN_ROWS`), timed alone there: in
+# int4 it took 81 us a layer at 32 rows and 105 at 64 against the best GEMM tile's 171 and
+# 190 (H200, 2026-12-04); in int8 108 and 121 against 198 and 217 (H100, 2026-12-05), and
+# below bf16 cuBLAS's 160 and 163 on the same layers, which bounds dequantize + cuBLAS.
 _UP_TO_16_ROWS = IntRule(16, gemms=_SMALL_GEMM, dequantize=True, wgmma=True, wgmma_alone=True)
 _64_ROW_GEMMS = ((64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2))
+_UP_TO_64_ROWS = IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True,
+                         wgmma_alone=True)  # fmt: skip
 _FROM_65_ROWS = (IntRule(256, dequantize=True, wgmma=True), IntRule(None, dequantize=True))
 # Per weight width, the GEMVs that won a Llama-2-7B shape on the H200 at 1-4 rows, or came
 # within 5 % of the winner: every kind's time in a cold GPTQ int4 g128 start, and the plans
@@ -179,7 +181,7 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
         IntRule(4, at_once=((32, 256, 1), (32, 512, 1)), gemms=_SMALL_GEMM, wgmma=True,
                 wgmma_alone=True),
         _UP_TO_16_ROWS,
-        IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True, wgmma_alone=True),
+        _UP_TO_64_ROWS,
         *_FROM_65_ROWS,
     ),
     8: (
@@ -187,7 +189,7 @@ INT_TUNING_RULES: dict[int, tuple[IntRule, ...]] = {
         IntRule(2, at_once=((32, 256, 2),), wgmma=True, wgmma_alone=True),
         IntRule(4, at_once=((32, 256, 2),), gemms=_SMALL_GEMM, wgmma=True, wgmma_alone=True),
         _UP_TO_16_ROWS,
-        IntRule(64, gemms=_64_ROW_GEMMS, dequantize=True, wgmma=True),
+        _UP_TO_64_ROWS,
         *_FROM_65_ROWS,
     ),
 }

@@ -262,13 +262,13 @@ def test_packing_refuses_shapes_off_the_tiles() -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k", "group", "bits"),
     [(1, 4096, 4096, 128, 4), (1, 4096, 11008, 128, 4), (1, 22016, 4096, 128, 4),
-     (8, 12288, 4096, 128, 4), (16, 4096, 11008, 128, 4), (33, 4096, 4096, 128, 8),
-     (64, 4096, 11008, 128, 8), (1, 4096, 4096, 4096, 4), (4, 4096, 4096, 256, 4)],
+     (8, 12288, 4096, 128, 4), (16, 4096, 11008, 128, 4), (16, 4096, 4096, 128, 8),
+     (2, 4096, 11008, 128, 8), (1, 4096, 4096, 4096, 4), (4, 4096, 4096, 256, 4)],
 )  # fmt: skip
 def test_config_splits_k_in_whole_groups_within_shared_memory(
     m: int, n: int, k: int, group: int, bits: int
 ) -> None:
-    """Whole-slice launches (int4 up to 16 rows, int8 up to 64)."""
+    """Whole-slice launches (up to 16 rows)."""
     cfg = quant_wgmma_config(m, n, k, group, bits=bits)
     assert not cfg.x_ring
     assert cfg.rows >= max(8, m) and cfg.rows & (cfg.rows - 1) == 0
@@ -318,30 +318,53 @@ def test_config_fills_the_gpu_at_one_row() -> None:
                                             (100, 22016, 4096), (128, 4096, 11008)])
 def test_config_streams_the_activations_above_64_rows(m: int, n: int, k: int) -> None:
     """Above 64 rows the slice goes through the ring and K is split only to give each
-    multiprocessor a program: whole groups, no split where the tiles already fill the GPU."""
-    cfg = quant_wgmma_config(m, n, k, 128)
-    assert cfg.x_ring == X_RING and cfg.rows == LAUNCH_MAX_ROWS
-    assert not cfg.scale_on_acc and cfg.k_split % 128 == 0
-    splits = -(-k // cfg.k_split)
-    tiles = n // 64
-    assert splits == 1 if tiles >= RING_PROGRAMS else tiles * splits >= RING_PROGRAMS
-    assert (splits - 1) * cfg.k_split < k
-    assert X_RING * cfg.rows * 64 * 2 <= 128 * 1024  # the ring's shared memory
+    multiprocessor about two programs: whole groups, no split where the tiles already fill
+    the GPU (o and down: 64 tiles, four splits)."""
+    for bits in (4, 8):
+        cfg = quant_wgmma_config(m, n, k, 128, bits=bits)
+        assert cfg.x_ring == X_RING and cfg.rows == LAUNCH_MAX_ROWS
+        assert not cfg.scale_on_acc and cfg.k_split % 128 == 0
+        splits = -(-k // cfg.k_split)
+        tiles = n // 64
+        assert splits == (1 if tiles > RING_PROGRAMS else 4)
+        assert tiles * splits <= max(tiles, 2 * RING_PROGRAMS)
+        assert (splits - 1) * cfg.k_split < k
+        assert X_RING * cfg.rows * 64 * 2 <= 128 * 1024  # the ring's shared memory
+
+
+@pytest.mark.parametrize(("n", "k", "overlap4"), [(12288, 4096, True), (4096, 4096, True),
+                                                  (22016, 4096, False), (4096, 11008, True)])
+def test_config_overlaps_the_wgmma_above_64_rows_where_it_costs_no_wave(
+        n: int, k: int, overlap4: bool) -> None:  # fmt: skip
+    """Above 64 rows the wgmma runs asynchronously with the scale on the weights, but for
+    int4 grids past two programs a multiprocessor (gate/up: 344 tiles), which the
+    synchronous form's fewer registers fit in one wave; never at 17-64 rows or with the scale
+    on the accumulator."""
+    for m in (65, 128):
+        assert quant_wgmma_config(m, n, k, 128).async_mma == overlap4
+        assert quant_wgmma_config(m, n, k, 128, bits=8).async_mma
+        assert quant_wgmma_config(m, n, k, 32, bits=8).async_mma
+    for m in (1, 16, 32, 64):
+        for bits in (4, 8):
+            assert not quant_wgmma_config(m, n, k, 128, bits=bits).async_mma
+            assert not quant_wgmma_config(m, n, k, 128, scale_on_acc=False,
+                                          bits=bits).async_mma  # fmt: skip
 
 
 @pytest.mark.parametrize("m", [17, 32, 33, 64])
 @pytest.mark.parametrize(("n", "k", "splits"), [(12288, 4096, 2), (22016, 4096, 1),
                                                  (4096, 4096, 6), (4096, 11008, 6)])
-def test_int4_config_streams_the_activations_from_17_rows(m: int, n: int, k: int,
-                                                          splits: int) -> None:  # fmt: skip
-    """int4 at 17-64 rows takes the ring too, K split to about three programs a
-    multiprocessor (the 7B layers' measured best: q/k/v 2 splits, gate/up 1, o and down 6),
-    the scale on the accumulator up to 32 rows; int8 keeps the whole slice there."""
-    cfg = quant_wgmma_config(m, n, k, 128)
-    assert cfg.x_ring == X_RING and cfg.rows == (32 if m <= 32 else 64)
-    assert cfg.scale_on_acc == (m <= 32) and cfg.k_split % 128 == 0
-    assert -(-k // cfg.k_split) == splits
-    assert not quant_wgmma_config(m, n, k, 128, bits=8).x_ring
+def test_config_streams_the_activations_from_17_rows(m: int, n: int, k: int,
+                                                     splits: int) -> None:  # fmt: skip
+    """At 17-64 rows the activations go through the ring too, K split to about three
+    programs a multiprocessor (the 7B layers' measured best: q/k/v 2 splits, gate/up 1, o
+    and down 6); int4 takes the scale on the accumulator up to 32 rows, int8 on the
+    weights."""
+    for bits in (4, 8):
+        cfg = quant_wgmma_config(m, n, k, 128, bits=bits)
+        assert cfg.x_ring == X_RING and cfg.rows == (32 if m <= 32 else 64)
+        assert cfg.scale_on_acc == (bits == 4 and m <= 32) and cfg.k_split % 128 == 0
+        assert -(-k // cfg.k_split) == splits
 
 
 def test_config_refuses_more_rows_than_one_launch_takes() -> None:
