@@ -578,8 +578,8 @@ def test_gpu_async_mma_matches_reference(m: int, dtype: torch.dtype, group: int,
 def test_gpu_int8_through_the_ring_matches_reference(m: int, n: int, k: int, group: int,
                                                      symmetric: bool, scale_on_acc: bool
                                                      ) -> None:  # fmt: skip
-    """int8 at 17-64 rows with its activations through the ring (what the kernel bench times
-    beside the whole slice, not yet the default), with and without K splits."""
+    """int8 at 17-64 rows with its activations through the ring (the launch rules' form
+    there, with the scale on the weights), with and without K splits."""
     qweight, scales, zeros = _operands(n, k, group, symmetric, seed=m + n, bits=8)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     rows = 32 if m <= 32 else 64
