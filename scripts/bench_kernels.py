@@ -748,10 +748,10 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
                 splits.append((form, max(wg.ITER_K,
                                          int(form.k_split * factor) // group * group or group)))
             if per_launch > wg.SLICE_MAX_ROWS:
-                # A K split of four: o's and down's 64 tiles fill two programs on nearly every
-                # multiprocessor, where the default three leave 72 of 132 with one.
+                # A K split of three, the rule before four (o and down: 192 programs, which
+                # left 72 of 132 multiprocessors one; four ran down 4-10 % faster).
                 unit = max(wg.ITER_K, group)
-                splits.append((base, -(-k // (4 * unit)) * unit))
+                splits.append((base, -(-k // (3 * unit)) * unit))
             for form, k_split in splits:
                 launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring))
                 if not on_acc:  # the asynchronous wgmma beside the synchronous one
