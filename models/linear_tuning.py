@@ -86,11 +86,12 @@ CPU_PACKED_MAX_BYTES = 256 * 2**20
 # at start-up; a model too large for that keeps the BLAS calls (one log line says so).
 CPU_PACKED_MAX_SHARE_OF_FREE = 0.5
 
-# Threads that compile the quantized kinds' Triton kernels side by side before they are
+# Threads that compile the quantized kinds' Triton kernels side by side before any is
 # timed (`_compile_ahead`); 1 compiles each on its first run instead.
 COMPILE_AHEAD_THREADS = min(16, os.cpu_count() or 1)
-# The largest ladder step whose kinds compile in that pool (`_compile_ahead`).
-COMPILE_AHEAD_MAX_ROWS = 64
+# The largest ladder step whose kinds compile in that pool (`_compile_ahead`): the steps
+# above run dequantize + BLAS alone, whose kernel the 256-row step compiled.
+COMPILE_AHEAD_MAX_ROWS = 256
 
 Plans = dict[PlannedMatmul, MatmulPlan]
 
@@ -322,20 +323,36 @@ def plan_quantized_linears(
     plans: Plans = {}
     timings: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
     started, timed, checked = time.perf_counter(), 0, 0
-    bar = tqdm(total=len(groups) * len(ladder), desc="Tuning quantized matmuls",
-               unit="step", disable=not groups)  # fmt: skip
+    # Each group's candidates per step, and its plan from the cache where held; the other
+    # groups' kernels all compile side by side before the first is timed.
+    chosen = {}
+    jobs: list[CompileJob] = []
     for group, layers in groups.items():
-        n, k, _, _, has_bias, declared, _ = group
-        bar.set_postfix_str(f"{n}x{k}")
+        has_bias, declared = group[4], group[5]
         first = layers[0]
-        pairs = [(m, m.bias if has_bias else None) for m in layers]
         method = get_quant_method(first.quant_config)
         candidates = [method.tuning_kinds(first, rows) for rows in ladder]
         key = plan_key([
             *device_identity(first.qweight.device), source_digest(), *group,
             first.params_dtype, *ladder, *([kind.describe() for kind in c] for c in candidates),
         ])  # fmt: skip
+        pairs = [(m, m.bias if has_bias else None) for m in layers]
         best = _cached_choice(cache, key, candidates, ladder, pairs, first, declared)
+        chosen[group] = (method, candidates, key, pairs, best)
+        if best is None:
+            for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
+                if rows <= COMPILE_AHEAD_MAX_ROWS:
+                    low_rows = ladder[i - 1] + 1 if i else 1
+                    jobs += [CompileJob(kind, pairs[0], rows, low_rows, declared)
+                             for kind in kinds]  # fmt: skip
+    _compile_ahead(jobs)
+    bar = tqdm(total=len(groups) * len(ladder), desc="Tuning quantized matmuls",
+               unit="step", disable=not groups)  # fmt: skip
+    for group, layers in groups.items():
+        n, k, declared = group[0], group[1], group[5]
+        bar.set_postfix_str(f"{n}x{k}")
+        first = layers[0]
+        method, candidates, key, pairs, best = chosen[group]
         if best is not None:
             bar.update(len(ladder))
         else:
@@ -484,37 +501,56 @@ def _agreeing_kinds(
     return [kind for kind in kinds if kind not in dropped]
 
 
-def _compile_ahead(
-    kinds: Sequence[MatmulKind], pairs: list[tuple[LinearBase, torch.Tensor | None]],
-    x: torch.Tensor, low_rows: int, timed_input: Callable,
-) -> None:  # fmt: skip
-    """Run each kind once, as the agreement check and the timing will, from a pool of
-    threads, so that their Triton kernels compile side by side: Triton releases the GIL
-    while it compiles, and a cold start compiles each candidate config about once (Triton
-    specializes a row count only on being 1 or a multiple of 16, and a config's kernel at
-    one weight shape mostly serves the others). The kernels run on the caller's stream, one
-    after another as launched; what they return is dropped, and a kind that fails here
-    fails again in the serial pass, which skips it. Only for steps of more than one kind
-    and up to `COMPILE_AHEAD_MAX_ROWS` rows: the larger steps' kinds are compiled by then,
-    and the pool's outputs stay small."""
-    if (x.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(kinds) < 2
-            or x.shape[0] > COMPILE_AHEAD_MAX_ROWS):  # fmt: skip
-        return
-    layer, bias = pairs[0]
-    stream = torch.cuda.current_stream(x.device)
+class CompileJob(NamedTuple):
+    """A kind to run once before tuning, so that its kernels are compiled: on `pair` (a
+    layer and its bias), at `rows` rows and at `low_rows` (the range a ladder step serves),
+    on the input its layer declares."""
 
-    def warm(kind: MatmulKind) -> None:
+    kind: MatmulKind
+    pair: tuple[LinearBase, torch.Tensor | None]
+    rows: int
+    low_rows: int
+    declared: InputTransform
+
+
+def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
+    """Run each job's kind once, as the agreement check and the timing will, from a pool of
+    threads, so that the Triton kernels of every shape and ladder step compile side by side
+    before the first is timed: Triton releases the GIL while it compiles, and a cold start
+    compiles each config about once per row bucket (Triton specializes a row count only on
+    being 1 or a multiple of 16; the wgmma matmul per padded row count and K split). The
+    kernels run on the caller's stream, one after another as launched; what they return is
+    dropped, and a kind that fails here fails again in the serial pass, which skips it. On
+    the GPU only: on the CPU the serial pass compiles."""
+    jobs = [j for j in jobs if _weight_device(j.pair[0]).type == "cuda"]
+    if COMPILE_AHEAD_THREADS < 2 or len(jobs) < 2:
+        return
+    device = _weight_device(jobs[0].pair[0])
+    stream = torch.cuda.current_stream(device)
+
+    def warm(job: CompileJob) -> None:
+        layer, bias = job.pair
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
-                for xs in _range_inputs(x, low_rows):
-                    kind.apply(layer, xs, bias)
-                timed_input(kind, layer, bias)
+                x = torch.randn(job.rows, layer.in_features, device=device,
+                                dtype=layer.params_dtype)  # fmt: skip
+                for xs in _range_inputs(x, job.low_rows):
+                    job.kind.apply(layer, xs, bias)
+                _declared_input(x, job.declared)(job.kind, layer, bias)
         except Exception:  # the serial pass reports and skips it
             pass
 
-    with ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool:
-        list(pool.map(warm, kinds))
-    torch.cuda.synchronize(x.device)
+    with (ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool,
+          tqdm(total=len(jobs), desc="Compiling quantized matmuls", unit="kernel") as bar):
+        for _ in pool.map(warm, jobs):
+            bar.update()
+    torch.cuda.synchronize(device)
+
+
+def _weight_device(layer: nn.Module) -> torch.device:
+    """Where a layer's (quantized, else plain) weight lives."""
+    weight = getattr(layer, "qweight", None)
+    return (weight if weight is not None else layer.weight).device
 
 
 def _time_kinds(
@@ -529,7 +565,6 @@ def _time_kinds(
     it."""
     times: dict[str, float] = {}
     timed_input = _declared_input(x, declared)
-    _compile_ahead(kinds, pairs, x, low_rows, timed_input)
     for kind in _agreeing_kinds(kinds, pairs, x, low_rows):
         try:
 

@@ -584,14 +584,45 @@ def test_agreement_computes_each_reference_once_per_layer_and_input(
 def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
     """The threads serve CUDA launches only; on the CPU the serial pass compiles."""
     _CountingReference.calls = []
-    tuning._compile_ahead(
-        [_Scaled(None), _CountingReference()],
-        [(nn.Linear(8, 4), None)],
-        torch.randn(2, 8),
-        1,
-        lambda k, m, b: k.apply(m, torch.randn(2, 8), b),
-    )
+    pair = (nn.Linear(8, 4), None)
+    tuning._compile_ahead([
+        tuning.CompileJob(kind, pair, rows, 1, InputTransform.NONE)
+        for kind in (_Scaled(None), _CountingReference()) for rows in (2, 4)
+    ])  # fmt: skip
     assert _CountingReference.calls == []
+
+
+def test_every_uncached_step_compiles_ahead_in_one_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # fmt: skip
+    """Before the first step is timed, the planner hands the pool one job per candidate of
+    every shape's steps up to `COMPILE_AHEAD_MAX_ROWS` rows (single-candidate steps too),
+    each with the step's row range; shapes planned from the cache compile nothing ahead."""
+    from models.plan_cache import PlanCache
+    from models.quantization.method import get_quant_method
+
+    handed: list[list[tuning.CompileJob]] = []
+    monkeypatch.setattr(tuning, "_compile_ahead", lambda jobs: handed.append(list(jobs)))
+    model = _quantized_model("cpu", torch.float32)
+    cache = PlanCache(tmp_path)
+    tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    (jobs,) = handed
+    ladder = tuning.QUANT_ROW_LADDER
+    steps = [(rows, ladder[i - 1] + 1 if i else 1) for i, rows in enumerate(ladder)
+             if rows <= tuning.COMPILE_AHEAD_MAX_ROWS]  # fmt: skip
+    shapes = {(j.pair[0].out_features, j.pair[0].in_features) for j in jobs}
+    assert len(shapes) == 2
+    for shape in shapes:
+        layer = next(j.pair[0] for j in jobs if (j.pair[0].out_features,
+                                                 j.pair[0].in_features) == shape)  # fmt: skip
+        method = get_quant_method(layer.quant_config)
+        want = [(kind, rows, low) for rows, low in steps
+                for kind in method.tuning_kinds(layer, rows)]  # fmt: skip
+        got = [(j.kind, j.rows, j.low_rows) for j in jobs if j.pair[0] is layer]
+        assert got == want
+    handed.clear()
+    tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert handed == [[]]
 
 
 def test_quantized_plans_are_read_back_from_the_cache(
