@@ -118,9 +118,9 @@ X_SLICE_BYTES = 64 * 1024
 # Above 64 rows the slice streams through a ring of `X_RING` chunks (64 features each, 16 KB
 # at 128 rows), `X_RING - 1` of them in flight, so a split may span all of K: at 128 rows
 # the partial sums of short splits would cost as much traffic as the weights. K is split
-# only to give each multiprocessor about two programs (`RING_PROGRAMS` each): o and down
-# have 64 tiles, split four ways. Three splits (192 programs) left 72 of the 132
-# multiprocessors one program, with the tensor pipe busy 27 % of the time (Nsight Compute,
+# only to give each of the `RING_PROGRAMS` multiprocessors about `RING_PROGRAMS_PER_MP`
+# programs: o and down have 64 tiles, split four ways. Three splits (192 programs) left 72
+# of the 132 multiprocessors one program, the tensor pipe busy 27 % of the time (Nsight Compute,
 # H200, 2026-12-05); four ran down 4-10 % faster and o 1 % (bench_kernels --only int4
 # and int8 --quant-rows 128 256, H100, 2026-12-05: down at 128 rows 38.8 against 43.1 us in
 # int4, 43.3 against 45.2 in int8).
@@ -238,11 +238,13 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
                        scale_on_acc: bool | None = None, *, bits: int = 4
                        ) -> QuantWgmmaConfig:  # fmt: skip
     """The launch for M = m rows of `bits`-bit codes: rows padded to a power of two from 8.
-    From `RING_MIN_ROWS` (int4: 17) the activations stream through a ring (`ring_config`);
+    From `RING_MIN_ROWS` (17) the activations stream through a ring (`ring_config`);
     below, K is split so that the grid reaches about `TARGET_PROGRAMS` programs (fewer past
     8 rows), each split whole groups (or whole iterations when a group spans several splits)
     and its activation slice within `X_SLICE_BYTES`. The scale on the accumulator up to 16
-    rows (32 in the ring) unless told, and never for groups of 32."""
+    rows (int4: 32 in the ring) unless told, and never for groups of 32. Above 64 rows the
+    wgmma runs asynchronously where the scale is on the weights, unless an int4 grid needs
+    more than two programs a multiprocessor."""
     rows = max(8, 1 << (m - 1).bit_length())
     if rows > LAUNCH_MAX_ROWS:
         raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
@@ -259,7 +261,7 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
         config = ring_config(rows, n, k, group_size, scale_on_acc)
         programs = n // BLOCK_N * math.ceil(k / config.k_split)
         # int4's synchronous launch fits three programs a multiprocessor, its asynchronous
-        # one two: there a grid of more than two waves' worth stays synchronous.
+        # one two: a grid of more than two a multiprocessor stays synchronous, in one wave.
         fits = bits == 8 or programs <= RING_PROGRAMS_PER_MP * RING_PROGRAMS
         overlap = rows >= ASYNC_MIN_ROWS and not scale_on_acc and fits
         return dataclasses.replace(config, async_mma=overlap)
