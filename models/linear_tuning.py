@@ -541,7 +541,7 @@ def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
             pass
 
     with (ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool,
-          tqdm(total=len(jobs), desc="Compiling quantized matmuls", unit="kernel") as bar):
+          tqdm(total=len(jobs), desc="Compiling quantized matmuls", unit="kind") as bar):
         for _ in pool.map(warm, jobs):
             bar.update()
     torch.cuda.synchronize(device)
