@@ -39,10 +39,12 @@ The scale is applied where it is cheapest:
 - otherwise (more rows, where the per-group float32 work grows with them): a 16-bit `mul.rn`
   on the fragment, rounding as `asyncengine_kernels.quant_linear.dequantize_weight` does.
 
-Up to 64 rows the activation slice of a program's K range sits in shared memory for the
-whole loop (the wgmma's second operand), loaded once; above, it streams through a ring of
-64-feature chunks, three in flight. The weight words of the next iterations are loaded while
-the current one is multiplied. K is split across programs so that the grid fills the
+Up to 16 rows the activation slice of a program's K range sits in shared memory for the
+whole loop (the wgmma's second operand), loaded once; from 17 rows it streams through a ring
+of 64-feature chunks, three in flight (the whole slice can still be asked for up to 64). The
+weight words of the next iterations are loaded while the current one is multiplied; above
+64 rows the wgmma can also run asynchronously, each chunk's next operand formed while its
+wgmma runs (`QuantWgmmaConfig.async_mma`). K is split across programs so that the grid fills the
 GPU at one row; the last split of a tile to arrive adds the others' float32 partial sums
 (`asyncengine_kernels.gemv_split_k`'s counters), so one launch does it all.
 
