@@ -534,7 +534,7 @@ def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
             with torch.cuda.stream(stream), torch.inference_mode():
                 x = torch.randn(job.rows, layer.in_features, device=device,
                                 dtype=layer.params_dtype)  # fmt: skip
-                for xs in _range_inputs(x, job.low_rows):
+                for xs in _range_inputs(x, job.low_rows) + _bucket_inputs(x, job.low_rows):
                     job.kind.apply(layer, xs, bias)
                 _declared_input(x, job.declared)(job.kind, layer, bias)
         except Exception:  # the serial pass reports and skips it
@@ -545,6 +545,19 @@ def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
         for _ in pool.map(warm, jobs):
             bar.update()
     torch.cuda.synchronize(device)
+
+
+def _bucket_inputs(x: torch.Tensor, low_rows: int) -> list[torch.Tensor]:
+    """x's first rows at each power of two strictly between `low_rows` and x's rows: row
+    counts a step serves that launch other kernel variants than its ends (Triton
+    specializes a row count on being a multiple of 16, the wgmma matmul pads rows to a power
+    of two), which decode graphs of those batch sizes would otherwise compile at capture."""
+    rows, p = x.shape[0], 1 << low_rows.bit_length()
+    out = []
+    while p < rows:
+        out.append(x[:p])
+        p <<= 1
+    return out
 
 
 def _weight_device(layer: nn.Module) -> torch.device:

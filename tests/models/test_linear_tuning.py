@@ -625,6 +625,17 @@ def test_every_uncached_step_compiles_ahead_in_one_pool(
     assert handed == [[]]
 
 
+def test_the_compile_pool_also_runs_each_power_of_two_inside_a_step() -> None:
+    """A step serving 17-64 rows compiles at 17 and 64 (the agreement check's inputs) and
+    at 32 (the pool's): 32 is a multiple of 16 that pads to another wgmma launch than 64."""
+    x = torch.randn(64, 4)
+    assert [t.shape[0] for t in tuning._bucket_inputs(x, 17)] == [32]
+    assert [t.shape[0] for t in tuning._bucket_inputs(torch.randn(256, 4), 65)] == [128]
+    assert tuning._bucket_inputs(torch.randn(4, 4), 3) == []
+    assert tuning._bucket_inputs(torch.randn(16, 4), 9) == []
+    assert tuning._bucket_inputs(torch.randn(1, 4), 1) == []
+
+
 def test_quantized_plans_are_read_back_from_the_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:  # fmt: skip
