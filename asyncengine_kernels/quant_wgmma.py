@@ -148,7 +148,7 @@ ASYNC_MIN_ROWS = SLICE_MAX_ROWS + 1
 # `RING_FEW_ROWS_PROGRAMS`). The scale goes on the accumulator up to 32 rows in int4
 # (`RING_ACC_MAX_ROWS`); in int8 on the weights, which was faster on every layer at 32 rows
 # (q/k/v 27.5 against 31.0 us, gate/up 40.2 against 47.8).
-RING_MIN_ROWS = {4: 17, 8: 17}
+RING_MIN_ROWS = 17
 RING_ACC_MAX_ROWS = {4: 32, 8: 0}
 RING_FEW_ROWS_PROGRAMS = 3 * RING_PROGRAMS
 # int8 launches the ring 128 rows at a time above 64 rows, as int4 does. A single 256-row
@@ -251,7 +251,7 @@ def quant_wgmma_config(m: int, n: int, k: int, group_size: int,
     if rows > LAUNCH_MAX_ROWS:
         raise ValueError(f"one quant_wgmma launch takes up to {LAUNCH_MAX_ROWS} rows, got {m}")
     _check_bits(bits)
-    ring = rows >= RING_MIN_ROWS[bits] or rows > SLICE_MAX_ROWS
+    ring = rows >= RING_MIN_ROWS
     if scale_on_acc is None:
         # Groups of 32 split a chunk's wgmma steps between two scales: on the weights only.
         scale_on_acc = (rows <= (RING_ACC_MAX_ROWS[bits] if ring else 16)

@@ -345,7 +345,7 @@ def plan_quantized_linears(
                     low_rows = ladder[i - 1] + 1 if i else 1
                     jobs += [CompileJob(kind, pairs[0], rows, low_rows, declared)
                              for kind in kinds]  # fmt: skip
-    _compile_ahead(jobs)
+    _compile_ahead(jobs, device_type)
     bar = tqdm(total=len(groups) * len(ladder), desc="Tuning quantized matmuls",
                unit="step", disable=not groups)  # fmt: skip
     for group, layers in groups.items():
@@ -513,7 +513,7 @@ class CompileJob(NamedTuple):
     declared: InputTransform
 
 
-def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
+def _compile_ahead(jobs: Sequence[CompileJob], device_type: str) -> None:
     """Run each job's kind once, as the agreement check and the timing will, from a pool of
     threads, so that the Triton kernels of every shape and ladder step compile side by side
     before the first is timed: Triton releases the GIL while it compiles, and a cold start
@@ -522,10 +522,9 @@ def _compile_ahead(jobs: Sequence[CompileJob]) -> None:
     kernels run on the caller's stream, one after another as launched; what they return is
     dropped, and a kind that fails here fails again in the serial pass, which skips it. On
     the GPU only: on the CPU the serial pass compiles."""
-    jobs = [j for j in jobs if _weight_device(j.pair[0]).type == "cuda"]
-    if COMPILE_AHEAD_THREADS < 2 or len(jobs) < 2:
+    if device_type != "cuda" or COMPILE_AHEAD_THREADS < 2 or len(jobs) < 2:
         return
-    device = _weight_device(jobs[0].pair[0])
+    device = jobs[0].pair[0].qweight.device
     stream = torch.cuda.current_stream(device)
 
     def warm(job: CompileJob) -> None:
@@ -558,12 +557,6 @@ def _bucket_inputs(x: torch.Tensor, low_rows: int) -> list[torch.Tensor]:
         out.append(x[:p])
         p <<= 1
     return out
-
-
-def _weight_device(layer: nn.Module) -> torch.device:
-    """Where a layer's (quantized, else plain) weight lives."""
-    weight = getattr(layer, "qweight", None)
-    return (weight if weight is not None else layer.weight).device
 
 
 def _time_kinds(

@@ -739,23 +739,17 @@ def _wgmma_case(shape: dict[str, Any], n: int, k: int, group: int, bits: int,
         for on_acc in (True, False) if group >= wg.CHUNK_K else (False,):
             base = wg.quant_wgmma_config(per_launch, n, k, group, scale_on_acc=on_acc,
                                          bits=bits)
-            forms = [base]
-            if bits == 8 and 16 < per_launch <= wg.SLICE_MAX_ROWS:
-                # int8's ring: correct on the GPU, not yet planned; timed beside the slice.
-                forms.append(wg.ring_config(base.rows, n, k, group, on_acc))
-            splits = []
-            for form, factor in itertools.product(forms, (0.5, 1, 2)):
-                splits.append((form, max(wg.ITER_K,
-                                         int(form.k_split * factor) // group * group or group)))
+            splits = [max(wg.ITER_K, int(base.k_split * factor) // group * group or group)
+                      for factor in (0.5, 1, 2)]  # fmt: skip
             if per_launch > wg.SLICE_MAX_ROWS:
                 # A K split of three, the rule before four (o and down: 192 programs, which
                 # left 72 of 132 multiprocessors one; four ran down 4-10 % faster).
                 unit = max(wg.ITER_K, group)
-                splits.append((base, -(-k // (3 * unit)) * unit))
-            for form, k_split in splits:
-                launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring))
+                splits.append(-(-k // (3 * unit)) * unit)
+            for k_split in splits:
+                launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc, base.x_ring))
                 if not on_acc:  # the asynchronous wgmma beside the synchronous one
-                    launches.add(wg.QuantWgmmaConfig(form.rows, k_split, on_acc, form.x_ring,
+                    launches.add(wg.QuantWgmmaConfig(base.rows, k_split, on_acc, base.x_ring,
                                                      async_mma=True))  # fmt: skip
         for cfg in sorted(launches, key=str):
             ms = bench(cycling(lambda w, s, z, x=x, c=cfg: wg.quant_wgmma_matmul(

@@ -588,7 +588,7 @@ def test_compile_ahead_runs_nothing_on_the_cpu() -> None:
     tuning._compile_ahead([
         tuning.CompileJob(kind, pair, rows, 1, InputTransform.NONE)
         for kind in (_Scaled(None), _CountingReference()) for rows in (2, 4)
-    ])  # fmt: skip
+    ], "cpu")  # fmt: skip
     assert _CountingReference.calls == []
 
 
@@ -602,7 +602,8 @@ def test_every_uncached_step_compiles_ahead_in_one_pool(
     from models.quantization.method import get_quant_method
 
     handed: list[list[tuning.CompileJob]] = []
-    monkeypatch.setattr(tuning, "_compile_ahead", lambda jobs: handed.append(list(jobs)))
+    monkeypatch.setattr(tuning, "_compile_ahead",
+                        lambda jobs, device_type: handed.append(list(jobs)))  # fmt: skip
     model = _quantized_model("cpu", torch.float32)
     cache = PlanCache(tmp_path)
     tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
