@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -140,6 +141,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.row_ids = torch.arange(n, dtype=torch.int64, device=device)
         self._staged_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Per padded size, the host image a staged step is written into and its fields' views
+        # (`stage_image`), made once: the copy to the device reads it before the call returns.
+        self._images: dict[int, tuple[np.ndarray, ...]] = {}
         self.num_kv_heads: int = model.attention_layers()[0].num_kv_heads  # type: ignore[operator]
         # Keyed by (padded size, the decode plan its attention was captured with).
         self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph] = {}
@@ -217,29 +221,55 @@ class DecodeGraphs:
         """Bytes of the static buffer's head that a step of `padded` rows reads."""
         return self.offsets["block_tables"] + padded * self.max_blocks * 4
 
+    def _image(self, padded: int) -> tuple[np.ndarray, ...]:
+        """The host image of a staged step of `padded` rows and views of its fields (input
+        ids, positions, slots, context lengths, [padded, max_blocks] block tables)."""
+        cached = self._images.get(padded)
+        if cached is None:
+            image = np.zeros(self.image_bytes(padded), dtype=np.uint8)
+            o, n = self.offsets, self.sizes[-1]
+
+            def field(name: str, dtype: type, count: int) -> np.ndarray:
+                return image[o[name] : o[name] + count * np.dtype(dtype).itemsize].view(dtype)
+
+            tables = field("block_tables", np.int32, padded * self.max_blocks)
+            cached = (image, field("input_ids", np.int64, n), field("positions", np.int64, n),
+                      field("slot_mapping", np.int64, n), field("seq_lens", np.int32, n),
+                      tables.reshape(padded, self.max_blocks))  # fmt: skip
+            self._images[padded] = cached
+        return cached
+
     def stage_image(
-        self, image: np.ndarray, padded: int, input_ids: np.ndarray, positions: np.ndarray,
-        slots: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
-    ) -> None:  # fmt: skip
-        """Write a step of `len(input_ids)` rows into `image` (uint8, `image_bytes(padded)`
-        long) as the static buffer's head lays it out. Everything else is zero (token 0 at
-        position 0 in padding rows, table columns past the step's widest), and padding rows
-        write to slot -1 and have no context. Rows past `padded` are never read by its graph."""
-        b, n = len(input_ids), self.sizes[-1]
-        o = self.offsets
+        self, padded: int, input_ids: Sequence[int], positions: Sequence[int],
+        slots: Sequence[int], seq_lens: Sequence[int], tables: np.ndarray | Sequence[Sequence[int]],
+    ) -> np.ndarray:  # fmt: skip
+        """A step of `len(input_ids)` rows as the static buffer's head lays it out
+        (`image_bytes(padded)` bytes), for one copy to the device before the next call
+        rewrites it. Everything else is zero (token 0 at position 0 in padding rows, table
+        columns past each row's own), and padding rows write to slot -1 and have no context.
+        Rows past `padded` are never read by its graph. `tables`: the rows' block tables, as
+        one padded array or one sequence a row (rows of a request may share one object)."""
+        image, ids, pos, slot, lens, table = self._image(padded)
+        b = len(input_ids)
         image.fill(0)
-
-        def field(name: str, dtype: type, count: int) -> np.ndarray:
-            return image[o[name] : o[name] + count * np.dtype(dtype).itemsize].view(dtype)
-
-        field("input_ids", np.int64, n)[:b] = input_ids
-        field("positions", np.int64, n)[:b] = positions
-        slot_field = field("slot_mapping", np.int64, n)
-        slot_field[:b] = slots
-        slot_field[b:padded] = -1
-        field("seq_lens", np.int32, n)[:b] = seq_lens
-        table = field("block_tables", np.int32, padded * self.max_blocks).reshape(padded, -1)
-        table[:b, : tables.shape[1]] = tables
+        ids[:b] = input_ids
+        pos[:b] = positions
+        slot[:b] = slots
+        slot[b:padded] = -1
+        lens[:b] = seq_lens
+        if isinstance(tables, np.ndarray):
+            table[:b, : tables.shape[1]] = tables
+            return image
+        # Consecutive rows with the same table (a verify step's rows) are written at once.
+        r = 0
+        while r < b:
+            row = tables[r]
+            end = r + 1
+            while end < b and tables[end] is row:
+                end += 1
+            table[r:end, : len(row)] = row
+            r = end
+        return image
 
     def staged_views(self, b: int) -> tuple[torch.Tensor, ...]:
         """The static inputs' first b rows (input ids, positions, slots, query starts,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncengine.cuda_graphs import STAGE_MAX_ROWS
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.kv_calibration import KVScales, calibrate_kv_scales, set_kv_scales
 from asyncengine.prompt_logprobs import (
@@ -102,17 +103,39 @@ def one_row_per_token(
     return np.arange(t + 1, dtype=np.int64), np.ones(t, np.int64), positions + 1, tables[owner]
 
 
+def decode_rows(
+    block_tables: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int],
+    block_size: int,
+) -> tuple[list[int], list[int], list[int], list[Sequence[int]]]:  # fmt: skip
+    """`token_layout` and `one_row_per_token` in plain Python, for a step of a few tokens: each
+    token of sequence r (`lens[r]` from position `starts[r]`) as a decode row. Returns the
+    rows' positions, cache slots, context lengths (up to and with the row's own token) and
+    block tables (the sequence's own object, shared by its rows). At a few rows numpy's cost
+    per call is most of the layout's, on the path from a verify step's verdict to the next
+    step."""
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[Sequence[int]] = []
+    for table, start, n in zip(block_tables, starts, lens, strict=True):
+        for pos in range(start, start + n):
+            positions.append(pos)
+            block, offset = divmod(pos, block_size)
+            slots.append(table[block] * block_size + offset)
+            tables.append(table)
+    return positions, slots, [p + 1 for p in positions], tables
+
+
 def staged_step_inputs(
     graphs: DecodeGraphs, staging: PinnedStaging, padded: int, header: StepHeader,
-    input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-    tables: np.ndarray, sampling: list[Request],
+    input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+    seq_lens: Sequence[int], tables: np.ndarray | Sequence[Sequence[int]],
+    sampling: list[Request],
 ) -> StepInputs:  # fmt: skip
     """A small decode step (every row's logits wanted, no fills) written straight into the
     decode graphs' static inputs with one copy (`DecodeGraphs.stageable` gave `padded`): the
     step's tensors are views of them, and `DecodeGraphs.run` only replays."""
     b = len(input_ids)
-    image = np.empty(graphs.image_bytes(padded), dtype=np.uint8)
-    graphs.stage_image(image, padded, input_ids, positions, slots, seq_lens, tables)
+    image = graphs.stage_image(padded, input_ids, positions, slots, seq_lens, tables)
     staging.to_device(image, graphs.static[: image.size])
     ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
     meta = AttentionMetadata(
@@ -503,6 +526,9 @@ class ModelRunner:
 
         A request whose last token is still in flight in `prev` takes it on the device.
         """
+        small = self._small_decode_inputs(sched)
+        if small is not None:
+            return small
         scheduled = sched.scheduled
         b = len(scheduled)
         lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)
@@ -594,6 +620,51 @@ class ModelRunner:
         inputs = step_inputs(header, buffer, parts, sampling)
         inputs.prompt_plan = prompt_plan
         return inputs
+
+    def _small_decode_inputs(self, sched: SchedulerOutput) -> StepInputs | None:
+        """A decode-only step of a few rows whose tokens are all on the host and all sampled
+        (a batch-1 stream resolved before the next step, a verify step), laid out in plain
+        Python (`decode_rows`) and staged straight into the decode graphs' inputs; None for
+        any other step, which `prepare_inputs` lays out in numpy. A verify step runs as a
+        decode step of one row per token, as there."""
+        graphs = self.graphs
+        scheduled = sched.scheduled
+        if graphs is None or not self.stage_small_steps:
+            return None
+        t = 0
+        for s in scheduled:
+            req = s.request
+            t += s.num_new_tokens
+            # Its last known token and its drafts, every row sampled, nothing in flight.
+            if (t > STAGE_MAX_ROWS or not s.needs_logits
+                    or s.num_new_tokens != 1 + s.num_spec_tokens
+                    or req.num_computed_tokens != len(req.all_token_ids) - 1
+                    or (req.params.prompt_logprobs is not None
+                        and wants_prompt_logprobs(req))):  # fmt: skip
+                return None
+        reqs = [s.request for s in scheduled]
+        positions, slots, seq_lens, tables = decode_rows(
+            [r.block_table for r in reqs], [r.num_computed_tokens for r in reqs],
+            [s.num_new_tokens for s in scheduled], self.block_size,
+        )  # fmt: skip
+        ids: list[int] = []
+        for s, req in zip(scheduled, reqs, strict=True):
+            ids.append(req.all_token_ids[-1])
+            ids += req.spec_token_ids[: s.num_spec_tokens]
+        w, max_len = max(len(r.block_table) for r in reqs), max(seq_lens)
+        # Rows of one request attend to each other's K/V: no fused rotary and K/V write.
+        plan = self.decode_plan(t, w, max_len, False if t > len(reqs) else None)
+        padded = graphs.stageable(t, w, plan)
+        if padded is None:
+            return None
+        header = StepHeader(
+            num_tokens=t, num_seqs=t, table_width=w, num_logits=t, max_query_len=1,
+            max_seq_len=max_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
+            num_swap_out=len(sched.blocks_to_swap_out), num_swap_in=len(sched.blocks_to_swap_in),
+            num_copy=len(sched.blocks_to_copy),
+        )  # fmt: skip
+        return staged_step_inputs(graphs, self.staging, padded, header, ids, positions, slots,
+                                  seq_lens, tables, reqs)  # fmt: skip
 
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
                     fuse_rotary: bool | None = None) -> DecodePlan:  # fmt: skip

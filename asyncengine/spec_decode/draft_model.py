@@ -42,6 +42,7 @@ draft with more parameters than the target.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,10 +54,12 @@ import torch
 from torch import nn
 
 from asyncengine.block_pool import BlockPool
-from asyncengine.cuda_graphs import DecodeGraphs
+from asyncengine.cuda_graphs import STAGE_MAX_ROWS, DecodeGraphs
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.model_runner import (
     KVCache,
+    StepInputs,
+    decode_rows,
     one_row_per_token,
     staged_step_inputs,
     step_inputs,
@@ -341,6 +344,44 @@ class DraftModelProposer:
             self.pool.cache_draft_blocks(req, start)
         return first
 
+    def _staged_inputs(
+        self, reqs: list[Request], starts: list[int], lens: list[int],
+        host_ids: np.ndarray | None,
+    ) -> tuple[StepInputs, torch.Tensor | None] | None:  # fmt: skip
+        """A forward of a few tokens laid out in plain Python (`decode_rows`: one decode row a
+        token) and staged straight into a captured graph's inputs, with the rows whose logits
+        are wanted where a request has more than one (None: every row); None where no graph
+        takes it whole. The draft's steps are short and many: numpy's cost per call was most
+        of their layout."""
+        graphs = self.graphs
+        t = sum(lens)
+        if graphs is None or t > STAGE_MAX_ROWS or max(lens) > EXPAND_MAX_TOKENS:
+            return None
+        tables = [r.block_table for r in reqs]
+        positions, slots, seq_lens, row_tables = decode_rows(tables, starts, lens,
+                                                             self.block_size)  # fmt: skip
+        w, max_len = max(len(table) for table in tables), max(seq_lens)
+        expand = t > len(reqs)
+        padded = graphs.graph_size(t, w)
+        if padded is None:
+            return None
+        plan = decode_plan(padded, self.num_kv_heads, self.device, max_len,
+                           fuse_rotary=not expand)  # fmt: skip
+        padded = graphs.stageable(t, w, plan)
+        if padded is None:
+            return None
+        header = StepHeader(
+            num_tokens=t, num_seqs=t, table_width=w, num_logits=len(reqs), max_query_len=1,
+            max_seq_len=max_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
+        )  # fmt: skip
+        ids = host_ids.tolist() if host_ids is not None else [0] * t
+        inputs = staged_step_inputs(graphs, self.staging, padded, header, ids, positions, slots,
+                                    seq_lens, row_tables, [])  # fmt: skip
+        if not expand:
+            return inputs, None
+        ends = list(itertools.accumulate(lens))
+        return inputs, host_to_device([e - 1 for e in ends], torch.int64, self.device)
+
     def _forward(
         self,
         reqs: list[Request],
@@ -355,6 +396,16 @@ class DraftModelProposer:
         The step is laid out as the model runner lays out a target step (`step_buffer`). A
         step of one token a request, or a short catch-up laid out as one decode row per token,
         replays the graph of its padded size where one was captured."""
+        staged = self._staged_inputs(reqs, starts, lens, host_ids)
+        if staged is not None:
+            inputs, last_rows = staged
+            if device_ids is not None:
+                inputs.input_ids.copy_(device_ids)
+            assert self.graphs is not None
+            hidden = self.graphs.run(inputs)
+            if last_rows is not None:  # else one token a request: rows are the logits' rows
+                hidden = hidden.index_select(0, last_rows)
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
         lens_a = np.asarray(lens, dtype=np.int64)
         qsl, seq_lens, tables, owner, positions, slots = token_layout(
             [r.block_table for r in reqs], np.asarray(starts, dtype=np.int64), lens_a,

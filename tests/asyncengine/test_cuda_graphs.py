@@ -144,10 +144,11 @@ def test_a_staged_image_lands_as_the_copy_path_would_leave_the_rows() -> None:
     plan = graphs.variants(4)[0][1]
     padded = graphs.stageable(3, 2, plan)
     assert padded == 4
-    image = np.full(graphs.image_bytes(4), 0xFF, dtype=np.uint8)  # stale bytes everywhere
+    graphs._image(4)[0].fill(0xFF)  # stale bytes everywhere
     tables = np.array([[3, 4], [5, 0], [6, 7]], dtype=np.int64)
-    graphs.stage_image(image, 4, np.array([11, 12, 13]), np.array([7, 8, 9]),
-                       np.array([50, 81, 97]), np.array([8, 9, 10]), tables)  # fmt: skip
+    image = graphs.stage_image(4, np.array([11, 12, 13]), np.array([7, 8, 9]),
+                               np.array([50, 81, 97]), np.array([8, 9, 10]), tables)  # fmt: skip
+    assert image.size == graphs.image_bytes(4)
     graphs.static[: image.size].copy_(torch.from_numpy(image))
     assert graphs.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert graphs.positions[:4].tolist() == [7, 8, 9, 0]
@@ -160,6 +161,22 @@ def test_a_staged_image_lands_as_the_copy_path_would_leave_the_rows() -> None:
     assert ids.data_ptr() == graphs.input_ids.data_ptr() and qsl.tolist() == [0, 1, 2, 3]
     assert rows.tolist() == [0, 1, 2] and table.shape == (3, 8)
     assert graphs.staged_views(3)[0] is ids  # made once per row count
+
+
+def test_rows_of_one_request_share_its_table_in_a_staged_image() -> None:
+    """Tables given a row each, as `decode_rows` gives them (a verify step's rows share
+    their request's list), land as the padded array would: a reused image keeps nothing of
+    the step before."""
+    graphs = _graphs()
+    first, second = [3, 4, 9], [5]
+    graphs.stage_image(4, [1, 2, 3, 4], [0] * 4, [0] * 4, [1] * 4, [first] * 4)
+    image = graphs.stage_image(4, [11, 12, 13], [7, 8, 9], [50, 51, 81], [8, 9, 10],
+                               [first, first, second])  # fmt: skip
+    graphs.static[: image.size].copy_(torch.from_numpy(image))
+    assert graphs.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert graphs.slot_mapping[:4].tolist() == [50, 51, 81, -1]
+    assert graphs.block_tables[:4, :3].tolist() == [first, first, [5, 0, 0], [0, 0, 0]]
+    assert graphs.block_tables[:, 3:].abs().sum().item() == 0
 
 
 def test_only_small_captured_steps_are_staged() -> None:

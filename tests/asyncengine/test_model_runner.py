@@ -3,15 +3,24 @@ block moves."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.llm_engine import LLMEngine
-from asyncengine.model_runner import InflightStep, KVCache, copy_blocks
+from asyncengine.model_runner import (
+    InflightStep,
+    KVCache,
+    copy_blocks,
+    decode_rows,
+    one_row_per_token,
+    token_layout,
+)
 from asyncengine.request import Request
 from asyncengine.scheduler import ScheduledRequest, SchedulerOutput
 from asyncengine_kernels.paged_attention import DecodePlan
@@ -150,6 +159,80 @@ def test_a_small_decode_step_is_staged_whole_into_the_graphs_inputs(
     assert graphs.input_ids[3] == 0 and graphs.positions[3] == 0
     assert graphs.slot_mapping[3] == -1 and graphs.seq_lens[3] == 0
     engine.pool.free(spec)
+
+
+def test_decode_rows_lay_a_step_out_as_numpy_does() -> None:
+    """The plain-Python layout of a few-token step gives the rows `token_layout` and
+    `one_row_per_token` give: positions, slots across block boundaries, context lengths and
+    each row's table."""
+    rng = random.Random(0)
+    for _ in range(50):
+        b = rng.randint(1, 4)
+        starts = [rng.randint(0, 40) for _ in range(b)]
+        lens = [rng.randint(1, 5) for _ in range(b)]
+        tables = [rng.sample(range(100), (s + n + 3) // 4 + rng.randint(0, 2))
+                  for s, n in zip(starts, lens, strict=True)]  # fmt: skip
+        _, _, padded, owner, positions, slots = token_layout(
+            tables, np.asarray(starts, np.int64), np.asarray(lens, np.int64), 4
+        )  # fmt: skip
+        _, _, seq_lens, row_tables = one_row_per_token(padded, owner, positions)
+        got = decode_rows(tables, starts, lens, 4)
+        assert got[0] == positions.tolist() and got[1] == slots.tolist()
+        assert got[2] == seq_lens.tolist()
+        assert [list(t) + [0] * (padded.shape[1] - len(t)) for t in got[3]] == row_tables.tolist()
+        assert all(t is tables[owner[i]] for i, t in enumerate(got[3]))
+
+
+def test_a_mixed_small_step_is_staged_as_the_packed_path_lays_it_out(
+    tiny_llama_dir: Path,
+) -> None:
+    """A verify step beside a plain decode request (tables of two widths) takes the
+    plain-Python layout and lands as the numpy layout's packed buffer does; a step with a
+    token still in flight does not take it."""
+    engine = _engine(tiny_llama_dir)
+    runner = engine.runner
+    runner.num_kv_heads = 1
+    spec = _request("s", [5, 6, 7, 8])
+    assert engine.pool.allocate_slots(spec, 6) is not None
+    spec.num_computed_tokens = 3
+    spec.spec_token_ids = [21, 22, 23]
+    plain = _request("p", list(range(3, 12)))
+    assert engine.pool.allocate_slots(plain, 9) is not None
+    plain.num_computed_tokens = 8
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(spec, 3, num_spec_tokens=2),
+                                       ScheduledRequest(plain, 1)])  # fmt: skip
+    graphs = DecodeGraphs(runner.model, torch.device("cpu"), max_num_seqs=8, max_blocks=8,
+                          verify_rows=4)  # fmt: skip
+    for key in graphs.variants(4):
+        graphs.graphs[key] = None  # type: ignore[assignment]
+    runner.graphs = graphs
+    small = runner._small_decode_inputs(sched)
+    assert small is not None and small.staged_rows == 4
+    got = {
+        "ids": small.input_ids.tolist(),
+        "pos": small.positions.tolist(),
+        "slots": small.meta.slot_mapping.tolist(),
+        "lens": small.meta.seq_lens.tolist(),
+    }
+    runner.stage_small_steps = False
+    packed = runner.prepare_inputs(sched)
+    assert small.header == packed.header
+    assert got == {
+        "ids": [8, 21, 22, 11],
+        "pos": [3, 4, 5, 8],
+        "slots": packed.meta.slot_mapping.tolist(),
+        "lens": [4, 5, 6, 9],
+    }
+    width = packed.meta.block_tables.shape[1]
+    assert graphs.block_tables[:4, :width].tolist() == packed.meta.block_tables.tolist()
+    assert small.sampling_requests == [spec, plain]
+    runner.stage_small_steps = True
+    plain.num_pending_tokens = 1  # its token is in flight: the numpy layout fills it in
+    plain.num_computed_tokens = 9
+    assert engine.pool.allocate_slots(plain, 1) is not None
+    assert runner._small_decode_inputs(sched) is None
+    for r in (spec, plain):
+        engine.pool.free(r)
 
 
 def test_pending_token_is_taken_from_the_previous_step(tiny_llama_dir: Path) -> None:
