@@ -16,6 +16,11 @@ verify step's mechanics on the 7B shape (GPU).
     # CUDA graphs and without (enforce_eager), at batch 1 and 8
     python -m scripts.bench_spec_decode draft
 
+    # Any device, the host's part of a k = 4 verify step by part (one stream, fixed drafts).
+    # Without a GPU the decode graphs replay eagerly: their static inputs, staging and
+    # planning are the GPU's, so the layout and staging time is the path a GPU host runs
+    python -m scripts.bench_spec_decode host --shape tiny
+
 Each line of output is one JSON record.
 """
 
@@ -272,6 +277,50 @@ def _host_split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> N
           **{f"{n}_ms": round(1e3 * t / steps, 3) for n, t in spent.items()}})  # fmt: skip
 
 
+class _EagerGraph:
+    """Stands in for a captured decode graph off the GPU: `replay` runs the forward eagerly
+    over the graphs' static inputs, planned as the graph would have been."""
+
+    def __init__(self, graphs: Any, size: int, plan: Any) -> None:
+        self.graphs, self.size, self.plan = graphs, size, plan
+
+    def replay(self) -> None:
+        from models.forward_context import set_forward_context
+
+        g = self.graphs
+        with set_forward_context(g._meta(self.size, self.plan)):
+            out = g.model(g.input_ids[: self.size], g.positions[: self.size])
+        g.outputs[self.size, self.plan] = out
+
+
+def _eager_graphs(llm: LLM, max_blocks: int = 256) -> None:
+    """Give the engine's runner decode graphs whose every (size, plan) replays eagerly."""
+    from asyncengine.cuda_graphs import DecodeGraphs
+
+    runner = llm.llm_engine.runner
+    graphs = DecodeGraphs(runner.model, runner.device, llm.llm_engine.scheduler.max_num_seqs,
+                          max_blocks, verify_rows=9)  # fmt: skip
+    for size in graphs.sizes:
+        for key in graphs.variants(size):
+            graphs.graphs[key] = _EagerGraph(graphs, *key)  # type: ignore[assignment]
+    runner.graphs = graphs
+
+
+def run_host(args: argparse.Namespace) -> None:
+    """Host milliseconds per k = 4 verify step by part, `--repeats` times; off the GPU
+    through graphs that replay eagerly (`_eager_graphs`)."""
+    _default_model(args)
+    llm = _engine(args, 8)
+    if llm.llm_engine.runner.graphs is None:
+        _eager_graphs(llm)
+    llm.llm_engine.spec_decoder._update = lambda req, n: None  # keep proposing
+    p1 = _prompts(1, args.prompt_len, llm.llm_engine.model_config.vocab_size)
+    for _ in range(args.repeats):
+        _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                            ignore_eos=True))  # fmt: skip
+    llm.llm_engine.shutdown()
+
+
 def run_host_profile(args: argparse.Namespace) -> None:
     """cProfile of the host over one stream of k-draft verify steps (fixed drafts, every step
     verifying), per k of `--profile-k`: which Python functions stand between a verdict and
@@ -499,6 +548,16 @@ def main() -> None:
     gpu.add_argument("--profile-k", type=int, nargs="+", default=[4],
                      help="draft counts --host-profile profiles, one after another")
     gpu.add_argument("--top", type=int, default=30, help="functions listed per profile order")
+    host = sub.add_parser("host", help="the host's part of a verify step, any device")
+    host.add_argument("--shape", default="tiny")
+    host.add_argument("--model", default=None, help="a model directory instead of --shape")
+    host.add_argument("--load-format", default="auto")
+    host.add_argument("--device", default="auto")
+    host.add_argument("--prompt-len", type=int, default=64)
+    host.add_argument("--max-tokens", type=int, default=256)
+    host.add_argument("--max-batch", type=int, default=256)
+    host.add_argument("--enforce-eager", action="store_true")
+    host.add_argument("--repeats", type=int, default=3)
     draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")
     draft.add_argument("--shape", default="llama2-7b")
     draft.add_argument("--draft-shape", default="llama-160m")
@@ -512,6 +571,8 @@ def main() -> None:
         run_cpu(args)
     elif args.mode == "draft":
         run_draft(args)
+    elif args.mode == "host":
+        run_host(args)
     elif args.host_profile:
         run_host_profile(args)
     else:
