@@ -77,6 +77,55 @@ def capture_forward(
     return graph, out
 
 
+class SplitGraph:
+    """A decode forward captured as two graphs replayed back to back: the first
+    `head_layers` layers, then the rest. A graph's first kernel starts only once its whole
+    launch is submitted, which for a 7B forward takes the host about as long as a layer
+    runs; a step the host waited for (a verify step, a draft's step) then starts on the
+    head's short launch and the long one overlaps it. `head_outputs` keeps the hidden
+    state the tail reads from being handed to another capture."""
+
+    def __init__(self, head: torch.cuda.CUDAGraph, tail: torch.cuda.CUDAGraph,
+                 head_outputs: tuple[torch.Tensor, ...]) -> None:  # fmt: skip
+        self.head, self.tail, self.head_outputs = head, tail, head_outputs
+
+    def replay(self) -> None:
+        self.head.replay()
+        self.tail.replay()
+
+    def pool(self) -> tuple:
+        return self.head.pool()
+
+
+def can_split(model: nn.Module, head_layers: int) -> bool:
+    """Whether `model` runs as a head of `head_layers` layers and a tail of at least one
+    (`forward_head` / `forward_tail`, as `models.llama` offers)."""
+    layers = getattr(model, "num_layers", 0)
+    return 0 < head_layers < layers and hasattr(model, "forward_head")
+
+
+def capture_split_forward(
+    model: nn.Module,
+    meta: AttentionMetadata,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    pool: tuple | None,
+    head_layers: int,
+) -> tuple[SplitGraph, torch.Tensor]:
+    """`capture_forward` in two graphs (`SplitGraph`) in one memory pool: the tail's input is
+    the head's output, kept alive while the tail is captured so no allocation reuses it."""
+    with set_forward_context(meta):
+        model(input_ids, positions)
+        torch.cuda.synchronize(input_ids.device)
+        head = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(head, pool=pool):
+            hidden, residual = model.forward_head(input_ids, positions, head_layers)  # type: ignore[operator]
+        tail = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(tail, pool=head.pool()):
+            out = model.forward_tail(positions, hidden, residual, head_layers)  # type: ignore[operator]
+    return SplitGraph(head, tail, (hidden, residual)), out
+
+
 # Decode steps of up to this many padded rows (a batch-1 stream, a verify step) are staged
 # whole: the host writes their inputs in the static buffer's layout and one copy lands them,
 # where otherwise seven copy and fill launches would, each some microseconds of host time
@@ -109,8 +158,12 @@ class DecodeGraphs:
         fuse_rotary: bool = True,
         verify_rows: int = 0,
         label: str = "decode",
+        head_layers: int = 0,
     ) -> None:
         self.model = model
+        # Graphs of up to `STAGE_MAX_ROWS` padded rows split after this many layers
+        # (`SplitGraph`); 0, or a model that cannot split: every graph whole.
+        self.head_layers = head_layers if can_split(model, head_layers) else 0
         self.label = label  # whose graphs, in the progress bar and the log
         self.device = device
         self.fuse_rotary = fuse_rotary  # as the runner plans (`decode_plan`'s argument)
@@ -146,7 +199,7 @@ class DecodeGraphs:
         self._images: dict[int, tuple[np.ndarray, ...]] = {}
         self.num_kv_heads: int = model.attention_layers()[0].num_kv_heads  # type: ignore[operator]
         # Keyed by (padded size, the decode plan its attention was captured with).
-        self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, DecodePlan], torch.cuda.CUDAGraph | SplitGraph] = {}
         self.outputs: dict[tuple[int, DecodePlan], torch.Tensor] = {}
         self.replays = 0  # steps run through a graph
 
@@ -186,9 +239,11 @@ class DecodeGraphs:
         # Largest first, so smaller graphs reuse the memory pool of the largest.
         todo = [key for b in sorted(self.sizes, reverse=True) for key in self.variants(b)]
         for b, plan in tqdm(todo, desc=f"Capturing {self.label} CUDA graphs", unit="graph"):
-            graph, out = capture_forward(
-                self.model, self._meta(b, plan), self.input_ids[:b], self.positions[:b], pool
-            )
+            args = (self.model, self._meta(b, plan), self.input_ids[:b], self.positions[:b], pool)
+            if self.head_layers and b <= STAGE_MAX_ROWS:
+                graph, out = capture_split_forward(*args, self.head_layers)
+            else:
+                graph, out = capture_forward(*args)
             pool = graph.pool() if pool is None else pool
             self.graphs[b, plan], self.outputs[b, plan] = graph, out
         torch.cuda.synchronize(self.device)

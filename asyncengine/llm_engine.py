@@ -194,6 +194,7 @@ class LLMEngine:
             proposer.capture_graphs(
                 args.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
                 expanded_rows=0 if spec is None else spec.max_verify_rows,
+                head_layers=self.runner.graph_head_layers,
             )  # fmt: skip
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()

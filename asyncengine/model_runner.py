@@ -330,6 +330,11 @@ class ModelRunner:
     # Small decode steps go straight into the decode graphs' static inputs
     # (`DecodeGraphs.stage_image`); tensor-parallel ranks need the packed buffer instead.
     stage_small_steps = True
+    # Decode graphs of up to `STAGE_MAX_ROWS` padded rows (and the draft model's) split after
+    # this many layers (`cuda_graphs.SplitGraph`: a step the host waited for starts on a
+    # short launch); 0 keeps every graph whole. Not yet timed on a GPU: the benchmarks set
+    # it (`--graph-head-layers`) to compare.
+    graph_head_layers = 0
 
     def __init__(
         self,
@@ -493,6 +498,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.device, max_num_seqs, max_blocks_per_seq,
                 fuse_rotary=self.fuse_decode_rotary, verify_rows=verify_rows,
+                head_layers=self.graph_head_layers,
             )  # fmt: skip
             pool = self.graphs.capture()
             self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)

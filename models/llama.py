@@ -129,9 +129,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.forward_head(input_ids, positions, 0)
+        return self.forward_tail(positions, hidden, residual, 0)
+
+    def forward_head(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The embedding and the first `num_layers` layers: (hidden, residual) before the
+        next layer (residual None before the first)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden, residual
+
+    def forward_tail(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        first_layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The layers from `first_layer` on and the final norm, from `forward_head`'s state."""
+        for layer in self.layers[first_layer:]:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -159,6 +176,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward_head(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward up to layer `num_layers` (a CUDA graph split in two: `cuda_graphs`)."""
+        return self.model.forward_head(input_ids, positions, num_layers)
+
+    def forward_tail(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        first_layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rest of the forward from `forward_head`'s (hidden, residual)."""
+        return self.model.forward_tail(positions, hidden, residual, first_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

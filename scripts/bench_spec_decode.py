@@ -119,6 +119,10 @@ class FixedDrafts:
 
 
 def _engine(args: argparse.Namespace, k: int | None, **engine_args: Any) -> LLM:
+    from asyncengine.model_runner import ModelRunner
+
+    # Small decode graphs split after this many layers (the target's and the draft's; A/B).
+    ModelRunner.graph_head_layers = getattr(args, "graph_head_layers", 0)
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
     return LLM(args.model, load_format=args.load_format, device=args.device,
                skip_tokenizer_init=True, speculative_config=spec,
@@ -492,7 +496,11 @@ def run_draft(args: argparse.Namespace) -> None:
     spec = {"model": str(draft), "load_format": "dummy", "num_speculative_tokens": args.k,
             "max_draft_tokens_per_step": args.k * max(args.batches)}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for eager in (False, True):
+    from asyncengine.model_runner import ModelRunner
+
+    runs = [(False, h) for h in args.graph_head_layers] + [(True, 0)] * (not args.no_eager)
+    for eager, head_layers in runs:
+        ModelRunner.graph_head_layers = head_layers  # the draft's graphs split as the target's
         llm = LLM(str(target), load_format="dummy", skip_tokenizer_init=True,
                   speculative_config=spec, enforce_eager=eager,
                   max_num_seqs=max(args.batches))  # fmt: skip
@@ -518,7 +526,8 @@ def run_draft(args: argparse.Namespace) -> None:
             timings.clear()
             llm.generate(_prompts(batch, args.prompt_len, args.vocab), params, use_tqdm=False)
             ms = 1e3 * statistics.median(timings) if timings else None
-            emit({"bench": "draft proposal", "draft_graphs": not eager, "batch": batch,
+            emit({"bench": "draft proposal", "draft_graphs": not eager,
+                  "graph_head_layers": head_layers, "batch": batch,
                   "k": args.k, "target": args.shape, "draft": args.draft_shape,
                   "proposals": len(timings), "ms_per_proposal": ms,
                   "graph_replays": 0 if proposer.graphs is None else proposer.graphs.replays})
@@ -541,6 +550,8 @@ def main() -> None:
     gpu.add_argument("--max-batch", type=int, default=256)
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--enforce-eager", action="store_true")
+    gpu.add_argument("--graph-head-layers", type=int, default=0,
+                     help="split small decode graphs after this many layers (0: whole)")
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
     gpu.add_argument("--host-profile", action="store_true",
@@ -557,6 +568,8 @@ def main() -> None:
     host.add_argument("--max-tokens", type=int, default=256)
     host.add_argument("--max-batch", type=int, default=256)
     host.add_argument("--enforce-eager", action="store_true")
+    host.add_argument("--graph-head-layers", type=int, default=0,
+                     help="split small decode graphs after this many layers (0: whole)")
     host.add_argument("--repeats", type=int, default=3)
     draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")
     draft.add_argument("--shape", default="llama2-7b")
@@ -566,6 +579,10 @@ def main() -> None:
     draft.add_argument("--prompt-len", type=int, default=128)
     draft.add_argument("--max-tokens", type=int, default=64)
     draft.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    draft.add_argument("--graph-head-layers", type=int, nargs="+", default=[0],
+                       help="with graphs, one run per value: small graphs split after that "
+                            "many layers (0: whole)")
+    draft.add_argument("--no-eager", action="store_true", help="skip the run without graphs")
     args = parser.parse_args()
     if args.mode == "cpu":
         run_cpu(args)

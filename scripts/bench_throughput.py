@@ -214,6 +214,10 @@ def run_engine(w: dict, args: argparse.Namespace) -> None:
         import asyncengine_kernels.prefill_attention as prefill
 
         prefill.HOPPER_PREFILL = False
+    if args.graph_head_layers:
+        from asyncengine.model_runner import ModelRunner
+
+        ModelRunner.graph_head_layers = args.graph_head_layers
     quant = args.quantization
     model_dir = dummy_model_dir(w["shape"]) if quant is None else quantized_model_dir(
         w["shape"], quant
@@ -521,6 +525,8 @@ def main() -> None:
                     help="KV cache element type (engine only): fp8 stores e4m3")
     ap.add_argument("--no-hopper-prefill", action="store_true",
                     help="prefill attention on the Triton kernel, not the Gluon one (A/B)")
+    ap.add_argument("--graph-head-layers", type=int, default=0,
+                    help="split small decode graphs after this many layers (A/B; 0: whole)")
     ap.add_argument("--tokenizer", default=None,
                     help="with --structured-outputs: a tokenizer directory of 49,152 tokens "
                          "(default: the embedded SmolLM2's, which the GPU machine lacks)")

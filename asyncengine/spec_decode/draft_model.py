@@ -214,13 +214,16 @@ class DraftModelProposer:
         self.staging = PinnedStaging(device, turns=STAGING_TURNS)
 
     def capture_graphs(
-        self, max_num_seqs: int, max_blocks_per_seq: int, expanded_rows: int = 0
-    ) -> None:
+        self, max_num_seqs: int, max_blocks_per_seq: int, expanded_rows: int = 0,
+        head_layers: int = 0,
+    ) -> None:  # fmt: skip
         """Capture the draft's one-token steps as CUDA graphs for up to `max_num_seqs`
         requests, and the plans of batch-expanded catch-ups of up to `expanded_rows` rows
-        (the target's largest verify step; on the GPU, once the KV cache exists)."""
+        (the target's largest verify step; on the GPU, once the KV cache exists); small ones
+        split after `head_layers` layers where that is not 0 (`cuda_graphs.SplitGraph`)."""
         graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq,
-                              verify_rows=expanded_rows, label="draft decode")  # fmt: skip
+                              verify_rows=expanded_rows, label="draft decode",
+                              head_layers=head_layers)  # fmt: skip
         graphs.capture()  # a pool of its own: the target's graphs never wait on the draft's
         self.graphs = graphs
 

@@ -189,3 +189,47 @@ def test_only_small_captured_steps_are_staged() -> None:
     assert graphs.stageable(2, 8, graphs.variants(2)[0][1]) == 2
     assert STAGE_MAX_ROWS < 32 and graphs.stageable(20, 8, plan) is None  # too many rows
     assert graphs.stageable(2, 9, plan) is None  # a table wider than the captured one
+
+
+class _LayeredModel(_OneKVHeadModel):
+    """A model that can run as a head and a tail (`forward_head` / `forward_tail`)."""
+
+    num_layers = 4
+
+    def forward_head(self, *args: object) -> None: ...
+
+    def forward_tail(self, *args: object) -> None: ...
+
+
+@pytest.mark.parametrize("head_layers", [0, 2])
+def test_small_graphs_split_after_the_head_layers(
+    head_layers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs of up to `STAGE_MAX_ROWS` padded rows (the steps the host waits for) are
+    captured as a head and a tail, larger ones whole; 0 head layers, or a model that cannot
+    run in two parts, keeps every graph whole."""
+    import asyncengine.cuda_graphs as cuda_graphs
+
+    captured: dict[int, int] = {}  # rows -> head layers (0: whole)
+
+    def whole(model, meta, ids, positions, pool):  # type: ignore[no-untyped-def]
+        captured[len(ids)] = 0
+        return SimpleNamespace(pool=lambda: "pool"), torch.zeros(len(ids))
+
+    def split(model, meta, ids, positions, pool, head):  # type: ignore[no-untyped-def]
+        captured[len(ids)] = head
+        return SimpleNamespace(pool=lambda: "pool"), torch.zeros(len(ids))
+
+    monkeypatch.setattr(cuda_graphs, "capture_forward", whole)
+    monkeypatch.setattr(cuda_graphs, "capture_split_forward", split)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    graphs = DecodeGraphs(_LayeredModel(), torch.device("cpu"), max_num_seqs=32, max_blocks=8,
+                          head_layers=head_layers)  # fmt: skip
+    assert graphs.capture() == "pool"
+    assert set(captured) == set(graphs.sizes) and max(graphs.sizes) > STAGE_MAX_ROWS
+    for rows, head in captured.items():
+        assert head == (head_layers if rows <= STAGE_MAX_ROWS else 0), (rows, head)
+    # No tail left, or no way to split: whole graphs.
+    cpu = torch.device("cpu")
+    assert DecodeGraphs(_LayeredModel(), cpu, 4, 8, head_layers=4).head_layers == 0
+    assert DecodeGraphs(_OneKVHeadModel(), cpu, 4, 8, head_layers=2).head_layers == 0

@@ -106,3 +106,31 @@ def test_gpu_parallel_samples_share_the_prompt(
         assert_pool_clean(llm)
     assert runs[0] == runs[1]
     assert all(len({tuple(s) for s in samples}) > 1 for samples in runs[0])
+
+
+def test_gpu_split_graphs_keep_greedy_output(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small decode graphs captured as a head of one layer and a tail
+    (`ModelRunner.graph_head_layers`): greedy output equals HF, plain and speculating (the
+    verify steps replay the split graphs too)."""
+    from asyncengine.cuda_graphs import SplitGraph
+
+    monkeypatch.setattr(ModelRunner, "graph_head_layers", 1)
+    pattern = make_prompts(452, [6], seed=21)[0]
+    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", max_num_seqs=8,
+                  num_kv_blocks=64, speculative_config=spec)  # fmt: skip
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ours == want
+        graphs = llm.llm_engine.runner.graphs
+        assert graphs is not None and graphs.replays > 0
+        split = [size for (size, _), g in graphs.graphs.items() if isinstance(g, SplitGraph)]
+        assert split and max(split) <= 16
+        if spec is not None:
+            assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
+        assert_pool_clean(llm)
+        llm.shutdown()

@@ -63,10 +63,12 @@ def small_batch_plans(kind: MatmulKind, max_rows: int) -> PlanFor:
 
 
 def flat_forward(
-    model_dir: Path, prompts: list[list[int]], plan_for: PlanFor | None = None
-) -> list[torch.Tensor]:
+    model_dir: Path, prompts: list[list[int]], plan_for: PlanFor | None = None,
+    split: int = 0,
+) -> list[torch.Tensor]:  # fmt: skip
     """Run all prompts in ONE flattened varlen step through a fresh paged cache; with
-    `plan_for`, every linear layer and the LM head take the plan it gives."""
+    `plan_for`, every linear layer and the LM head take the plan it gives; with `split`, as
+    `forward_head` over that many layers and `forward_tail` over the rest."""
     cfg = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
     if plan_for is not None:
@@ -95,7 +97,11 @@ def flat_forward(
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
     )
     with torch.inference_mode(), set_forward_context(meta):
-        hidden = model(torch.tensor(ids), torch.tensor(pos))
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
+        if split:
+            hidden = model.forward_tail(pos_t, *model.forward_head(ids_t, pos_t, split), split)
+        else:
+            hidden = model(ids_t, pos_t)
         logits = model.compute_logits(hidden)
     return [logits[qsl[i] : qsl[i + 1]] for i in range(len(prompts))]
 
@@ -123,6 +129,19 @@ def test_logits_match_hf(tmp_path: Path, kind: str) -> None:
     ours = flat_forward(model_dir, prompts)
     for p, logits in zip(prompts, ours, strict=True):
         assert_close_rel(logits, hf_logits(model_dir, p))
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_forward_split_in_two_is_the_forward(tmp_path: Path, split: int) -> None:
+    """Head and tail (what a split decode graph captures) give the whole forward's logits
+    bit for bit, the split after the first layer or after the last."""
+    model_dir = build_tiny_model_dir(tmp_path, "llama3")
+    gen = torch.Generator().manual_seed(1)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 18)]
+    whole = flat_forward(model_dir, prompts)
+    halves = flat_forward(model_dir, prompts, split=split)
+    assert all(torch.equal(a, b) for a, b in zip(whole, halves, strict=True))
 
 
 @pytest.mark.parametrize(
