@@ -484,7 +484,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   # every weight format; the int8 ring beside the whole slice; the verify-step bench; L1/W1
   # from DIR and here; W2 with FP8 weights and KV at 3,000 requests; the CUDA-core MHA
   # decode tiles. PARTS picks some of "wgtests tests admit runs formats fp16 cold int8 int4 ncu qw1
-  # spec attn kvsweep fp8kv compare w2" (default: wgtests tests formats int8 spec), so a call
+  # split spec draft attn kvsweep fp8kv compare w2" (default: wgtests tests formats int8 spec), so a call
   # fits its limit; FORMATS narrows
   # "formats"; "admit": W1 at a ceiling of 1,024 with room kept for growth against the
   # figures' settings (ADMIT_W2=1: W2 FP8 at 1,024 with and without the room).
@@ -503,6 +503,11 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       tests/models/quantization tests/asyncengine/spec_decode \
       --deselect tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" \
       | tail -n 6
+  fi
+  if [[ " $parts " == *" split "* ]]; then  # decode graphs split after a head of layers:
+    # greedy output equal to HF, plain and speculating; the engine GPU tests beside them
+    timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/asyncengine/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_split_tests.log" | tail -n 6
   fi
   if [[ " $parts " == *" admit "* ]]; then  # a ceiling of 1,024 sequences (vLLM's default on
     # the H200) with room kept for growth at admission, against the settings of the figures
@@ -592,9 +597,25 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       bench --workload w1 --system engine $flag | cut -c1-300
     done
   fi
-  if [[ " $parts " == *" spec "* ]]; then
-    timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
-      --sweep 4:0.7 2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-1500
+  if [[ " $parts " == *" spec "* ]]; then  # SPEC_RUNS: the verify-step bench once per ';'
+    # (flags, optionally led by TREE=DIR to run it from tree DIR); default: this tree as is
+    runs=("")
+    [ -n "${SPEC_RUNS:-}" ] && IFS=';' read -r -a runs <<< "$SPEC_RUNS"
+    for r in "${runs[@]}"; do
+      read -r -a words <<< "$r"; tree=.
+      if [[ ${words[0]:-} == TREE=* ]]; then tree="${words[0]#TREE=}"; words=("${words[@]:1}"); fi
+      echo "== spec run: $r"
+      (export PYTHONPATH="${PYTHONPATH/$PWD/$(cd "$tree" && pwd)}"; cd "$tree" \
+        && timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+        --sweep 4:0.7 "${words[@]}" 2>>"$OUT/bench.log") | sed "s|^{|{\"run\": \"$r\", |" \
+        | tee -a "$OUT/spec_decode.jsonl" | cut -c1-1500
+    done
+  fi
+  if [[ " $parts " == *" draft "* ]]; then  # the draft model's cost per proposal, its small
+    # graphs whole and split after two layers (DRAFT_ARGS: other flags)
+    timeout 300 python3 -m scripts.bench_spec_decode draft --batches 1 8 \
+      --graph-head-layers 0 2 --no-eager ${DRAFT_ARGS:-} 2>>"$OUT/bench.log" \
+      | tee "$OUT/draft.jsonl" | cut -c1-400
   fi
   if [[ " $parts " == *" attn "* ]]; then
     # The decode tiles' GPU tests: the CUDA-core ones and every FP8-cache case (the other
