@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,6 +78,44 @@ def capture_forward(
         with torch.cuda.graph(graph, pool=pool):
             out = model(input_ids, positions)
     return graph, out
+
+
+# Threads that run the decode graphs' warm-up passes side by side (`warm_up_forwards`), and
+# the largest padded size among them: bigger batches' passes run one at a time in the
+# captures, so that side-by-side passes never hold more than a few small batches'
+# activations beyond what the memory profile left.
+WARM_UP_THREADS = min(8, os.cpu_count() or 1)
+WARM_UP_MAX_ROWS = 256
+
+
+def warm_up_forwards(
+    model: nn.Module,
+    passes: Sequence[tuple[AttentionMetadata, torch.Tensor, torch.Tensor]],
+    threads: int = WARM_UP_THREADS,
+) -> None:
+    """Run each forward (metadata, input ids, positions) once, from a pool of threads: a
+    graph's capture starts with an eager pass that compiles the kernel variants its size
+    and plan launch, and run one after another those compiles were most of a cold start's
+    captures (15 s for W1's 23 decode graphs). Side by side they compile together, as the
+    start-up tuner's do (Triton releases the GIL while it compiles); each capture's own pass
+    then finds them built. The forward context is per thread; on a GPU every pass runs on
+    the caller's stream, one after another as launched, and what they return is dropped.
+    The passes must write nothing (no cache slots) and read only their own inputs."""
+    if threads < 2 or len(passes) < 2:
+        return
+    device = passes[0][1].device
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def run(p: tuple[AttentionMetadata, torch.Tensor, torch.Tensor]) -> None:
+        meta, ids, positions = p
+        with (torch.inference_mode(), set_forward_context(meta),
+              torch.cuda.stream(stream) if stream is not None else nullcontext()):  # fmt: skip
+            model(ids, positions)
+
+    with ThreadPoolExecutor(min(threads, len(passes)), thread_name_prefix="warm-up") as pool:
+        list(pool.map(run, passes))
+    if stream is not None:
+        torch.cuda.synchronize(device)
 
 
 class SplitGraph:
@@ -238,6 +279,11 @@ class DecodeGraphs:
         pool = None
         # Largest first, so smaller graphs reuse the memory pool of the largest.
         todo = [key for b in sorted(self.sizes, reverse=True) for key in self.variants(b)]
+        if self.device.type == "cuda":  # static inputs as captured: no slot, no context
+            warm_up_forwards(self.model, [
+                (self._meta(b, plan), self.input_ids[:b], self.positions[:b])
+                for b, plan in todo if b <= WARM_UP_MAX_ROWS
+            ])  # fmt: skip
         for b, plan in tqdm(todo, desc=f"Capturing {self.label} CUDA graphs", unit="graph"):
             args = (self.model, self._meta(b, plan), self.input_ids[:b], self.positions[:b], pool)
             if self.head_layers and b <= STAGE_MAX_ROWS:

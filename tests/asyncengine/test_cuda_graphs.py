@@ -233,3 +233,37 @@ def test_small_graphs_split_after_the_head_layers(
     cpu = torch.device("cpu")
     assert DecodeGraphs(_LayeredModel(), cpu, 4, 8, head_layers=4).head_layers == 0
     assert DecodeGraphs(_OneKVHeadModel(), cpu, 4, 8, head_layers=2).head_layers == 0
+
+
+def test_warm_up_passes_run_side_by_side_each_with_its_own_metadata() -> None:
+    """Each pass runs once, in a pool thread, seeing its own metadata in the forward context
+    (per thread): what lets a capture's kernels compile together before the captures."""
+    import threading
+
+    from asyncengine.cuda_graphs import warm_up_forwards
+    from models.forward_context import get_attention_metadata
+
+    seen: list[tuple[int, str, int]] = []
+    barrier = threading.Barrier(3, timeout=10)  # all three passes in flight at once
+
+    class Recording(nn.Module):
+        def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            meta = get_attention_metadata()
+            barrier.wait()
+            seen.append((len(ids), threading.current_thread().name, meta.seq_lens.numel()))
+            return ids
+
+    passes = []
+    for b in (1, 2, 4):
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((b,), -1), query_start_loc=torch.arange(b + 1),
+            seq_lens=torch.zeros(b), block_tables=torch.zeros((b, 2)),
+        )  # fmt: skip
+        ids = torch.zeros(b, dtype=torch.int64)
+        passes.append((meta, ids, ids))
+    warm_up_forwards(Recording(), passes, threads=3)
+    assert sorted((rows, lens) for rows, _, lens in seen) == [(1, 1), (2, 2), (4, 4)]
+    assert all(name.startswith("warm-up") for _, name, _ in seen)
+    seen.clear()
+    warm_up_forwards(Recording(), passes[:1], threads=3)  # one pass: the capture runs it
+    assert seen == []
