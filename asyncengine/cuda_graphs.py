@@ -22,6 +22,7 @@ their launches take and run eagerly.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -464,6 +465,15 @@ class PrefillGraphs:
         # Capture inputs: every token in sequence 0, no keys, no cache writes.
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
+        if self.device.type == "cuda":  # each pass its own query starts, as captured below
+            passes = []
+            for t, b in todo:
+                meta = self.meta(t, b)
+                starts = torch.full((b + 1,), t, dtype=torch.int32, device=self.device)
+                starts[0] = 0
+                passes.append((dataclasses.replace(meta, query_start_loc=starts),
+                               self.input_ids[:t], self.positions[:t]))  # fmt: skip
+            warm_up_forwards(self.model, passes)
         for t, b in tqdm(todo, desc="Capturing prefill CUDA graphs", unit="graph"):
             self.query_start_loc.fill_(t)
             self.query_start_loc[0] = 0
