@@ -121,10 +121,10 @@ def warm_up_forwards(
 
 class SplitGraph:
     """A decode forward captured as two graphs replayed back to back: the first
-    `head_layers` layers, then the rest. A graph's first kernel starts only once its whole
-    launch is submitted, which for a 7B forward takes the host about as long as a layer
-    runs; a step the host waited for (a verify step, a draft's step) then starts on the
-    head's short launch and the long one overlaps it. `head_outputs` keeps the hidden
+    `head_layers` layers, then the rest. A graph's first kernel is seen to start near the end
+    of its launch call, which for a 7B forward takes the host about as long as a layer runs;
+    a step the host waited for (a verify step, a draft's step) would then start on the
+    head's short launch while the long one is submitted. `head_outputs` keeps the hidden
     state the tail reads from being handed to another capture."""
 
     def __init__(self, head: torch.cuda.CUDAGraph, tail: torch.cuda.CUDAGraph,
