@@ -27,6 +27,7 @@ Each line of output is one JSON record.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import time
 from typing import Any
@@ -200,6 +201,58 @@ def _profile_verify(
           "kernels": [{"name": name[:60], "ms_per_step": round(ms, 4),
                        "calls_per_step": round(calls, 1)}
                       for name, (ms, calls) in top]})  # fmt: skip
+
+
+def launch_gaps(events: list[tuple[str, str, float, float]]) -> dict[str, float | int]:
+    """Where the device waits around graph launches, from a profile's events as (where,
+    name, start us, end us), `where` "cpu" (runtime calls among them) or "gpu" (kernels and
+    copies). For each `cudaGraphLaunch`: how long its call took the host, when the first
+    kernel after the call's start began, from the call's start and from its end (negative:
+    before the call returned), and how long the device had been idle before that kernel
+    (since the end of every device event before it). Medians over the launches, in
+    microseconds: whether a graph's work starts only once its launch call is done, and
+    what the host costs a step it must wait for."""
+    import statistics
+
+    launches = sorted((s, e) for where, name, s, e in events
+                      if where == "cpu" and name == "cudaGraphLaunch")  # fmt: skip
+    device = sorted((s, e) for where, _, s, e in events if where == "gpu")
+    calls, from_start, from_end, idle = [], [], [], []
+    for s, e in launches:
+        i = bisect.bisect_left(device, (s, float("-inf")))
+        if i == len(device):
+            continue
+        k_start = device[i][0]
+        busy_until = max((end for _, end in device[:i]), default=k_start)
+        calls.append(e - s)
+        from_start.append(k_start - s)
+        from_end.append(k_start - e)
+        idle.append(max(0.0, k_start - busy_until))
+    if not calls:
+        return {"launches": 0}
+    med = statistics.median
+    return {"launches": len(calls), "launch_call_us": round(med(calls), 1),
+            "first_kernel_after_call_start_us": round(med(from_start), 1),
+            "first_kernel_after_call_end_us": round(med(from_end), 1),
+            "device_idle_before_us": round(med(idle), 1)}  # fmt: skip
+
+
+def _profile_launch_gaps(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, k: int
+) -> None:
+    """`launch_gaps` of a stream of k-draft verify steps (fixed drafts; k = 0: plain
+    one-token steps, which asynchronous scheduling launches before the previous resolves),
+    from a torch profiler trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _set_k(llm, k, FixedDrafts())
+    llm.generate(prompts, params, use_tqdm=False)  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = [("gpu" if e.device_type == DeviceType.CUDA else "cpu", e.name,
+               e.time_range.start, e.time_range.end) for e in prof.events()]  # fmt: skip
+    emit({"bench": "spec_launch_gaps", "k": k, **launch_gaps(events)})
 
 
 def _replayed(
@@ -438,6 +491,9 @@ def run_gpu(args: argparse.Namespace) -> None:
     for k in (0, 4):  # the one-token step's kernels beside the verify step's
         _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), k)
     _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for k in (4, 0):
+        _profile_launch_gaps(llm, p1, SamplingParams(temperature=0, max_tokens=64,
+                                                     ignore_eos=True), k)  # fmt: skip
     dec._update = adaptive_update
 
     # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.

@@ -56,3 +56,24 @@ def test_host_mode_reports_every_part(capsys: pytest.CaptureFixture[str]) -> Non
     for part in ("propose", "schedule", "prepare_inputs", "run_model", "resolve"):
         assert record[f"{part}_ms"] >= 0
     assert record["prepare_inputs_ms"] > 0 and record["run_model_ms"] > 0
+
+
+def test_launch_gaps_measure_the_device_waiting_on_graph_launches() -> None:
+    """Two launches: the first graph's kernel starts 30 us after its 100-us call ended, the
+    device idle 180 us before it; the second's starts before its call returns, the device
+    busy until then."""
+    events = [
+        ("gpu", "verify", 0.0, 50.0),
+        ("cpu", "cudaGraphLaunch", 100.0, 200.0),
+        ("gpu", "gemv", 230.0, 900.0),
+        ("cpu", "cudaGraphLaunch", 880.0, 960.0),
+        ("gpu", "norm", 905.0, 950.0),
+        ("cpu", "cudaLaunchKernel", 1000.0, 1010.0),  # not a graph launch
+    ]
+    gaps = bench.launch_gaps(events)
+    assert gaps["launches"] == 2
+    assert gaps["launch_call_us"] == 90.0  # median of 100 and 80
+    assert gaps["first_kernel_after_call_start_us"] == (130.0 + 25.0) / 2
+    assert gaps["first_kernel_after_call_end_us"] == (30.0 - 55.0) / 2
+    assert gaps["device_idle_before_us"] == (180.0 + 5.0) / 2
+    assert bench.launch_gaps([("gpu", "k", 0.0, 1.0)]) == {"launches": 0}
