@@ -8,7 +8,7 @@ vocabulary, a larger one or a missing one is refused at start."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,43 +28,6 @@ def draft_config(model_dir: Path, k: int = 3, **extra: object) -> dict:
     # A draft cap that lets a batch of several requests speculate.
     return {"model": str(model_dir), "num_speculative_tokens": k,
             "max_draft_tokens_per_step": 64, **extra}  # fmt: skip
-
-
-def save_hf(model: torch.nn.Module, tokenizer_dir: Path | None, path: Path) -> Path:
-    from transformers import AutoTokenizer
-
-    model.save_pretrained(str(path), safe_serialization=True)
-    if tokenizer_dir is not None:
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A 2-layer target whose second layer adds little, and a 1-layer draft made of the
-    target's first layer: same vocabulary, fewer weights, agreeing with the target often but
-    not always (about half its drafts are accepted)."""
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            if ".layers.1." in name and ("o_proj" in name or "down_proj" in name):
-                p.mul_(0.2)
-    root = tmp_path_factory.mktemp("draft-pair")
-    target_dir = save_hf(target, tiny_llama_dir, root / "target")
-    cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = 1
-    draft = LlamaForCausalLM(cfg)
-    draft.load_state_dict(
-        {k: v for k, v in target.state_dict().items() if ".layers.1." not in k}, strict=True
-    )
-    return target_dir, save_hf(draft, tiny_llama_dir, root / "draft")
-
-
-@pytest.fixture(scope="module")
-def base(pair: tuple[Path, Path]) -> LLM:
-    return LLM(str(pair[0]), dtype="float32", device="cpu")
 
 
 def draft_llm(target: Path, config: dict, **engine_args: object) -> LLM:
@@ -623,18 +586,36 @@ class EagerReplay:
         # Rows of one request share its block table: a batch-expanded catch-up.
         expanded = len({tuple(t) for t in tables}) < real
         self.log.append((rows, real, meta.decode_plan, expanded))  # type: ignore[attr-defined]
-        with set_forward_context(meta):
+        # A fresh copy of the metadata: off the GPU a step keeps what its layers derive from
+        # it (`cpu_step_index`), which a replay over new inputs must not reuse.
+        with set_forward_context(dataclasses.replace(meta, cpu_step_index=None)):  # type: ignore[type-var]
             self.out.copy_(self.model(self.ids, self.positions))
 
     def pool(self) -> None:
         return None
 
 
-def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int) -> list:
+class EagerChain:
+    """A draft chain graph off the GPU: a replay runs the chain's steps eagerly."""
+
+    def __init__(self, body: object) -> None:
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()  # type: ignore[operator]
+
+    def pool(self) -> None:
+        return None
+
+
+def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int,
+                 chain_steps: int = 0) -> list:  # fmt: skip
     """Give the proposer real `DecodeGraphs` (static buffers, staging, planning) whose graphs
-    replay eagerly on the CPU; returns the log of replays (padded rows, real rows, plan,
-    whether batch-expanded)."""
+    replay eagerly on the CPU, and with `chain_steps` its chain graphs
+    (`draft_chain.DraftChains`) likewise; returns the log of the decode graphs' replays
+    (padded rows, real rows, plan, whether batch-expanded)."""
     import asyncengine.cuda_graphs as cuda_graphs
+    import asyncengine.spec_decode.draft_chain as draft_chain
 
     log: list = []
 
@@ -643,8 +624,10 @@ def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs
         return replay, replay.out
 
     monkeypatch.setattr(cuda_graphs, "capture_forward", capture)
+    monkeypatch.setattr(draft_chain, "capture_chain", lambda body, device, pool: EagerChain(body))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8)  # type: ignore[attr-defined]
+    proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8,  # type: ignore[attr-defined]
+                            chain_steps=chain_steps)  # fmt: skip
     log.clear()  # capture's own passes
     return log
 
