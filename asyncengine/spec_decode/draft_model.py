@@ -415,9 +415,10 @@ class DraftModelProposer:
     ) -> torch.Tensor:
         """One draft forward over `lens[i]` tokens of request i from position `starts[i]`
         (ids from the host or already on the device); the logits at each one's last token.
-        The step is laid out as the model runner lays out a target step (`step_buffer`). A
-        step of one token a request, or a short catch-up laid out as one decode row per token,
-        replays the graph of its padded size where one was captured."""
+        A step of one token a request, or a short catch-up laid out as one decode row per
+        token, replays the graph of its padded size where one was captured: staged whole
+        when small (`_staged_inputs`), else from the packed buffer a target step uses
+        (`step_buffer`)."""
         staged = self._staged_inputs(reqs, starts, lens, host_ids)
         if staged is not None:
             inputs, last_rows = staged
@@ -454,34 +455,22 @@ class DraftModelProposer:
             max_seq_len=max_len, decode_segments=0 if plan is None else plan.segments,
             fuse_rotary=plan is not None and plan.fuse_rotary,
         )  # fmt: skip
+        # Larger than a staged step (`_staged_inputs`): the packed buffer, as a target step.
         ids = host_ids if host_ids is not None else np.zeros(t, np.int64)
-        padded = None
-        if plan is not None and self.graphs is not None:
-            padded = self.graphs.stageable(b, w, plan)
-        if padded is not None:
-            # Small enough to be written straight into the graph's inputs: one copy, no views
-            # to build, and the replay copies nothing. Its logits rows are all its rows.
-            assert self.graphs is not None
-            inputs = staged_step_inputs(self.graphs, self.staging, padded, header, ids,
-                                        positions, slots, seq_lens, tables, [])  # fmt: skip
-            if expand:
-                inputs.logits_indices = host_to_device(last_rows.tolist(), torch.int64,
-                                                       self.device)  # fmt: skip
-        else:
-            arrays = {
-                "input_ids": ids,
-                "positions": positions,
-                "slot_mapping": slots,
-                "query_start_loc": qsl,
-                "seq_lens": seq_lens,
-                "block_tables": tables,
-                "logits_indices": last_rows,
-                "fills": _NONE,
-                "prompt_rows": _NONE,
-                "prompt_targets": _NONE,
-            }
-            buffer = self.staging.to_device(pack(header, arrays))
-            inputs = step_inputs(header, buffer, unpack(header, buffer), [])
+        arrays = {
+            "input_ids": ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "query_start_loc": qsl,
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+            "logits_indices": last_rows,
+            "fills": _NONE,
+            "prompt_rows": _NONE,
+            "prompt_targets": _NONE,
+        }
+        buffer = self.staging.to_device(pack(header, arrays))
+        inputs = step_inputs(header, buffer, unpack(header, buffer), [])
         if device_ids is not None:
             inputs.input_ids.copy_(device_ids)
         if self.graphs is not None and self.graphs.can_run(inputs):
