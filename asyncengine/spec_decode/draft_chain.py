@@ -1,7 +1,7 @@
-"""The draft model's one-token steps of a greedy proposal as one CUDA graph.
+"""The draft model's one-token steps of a proposal as one CUDA graph.
 
 After the catch-up forward gives each request its first draft, a proposal runs up to k - 1
-one-token steps of the draft, each fed the argmax of the step before. Replayed a graph a
+one-token steps of the draft, each fed the draft the step before made. Replayed a graph a
 step, every step costs the host a layout, a staging copy, a graph launch, an LM head and an
 argmax, which for a draft of a few hundred MB is more than the device spends on the step
 (about 0.4 against 0.3 ms on the H200 for a 160M draft). A chain graph captures m steps
@@ -13,9 +13,15 @@ tables), copies the first drafts in on the device and replays once.
 A request with fewer drafts than the chain's length keeps its last position past its count
 and writes no cache slot (its extra drafts are dropped, as `DraftModelProposer` drops them);
 padding rows have no context and write nothing. Chains are captured per padded batch of up
-to `STAGE_MAX_ROWS` rows, chain length (1 to k - 1) and decode plan, planned for the
-chain's longest final context (a plan serves any shorter context). Requests that sample
-their drafts keep the step-by-step path, whose noise comes from each request's generator.
+to `STAGE_MAX_ROWS` rows, chain length (1 to k - 1), decode plan (planned for the chain's
+longest final context: a plan serves any shorter context) and form: greedy, or sampling.
+
+A proposal with requests that sample their drafts (`draft_sampling`) replays the sampling
+form: each step also forms q, the draft's distribution under each row's temperature and
+top-k / top-p / min-p, draws the row's draft from it by the exponential race and keeps q for
+verification; greedy rows in it keep the argmax. The race's noise is drawn before the
+replay, a step at a time in the order the step-by-step path draws it, a seeded request's
+from its proposal's own generator: its drafts are the step-by-step path's, run to run.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from tqdm.auto import tqdm
 from asyncengine.cuda_graphs import STAGE_MAX_ROWS, capture_sizes
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.request import Request
+from asyncengine.sampler import host_to_device
+from asyncengine.spec_decode.draft_sampling import DraftSampling, samples_drafts
+from asyncengine.spec_decode.rejection_sampler import filtered_probs
 from asyncengine_kernels.paged_attention import DecodePlan, decode_plan, decode_plans
 from models.forward_context import AttentionMetadata, set_forward_context
 
@@ -80,20 +89,43 @@ class DraftChains:
         self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
         self.seq_lens = zeros(n, dtype=i32)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
-        # The proposal's inputs, staged in one copy: each row's position of its first chain
-        # step's token less one (the request's last known token), its draft count (0:
-        # padding), its block table; and its first draft, copied in on the device.
-        self.image_bytes = 8 * n + 8 * n + 4 * n * max_blocks
+        # The proposal's inputs, staged in one copy (`_FIELDS`): each row's position of its
+        # last known token (the first chain step's is one on), its draft count (0: padding),
+        # whether it samples its drafts and its sampling parameters (temperature 1, no
+        # filters where it does not), its block table; its first draft is copied in on the
+        # device.
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for name, dtype, count in self._fields(n, max_blocks):
+            self.offsets[name] = at
+            at += -(-count * dtype.itemsize // 16) * 16
+        self.image_bytes = at
         self.static = torch.zeros(self.image_bytes, dtype=torch.uint8, device=device)
-        self.base = self.static[: 8 * n].view(i64)
-        self.counts = self.static[8 * n : 16 * n].view(i64)
-        self.block_tables = self.static[16 * n :].view(i32).view(n, max_blocks)
+        views = {name: self.static[self.offsets[name] : self.offsets[name] + count * dtype.itemsize]
+                 .view(dtype) for name, dtype, count in self._fields(n, max_blocks)}  # fmt: skip
+        self.base, self.counts, self.sampled = views["base"], views["counts"], views["sampled"]
+        self.temperature, self.top_k = views["temperature"], views["top_k"]
+        self.top_p, self.min_p = views["top_p"], views["min_p"]
+        self.block_tables = views["block_tables"].view(n, max_blocks)
         self.first_ids = zeros(n)
         self.drafts = zeros(n, max_steps + 1)  # column s: draft s (0: the first, copied in)
-        self.graphs: dict[tuple[int, int, DecodePlan], object] = {}
+        vocab = model.config.vocab_size if hasattr(model, "config") else 0  # type: ignore[union-attr]
+        # The sampling form's race noise (drawn before a replay) and the q it kept, a step
+        # each (column s of `probs`: draft s's q; column 0 is the catch-up's, kept apart).
+        self.vocab_size = vocab
+        self.noise = torch.ones((max_steps, n, vocab), dtype=torch.float32, device=device)
+        self.probs = torch.zeros((n, max_steps + 1, vocab), dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, int, DecodePlan, bool], object] = {}
         self.staging = PinnedStaging(device, turns=2)
         self._image = np.zeros(self.image_bytes, dtype=np.uint8)
         self.replays = 0
+
+    @staticmethod
+    def _fields(n: int, max_blocks: int) -> list[tuple[str, torch.dtype, int]]:
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        return [("base", i64, n), ("counts", i64, n), ("sampled", torch.bool, n),
+                ("temperature", f32, n), ("top_k", i32, n), ("top_p", f32, n),
+                ("min_p", f32, n), ("block_tables", i32, n * max_blocks)]  # fmt: skip
 
     def _meta(self, b: int, plan: DecodePlan) -> AttentionMetadata:
         return AttentionMetadata(
@@ -102,9 +134,11 @@ class DraftChains:
             decode_only=True, decode_plan=plan,
         )  # fmt: skip
 
-    def body(self, b: int, steps: int, plan: DecodePlan) -> Callable[[], None]:
+    def body(self, b: int, steps: int, plan: DecodePlan, sampling: bool = False
+             ) -> Callable[[], None]:  # fmt: skip
         """The chain of `steps` one-token steps over the first b rows, as a callable that
-        runs it (eagerly, or under capture)."""
+        runs it (eagerly, or under capture); `sampling`: the form whose rows that sample
+        draw their drafts from q (`filtered_probs`, the race against `noise`)."""
         bs = self.block_size
 
         def run() -> None:
@@ -123,7 +157,14 @@ class DraftChains:
                 # share from it once (`AttentionMetadata.cpu_step_index`).
                 with set_forward_context(self._meta(b, plan)):
                     hidden = self.model(self.input_ids[:b], self.positions[:b])
-                ids = self.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
+                logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+                ids = logits.argmax(dim=-1)
+                if sampling:
+                    q = filtered_probs(logits.to(torch.float32), self.temperature[:b],
+                                       self.top_k[:b], self.top_p[:b], self.min_p[:b])  # fmt: skip
+                    self.probs[:b, s].copy_(q)
+                    raced = (q / self.noise[s - 1, :b]).argmax(dim=-1)
+                    ids = torch.where(self.sampled[:b], raced, ids)
                 self.drafts[:b, s].copy_(ids)
 
         return run
@@ -133,21 +174,25 @@ class DraftChains:
         """Capture every chain (with no row counted: nothing written, no context read);
         returns the memory pool they share."""
         t0 = time.monotonic()
-        todo = [(b, m, plan) for b in reversed(self.sizes) for m in range(self.max_steps, 0, -1)
-                for plan in decode_plans(b, self.num_kv_heads, self.device)]  # fmt: skip
-        for b, m, plan in tqdm(todo, desc="Capturing draft chain CUDA graphs", unit="graph"):
-            graph = capture_chain(self.body(b, m, plan), self.device, pool)
+        todo = [(b, m, plan, sampling) for b in reversed(self.sizes)
+                for m in range(self.max_steps, 0, -1)
+                for plan in decode_plans(b, self.num_kv_heads, self.device)
+                for sampling in (False, True)]  # fmt: skip
+        for key in tqdm(todo, desc="Capturing draft chain CUDA graphs", unit="graph"):
+            graph = capture_chain(self.body(*key), self.device, pool)
             pool = graph.pool() if pool is None else pool  # type: ignore[attr-defined]
-            self.graphs[b, m, plan] = graph
+            self.graphs[key] = graph
         logger.info("captured %d draft chain CUDA graphs in %.1fs", len(self.graphs),
                     time.monotonic() - t0)  # fmt: skip
         return pool
 
-    def run(self, reqs: Sequence[Request], counts: Sequence[int],
-            first: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    def run(self, reqs: Sequence[Request], counts: Sequence[int], first: torch.Tensor,
+            sampling: DraftSampling | None = None) -> torch.Tensor | None:  # fmt: skip
         """[len(reqs), max(counts)] draft ids on the device (row i valid up to counts[i]):
         `first` (the catch-up's drafts) then the chain's; None where no chain was captured
-        for this batch (its size, its chain length, its plan or a table too wide)."""
+        for this batch (its size, its chain length, its plan or a table too wide). With
+        `sampling` (the proposal's, whose draft 0 it drew), the rows that sample draw from
+        q, and q of drafts 1 on lands in `sampling.probs`."""
         b, steps = len(reqs), max(counts) - 1
         tables = [r.block_table for r in reqs]
         if steps < 1 or steps > self.max_steps or max(len(t) for t in tables) > self.max_blocks:
@@ -158,23 +203,66 @@ class DraftChains:
         base = [r.num_tokens - 1 for r in reqs]
         longest = max(p + c for p, c in zip(base, counts, strict=True))
         plan = decode_plan(padded, self.num_kv_heads, self.device, longest)
-        graph = self.graphs.get((padded, steps, plan))
+        graph = self.graphs.get((padded, steps, plan, sampling is not None))
         if graph is None:
             return None
-        n = len(self.base)
-        image = self._image
+        self._stage(reqs, counts, base, tables, sampling is not None)
+        self.first_ids[:b].copy_(first)
+        self.drafts[:b, 0].copy_(first)
+        if sampling is not None:
+            self._draw_noise(sampling, counts, steps)
+        graph.replay()  # type: ignore[attr-defined]
+        self.replays += 1
+        if sampling is not None:
+            # Slots follow the rows that sample, in order.
+            rows = [i for i, slot in enumerate(sampling.slot) if slot is not None]
+            kept = self.probs[:, 1 : steps + 1].index_select(
+                0, host_to_device(rows, torch.int64, self.device)
+            )  # fmt: skip
+            sampling.probs[:, 1 : steps + 1].copy_(kept)
+        return self.drafts[:b, : steps + 1]
+
+    def _stage(self, reqs: Sequence[Request], counts: Sequence[int], base: list[int],
+               tables: list[list[int]], sampling: bool) -> None:  # fmt: skip
+        """The proposal's rows into the static image (padding rows: zeros), one copy."""
+        image, o, n, b = self._image, self.offsets, len(self.base), len(reqs)
+
+        def field(name: str, dtype: type, count: int) -> np.ndarray:
+            return image[o[name] : o[name] + count * np.dtype(dtype).itemsize].view(dtype)
+
         image.fill(0)
-        image[: 8 * n].view(np.int64)[:b] = base
-        image[8 * n : 16 * n].view(np.int64)[:b] = counts
-        table = image[16 * n :].view(np.int32).reshape(n, self.max_blocks)
+        field("base", np.int64, n)[:b] = base
+        field("counts", np.int64, n)[:b] = counts
+        field("temperature", np.float32, n)[:] = 1.0
+        field("top_p", np.float32, n)[:] = 1.0
+        if sampling:
+            marks = field("sampled", np.bool_, n)
+            temperature, top_k = field("temperature", np.float32, n), field("top_k", np.int32, n)
+            top_p, min_p = field("top_p", np.float32, n), field("min_p", np.float32, n)
+            for i, r in enumerate(reqs):
+                if samples_drafts(r):
+                    p = r.params
+                    marks[i] = True
+                    temperature[i] = p.temperature
+                    top_k[i] = p.top_k if 0 < p.top_k < self.vocab_size else 0
+                    top_p[i], min_p[i] = p.top_p, p.min_p
+        table = field("block_tables", np.int32, n * self.max_blocks).reshape(n, self.max_blocks)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         self.staging.to_device(image, self.static)
-        self.first_ids[:b].copy_(first)
-        self.drafts[:b, 0].copy_(first)
-        graph.replay()  # type: ignore[attr-defined]
-        self.replays += 1
-        return self.drafts[:b, : steps + 1]
+
+    def _draw_noise(self, sampling: DraftSampling, counts: Sequence[int], steps: int) -> None:
+        """The race noise of steps 1..`steps`: unseeded rows from the default generator; a
+        seeded row from its proposal's generator, a vocabulary's worth a step while it has
+        drafts to make, as the step-by-step path draws it (`DraftSampling.pick`)."""
+        noise = self.noise[:steps]
+        noise.exponential_()
+        for i, slot in enumerate(sampling.slot):
+            gen = None if slot is None else sampling.generators[slot]
+            if gen is None:
+                continue
+            for s in range(1, min(steps, counts[i] - 1) + 1):
+                noise[s - 1, i].exponential_(generator=gen)
 
     def release(self) -> None:
         self.graphs = {}

@@ -210,8 +210,8 @@ class DraftModelProposer:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         # The one-token steps' CUDA graphs (`capture_graphs`); None: every step eager.
         self.graphs: DecodeGraphs | None = None
-        # A greedy proposal's one-token steps as one graph (`capture_graphs`); None: a graph
-        # a step.
+        # A proposal's one-token steps as one graph (`capture_graphs`); None: a graph a
+        # step.
         self.chains: DraftChains | None = None
         # Steps are uploaded without a wait, so the host queues a proposal's forwards back to
         # back and meets the device once, when the drafts come back.
@@ -225,8 +225,8 @@ class DraftModelProposer:
         requests, and the plans of batch-expanded catch-ups of up to `expanded_rows` rows
         (the target's largest verify step; on the GPU, once the KV cache exists); small ones
         split after `head_layers` layers where that is not 0 (`cuda_graphs.SplitGraph`).
-        `chain_steps` (k - 1): greedy proposals of small batches run their one-token steps
-        as one graph of up to that many steps (`draft_chain.DraftChains`)."""
+        `chain_steps` (k - 1): proposals of small batches run their one-token steps as one
+        graph of up to that many steps (`draft_chain.DraftChains`)."""
         graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq,
                               verify_rows=expanded_rows, label="draft decode",
                               head_layers=head_layers)  # fmt: skip
@@ -300,8 +300,8 @@ class DraftModelProposer:
 
         active = list(range(len(reqs)))
         tokens = pick(self._catch_up(reqs), active, 0)
-        if sampling is None and self.chains is not None:
-            chained = self.chains.run(reqs, counts, tokens)
+        if self.chains is not None:
+            chained = self.chains.run(reqs, counts, tokens, sampling)
             if chained is not None:
                 return chained
         drafts = torch.full((len(reqs), max(counts)), -1, dtype=torch.int64, device=self.device)

@@ -50,26 +50,50 @@ def test_chained_drafts_are_the_step_by_step_drafts(
         llm.shutdown()
 
 
-def test_sampled_drafts_and_unfit_batches_keep_the_step_by_step_path(
+def test_seeded_sampled_drafts_are_the_step_by_step_drafts(
     pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A request that samples its drafts never takes a chain (its noise comes from its own
-    generator, step by step); a chain longer than captured, or a batch past the largest
-    chain, is refused, and the proposal runs step by step."""
+    """Requests that sample their drafts, seeded: the sampling chain draws each seeded row's
+    race noise from its proposal's generator in the step-by-step order and keeps q, so the
+    drafts, their acceptance (min(1, p/q)) and the sampled output are the step-by-step
+    path's exactly; a greedy request in the batch keeps its argmax drafts."""
     target, draft = pair
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
-    _, llm = _run(target, draft, 3, True, monkeypatch, prompts()[:2], seeded)
+    ps = prompts()
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=3 + i, max_tokens=12,
+                             ignore_eos=True) for i in range(len(ps) - 1)]  # fmt: skip
+    params = [*seeded, GREEDY]
+    stepwise, llm_steps = _run(target, draft, 3, False, monkeypatch, ps, params)
+    chained, llm_chain = _run(target, draft, 3, True, monkeypatch, ps, params)
+    assert stepwise == chained
+    m_steps = llm_steps.llm_engine.spec_decoder.metrics
+    m_chain = llm_chain.llm_engine.spec_decoder.metrics
+    assert m_chain.num_draft_tokens == m_steps.num_draft_tokens > 0
+    assert m_chain.accepted_per_pos == m_steps.accepted_per_pos
+    assert llm_chain.llm_engine.spec_decoder.proposer.chains.replays > 0
+    for llm in (llm_steps, llm_chain):
+        assert_pool_clean(llm)
+        llm.shutdown()
+
+
+def test_unseeded_sampling_chains_and_unfit_batches(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unseeded requests that sample go through the sampling chain and leave the pool
+    clean; a chain longer than captured, or a batch past the largest chain, is refused
+    (the proposal then runs step by step)."""
+    target, draft = pair
+    free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    out, llm = _run(target, draft, 3, True, monkeypatch, prompts()[:2], free)
+    assert all(len(o) == 12 for o in out)
     chains = llm.llm_engine.spec_decoder.proposer.chains
-    assert chains.replays == 0
-    assert llm.llm_engine.spec_decoder.metrics.num_draft_tokens > 0
-    reqs = list(llm.llm_engine.scheduler.running)  # none left: build stand-ins below
-    assert reqs == []
+    assert chains.replays > 0
+    replays = chains.replays
     stand_in = type("Req", (), {"block_table": [0], "num_tokens": 5})()
     first = torch.zeros(1, dtype=torch.int64)
     assert chains.run([stand_in], [chains.max_steps + 2], first) is None  # too long a chain
     many = [stand_in] * (chains.sizes[-1] + 1)
     assert chains.run(many, [2] * len(many), torch.zeros(len(many), dtype=torch.int64)) is None
-    assert chains.replays == 0
+    assert chains.replays == replays
     assert_pool_clean(llm)
     llm.shutdown()
 
