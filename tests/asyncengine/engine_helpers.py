@@ -1,5 +1,5 @@
 """Helpers for engine tests: HF greedy references, pool-emptiness checks, a pool that must
-preempt."""
+preempt, HF models saved as checkpoints."""
 
 from __future__ import annotations
 
@@ -42,3 +42,12 @@ def assert_pool_clean(llm: LLM) -> None:
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     if engine.scheduler.swap_space is not None:
         assert engine.scheduler.swap_space.num_free_blocks == engine.scheduler.swap_space.num_blocks
+
+
+def save_hf(model: torch.nn.Module, tokenizer_dir: Path | None, path: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
+    return path

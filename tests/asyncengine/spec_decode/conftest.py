@@ -9,15 +9,7 @@ import pytest
 import torch
 
 from asyncengine import LLM
-
-
-def save_hf(model: torch.nn.Module, tokenizer_dir: Path | None, path: Path) -> Path:
-    from transformers import AutoTokenizer
-
-    model.save_pretrained(str(path), safe_serialization=True)
-    if tokenizer_dir is not None:
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(path))
-    return path
+from tests.asyncengine.engine_helpers import save_hf
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.request import Request
-from tests.asyncengine.spec_decode.test_draft_model import save_hf
+from tests.asyncengine.engine_helpers import save_hf
 from tests.asyncengine.spec_decode.test_rejection_sampler import chi2_pvalue
 
 PROMPT = [17, 250, 31, 99, 4, 310]
