@@ -89,7 +89,7 @@ class DraftChains:
         self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
         self.seq_lens = zeros(n, dtype=i32)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
-        # The proposal's inputs, staged in one copy (`_FIELDS`): each row's position of its
+        # The proposal's inputs, staged in one copy (`_fields`): each row's position of its
         # last known token (the first chain step's is one on), its draft count (0: padding),
         # whether it samples its drafts and its sampling parameters (temperature 1, no
         # filters where it does not), its block table; its first draft is copied in on the
@@ -109,10 +109,9 @@ class DraftChains:
         self.block_tables = views["block_tables"].view(n, max_blocks)
         self.first_ids = zeros(n)
         self.drafts = zeros(n, max_steps + 1)  # column s: draft s (0: the first, copied in)
-        vocab = model.config.vocab_size if hasattr(model, "config") else 0  # type: ignore[union-attr]
+        vocab = self.vocab_size = model.config.vocab_size  # type: ignore[union-attr]
         # The sampling form's race noise (drawn before a replay) and the q it kept, a step
         # each (column s of `probs`: draft s's q; column 0 is the catch-up's, kept apart).
-        self.vocab_size = vocab
         self.noise = torch.ones((max_steps, n, vocab), dtype=torch.float32, device=device)
         self.probs = torch.zeros((n, max_steps + 1, vocab), dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int, DecodePlan, bool], object] = {}
