@@ -593,24 +593,29 @@ def run_draft(args: argparse.Namespace) -> None:
         llm.llm_engine.shutdown()
 
 
+def _engine_flags(parser: argparse.ArgumentParser, shape: str, prompt_len: int) -> None:
+    """The flags of the modes that build one engine on a dummy-weight shape (`_engine`)."""
+    parser.add_argument("--shape", default=shape)
+    parser.add_argument("--model", default=None, help="a model directory instead of --shape")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--graph-head-layers", type=int, default=0,
+                        help="split small decode graphs after this many layers (0: whole)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     cpu = sub.add_parser("cpu", help="n-gram on the embedded SmolLM2, CPU")
     cpu.add_argument("--max-tokens", type=int, default=160)
     gpu = sub.add_parser("gpu", help="verify-step mechanics on a dummy-weight shape")
-    gpu.add_argument("--shape", default="llama2-7b")
-    gpu.add_argument("--model", default=None, help="a model directory instead of --shape")
-    gpu.add_argument("--load-format", default="auto")
-    gpu.add_argument("--device", default="auto")
+    _engine_flags(gpu, "llama2-7b", prompt_len=128)
     gpu.add_argument("--vocab", type=int, default=32000)
-    gpu.add_argument("--prompt-len", type=int, default=128)
-    gpu.add_argument("--max-tokens", type=int, default=256)
-    gpu.add_argument("--max-batch", type=int, default=256)
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    gpu.add_argument("--enforce-eager", action="store_true")
-    gpu.add_argument("--graph-head-layers", type=int, default=0,
-                     help="split small decode graphs after this many layers (0: whole)")
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
     gpu.add_argument("--host-profile", action="store_true",
@@ -619,16 +624,7 @@ def main() -> None:
                      help="draft counts --host-profile profiles, one after another")
     gpu.add_argument("--top", type=int, default=30, help="functions listed per profile order")
     host = sub.add_parser("host", help="the host's part of a verify step, any device")
-    host.add_argument("--shape", default="tiny")
-    host.add_argument("--model", default=None, help="a model directory instead of --shape")
-    host.add_argument("--load-format", default="auto")
-    host.add_argument("--device", default="auto")
-    host.add_argument("--prompt-len", type=int, default=64)
-    host.add_argument("--max-tokens", type=int, default=256)
-    host.add_argument("--max-batch", type=int, default=256)
-    host.add_argument("--enforce-eager", action="store_true")
-    host.add_argument("--graph-head-layers", type=int, default=0,
-                     help="split small decode graphs after this many layers (0: whole)")
+    _engine_flags(host, "tiny", prompt_len=64)
     host.add_argument("--repeats", type=int, default=3)
     draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")
     draft.add_argument("--shape", default="llama2-7b")

@@ -59,6 +59,15 @@ def test_step_parts_start_on_16_byte_boundaries(tiny_llama_dir: Path) -> None:
         engine.pool.free(r)
 
 
+def _verifying(engine: LLMEngine, drafts: list[int]) -> Request:
+    """A request of 4 known tokens (3 computed) about to verify `drafts`, its slots taken."""
+    spec = _request("s", [5, 6, 7, 8])
+    assert engine.pool.allocate_slots(spec, 6) is not None
+    spec.num_computed_tokens = 3
+    spec.spec_token_ids = drafts
+    return spec
+
+
 def _decode_step(engine: LLMEngine, lens: list[int]) -> SchedulerOutput:
     sched = SchedulerOutput()
     for i, n in enumerate(lens):
@@ -97,10 +106,7 @@ def test_a_verify_step_runs_as_a_decode_step_of_one_row_per_token(
     engine = _engine(tiny_llama_dir)
     runner = engine.runner
     runner.num_kv_heads = 1  # one CPU "multiprocessor": short contexts would split and fuse
-    spec = _request("s", [5, 6, 7, 8])
-    assert engine.pool.allocate_slots(spec, 6) is not None
-    spec.num_computed_tokens = 3
-    spec.spec_token_ids = [21, 22]
+    spec = _verifying(engine, [21, 22])
     plain = _request("p", list(range(3, 12)))
     assert engine.pool.allocate_slots(plain, 9) is not None
     plain.num_computed_tokens = 8
@@ -130,10 +136,7 @@ def test_a_small_decode_step_is_staged_whole_into_the_graphs_inputs(
     engine = _engine(tiny_llama_dir)
     runner = engine.runner
     runner.num_kv_heads = 1
-    spec = _request("s", [5, 6, 7, 8])
-    assert engine.pool.allocate_slots(spec, 6) is not None
-    spec.num_computed_tokens = 3
-    spec.spec_token_ids = [21, 22]
+    spec = _verifying(engine, [21, 22])
     sched = SchedulerOutput(scheduled=[ScheduledRequest(spec, 3, num_spec_tokens=2)])
     graphs = DecodeGraphs(runner.model, torch.device("cpu"), max_num_seqs=8, max_blocks=8,
                           verify_rows=4)  # fmt: skip
@@ -192,10 +195,7 @@ def test_a_mixed_small_step_is_staged_as_the_packed_path_lays_it_out(
     engine = _engine(tiny_llama_dir)
     runner = engine.runner
     runner.num_kv_heads = 1
-    spec = _request("s", [5, 6, 7, 8])
-    assert engine.pool.allocate_slots(spec, 6) is not None
-    spec.num_computed_tokens = 3
-    spec.spec_token_ids = [21, 22, 23]
+    spec = _verifying(engine, [21, 22, 23])
     plain = _request("p", list(range(3, 12)))
     assert engine.pool.allocate_slots(plain, 9) is not None
     plain.num_computed_tokens = 8

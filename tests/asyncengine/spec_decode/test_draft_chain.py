@@ -25,6 +25,26 @@ def _run(target: Path, draft: Path, k: int, chains: bool, monkeypatch: pytest.Mo
     return generate(llm, ps, params), llm
 
 
+def _chained_as_stepwise(target: Path, draft: Path, k: int, monkeypatch: pytest.MonkeyPatch,
+                         ps: list[list[int]], params: object) -> list:  # fmt: skip
+    """The same requests with chains off and on: the same output (returned) and the same
+    drafts proposed and accepted, position by position (a fingerprint of every draft); the
+    chains replayed; both pools clean."""
+    stepwise, llm_steps = _run(target, draft, k, False, monkeypatch, ps, params)  # type: ignore[arg-type]
+    chained, llm_chain = _run(target, draft, k, True, monkeypatch, ps, params)  # type: ignore[arg-type]
+    assert stepwise == chained
+    m_steps = llm_steps.llm_engine.spec_decoder.metrics
+    m_chain = llm_chain.llm_engine.spec_decoder.metrics
+    assert m_chain.num_draft_tokens == m_steps.num_draft_tokens > 0
+    assert m_chain.num_accepted_tokens == m_steps.num_accepted_tokens
+    assert m_chain.accepted_per_pos == m_steps.accepted_per_pos
+    assert llm_chain.llm_engine.spec_decoder.proposer.chains.replays > 0
+    for llm in (llm_steps, llm_chain):
+        assert_pool_clean(llm)
+        llm.shutdown()
+    return chained
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_chained_drafts_are_the_step_by_step_drafts(
     base: LLM, pair: tuple[Path, Path], k: int, monkeypatch: pytest.MonkeyPatch
@@ -36,18 +56,7 @@ def test_chained_drafts_are_the_step_by_step_drafts(
     target, draft = pair
     ps = prompts()
     want = generate(base, ps, GREEDY)
-    stepwise, llm_steps = _run(target, draft, k, False, monkeypatch, ps, GREEDY)
-    chained, llm_chain = _run(target, draft, k, True, monkeypatch, ps, GREEDY)
-    assert stepwise == chained == want
-    m_steps = llm_steps.llm_engine.spec_decoder.metrics
-    m_chain = llm_chain.llm_engine.spec_decoder.metrics
-    assert m_chain.num_draft_tokens == m_steps.num_draft_tokens > 0
-    assert m_chain.num_accepted_tokens == m_steps.num_accepted_tokens
-    assert m_chain.accepted_per_pos == m_steps.accepted_per_pos
-    assert llm_chain.llm_engine.spec_decoder.proposer.chains.replays > 0
-    for llm in (llm_steps, llm_chain):
-        assert_pool_clean(llm)
-        llm.shutdown()
+    assert _chained_as_stepwise(target, draft, k, monkeypatch, ps, GREEDY) == want
 
 
 def test_seeded_sampled_drafts_are_the_step_by_step_drafts(
@@ -62,17 +71,7 @@ def test_seeded_sampled_drafts_are_the_step_by_step_drafts(
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=3 + i, max_tokens=12,
                              ignore_eos=True) for i in range(len(ps) - 1)]  # fmt: skip
     params = [*seeded, GREEDY]
-    stepwise, llm_steps = _run(target, draft, 3, False, monkeypatch, ps, params)
-    chained, llm_chain = _run(target, draft, 3, True, monkeypatch, ps, params)
-    assert stepwise == chained
-    m_steps = llm_steps.llm_engine.spec_decoder.metrics
-    m_chain = llm_chain.llm_engine.spec_decoder.metrics
-    assert m_chain.num_draft_tokens == m_steps.num_draft_tokens > 0
-    assert m_chain.accepted_per_pos == m_steps.accepted_per_pos
-    assert llm_chain.llm_engine.spec_decoder.proposer.chains.replays > 0
-    for llm in (llm_steps, llm_chain):
-        assert_pool_clean(llm)
-        llm.shutdown()
+    _chained_as_stepwise(target, draft, 3, monkeypatch, ps, params)
 
 
 def test_unseeded_sampling_chains_and_unfit_batches(
