@@ -465,15 +465,8 @@ class PrefillGraphs:
         # Capture inputs: every token in sequence 0, no keys, no cache writes.
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        if self.device.type == "cuda":  # each pass its own query starts, as captured below
-            passes = []
-            for t, b in todo:
-                meta = self.meta(t, b)
-                starts = torch.full((b + 1,), t, dtype=torch.int32, device=self.device)
-                starts[0] = 0
-                passes.append((dataclasses.replace(meta, query_start_loc=starts),
-                               self.input_ids[:t], self.positions[:t]))  # fmt: skip
-            warm_up_forwards(self.model, passes)
+        if self.device.type == "cuda":
+            warm_up_forwards(self.model, self.warm_up_passes(todo))
         for t, b in tqdm(todo, desc="Capturing prefill CUDA graphs", unit="graph"):
             self.query_start_loc.fill_(t)
             self.query_start_loc[0] = 0
@@ -486,6 +479,21 @@ class PrefillGraphs:
         logger.info(
             "captured %d prefill CUDA graphs in %.1fs", len(self.graphs), time.monotonic() - t0
         )
+
+    def warm_up_passes(
+        self, shapes: Sequence[tuple[int, int]]
+    ) -> list[tuple[AttentionMetadata, torch.Tensor, torch.Tensor]]:
+        """The forwards that compile what the captures of `shapes` launch
+        (`warm_up_forwards`): the capture inputs (every token in sequence 0, no keys, no
+        cache writes), each with query starts of its own, since the captures rewrite the
+        shared ones shape by shape."""
+        passes = []
+        for t, b in shapes:
+            starts = torch.full((b + 1,), t, dtype=torch.int32, device=self.device)
+            starts[0] = 0
+            meta = dataclasses.replace(self.meta(t, b), query_start_loc=starts)
+            passes.append((meta, self.input_ids[:t], self.positions[:t]))
+        return passes
 
     def shape_of(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The padded shape a step replays at; None for decode steps and steps too large."""

@@ -267,3 +267,17 @@ def test_warm_up_passes_run_side_by_side_each_with_its_own_metadata() -> None:
     seen.clear()
     warm_up_forwards(Recording(), passes[:1], threads=3)  # one pass: the capture runs it
     assert seen == []
+
+
+def test_prefill_warm_up_passes_have_query_starts_of_their_own() -> None:
+    """Each shape's warm-up pass sees the capture's inputs (all t tokens in sequence 0, no
+    keys, no slots) through query starts no other pass or capture rewrites."""
+    graphs = PrefillGraphs(_OneKVHeadModel(), torch.device("cpu"), max_blocks=4)
+    shapes = [(64, 2), (128, 4), (1024, 16)]
+    passes = graphs.warm_up_passes(shapes)
+    for (t, b), (meta, ids, positions) in zip(shapes, passes, strict=True):
+        assert meta.query_start_loc.tolist() == [0] + [t] * b
+        assert meta.query_start_loc.data_ptr() != graphs.query_start_loc.data_ptr()
+        assert len(ids) == len(positions) == t and meta.seq_lens.shape == (b,)
+        assert meta.slot_mapping.shape == (t,) and meta.max_query_len is None
+    assert len({m.query_start_loc.data_ptr() for m, _, _ in passes}) == len(shapes)
