@@ -521,12 +521,12 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self, step: InflightStep) -> bool:
-        """Whether the next step may be scheduled before `step`'s tokens reach the host:
-        not while a request in it needs its exact output history to sample, nor while one may
-        speculate next (its drafts continue its known tokens)."""
-        if self.spec_decoder is not None and self.spec_decoder.wants_sync(step.requests):
-            return False
-        return not any(r.sampling_needs_history for r in step.requests if not r.is_finished)
+        """Whether the next step may be scheduled before `step`'s tokens reach the host: not
+        while a request in it may speculate next (its drafts continue its known tokens). A
+        request whose sampling reads its output history (penalties, the min_tokens ban)
+        takes its token in flight from the device (`model_runner._in_flight`)."""
+        spec = self.spec_decoder
+        return spec is None or not spec.wants_sync(step.requests)
 
     def _launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         now = time.monotonic()

@@ -38,7 +38,7 @@ from asyncengine.prompt_logprobs import (
     wants_prompt_logprobs,
 )
 from asyncengine.request import Request
-from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from asyncengine.sampler import Sampler, SamplerOutput, SamplingMetadata, host_to_device
 from asyncengine.scheduler import SchedulerOutput
 from asyncengine.step_buffer import StepHeader, pack, unpack
 from asyncengine.structured_outputs.masks import GrammarMasker
@@ -276,6 +276,21 @@ def _logprob_dicts(
 
 
 _NONE = np.empty(0, np.int64)  # a step's prompt-logprob rows when nobody asks for them
+
+
+def _in_flight(
+    reqs: Sequence[Request], prev: InflightStep | None
+) -> tuple[list[bool], torch.Tensor] | None:
+    """Which of `reqs` have their last output token in `prev` (launched, not yet resolved),
+    and those ids on the device (row order; 0 where none): what penalties and the min_tokens
+    ban take from the device instead of waiting for `prev`."""
+    if prev is None or prev.token_ids is None:
+        return None
+    rows = [prev.rows.get(id(r), -1) if r.num_pending_tokens else -1 for r in reqs]
+    if all(row < 0 for row in rows):
+        return None
+    index = host_to_device([max(row, 0) for row in rows], torch.int64, prev.token_ids.device)
+    return [row >= 0 for row in rows], prev.token_ids.index_select(0, index)
 
 
 def _plain_greedy(req: Request) -> bool:
@@ -789,6 +804,7 @@ class ModelRunner:
             self.eos_token_ids,
             self.cfg.vocab_size,
             self.device,
+            in_flight=_in_flight(reqs, prev),
         )
         out: SamplerOutput = self.sampler(logits, meta)
         logprobs = None

@@ -78,8 +78,15 @@ class SamplingMetadata:
         eos_token_ids: Iterable[int],
         vocab_size: int,
         device: torch.device | str,
+        in_flight: tuple[list[bool], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Gather the batch's params into device tensors (host lists in, one copy each out)."""
+        """Gather the batch's params into device tensors (host lists in, one copy each out).
+
+        `in_flight` (asynchronous scheduling): which rows' last output token is still on the
+        device, sampled by the step before, and the ids ([B] int64 on the device; any value
+        where a row has none). `output_token_ids` then lack that token: the penalties take it
+        from the device, and the min_tokens ban counts it, so that a step need not wait for
+        the one before to sample."""
         num_rows = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators differ")
@@ -105,9 +112,10 @@ class SamplingMetadata:
         no_freq_pres = all(f == 0.0 for f in freq) and all(p == 0.0 for p in pres)
         no_penalties = no_rep and no_freq_pres
 
+        pending = in_flight[0] if in_flight is not None else [False] * num_rows
         ban: list[int] = []
         for row, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-            if len(out) >= p.min_tokens:
+            if len(out) + pending[row] >= p.min_tokens:
                 continue
             # As in vLLM: under min_tokens, every id that would end the request is banned.
             stop_ids = set(p.stop_token_ids or ())
@@ -125,6 +133,12 @@ class SamplingMetadata:
                 return torch.empty((num_rows, 0), dtype=torch.int64, device=device)
             return host_to_device(data, torch.int64, device)
 
+        outputs = padded(output_token_ids, not no_penalties)
+        if not no_penalties and in_flight is not None and any(pending):
+            # The token in flight as one more column (vocab_size, dropped, where none).
+            flags = host_to_device(pending, torch.bool, device)
+            column = torch.where(flags, in_flight[1], vocab_size)
+            outputs = torch.cat([outputs, column.unsqueeze(1)], dim=1)
         all_greedy = all(greedy)
         return cls(
             temperature=host_to_device(temperature, torch.float32, device),
@@ -136,7 +150,7 @@ class SamplingMetadata:
             frequency_penalties=host_to_device(freq, torch.float32, device),
             presence_penalties=host_to_device(pres, torch.float32, device),
             prompt_token_ids=padded(prompt_token_ids, not no_rep),
-            output_token_ids=padded(output_token_ids, not no_penalties),
+            output_token_ids=outputs,
             min_tokens_ban=host_to_device(ban, torch.int64, device),
             generators={i: g for i, g in enumerate(generators) if g is not None},
             all_greedy=all_greedy,

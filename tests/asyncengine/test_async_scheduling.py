@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from asyncengine import LLM, SamplingParams
 from asyncengine.llm_engine import LLMEngine
 from asyncengine.request import RequestStatus
@@ -106,8 +108,24 @@ def test_stop_token_in_flight_wastes_nothing_visible(tiny_llama_dir: Path) -> No
     assert outs[True].token_ids[-1] == stop_tok and outs[True].finish_reason == "stop"
 
 
-def test_history_dependent_sampling_matches_synchronous(tiny_llama_dir: Path) -> None:
-    """Penalties and min_tokens read the exact output history: such steps run one at a time."""
+def test_history_dependent_sampling_matches_synchronous(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Penalties and min_tokens read the exact output history: their steps still overlap,
+    the token in flight taken from the device (`model_runner._in_flight`), with the same
+    tokens as one step at a time (seeded sampling included)."""
+    import asyncengine.model_runner as model_runner
+
+    taken: list[int] = []
+    in_flight = model_runner._in_flight
+
+    def recording(reqs, prev):  # type: ignore[no-untyped-def]
+        found = in_flight(reqs, prev)
+        if found is not None:
+            taken.append(sum(found[0]))
+        return found
+
+    monkeypatch.setattr(model_runner, "_in_flight", recording)
     prompts = make_prompts(VOCAB, [7, 20, 3], seed=5)
     params = [
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0),
@@ -122,6 +140,7 @@ def test_history_dependent_sampling_matches_synchronous(tiny_llama_dir: Path) ->
         results[mode] = [o.outputs[0].token_ids for o in outs]
         assert_pool_clean(llm)
     assert results[True] == results[False]
+    assert taken and max(taken) == len(prompts)  # every request's steps overlapped
     # The penalty bites: no token repeats under a repetition penalty of 5 on a tiny vocab.
     first = results[True][0]
     assert len(set(first)) > len(first) // 2

@@ -117,6 +117,27 @@ def test_metadata_min_tokens_ban_pairs() -> None:
     assert meta.has_min_tokens_ban
 
 
+def test_a_token_in_flight_counts_as_output() -> None:
+    """Asynchronous scheduling: a row whose last token is still on the device gets it from
+    there; the penalties count it and the min_tokens ban counts it as written, exactly as
+    if the host had it."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, -1.0, 0.5, 4.0, 0.0, -2.0]] * 2)
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5),
+              SamplingParams(frequency_penalty=0.5, min_tokens=2, stop_token_ids=[7])]  # fmt: skip
+    ids = torch.tensor([2, 6])  # row 1's is not in flight: its value is never read
+    in_flight = ([True, False], ids)
+    meta = SamplingMetadata.build(params, [[0, 5]] * 2, [[2, 5], [3]], [None, None], {EOS}, 8,
+                                  CPU, in_flight=in_flight)  # fmt: skip
+    known = build(params, 8, prompts=[[0, 5]] * 2, outputs=[[2, 5, 2], [3]])
+    torch.testing.assert_close(apply_penalties(logits.clone(), meta),
+                               apply_penalties(logits.clone(), known))  # fmt: skip
+    assert meta.min_tokens_ban.tolist() == known.min_tokens_ban.tolist() != []
+    # Row 1 with its second token in flight has reached min_tokens: no ban left.
+    done = SamplingMetadata.build(params[1:], [[0, 5]], [[3]], [None], {EOS}, 8, CPU,
+                                  in_flight=([True], torch.tensor([4])))  # fmt: skip
+    assert not done.has_min_tokens_ban
+
+
 def test_metadata_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError):
         SamplingMetadata.build([SamplingParams()], [[1]], [], [None], {EOS}, 8, CPU)
