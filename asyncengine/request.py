@@ -135,9 +135,11 @@ class Request:
     @property
     def sampling_needs_history(self) -> bool:
         """Whether its next token depends on the exact output so far: penalties, or EOS
-        still banned by min_tokens (a grammar takes the token in flight from the step that
-        sampled it: see `GrammarMasker`; drafts, grammar-forced ones included, are
-        `SpecDecoder.wants_sync`'s)."""
+        still banned by min_tokens. Such a request takes the full sampler, and under
+        asynchronous scheduling its token in flight from the device
+        (`model_runner._in_flight`); a grammar takes it from the step that sampled it (see
+        `GrammarMasker`); drafts, grammar-forced ones included, are
+        `SpecDecoder.wants_sync`'s."""
         p = self.params
         return (
             p.repetition_penalty != 1.0
