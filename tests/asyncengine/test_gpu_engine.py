@@ -134,3 +134,26 @@ def test_gpu_split_graphs_keep_greedy_output(
             assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
         assert_pool_clean(llm)
         llm.shutdown()
+
+
+def test_gpu_history_dependent_sampling_overlaps_with_the_same_tokens(
+    tiny_llama_dir: Path,
+) -> None:
+    """Penalties, seeded sampling and min_tokens on the GPU: asynchronous scheduling (the
+    token in flight taken from the device) gives the tokens of one step at a time."""
+    prompts = make_prompts(452, [7, 20, 3], seed=5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=5.0),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, frequency_penalty=1.5,
+                       presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=10),
+    ]  # fmt: skip
+    results = {}
+    for mode in (True, False):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=64,
+                  max_num_seqs=8, async_scheduling=mode)  # fmt: skip
+        results[mode] = [o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)]  # fmt: skip
+        assert_pool_clean(llm)
+        llm.shutdown()
+    assert results[True] == results[False]
