@@ -117,6 +117,9 @@ def warm_up_forwards(
         list(pool.map(run, passes))
     if stream is not None:
         torch.cuda.synchronize(device)
+        # What the passes held side by side goes back: the captures that follow allocate
+        # one pass at a time.
+        torch.cuda.empty_cache()
 
 
 class SplitGraph:
@@ -465,8 +468,9 @@ class PrefillGraphs:
         # Capture inputs: every token in sequence 0, no keys, no cache writes.
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        if self.device.type == "cuda":
-            warm_up_forwards(self.model, self.warm_up_passes(todo))
+        if self.device.type == "cuda":  # prefill passes hold more: half as many at once
+            warm_up_forwards(self.model, self.warm_up_passes(todo),
+                             threads=max(WARM_UP_THREADS // 2, 1))  # fmt: skip
         for t, b in tqdm(todo, desc="Capturing prefill CUDA graphs", unit="graph"):
             self.query_start_loc.fill_(t)
             self.query_start_loc[0] = 0
