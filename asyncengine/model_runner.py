@@ -150,6 +150,35 @@ def staged_step_inputs(
     )  # fmt: skip
 
 
+def stage_decode_rows(
+    graphs: DecodeGraphs, staging: PinnedStaging, block_size: int,
+    block_tables: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int],
+    input_ids: Sequence[int], plan_for: Callable[[int, int, int, bool], DecodePlan],
+    sampling: list[Request], num_logits: int, moves: tuple[int, int, int] = (0, 0, 0),
+) -> StepInputs | None:  # fmt: skip
+    """A decode-only step of a few tokens (`lens[r]` of sequence r from `starts[r]`) laid
+    out as one decode row a token (`decode_rows`) and staged whole into the graphs' inputs;
+    None where no captured graph takes it whole. `plan_for(rows, table width, longest
+    context, expanded)` plans its attention (expanded: some sequence has several rows, which
+    attend to each other's K/V); `moves` are the step's block-move counts (swap out, swap
+    in, copy) for its header."""
+    positions, slots, seq_lens, row_tables = decode_rows(block_tables, starts, lens,
+                                                         block_size)  # fmt: skip
+    t = len(positions)
+    w, max_len = max(len(table) for table in block_tables), max(seq_lens)
+    plan = plan_for(t, w, max_len, t > len(block_tables))
+    padded = graphs.stageable(t, w, plan)
+    if padded is None:
+        return None
+    header = StepHeader(
+        num_tokens=t, num_seqs=t, table_width=w, num_logits=num_logits, max_query_len=1,
+        max_seq_len=max_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
+        num_swap_out=moves[0], num_swap_in=moves[1], num_copy=moves[2],
+    )  # fmt: skip
+    return staged_step_inputs(graphs, staging, padded, header, input_ids, positions, slots,
+                              seq_lens, row_tables, sampling)  # fmt: skip
+
+
 def step_inputs(
     header: StepHeader,
     buffer: torch.Tensor,
@@ -668,28 +697,22 @@ class ModelRunner:
                         and wants_prompt_logprobs(req))):  # fmt: skip
                 return None
         reqs = [s.request for s in scheduled]
-        positions, slots, seq_lens, tables = decode_rows(
-            [r.block_table for r in reqs], [r.num_computed_tokens for r in reqs],
-            [s.num_new_tokens for s in scheduled], self.block_size,
-        )  # fmt: skip
         ids: list[int] = []
         for s, req in zip(scheduled, reqs, strict=True):
             ids.append(req.all_token_ids[-1])
             ids += req.spec_token_ids[: s.num_spec_tokens]
-        w, max_len = max(len(r.block_table) for r in reqs), max(seq_lens)
-        # Rows of one request attend to each other's K/V: no fused rotary and K/V write.
-        plan = self.decode_plan(t, w, max_len, False if t > len(reqs) else None)
-        padded = graphs.stageable(t, w, plan)
-        if padded is None:
-            return None
-        header = StepHeader(
-            num_tokens=t, num_seqs=t, table_width=w, num_logits=t, max_query_len=1,
-            max_seq_len=max_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
-            num_swap_out=len(sched.blocks_to_swap_out), num_swap_in=len(sched.blocks_to_swap_in),
-            num_copy=len(sched.blocks_to_copy),
+
+        def plan_for(rows: int, width: int, longest: int, expanded: bool) -> DecodePlan:
+            # Rows of one request attend to each other's K/V: no fused rotary and K/V write.
+            return self.decode_plan(rows, width, longest, False if expanded else None)
+
+        moves = (len(sched.blocks_to_swap_out), len(sched.blocks_to_swap_in),
+                 len(sched.blocks_to_copy))  # fmt: skip
+        return stage_decode_rows(
+            graphs, self.staging, self.block_size, [r.block_table for r in reqs],
+            [r.num_computed_tokens for r in reqs], [s.num_new_tokens for s in scheduled], ids,
+            plan_for, reqs, t, moves,
         )  # fmt: skip
-        return staged_step_inputs(graphs, self.staging, padded, header, ids, positions, slots,
-                                  seq_lens, tables, reqs)  # fmt: skip
 
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
                     fuse_rotary: bool | None = None) -> DecodePlan:  # fmt: skip

@@ -59,9 +59,8 @@ from asyncengine.host_staging import PinnedStaging
 from asyncengine.model_runner import (
     KVCache,
     StepInputs,
-    decode_rows,
     one_row_per_token,
-    staged_step_inputs,
+    stage_decode_rows,
     step_inputs,
     token_layout,
 )
@@ -71,7 +70,7 @@ from asyncengine.spec_decode.config import SpeculativeConfig
 from asyncengine.spec_decode.draft_chain import DraftChains
 from asyncengine.spec_decode.draft_sampling import DraftSampling
 from asyncengine.step_buffer import StepHeader, pack, unpack
-from asyncengine_kernels.paged_attention import decode_plan
+from asyncengine_kernels.paged_attention import DecodePlan, decode_plan
 from models.config import ModelConfig
 from models.forward_context import set_forward_context
 from models.loader import load_model, resolve_model_path
@@ -379,26 +378,20 @@ class DraftModelProposer:
         t = sum(lens)
         if graphs is None or t > STAGE_MAX_ROWS or max(lens) > EXPAND_MAX_TOKENS:
             return None
-        tables = [r.block_table for r in reqs]
-        positions, slots, seq_lens, row_tables = decode_rows(tables, starts, lens,
-                                                             self.block_size)  # fmt: skip
-        w, max_len = max(len(table) for table in tables), max(seq_lens)
-        expand = t > len(reqs)
-        padded = graphs.graph_size(t, w)
-        if padded is None:
-            return None
-        plan = decode_plan(padded, self.num_kv_heads, self.device, max_len,
-                           fuse_rotary=not expand)  # fmt: skip
-        padded = graphs.stageable(t, w, plan)
-        if padded is None:
-            return None
-        header = StepHeader(
-            num_tokens=t, num_seqs=t, table_width=w, num_logits=len(reqs), max_query_len=1,
-            max_seq_len=max_len, decode_segments=plan.segments, fuse_rotary=plan.fuse_rotary,
-        )  # fmt: skip
+
+        def plan_for(rows: int, width: int, longest: int, expanded: bool) -> DecodePlan:
+            # A graph runs at its padded size, so its attention is planned for that size.
+            padded = graphs.graph_size(rows, width) or rows
+            return decode_plan(padded, self.num_kv_heads, self.device, longest,
+                               fuse_rotary=not expanded)  # fmt: skip
+
         ids = host_ids.tolist() if host_ids is not None else [0] * t
-        inputs = staged_step_inputs(graphs, self.staging, padded, header, ids, positions, slots,
-                                    seq_lens, row_tables, [])  # fmt: skip
+        inputs = stage_decode_rows(graphs, self.staging, self.block_size,
+                                   [r.block_table for r in reqs], starts, lens, ids, plan_for,
+                                   [], len(reqs))  # fmt: skip
+        if inputs is None:
+            return None
+        expand = t > len(reqs)
         if not expand:
             return inputs, None
         ends = list(itertools.accumulate(lens))

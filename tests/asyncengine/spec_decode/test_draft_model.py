@@ -660,13 +660,15 @@ def test_draft_steps_go_through_the_graphs(
     import asyncengine.spec_decode.draft_model as draft_model
 
     staged: list[int] = []
-    stage = draft_model.staged_step_inputs
+    stage = draft_model.stage_decode_rows
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        staged.append(args[2])
-        return stage(*args, **kwargs)
+        inputs = stage(*args, **kwargs)
+        if inputs is not None:
+            staged.append(inputs.staged_rows)
+        return inputs
 
-    monkeypatch.setattr(draft_model, "staged_step_inputs", counting)
+    monkeypatch.setattr(draft_model, "stage_decode_rows", counting)
     ps = prompts()
     assert generate(llm, ps, GREEDY) == generate(base, ps, GREEDY)
     assert replays, "no draft step replayed a graph"
