@@ -26,10 +26,10 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from asyncengine.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Padded decode batch sizes: fine steps where a step is short and padding costs the most,
@@ -62,6 +63,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def capture_callable(
+    fn: Callable[[], T], device: torch.device, pool: tuple | None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`fn` over static buffers captured as a graph in `pool` (None: a new one); returns the
+    graph and what the capture returned (its output buffers). An eager call first compiles
+    every kernel variant the capture will launch."""
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def capture_forward(
     model: nn.Module,
     meta: AttentionMetadata,
@@ -69,16 +84,9 @@ def capture_forward(
     positions: torch.Tensor,
     pool: tuple | None,
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """One forward pass over static buffers captured as a graph in `pool` (None: a new
-    one); returns the graph and its output buffer. An eager pass first compiles every
-    kernel variant the capture will launch."""
+    """One forward pass over static buffers captured as a graph (`capture_callable`)."""
     with set_forward_context(meta):
-        model(input_ids, positions)
-        torch.cuda.synchronize(input_ids.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = model(input_ids, positions)
-    return graph, out
+        return capture_callable(lambda: model(input_ids, positions), input_ids.device, pool)
 
 
 # Threads that run the decode graphs' warm-up passes side by side (`warm_up_forwards`), and

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from asyncengine.cuda_graphs import STAGE_MAX_ROWS, capture_sizes
+from asyncengine.cuda_graphs import STAGE_MAX_ROWS, capture_callable, capture_sizes
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.request import Request
 from asyncengine.sampler import host_to_device
@@ -46,17 +46,6 @@ from asyncengine_kernels.paged_attention import DecodePlan, decode_plan, decode_
 from models.forward_context import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger(__name__)
-
-
-def capture_chain(body: Callable[[], None], device: torch.device, pool: tuple | None) -> object:
-    """`body` run once eagerly (compiling its kernels), then captured as a CUDA graph in
-    `pool` (None: a new one); returns the graph (`replay()`, `pool()`)."""
-    body()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        body()
-    return graph
 
 
 class DraftChains:
@@ -115,7 +104,7 @@ class DraftChains:
         # each (column s of `probs`: draft s's q; column 0 is the catch-up's, kept apart).
         self.noise = torch.ones((max_steps, n, vocab), dtype=torch.float32, device=device)
         self.probs = torch.zeros((n, max_steps + 1, vocab), dtype=torch.float32, device=device)
-        self.graphs: dict[tuple[int, int, DecodePlan, bool], object] = {}
+        self.graphs: dict[tuple[int, int, DecodePlan, bool], torch.cuda.CUDAGraph] = {}
         self.staging = PinnedStaging(device, turns=2)
         self._image = np.zeros(self.image_bytes, dtype=np.uint8)
         self.replays = 0
@@ -179,8 +168,8 @@ class DraftChains:
                 for plan in decode_plans(b, self.num_kv_heads, self.device)
                 for sampling in (False, True)]  # fmt: skip
         for key in tqdm(todo, desc="Capturing draft chain CUDA graphs", unit="graph"):
-            graph = capture_chain(self.body(*key), self.device, pool)
-            pool = graph.pool() if pool is None else pool  # type: ignore[attr-defined]
+            graph, _ = capture_callable(self.body(*key), self.device, pool)
+            pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
         logger.info("captured %d draft chain CUDA graphs in %.1fs", len(self.graphs),
                     time.monotonic() - t0)  # fmt: skip
@@ -211,7 +200,7 @@ class DraftChains:
         self.drafts[:b, 0].copy_(first)
         if sampling is not None:
             self._draw_noise(sampling, counts, steps)
-        graph.replay()  # type: ignore[attr-defined]
+        graph.replay()
         self.replays += 1
         if sampling is not None:
             # Slots follow the rows that sample, in order.

@@ -624,7 +624,8 @@ def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs
         return replay, replay.out
 
     monkeypatch.setattr(cuda_graphs, "capture_forward", capture)
-    monkeypatch.setattr(draft_chain, "capture_chain", lambda body, device, pool: EagerChain(body))
+    monkeypatch.setattr(draft_chain, "capture_callable",
+                        lambda body, device, pool: (EagerChain(body), None))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8,  # type: ignore[attr-defined]
                             chain_steps=chain_steps)  # fmt: skip
