@@ -190,9 +190,14 @@ STAGE_MAX_BYTES = 1 << 18
 def static_fields(num_rows: int, max_blocks: int) -> tuple[dict[str, int], int]:
     """Byte offsets of the decode graphs' static inputs in their one buffer (each on a
     16-byte boundary, the block tables last so a small step's rows end early), and its size."""
-    sizes = {"input_ids": 8 * num_rows, "positions": 8 * num_rows,
-             "slot_mapping": 8 * num_rows, "seq_lens": 4 * num_rows,
-             "block_tables": 4 * num_rows * max_blocks}  # fmt: skip
+    return aligned_offsets({"input_ids": 8 * num_rows, "positions": 8 * num_rows,
+                            "slot_mapping": 8 * num_rows, "seq_lens": 4 * num_rows,
+                            "block_tables": 4 * num_rows * max_blocks})  # fmt: skip
+
+
+def aligned_offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Byte offsets of fields of these sizes laid one after another in one buffer, each on a
+    16-byte boundary, and the buffer's size."""
     offsets, at = {}, 0
     for name, size in sizes.items():
         offsets[name] = at

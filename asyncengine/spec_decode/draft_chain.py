@@ -36,7 +36,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from asyncengine.cuda_graphs import STAGE_MAX_ROWS, capture_callable, capture_sizes
+from asyncengine.cuda_graphs import (
+    STAGE_MAX_ROWS,
+    aligned_offsets,
+    capture_callable,
+    capture_sizes,
+)
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.request import Request
 from asyncengine.sampler import host_to_device
@@ -46,6 +51,10 @@ from asyncengine_kernels.paged_attention import DecodePlan, decode_plan, decode_
 from models.forward_context import AttentionMetadata, set_forward_context
 
 logger = logging.getLogger(__name__)
+
+# The host image's element type of each device field's.
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+                 torch.bool: np.bool_}  # fmt: skip
 
 
 class DraftChains:
@@ -84,15 +93,20 @@ class DraftChains:
         # whether it samples its drafts and its sampling parameters (temperature 1, no
         # filters where it does not), its block table; its first draft is copied in on the
         # device.
-        self.offsets: dict[str, int] = {}
-        at = 0
-        for name, dtype, count in self._fields(n, max_blocks):
-            self.offsets[name] = at
-            at += -(-count * dtype.itemsize // 16) * 16
-        self.image_bytes = at
+        fields = self._fields(n, max_blocks)
+        offsets, self.image_bytes = aligned_offsets(
+            {name: count * dtype.itemsize for name, dtype, count in fields}
+        )  # fmt: skip
         self.static = torch.zeros(self.image_bytes, dtype=torch.uint8, device=device)
-        views = {name: self.static[self.offsets[name] : self.offsets[name] + count * dtype.itemsize]
-                 .view(dtype) for name, dtype, count in self._fields(n, max_blocks)}  # fmt: skip
+        self._image = np.zeros(self.image_bytes, dtype=np.uint8)
+        # Each field on the device and in the host image it is staged from, made once.
+        views: dict[str, torch.Tensor] = {}
+        self._host: dict[str, np.ndarray] = {}
+        for name, dtype, count in fields:
+            at, end = offsets[name], offsets[name] + count * dtype.itemsize
+            views[name] = self.static[at:end].view(dtype)
+            self._host[name] = self._image[at:end].view(_NUMPY_DTYPES[dtype])
+        self._host["block_tables"] = self._host["block_tables"].reshape(n, max_blocks)
         self.base, self.counts, self.sampled = views["base"], views["counts"], views["sampled"]
         self.temperature, self.top_k = views["temperature"], views["top_k"]
         self.top_p, self.min_p = views["top_p"], views["min_p"]
@@ -106,7 +120,6 @@ class DraftChains:
         self.probs = torch.zeros((n, max_steps + 1, vocab), dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int, DecodePlan, bool], torch.cuda.CUDAGraph] = {}
         self.staging = PinnedStaging(device, turns=2)
-        self._image = np.zeros(self.image_bytes, dtype=np.uint8)
         self.replays = 0
 
     @staticmethod
@@ -214,31 +227,23 @@ class DraftChains:
     def _stage(self, reqs: Sequence[Request], counts: Sequence[int], base: list[int],
                tables: list[list[int]], sampling: bool) -> None:  # fmt: skip
         """The proposal's rows into the static image (padding rows: zeros), one copy."""
-        image, o, n, b = self._image, self.offsets, len(self.base), len(reqs)
-
-        def field(name: str, dtype: type, count: int) -> np.ndarray:
-            return image[o[name] : o[name] + count * np.dtype(dtype).itemsize].view(dtype)
-
-        image.fill(0)
-        field("base", np.int64, n)[:b] = base
-        field("counts", np.int64, n)[:b] = counts
-        field("temperature", np.float32, n)[:] = 1.0
-        field("top_p", np.float32, n)[:] = 1.0
+        host, b = self._host, len(reqs)
+        self._image.fill(0)
+        host["base"][:b] = base
+        host["counts"][:b] = counts
+        host["temperature"][:] = 1.0
+        host["top_p"][:] = 1.0
         if sampling:
-            marks = field("sampled", np.bool_, n)
-            temperature, top_k = field("temperature", np.float32, n), field("top_k", np.int32, n)
-            top_p, min_p = field("top_p", np.float32, n), field("min_p", np.float32, n)
             for i, r in enumerate(reqs):
                 if samples_drafts(r):
                     p = r.params
-                    marks[i] = True
-                    temperature[i] = p.temperature
-                    top_k[i] = p.top_k if 0 < p.top_k < self.vocab_size else 0
-                    top_p[i], min_p[i] = p.top_p, p.min_p
-        table = field("block_tables", np.int32, n * self.max_blocks).reshape(n, self.max_blocks)
+                    host["sampled"][i] = True
+                    host["temperature"][i] = p.temperature
+                    host["top_k"][i] = p.top_k if 0 < p.top_k < self.vocab_size else 0
+                    host["top_p"][i], host["min_p"][i] = p.top_p, p.min_p
         for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        self.staging.to_device(image, self.static)
+            host["block_tables"][i, : len(t)] = t
+        self.staging.to_device(self._image, self.static)
 
     def _draw_noise(self, sampling: DraftSampling, counts: Sequence[int], steps: int) -> None:
         """The race noise of steps 1..`steps`: unseeded rows from the default generator; a
