@@ -61,9 +61,10 @@ __all__ = [
 
 # The most rows the kernel takes: one tensor-core tile of rows.
 SKINNY_MAX_ROWS = 16
-# Columns of the norm prologue's rstd pass per load: 128 keeps the compiled kernel's
-# registers near the unfused kernel's on sm_90 (86 and 114 with GLU; 512 spilled).
-NORM_BLOCK = 128
+# Columns of one row the norm prologue's rstd pass loads at a time. In the sm_90 build
+# (Triton 3.9's ptxas) 2048 takes 123 registers (128 with GLU), 1024 72 (114) and 4096 150
+# (219), none spilling; 2048 halves the dependent L2 round trips of 1024 within 128.
+NORM_BLOCK = 2048
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
 # Shared memory a program may take on sm_90.
@@ -137,41 +138,54 @@ def _load_tile(ptr, rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, kk, K, HAS_RESIDUAL: tl.constexpr):
-    """x (+ residual) [16, chunk] of the real rows (`row_ok`; zeros elsewhere and past K),
-    rounded to the dtype as `fused_add_rms_norm` rounds the sum."""
-    mask = row_ok[:, None] & (kk < K)[None, :]
-    h = tl.load(x_ptr + x_rows[:, None] + kk[None, :], mask=mask, other=0.0)
+def _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK: tl.constexpr):
+    """Offsets and mask of chunk c of the real rows' span: NORM_BLOCK columns of row
+    c // per_row from column (c % per_row) * NORM_BLOCK, none past K or the last chunk."""
+    kk = (c % per_row) * NORM_BLOCK + offs
+    return (c // per_row).to(tl.int64) * K + kk, kk < tl.where(c < n_chunks, K, 0)
+
+
+@triton.jit
+def _norm_chunk(x_ptr, res_ptr, c, per_row, n_chunks, offs, K, NORM_BLOCK: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """Chunk c of x (+ residual) (zeros where masked), rounded to the dtype as
+    `fused_add_rms_norm` rounds the sum."""
+    at, mask = _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK)
+    h = tl.load(x_ptr + at, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + res_rows[:, None] + kk[None, :], mask=mask, other=0.0)
+        res = tl.load(res_ptr + at, mask=mask, other=0.0)
         h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
     return h
 
 
 @triton.jit
-def _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, row_ok, K, eps, write,
-               HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr):  # fmt: skip
-    """RMSNorm's 1 / rms [16] of each real row of x (+ residual), over the whole row whatever
-    this program's K split (padding rows get a finite value their unstored outputs never
-    use); `write`: this program also stores x + residual (the new residual) for the real
-    rows. The pass runs before the first dot, so its latency is the program's: it reads only
-    the real rows, in wide chunks, the next chunk requested before the current one is
-    reduced (loads that feed no dot are not pipelined by the compiler)."""
+def _norm_rstd(x_ptr, res_ptr, res_out_ptr, M, K, eps, write, HAS_RESIDUAL: tl.constexpr,
+               NORM_BLOCK: tl.constexpr):  # fmt: skip
+    """RMSNorm's 1 / rms [16] of each real row of x (+ residual), both [M, K] contiguous,
+    over the whole row whatever this program's K split (padding rows get 0, so their wrapped
+    inputs norm to zeros, not to overflows); `write`: this program also stores x + residual
+    (the new residual). The pass runs before the first dot, so its latency is the
+    program's: it walks only the real rows, as one span in chunks of NORM_BLOCK columns of
+    one row, the next chunk requested before the current one is reduced (loads that feed no
+    dot are not pipelined by the compiler). At 5 rows of 4096 that is 10 dependent L2 round
+    trips, where tiles of all 16 padded rows by 128 columns took 32 whatever the rows."""
     offs = tl.arange(0, NORM_BLOCK)
+    offs_m = tl.arange(0, 16)
+    per_row = tl.cdiv(K, NORM_BLOCK)
+    n_chunks = M * per_row
     sumsq = tl.zeros([16], dtype=tl.float32)
-    h_next = _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, offs, K, HAS_RESIDUAL)
-    for k0 in range(0, K, NORM_BLOCK):
+    h_next = _norm_chunk(x_ptr, res_ptr, 0, per_row, n_chunks, offs, K, NORM_BLOCK,
+                         HAS_RESIDUAL)  # fmt: skip
+    for c in range(0, n_chunks):
         h = h_next
-        h_next = _norm_chunk(x_ptr, res_ptr, x_rows, res_rows, row_ok, k0 + NORM_BLOCK + offs,
-                             K, HAS_RESIDUAL)  # fmt: skip
+        h_next = _norm_chunk(x_ptr, res_ptr, c + 1, per_row, n_chunks, offs, K, NORM_BLOCK,
+                             HAS_RESIDUAL)  # fmt: skip
         if HAS_RESIDUAL and write:
-            kk = k0 + offs
-            tl.store(res_out_ptr + res_rows[:, None] + kk[None, :], h,
-                     mask=row_ok[:, None] & (kk < K)[None, :])  # fmt: skip
+            at, mask = _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK)
+            tl.store(res_out_ptr + at, h, mask=mask)
         hf = h.to(tl.float32)
-        sumsq += tl.sum(hf * hf, axis=1)
-    # Padding rows get 0: their wrapped inputs then norm to zeros, not to overflows.
-    return tl.where(row_ok, tl.rsqrt(sumsq / K + eps), 0.0)
+        sumsq = tl.where(offs_m == c // per_row, sumsq + tl.sum(hf * hf, axis=0), sumsq)
+    return tl.where(offs_m < M, tl.rsqrt(sumsq / K + eps), 0.0)
 
 
 @triton.jit
@@ -286,8 +300,8 @@ def _skinny_gemm_kernel(
         # Every program needs the whole rows' rstd (read from L2), whatever its K split:
         # cheaper than a norm kernel's launch and round trip at a few rows.
         write = (pid_n == 0) & (pid_k == 0)
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, x_rows, res_rows, offs_m < M, K, eps,
-                          write, HAS_RESIDUAL, NORM_BLOCK)  # fmt: skip
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, M, K, eps, write, HAS_RESIDUAL,
+                          NORM_BLOCK)  # fmt: skip
     x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr, res_rows,
                      norm_w_ptr, rstd)  # fmt: skip
     acc = _tile_product(w, x, IEEE, DOT_FP32)
