@@ -97,8 +97,9 @@ class SkinnyConfig:
                 f"{self.num_stages}]")  # fmt: skip
 
 
-# 64-column blocks of 128-deep tiles, the K range in 1-8 splits: two compiled kernels per
-# form, with and without splits (the split count is a run-time argument). The engine's
+# 64-column blocks of 128-deep tiles, the K range in 1-8 splits: four compiled kernels per
+# form, one without splits and one per split count (the last split's reduction is unrolled
+# to it). The engine's
 # tuning on the H200 (Llama-2-7B shape, 2026-12-02) planned 2 and 4 splits for the
 # 4096-column projections and cuBLAS for the wide ones; wider blocks, 64-deep tiles and the
 # rows-first form won no plan entry and were removed, each of them a kernel to compile at
@@ -262,12 +263,12 @@ def _skinny_gemm_kernel(
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 128,
+    NORM_BLOCK: tl.constexpr = 128, MAX_SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
     part_ptr [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column
-    block). The split count is not a constexpr, so one compiled kernel serves them all.
+    block). The grid's split count is a run-time argument up to MAX_SPLITS, the config's.
     NORM: the operand is rms_norm(x (+ residual [M, K], contiguous)) with weight norm_w;
     program (0, 0) stores x + residual to res_out [M, K]."""
     BLOCK_M: tl.constexpr = 16
@@ -334,14 +335,19 @@ def _skinny_gemm_kernel(
         counter = count_ptr + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
             tl.debug_barrier()
-            # Every split's sums are read back, in split order, whichever arrived last.
+            # Every split's sums are read back and added in split order, whichever arrived
+            # last. The loop is unrolled to the config's split count, so its loads, which do
+            # not depend on one another, are all in flight at once: this runs after the last
+            # split's product, on the kernel's critical path, where a loop over the run-time
+            # count waited an L2 round trip per split.
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             total_up = total
-            for s in range(0, n_splits):
-                total += tl.load(part + (s * halves) * M * N, mask=mask, other=0.0,
+            for s in tl.static_range(MAX_SPLITS):
+                here = mask & (s < n_splits)
+                total += tl.load(part + (s * halves) * M * N, mask=here, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
                 if GLU:
-                    total_up += tl.load(part + (s * 2 + 1) * M * N, mask=mask, other=0.0,
+                    total_up += tl.load(part + (s * 2 + 1) * M * N, mask=here, other=0.0,
                                         cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(counter, 0)
             _store_output(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -448,7 +454,7 @@ def _launch(
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, GATED=gated, GLU=glu,
         IEEE=x.dtype == torch.float32,
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
-        SPLIT=splits > 1,
+        SPLIT=splits > 1, MAX_SPLITS=config.split_k if splits > 1 else 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
         num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, glu),
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
