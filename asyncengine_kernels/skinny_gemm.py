@@ -343,7 +343,7 @@ def _skinny_gemm_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             total_up = total
             for s in tl.static_range(MAX_SPLITS):
-                here = mask & (s < n_splits)
+                here = mask & (tl.full((BLOCK_M, BLOCK_N), s, tl.int32) < n_splits)
                 total += tl.load(part + (s * halves) * M * N, mask=here, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
                 if GLU:

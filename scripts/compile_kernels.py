@@ -89,7 +89,7 @@ SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False, USE_PDL=True)
 # which `_launch` caps at K).
 SKINNY_NORM_BLOCK = 2048
 # K splits of the split variants (the reduction is unrolled to the config's split count).
-SKINNY_SPLITS = 8
+SKINNY_SPLITS = 4
 # (module, kernel, constexprs, num_warps, num_stages)
 VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("asyncengine_kernels.paged_attention", "_paged_attention_kernel",
