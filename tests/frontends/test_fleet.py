@@ -54,6 +54,31 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def command_ports() -> tuple[int, int]:
+    """(router, WebSocket) ports for `serve --data-parallel-size 2` with the default replica
+    ports: the router's port, the two right after it (the replicas' OpenAI APIs) and the
+    two WebSocket ports, five consecutive ports all free now. Two unrelated free ports
+    could leave a replica's port taken (by the WebSocket port itself, or by another
+    process), which made a port test fail on the wrong replica."""
+    for _ in range(100):
+        base = free_ports(1)[0]
+        if base + 5 > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + 5):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base, base + 3
+    raise RuntimeError("no five consecutive free ports")
+
+
 def fleet_config(model_dir: Path, *, policy: str = "round_robin", size: int = 2,
                  **changes: Any) -> FleetConfig:
     router, *ports = free_ports(1 + 2 * size)
@@ -256,7 +281,7 @@ def test_without_the_router_installed(monkeypatch: pytest.MonkeyPatch, model_dir
 
 def test_a_port_in_use_is_one_line(model_dir: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    router, ws = free_ports(2)
+    router, ws = command_ports()
     before = _children()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", router + 2))  # replica 1's OpenAI port
@@ -283,7 +308,7 @@ async def test_a_router_that_fails_to_start(model_dir: Path, tmp_path: Path) -> 
 
 
 def test_the_command_stops_every_process_on_sigterm(model_dir: Path, tmp_path: Path) -> None:
-    router, ws = free_ports(2)
+    router, ws = command_ports()
     proc = subprocess.Popen(
         [sys.executable, "-m", "frontends.cli", "serve", "--model", str(model_dir),
          *ENGINE_FLAGS, "--data-parallel-size", "2", "--openai-port", str(router),
