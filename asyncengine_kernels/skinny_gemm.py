@@ -62,8 +62,9 @@ __all__ = [
 # The most rows the kernel takes: one tensor-core tile of rows.
 SKINNY_MAX_ROWS = 16
 # Columns of one row the norm prologue's rstd pass loads at a time. In the sm_90 build
-# (Triton 3.9's ptxas) 2048 takes 123 registers (128 with GLU), 1024 72 (114) and 4096 150
-# (219), none spilling; 2048 halves the dependent L2 round trips of 1024 within 128.
+# (Triton 3.9's ptxas) 2048 takes 124 registers (128 with GLU and 4 splits), 1024 78 (120)
+# and 4096 148 (204), none spilling; 2048 halves 1024's dependent L2 round trips and stays
+# within 128 registers.
 NORM_BLOCK = 2048
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
@@ -263,13 +264,14 @@ def _skinny_gemm_kernel(
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 128, MAX_SPLITS: tl.constexpr = 1,
+    NORM_BLOCK: tl.constexpr = NORM_BLOCK, MAX_SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
     part_ptr [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column
     block). The grid's split count is a run-time argument up to MAX_SPLITS, the config's.
-    NORM: the operand is rms_norm(x (+ residual [M, K], contiguous)) with weight norm_w;
+    NORM: the operand is rms_norm(x (+ residual)) with weight norm_w, x and the residual
+    [M, K] contiguous (the rstd pass reads them as one span);
     program (0, 0) stores x + residual to res_out [M, K]."""
     BLOCK_M: tl.constexpr = 16
     pid_n = tl.program_id(0)
@@ -343,6 +345,7 @@ def _skinny_gemm_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             total_up = total
             for s in tl.static_range(MAX_SPLITS):
+                # The split test as a tile: the interpreter refuses a scalar in a mask.
                 here = mask & (tl.full((BLOCK_M, BLOCK_N), s, tl.int32) < n_splits)
                 total += tl.load(part + (s * halves) * M * N, mask=here, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip

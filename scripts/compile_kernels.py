@@ -85,9 +85,6 @@ ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=
 PREFILL = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False, IEEE=False, USE_PDL=True,
                BLOCK_M=128, TILE=64)  # fmt: skip
 SKINNY = dict(EVEN_K=True, IEEE=False, DOT_FP32=False, USE_PDL=True)
-# The norm prologue's chunk at the 7B hidden size (asyncengine_kernels.skinny_gemm.NORM_BLOCK,
-# which `_launch` caps at K).
-SKINNY_NORM_BLOCK = 2048
 # K splits of the split variants (the reduction is unrolled to the config's split count).
 SKINNY_SPLITS = 4
 # (module, kernel, constexprs, num_warps, num_stages)
@@ -161,11 +158,10 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     # RMSNorm and the residual add in the prologue (qkv; gate/up with the GLU epilogue).
     ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=False, BLOCK_N=64,
-          BLOCK_K=128, NORM=True, HAS_RESIDUAL=True, NORM_BLOCK=SKINNY_NORM_BLOCK), 4, 4),
+          BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
     ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
-          BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS, NORM=True, HAS_RESIDUAL=True,
-          NORM_BLOCK=SKINNY_NORM_BLOCK), 4, 4),
+          BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS, NORM=True, HAS_RESIDUAL=True), 4, 4),
     # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile split along K,
     # tiles spanning four groups (g32) and inside one (per channel), the 128-row tile.
     ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
