@@ -121,7 +121,10 @@ def test_gpu_split_graphs_keep_greedy_output(
     prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+    # Three requests share the default five draft tokens a step, which leaves none each: the
+    # cap is raised so that the verify steps run.
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
+    for spec in (None, ngram):
         llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", max_num_seqs=8,
                   num_kv_blocks=64, speculative_config=spec)  # fmt: skip
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
