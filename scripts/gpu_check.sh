@@ -60,7 +60,7 @@
 #   bash scripts/gpu_check.sh router       # multi-turn chat through vllm-router, two replicas
 #                                          # sharing GPU 0: cache_aware against round_robin
 # To reuse one call's compiled kernels and tuned plans in the next, copy its caches.tgz.*
-# files into .device_cache/ here and carry that folder (with .whl).
+# files into .device_cache/ here and carry that folder (with .whl: scripts/device_wheels.sh).
 # Logs and JSON lines go to $OUT (or ./out) and a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
