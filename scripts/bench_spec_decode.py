@@ -461,16 +461,17 @@ def run_gpu(args: argparse.Namespace) -> None:
         batches[batch] = (ps, refs, secs_off)
     base.llm_engine.shutdown()
     del base
-    # The same step resolved before the next is scheduled, as a verify step is: the host's
-    # share of a step that cannot overlap.
-    sync = _engine(args, None, async_scheduling=False)
-    _timed(sync, p1, params)
-    before = dict(sync.llm_engine.step_timing)
-    secs, _ = _timed(sync, p1, params)
-    emit({"bench": "spec_verify_step", "k": 0, "sync": True,
-          "ms_per_step": round(1e3 * secs / out_len, 3), **_phases(sync, before)})
-    sync.llm_engine.shutdown()
-    del sync
+    if not args.brief:
+        # The same step resolved before the next is scheduled, as a verify step is: the
+        # host's share of a step that cannot overlap.
+        sync = _engine(args, None, async_scheduling=False)
+        _timed(sync, p1, params)
+        before = dict(sync.llm_engine.step_timing)
+        secs, _ = _timed(sync, p1, params)
+        emit({"bench": "spec_verify_step", "k": 0, "sync": True,
+              "ms_per_step": round(1e3 * secs / out_len, 3), **_phases(sync, before)})
+        sync.llm_engine.shutdown()
+        del sync
 
     llm = _engine(args, 8)
     emit({"bench": "spec_matmul_plans",
@@ -479,7 +480,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     adaptive_update = dec._update
     # 1. Verify-step cost: one request, k fixed drafts every step (nothing adaptive).
     dec._update = lambda req, n: None  # keep proposing: the cost of every verify step
-    for k in range(1, 9):
+    for k in sorted({k for k, _ in args.sweep}) if args.brief else range(1, 9):
         _set_k(llm, k, FixedDrafts())
         _timed(llm, p1, params)
         before = dict(llm.llm_engine.step_timing)
@@ -488,10 +489,11 @@ def run_gpu(args: argparse.Namespace) -> None:
         emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
-    for k in (0, 4):  # the one-token step's kernels beside the verify step's
+    for k in () if args.brief else (0, 4):  # the one-token step's kernels beside the verify's
         _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), k)
-    _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    for k in (4, 0):
+    if not args.brief:
+        _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for k in () if args.brief else (4, 0):
         _profile_launch_gaps(llm, p1, SamplingParams(temperature=0, max_tokens=64,
                                                      ignore_eos=True), k)  # fmt: skip
     dec._update = adaptive_update
@@ -618,6 +620,10 @@ def main() -> None:
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
+    gpu.add_argument("--brief", action="store_true",
+                     help="only the verify steps of the --sweep draft counts and the sweep "
+                          "itself: no synchronous engine, profiles or host split (an A/B of "
+                          "settings in a short device call)")
     gpu.add_argument("--host-profile", action="store_true",
                      help="only profile the host's part of verify steps (cProfile)")
     gpu.add_argument("--profile-k", type=int, nargs="+", default=[4],

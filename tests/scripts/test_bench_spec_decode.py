@@ -77,3 +77,23 @@ def test_launch_gaps_measure_the_device_waiting_on_graph_launches() -> None:
     assert gaps["first_kernel_after_call_end_us"] == (30.0 - 55.0) / 2
     assert gaps["device_idle_before_us"] == (180.0 + 5.0) / 2
     assert bench.launch_gaps([("gpu", "k", 0.0, 1.0)]) == {"launches": 0}
+
+
+def test_brief_gpu_mode_times_only_the_swept_draft_counts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpu --brief` (an A/B of settings in a short device call) times the one-token step, the
+    verify steps of the sweep's draft counts and the sweep: no synchronous engine, profiles
+    or host split. Off the GPU it runs on the CPU engine, which it must leave exact."""
+    bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
+                        graph_head_layers=0, max_tokens=16, prompt_len=16))  # fmt: skip
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]  # fmt: skip
+    steps = [r for r in records if r["bench"] == "spec_verify_step"]
+    assert [r["k"] for r in steps] == [0, 4] and not any(r.get("sync") for r in steps)
+    assert {r["bench"] for r in records} == {"spec_verify_step", "spec_matmul_plans",
+                                            "spec_latency", "spec_throughput"}
+    (latency,) = [r for r in records if r["bench"] == "spec_latency"]
+    assert latency["k"] == 4 and latency["replay_converged"] and latency["verify_steps"] > 0
+    (load,) = [r for r in records if r["bench"] == "spec_throughput"]
+    assert load["equal_to_plain"]
