@@ -489,13 +489,14 @@ def run_gpu(args: argparse.Namespace) -> None:
         emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
-    for k in () if args.brief else (0, 4):  # the one-token step's kernels beside the verify's
-        _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), k)
-    if not args.brief:
+    if not args.brief:  # where the time goes: kernels, host parts, launch gaps
+        for k in (0, 4):  # the one-token step's kernels beside the verify step's
+            _profile_verify(llm, p1, SamplingParams(temperature=0, max_tokens=32,
+                                                    ignore_eos=True), k)  # fmt: skip
         _host_split(llm, p1, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    for k in () if args.brief else (4, 0):
-        _profile_launch_gaps(llm, p1, SamplingParams(temperature=0, max_tokens=64,
-                                                     ignore_eos=True), k)  # fmt: skip
+        for k in (4, 0):
+            _profile_launch_gaps(llm, p1, SamplingParams(temperature=0, max_tokens=64,
+                                                         ignore_eos=True), k)  # fmt: skip
     dec._update = adaptive_update
 
     # 2. Latency per generated token (L1-like, one stream) at controlled acceptance.

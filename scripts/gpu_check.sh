@@ -600,7 +600,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   fi
   if [[ " $parts " == *" spec "* ]]; then  # SPEC_RUNS: the verify-step bench once per ';'
     # (flags, optionally led by TREE=DIR to run it from tree DIR); default: this tree as is.
-    # "--brief" in a run's flags: k = 4 and the latency only (an A/B in a short call)
+    # "--brief" in a run's flags: the swept draft counts' verify steps and the sweep only
+    # (an A/B in a short call)
     runs=("")
     [ -n "${SPEC_RUNS:-}" ] && IFS=';' read -r -a runs <<< "$SPEC_RUNS"
     for r in "${runs[@]}"; do
