@@ -37,7 +37,7 @@ import time
 import typing
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +203,15 @@ async def http_status(url: str, timeout: float = 5.0) -> int | None:
     return await asyncio.to_thread(get)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port the OS calls free now, other than `avoid`: ports the fleet has chosen but
+    not yet bound look free too, and the OS may hand one of them out again."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 # ---------------------------------------------------------------------- processes
@@ -373,7 +378,7 @@ class Fleet:
                     raise FleetError(f"port {port} is both {ports[port]} and {what} "
                                      "(change --port, --openai-port or --worker-base-port)")
                 ports[port] = what
-        prometheus = cfg.router_prometheus_port or free_port(cfg.host)
+        prometheus = cfg.router_prometheus_port or free_port(cfg.host, avoid=ports)
         if prometheus in ports:
             raise FleetError(f"port {prometheus} is both {ports[prometheus]} and the "
                              "router's metrics")

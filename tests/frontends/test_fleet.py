@@ -262,6 +262,28 @@ def test_gpu_assignment() -> None:
                        ["0"])
 
 
+def test_free_port_skips_ports_the_fleet_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS hands out a port again once its probing socket closes, so the router's metrics
+    port once landed on a replica's chosen (not yet bound) WebSocket port."""
+    offered = iter([5001, 5002, 5003])
+
+    class Probe:
+        def __enter__(self) -> Probe:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(fleet_mod.socket, "socket", Probe)
+    assert fleet_mod.free_port(avoid={5001, 5002}) == 5003
+
+
 def test_more_replicas_than_gpus_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["serve", "--data-parallel-size", "3", "--device", "cuda"])
     assert status != 0
