@@ -28,6 +28,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -257,6 +258,7 @@ class ManagedProcess:
         self.restarts = 0
 
     def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -343,8 +345,9 @@ class Fleet:
         if config.policy not in ROUTER_POLICIES:
             raise FleetError(f"unknown router policy {config.policy!r} "
                              f"({', '.join(ROUTER_POLICIES)})")
-        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="asyncengine-fleet-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Made by the first process started: a fleet refused before that leaves no folder.
+        self.log_dir = config.log_dir or (
+            Path(tempfile.gettempdir()) / f"asyncengine-fleet-{secrets.token_hex(6)}")
         devices = gpu_assignment(config, visible_gpus() if gpus is None else gpus) \
             if config.device == "cuda" else [None] * config.size
         threads = max(1, (os.cpu_count() or 1) // config.size)

@@ -317,6 +317,17 @@ def test_a_port_in_use_is_one_line(model_dir: Path,
     _no_children_left(before)
 
 
+async def test_a_refused_fleet_leaves_no_log_folder(model_dir: Path) -> None:
+    cfg = fleet_config(model_dir)
+    fleet = Fleet(cfg)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", cfg.worker_ports[0]))
+        taken.listen()
+        with pytest.raises(FleetError, match="cannot listen"):
+            await fleet.start()
+    assert not fleet.log_dir.exists()
+
+
 async def test_a_router_that_fails_to_start(model_dir: Path, tmp_path: Path) -> None:
     cfg = fleet_config(model_dir, log_dir=tmp_path)
     cfg.router_args.append("--no-such-router-flag")
