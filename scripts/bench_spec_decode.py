@@ -119,11 +119,12 @@ class FixedDrafts:
         return [[1] * k for k in num_drafts]
 
 
-def _engine(args: argparse.Namespace, k: int | None, **engine_args: Any) -> LLM:
+def _engine(args: argparse.Namespace, k: int | None, head_layers: int = 0,
+            **engine_args: Any) -> LLM:  # fmt: skip
     from asyncengine.model_runner import ModelRunner
 
     # Small decode graphs split after this many layers (the target's and the draft's; A/B).
-    ModelRunner.graph_head_layers = getattr(args, "graph_head_layers", 0)
+    ModelRunner.graph_head_layers = head_layers
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
     return LLM(args.model, load_format=args.load_format, device=args.device,
                skip_tokenizer_init=True, speculative_config=spec,
@@ -367,7 +368,7 @@ def run_host(args: argparse.Namespace) -> None:
     """Host milliseconds per k = 4 verify step by part, `--repeats` times; off the GPU
     through graphs that replay eagerly (`_eager_graphs`)."""
     _default_model(args)
-    llm = _engine(args, 8)
+    llm = _engine(args, 8, args.graph_head_layers)
     if llm.llm_engine.runner.graphs is None:
         _eager_graphs(llm)
     llm.llm_engine.spec_decoder._update = lambda req, n: None  # keep proposing
@@ -388,7 +389,7 @@ def run_host_profile(args: argparse.Namespace) -> None:
 
     _default_model(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm = _engine(args, 8)
+    llm = _engine(args, 8, args.graph_head_layers[0])
     llm.llm_engine.spec_decoder._update = lambda req, n: None  # keep proposing
     p1 = _prompts(1, args.prompt_len, llm.llm_engine.model_config.vocab_size)
     for k in args.profile_k:
@@ -434,13 +435,17 @@ def _k_acceptance(text: str) -> tuple[int, float]:
 
 
 def run_gpu(args: argparse.Namespace) -> None:
+    """The one-token step and the references without speculation (one engine, graphs split
+    as the first --graph-head-layers value says), then per --graph-head-layers value a
+    speculating engine's verify steps, latency sweep and batches (`_spec_runs`): an A/B of
+    split graphs needs one reference engine and one process."""
     _default_model(args)
     prompt_len, out_len = args.prompt_len, args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
     # Without speculation: the one-token step, and every reference output the replay drafts
     # come from (one stream, then each batch), with each batch's throughput.
-    base = _engine(args, None)
+    base = _engine(args, None, args.graph_head_layers[0])
     vocab = base.llm_engine.model_config.vocab_size
     p1 = _prompts(1, prompt_len, vocab)
     _timed(base, p1, params)
@@ -450,7 +455,8 @@ def run_gpu(args: argparse.Namespace) -> None:
     # that a slow engine can be told from a slow machine.
     from models.linear_tuning import describe_matmul_plans
 
-    emit({"bench": "spec_verify_step", "k": 0, "ms_per_step": round(one_token_ms, 3),
+    emit({"bench": "spec_verify_step", "k": 0, "graph_head_layers": args.graph_head_layers[0],
+          "ms_per_step": round(one_token_ms, 3),
           "matmul_plans": describe_matmul_plans(base.llm_engine.runner.model)})
     reference = {tuple(p1[0]): outs[0].outputs[0].token_ids}
     batches = {}
@@ -464,7 +470,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     if not args.brief:
         # The same step resolved before the next is scheduled, as a verify step is: the
         # host's share of a step that cannot overlap.
-        sync = _engine(args, None, async_scheduling=False)
+        sync = _engine(args, None, args.graph_head_layers[0], async_scheduling=False)
         _timed(sync, p1, params)
         before = dict(sync.llm_engine.step_timing)
         secs, _ = _timed(sync, p1, params)
@@ -472,9 +478,27 @@ def run_gpu(args: argparse.Namespace) -> None:
               "ms_per_step": round(1e3 * secs / out_len, 3), **_phases(sync, before)})
         sync.llm_engine.shutdown()
         del sync
+    for head_layers in args.graph_head_layers:
+        _spec_runs(args, head_layers, p1, reference, batches, one_token_ms)
 
-    llm = _engine(args, 8)
-    emit({"bench": "spec_matmul_plans",
+
+def _spec_runs(
+    args: argparse.Namespace, head_layers: int, p1: list[list[int]],
+    reference: dict[tuple[int, ...], list[int]],
+    batches: dict[int, tuple[list[list[int]], dict[tuple[int, ...], list[int]], float]],
+    one_token_ms: float,
+) -> None:  # fmt: skip
+    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers:
+    verify steps (and, unless --brief, where their time goes), the latency sweep and the
+    batches against `run_gpu`'s references; every record names `graph_head_layers`."""
+    from models.linear_tuning import describe_matmul_plans
+
+    out_len = args.max_tokens
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm = _engine(args, 8, head_layers)
+    vocab = llm.llm_engine.model_config.vocab_size
+    split = {"graph_head_layers": head_layers}
+    emit({"bench": "spec_matmul_plans", **split,
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
     adaptive_update = dec._update
@@ -486,7 +510,8 @@ def run_gpu(args: argparse.Namespace) -> None:
         before = dict(llm.llm_engine.step_timing)
         secs, _ = _timed(llm, p1, params)
         steps = llm.llm_engine.step_timing["steps"] - before["steps"]
-        emit({"bench": "spec_verify_step", "k": k, "ms_per_step": round(1e3 * secs / steps, 3),
+        emit({"bench": "spec_verify_step", "k": k, **split,
+              "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
     if not args.brief:  # where the time goes: kernels, host parts, launch gaps
@@ -509,7 +534,7 @@ def run_gpu(args: argparse.Namespace) -> None:
         secs, outs, runs, converged, agreed = _replayed(llm, p1, params, reference, k,
                                                         acceptance, 1)  # fmt: skip
         out = outs[0].outputs[0].token_ids
-        emit({"bench": "spec_latency", "k": k, "acceptance": acceptance,
+        emit({"bench": "spec_latency", "k": k, "acceptance": acceptance, **split,
               "ms_per_token": round(1e3 * secs / out_len, 3),
               "baseline_ms_per_token": round(one_token_ms, 3),
               "speedup": round(one_token_ms * out_len / 1e3 / secs, 3),
@@ -528,7 +553,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     for batch, (ps, refs, secs_off) in batches.items():
         secs_on, outs, runs, converged, _ = _replayed(llm, ps, params, refs, 4, 0.7, 2, 3)
         k_used = dec.config.num_drafts_for_batch(batch)
-        emit({"bench": "spec_throughput", "batch": batch, "k_used": k_used,
+        emit({"bench": "spec_throughput", "batch": batch, "k_used": k_used, **split,
               "tokens_per_s_off": round(batch * out_len / secs_off, 1),
               "tokens_per_s_on": round(batch * out_len / secs_on, 1),
               "ratio": round(secs_off / secs_on, 3), "replay_runs": runs,
@@ -606,8 +631,6 @@ def _engine_flags(parser: argparse.ArgumentParser, shape: str, prompt_len: int) 
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--graph-head-layers", type=int, default=0,
-                        help="split small decode graphs after this many layers (0: whole)")
 
 
 def main() -> None:
@@ -618,6 +641,10 @@ def main() -> None:
     gpu = sub.add_parser("gpu", help="verify-step mechanics on a dummy-weight shape")
     _engine_flags(gpu, "llama2-7b", prompt_len=128)
     gpu.add_argument("--vocab", type=int, default=32000)
+    gpu.add_argument("--graph-head-layers", type=int, nargs="+", default=[0],
+                     help="one speculating engine per value, its small decode graphs split "
+                          "after that many layers (0: whole); the references and the "
+                          "one-token step come from one engine split as the first value says")
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
@@ -633,6 +660,8 @@ def main() -> None:
     host = sub.add_parser("host", help="the host's part of a verify step, any device")
     _engine_flags(host, "tiny", prompt_len=64)
     host.add_argument("--repeats", type=int, default=3)
+    host.add_argument("--graph-head-layers", type=int, default=0,
+                      help="split small decode graphs after this many layers (0: whole)")
     draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")
     draft.add_argument("--shape", default="llama2-7b")
     draft.add_argument("--draft-shape", default="llama-160m")

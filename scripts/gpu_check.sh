@@ -601,7 +601,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" spec "* ]]; then  # SPEC_RUNS: the verify-step bench once per ';'
     # (flags, optionally led by TREE=DIR to run it from tree DIR); default: this tree as is.
     # "--brief" in a run's flags: the swept draft counts' verify steps and the sweep only
-    # (an A/B in a short call)
+    # (an A/B in a short call); "--graph-head-layers 0 2 4": one speculating engine per
+    # value beside one reference engine (SPEC_S: seconds a run may take, 200 by default)
     runs=("")
     [ -n "${SPEC_RUNS:-}" ] && IFS=';' read -r -a runs <<< "$SPEC_RUNS"
     for r in "${runs[@]}"; do
@@ -609,7 +610,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
       if [[ ${words[0]:-} == TREE=* ]]; then tree="${words[0]#TREE=}"; words=("${words[@]:1}"); fi
       echo "== spec run: $r"
       (export PYTHONPATH="${PYTHONPATH/$PWD/$(cd "$tree" && pwd)}"; cd "$tree" \
-        && timeout 200 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
+        && timeout "${SPEC_S:-200}" python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
         --sweep 4:0.7 "${words[@]}" 2>>"$OUT/bench.log") | sed "s|^{|{\"run\": \"$r\", |" \
         | tee -a "$OUT/spec_decode.jsonl" | cut -c1-1500
     done

@@ -15,7 +15,8 @@ from scripts import bench_spec_decode as bench
 
 def _args(**over: object) -> argparse.Namespace:
     base = dict(model=None, shape="tiny", load_format="auto", device="cpu", prompt_len=24,
-                max_tokens=24, max_batch=8, enforce_eager=False, repeats=1)  # fmt: skip
+                max_tokens=24, max_batch=8, enforce_eager=False, repeats=1,
+                graph_head_layers=0)  # fmt: skip
     return argparse.Namespace(**{**base, **over})
 
 
@@ -84,16 +85,21 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
 ) -> None:
     """`gpu --brief` (an A/B of settings in a short device call) times the one-token step, the
     verify steps of the sweep's draft counts and the sweep: no synchronous engine, profiles
-    or host split. Off the GPU it runs on the CPU engine, which it must leave exact."""
+    or host split; one speculating engine per --graph-head-layers value against one set of
+    references. Off the GPU it runs on the CPU engine, which it must leave exact."""
     bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
-                        graph_head_layers=0, max_tokens=16, prompt_len=16))  # fmt: skip
+                        graph_head_layers=[0, 1], max_tokens=16, prompt_len=16))  # fmt: skip
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
-    assert [r["k"] for r in steps] == [0, 4] and not any(r.get("sync") for r in steps)
+    assert [(r["k"], r["graph_head_layers"]) for r in steps] == [(0, 0), (4, 0), (4, 1)]
+    assert not any(r.get("sync") for r in steps)
     assert {r["bench"] for r in records} == {"spec_verify_step", "spec_matmul_plans",
                                             "spec_latency", "spec_throughput"}
-    (latency,) = [r for r in records if r["bench"] == "spec_latency"]
-    assert latency["k"] == 4 and latency["replay_converged"] and latency["verify_steps"] > 0
-    (load,) = [r for r in records if r["bench"] == "spec_throughput"]
-    assert load["equal_to_plain"]
+    latency = [r for r in records if r["bench"] == "spec_latency"]
+    assert [r["graph_head_layers"] for r in latency] == [0, 1]
+    for r in latency:
+        assert r["k"] == 4 and r["replay_converged"] and r["verify_steps"] > 0
+    load = [r for r in records if r["bench"] == "spec_throughput"]
+    assert [r["graph_head_layers"] for r in load] == [0, 1]
+    assert all(r["equal_to_plain"] for r in load)
