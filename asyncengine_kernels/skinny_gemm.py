@@ -45,17 +45,21 @@ from asyncengine_kernels._triton_utils import (
 )
 from asyncengine_kernels.activation import silu_and_mul, silu_times
 from asyncengine_kernels.gemv import Candidate, fastest_against_library
+from asyncengine_kernels.kv_cache_write import check_kv_scales, is_fp8_kv, quantize_fp8
 from asyncengine_kernels.rms_norm import check_norm_inputs, fused_add_rms_norm
+from asyncengine_kernels.rotary import rotate_pair
 
 __all__ = [
     "SKINNY_CONFIGS",
     "SKINNY_MAX_ROWS",
+    "RotaryKVWrite",
     "SkinnyChoice",
     "SkinnyConfig",
     "pipeline_stages",
     "rms_norm_skinny_gemm",
     "skinny_counters",
     "skinny_gemm",
+    "skinny_qkv_rotary_kv",
     "tune_skinny",
 ]
 
@@ -256,6 +260,63 @@ def _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(dt), mask=mask)
 
 
+@triton.jit
+def _store_rotary_kv(
+    y1, y2, b_ptr, q_ptr, offs_m, offs_n, M, stride_qm, HAS_BIAS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, pos_ptr, cos_sin_ptr,
+    slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs, stride_kcb,
+    stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads, kv_heads, cache_block,
+):  # fmt: skip
+    """The epilogue of a QKV product's column pair: sums y1 [16, BLOCK_N] of a head's first
+    half at columns offs_n and y2 of its second half (+ bias), each rounded to the dtype as
+    the unfused output would be; then as `asyncengine_kernels.rotary_kv_cache` does with
+    that output: a q head rotated at the rows' positions into q [M, q_heads * 2 * HALF], a k
+    head rotated and a v head as is into their caches at the rows' slots (-1: none), FP8
+    caches quantized with the KV head's scale."""
+    dt = q_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y1 += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+        y2 += tl.load(b_ptr + offs_n + HALF).to(tl.float32)[None, :]
+    x1 = y1.to(dt).to(tl.float32)
+    x2 = y2.to(dt).to(tl.float32)
+    head = tl.program_id(0) // (HALF // BLOCK_N)
+    d = offs_n - head * (2 * HALF)  # this program's columns of the head's first half
+    rows = offs_m % M
+    in_rows = offs_m < M
+    if head < q_heads + kv_heads:  # q or k: rotated, cos and sin cast to the dtype first
+        pos = tl.load(pos_ptr + rows).to(tl.int64)
+        at = pos[:, None] * stride_cs + d[None, :]
+        c = tl.load(cos_sin_ptr + at).to(dt).to(tl.float32)
+        s = tl.load(cos_sin_ptr + at + HALF).to(dt).to(tl.float32)
+        first, second = rotate_pair(x1, x2, c, s, dt)
+    else:
+        first, second = x1.to(dt), x2.to(dt)
+    if head < q_heads:
+        q_at = q_ptr + offs_m[:, None] * stride_qm + offs_n[None, :]
+        tl.store(q_at, first, mask=in_rows[:, None])
+        tl.store(q_at + HALF, second, mask=in_rows[:, None])
+    else:
+        slot = tl.load(slot_ptr + rows).to(tl.int64)
+        mask = (in_rows & (slot >= 0))[:, None]
+        block, offset = slot // cache_block, slot % cache_block
+        if head < q_heads + kv_heads:
+            kv_head = head - q_heads
+            cache_ptr, scale_ptr = k_cache_ptr, k_scale_ptr
+            at = block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
+        else:
+            kv_head = head - q_heads - kv_heads
+            cache_ptr, scale_ptr = v_cache_ptr, v_scale_ptr
+            at = block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
+        dst = cache_ptr + at[:, None] + d[None, :]
+        if KV_FP8:
+            scale = tl.load(scale_ptr + kv_head)
+            tl.store(dst, quantize_fp8(first, scale), mask=mask)
+            tl.store(dst + HALF, quantize_fp8(second, scale), mask=mask)
+        else:
+            tl.store(dst, first.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, second.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps,
@@ -265,6 +326,10 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = NORM_BLOCK, MAX_SPLITS: tl.constexpr = 1,
+    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 0, KV_FP8: tl.constexpr = False,
+    pos_ptr=None, cos_sin_ptr=None, slot_ptr=None, k_cache_ptr=None, v_cache_ptr=None,
+    k_scale_ptr=None, v_scale_ptr=None, stride_cs=0, stride_kcb=0, stride_kcs=0, stride_kch=0,
+    stride_vcb=0, stride_vcs=0, stride_vch=0, q_heads=0, kv_heads=0, cache_block=1,
 ):  # fmt: skip
     """Grid (column blocks, K splits). N is the output's columns (GLU: W has 2N rows, the
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
@@ -272,18 +337,31 @@ def _skinny_gemm_kernel(
     block). The grid's split count is a run-time argument up to MAX_SPLITS, the config's.
     NORM: the operand is rms_norm(x (+ residual)) with weight norm_w, x and the residual
     [M, K] contiguous (the rstd pass reads them as one span);
-    program (0, 0) stores x + residual to res_out [M, K]."""
+    program (0, 0) stores x + residual to res_out [M, K].
+    ROTARY: W is a QKV projection of heads of 2 * HALF features (N its rows); a program owns
+    BLOCK_N columns of the first half of a head and the same columns of its second half, and
+    its epilogue is `_store_rotary_kv`'s (the arguments after KV_FP8 are its operands)."""
     BLOCK_M: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROTARY:
+        # Column block pid_n: head pid_n // (HALF / BLOCK_N), its first half's columns.
+        head_cols = (pid_n // (HALF // BLOCK_N)) * (2 * HALF)
+        offs_n = head_cols + (pid_n % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past M and columns past N read a real row or column again (their results are
     # never stored), so no load needs a row or column mask and every tile pipelines alike.
     x_rows = (offs_m % M).to(tl.int64) * stride_xm
     w_rows = (offs_n % N).to(tl.int64) * stride_wn
-    up_rows = w_rows + N.to(tl.int64) * stride_wn
+    # The second weight tile of a pair: the up rows of a GLU, a head's second half (ROTARY).
+    PAIRED: tl.constexpr = GLU or ROTARY
+    if ROTARY:
+        up_rows = w_rows + HALF * stride_wn
+    else:
+        up_rows = w_rows + N.to(tl.int64) * stride_wn
     # Splits of `split_tiles` whole tiles (the last may be shorter): every tile starts at a
     # multiple of BLOCK_K, which the compiler sees, so the loads vectorize and pipeline.
     first_tile = pid_k * split_tiles
@@ -294,7 +372,7 @@ def _skinny_gemm_kernel(
     kk = first_tile * BLOCK_K + offs_k
     w = _load_tile(w_ptr, w_rows, kk, K, EVEN_K)
     w_up = w
-    if GLU:
+    if PAIRED:
         w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
     pdl_wait(USE_PDL)
     res_rows = (offs_m % M).to(tl.int64) * K
@@ -309,7 +387,7 @@ def _skinny_gemm_kernel(
                      norm_w_ptr, rstd)  # fmt: skip
     acc = _tile_product(w, x, IEEE, DOT_FP32)
     acc_up = acc
-    if GLU:
+    if PAIRED:
         acc_up = _tile_product(w_up, x, IEEE, DOT_FP32)
     for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
@@ -317,21 +395,29 @@ def _skinny_gemm_kernel(
         x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr,
                          res_rows, norm_w_ptr, rstd)  # fmt: skip
         acc += _tile_product(w, x, IEEE, DOT_FP32)
-        if GLU:
+        if PAIRED:
             w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
             acc_up += _tile_product(w_up, x, IEEE, DOT_FP32)
     # Stored as [16, BLOCK_N].
     y = tl.trans(acc)
     y_up = tl.trans(acc_up)
     if not SPLIT:
-        _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, GLU)
+        if ROTARY:
+            _store_rotary_kv(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, stride_ym, HAS_BIAS,
+                             HALF, BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr,
+                             v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs, stride_kcb,
+                             stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads,
+                             kv_heads, cache_block)  # fmt: skip
+        else:
+            _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS,
+                          GLU)  # fmt: skip
     else:
         n_splits = tl.num_programs(1)
-        halves: tl.constexpr = 2 if GLU else 1
+        halves: tl.constexpr = 2 if PAIRED else 1
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part + (pid_k * halves) * M * N, y, mask=mask)
-        if GLU:
+        if PAIRED:
             tl.store(part + (pid_k * 2 + 1) * M * N, y_up, mask=mask)
         tl.debug_barrier()
         counter = count_ptr + pid_n
@@ -349,12 +435,20 @@ def _skinny_gemm_kernel(
                 here = mask & (tl.full((BLOCK_M, BLOCK_N), s, tl.int32) < n_splits)
                 total += tl.load(part + (s * halves) * M * N, mask=here, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                if GLU:
+                if PAIRED:
                     total_up += tl.load(part + (s * 2 + 1) * M * N, mask=here, other=0.0,
                                         cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(counter, 0)
-            _store_output(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
-                          HAS_BIAS, GLU)  # fmt: skip
+            if ROTARY:
+                _store_rotary_kv(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, stride_ym,
+                                 HAS_BIAS, HALF, BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr,
+                                 slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                 stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                                 stride_vcs, stride_vch, q_heads, kv_heads,
+                                 cache_block)  # fmt: skip
+            else:
+                _store_output(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+                              HAS_BIAS, GLU)  # fmt: skip
 
 
 def skinny_gemm(
@@ -375,6 +469,71 @@ def skinny_gemm(
     passes its own, so no zeroing kernel runs per call). The config's pipeline runs with
     fewer stages where its tiles would not fit shared memory (`pipeline_stages`)."""
     return _launch(x, weight, bias, config, counters, gated=gated, glu=glu)[0]
+
+
+@dataclass(frozen=True)
+class RotaryKVWrite:
+    """What a QKV product's epilogue needs to rotate q and k and write k and v into the
+    paged cache (`skinny_qkv_rotary_kv`), as `asyncengine_kernels.rotary_and_write_kv` takes
+    them: the rows' positions and slots [M] (-1: no slot), the rotary table [max_pos, D]
+    (cos then sin, over the whole head), the caches [blocks, block_size, Hkv, D] and, for an
+    FP8 cache, the KV heads' scales."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def check(self, weight: torch.Tensor, m: int, block_n: int) -> int:
+        """Refuse what the epilogue cannot do; return the head size."""
+        head_dim = self.k_cache.shape[-1]
+        rows = (self.num_q_heads + 2 * self.num_kv_heads) * head_dim
+        if weight.shape[0] != rows:
+            raise ValueError(f"a QKV weight of {self.num_q_heads} + 2 x {self.num_kv_heads} "
+                             f"heads of {head_dim} has {rows} rows, got {weight.shape[0]}")
+        if self.cos_sin_cache.shape[-1] != head_dim or (head_dim // 2) % block_n:
+            raise ValueError(f"the epilogue rotates whole heads of {head_dim} features in "
+                             f"blocks of {block_n} columns; the rotary table has "
+                             f"{self.cos_sin_cache.shape[-1]}")  # fmt: skip
+        if self.positions.shape[0] < m or self.slot_mapping.shape[0] < m:
+            raise ValueError(f"{m} rows need {m} positions and slots")
+        for t in (self.k_cache, self.v_cache, self.cos_sin_cache):
+            if t.stride(-1) != 1:
+                raise ValueError("the caches and the rotary table need contiguous rows")
+        check_kv_scales(self.k_cache, self.k_scale, self.v_scale)
+        if self.k_cache.dtype != weight.dtype and not is_fp8_kv(self.k_cache):
+            raise ValueError("the K/V cache must have the weight's dtype (or be fp8)")
+        return head_dim
+
+
+def skinny_qkv_rotary_kv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig,
+    counters: torch.Tensor | None,
+    rotary: RotaryKVWrite,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The QKV projection x @ weight^T (+ bias) of M <= 16 rows (with `norm`, (weight,
+    eps): of rms_norm(x + residual), as `rms_norm_skinny_gemm`) whose epilogue does what
+    `rotary_and_write_kv` would do next: k rotated and v written into the caches at the rows'
+    slots, and q rotated. One kernel instead of two, with the same rounding. Returns (the
+    rotated q [M, Hq * D], the new residual x + residual where one was given)."""
+    if norm is not None:
+        check_norm_inputs(x, residual, norm[0])
+        x = x.contiguous()
+        residual = residual.contiguous() if residual is not None else None
+        norm = (norm[0].contiguous(), norm[1])
+    return _launch(x, weight, bias, config, counters, norm=norm, residual=residual,
+                   rotary=rotary)  # fmt: skip
 
 
 def rms_norm_skinny_gemm(
@@ -411,6 +570,7 @@ def _launch(
     glu: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    rotary: RotaryKVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError("skinny_gemm needs a 2-D x and weight")
@@ -431,18 +591,28 @@ def _launch(
         n //= 2
     if bias is not None and bias.shape != ((2 * n,) if glu else (n,)):
         raise ValueError(f"the bias must be [{2 * n if glu else n}], got {list(bias.shape)}")
-    blocks = triton.cdiv(n, config.block_n)
+    rot_args: dict[str, object] = {}
+    if rotary is not None:
+        head_dim = rotary.check(weight, m, config.block_n)
+        # A program per pair of column blocks (a head's first half and its second); the
+        # output is q alone.
+        blocks = n // (2 * config.block_n)
+        y = torch.empty((m, rotary.num_q_heads * head_dim), dtype=x.dtype, device=x.device)
+        rot_args = _rotary_args(rotary, head_dim, y)
+    else:
+        blocks = triton.cdiv(n, config.block_n)
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Splits of whole tiles; the last may be shorter, and fewer splits than asked may run.
     per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, per_split)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    paired = glu or rotary is not None
     if splits > 1:
         if counters is None:
             counters = skinny_counters(n, x.device)
         if counters.numel() < blocks:
             raise ValueError(f"{counters.numel()} split-K counters; {blocks} column blocks "
                              "need one each")  # fmt: skip
-        part = torch.empty((splits * (2 if glu else 1) * m * n,), dtype=torch.float32,
+        part = torch.empty((splits * (2 if paired else 1) * m * n,), dtype=torch.float32,
                            device=x.device)  # fmt: skip
     else:
         counters = part = y
@@ -459,12 +629,27 @@ def _launch(
         DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
         SPLIT=splits > 1, MAX_SPLITS=config.split_k if splits > 1 else 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
-        num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, glu),
+        num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, paired),
         NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         **({"NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(k))} if norm is not None else {}),
-        **pdl_kwargs(pdl),
+        **rot_args, **pdl_kwargs(pdl),
     )  # fmt: skip
     return y, res_out
+
+
+def _rotary_args(rotary: RotaryKVWrite, head_dim: int, q: torch.Tensor) -> dict[str, object]:
+    """The kernel's ROTARY arguments (`_store_rotary_kv`'s operands)."""
+    kc, vc = rotary.k_cache, rotary.v_cache
+    fp8 = is_fp8_kv(kc)
+    return dict(
+        ROTARY=True, HALF=head_dim // 2, KV_FP8=fp8, pos_ptr=rotary.positions,
+        cos_sin_ptr=rotary.cos_sin_cache, slot_ptr=rotary.slot_mapping, k_cache_ptr=kc,
+        v_cache_ptr=vc, k_scale_ptr=rotary.k_scale if fp8 else q,
+        v_scale_ptr=rotary.v_scale if fp8 else q, stride_cs=rotary.cos_sin_cache.stride(0),
+        stride_kcb=kc.stride(0), stride_kcs=kc.stride(1), stride_kch=kc.stride(2),
+        stride_vcb=vc.stride(0), stride_vcs=vc.stride(1), stride_vch=vc.stride(2),
+        q_heads=rotary.num_q_heads, kv_heads=rotary.num_kv_heads, cache_block=kc.shape[1],
+    )  # fmt: skip
 
 
 class SkinnyChoice(NamedTuple):
