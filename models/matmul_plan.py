@@ -49,10 +49,12 @@ from asyncengine_kernels.cpu_linear import pack_weight, packed_linear
 from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
 from asyncengine_kernels.skinny_gemm import (
     SKINNY_MAX_ROWS,
+    RotaryKVWrite,
     SkinnyConfig,
     rms_norm_skinny_gemm,
     skinny_counters,
     skinny_gemm,
+    skinny_qkv_rotary_kv,
 )
 
 __all__ = [
@@ -218,6 +220,18 @@ class TritonSkinnyGemm(MatmulKind):
         return rms_norm_skinny_gemm(x, residual, norm.weight, norm.eps, layer.weight, bias,
                                     self.config, counters, glu=glu)  # fmt: skip
 
+    def apply_rotary_kv(
+        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+        norm: Norm | None, bias: torch.Tensor | None, rotary: RotaryKVWrite,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """A QKV product (of rms_norm(x + residual) with `norm`, formed in the prologue)
+        whose epilogue rotates q and k and writes k and v into the cache
+        (`skinny_qkv_rotary_kv`); returns the rotated q and the new residual."""
+        counters = getattr(layer, "skinny_counters", None)
+        fused = None if norm is None else (norm.weight, norm.eps)
+        return skinny_qkv_rotary_kv(x, layer.weight, bias, self.config, counters, rotary,
+                                    norm=fused, residual=residual)  # fmt: skip
+
     def describe(self) -> str:
         return f"{self.name} {self.config}"
 
@@ -370,6 +384,30 @@ class MatmulPlan:
         else:
             h, residual = norm(x, residual)
         return entry.kind.apply(layer, h, bias, glu=entry.glu), residual
+
+    def apply_normed_rotary_kv(
+        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+        norm: Norm, bias: torch.Tensor | None, rotary: RotaryKVWrite,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """`apply_normed` for a QKV projection whose epilogue also rotates q and k and
+        writes k and v into the paged cache, where the entry for these rows is the few-row
+        matmul (the one kind with that epilogue); returns the rotated q [rows, Hq * D] and
+        the new residual, or None: the caller then runs `apply_normed` and the rotary and
+        cache write as a kernel of their own."""
+        entry = self.entry_for(x.shape[0])
+        kind = entry.kind
+        if not isinstance(kind, TritonSkinnyGemm) or entry.input is not InputTransform.RMS_NORM:
+            return None
+        if rotary.k_cache.shape[-1] % (2 * kind.config.block_n):
+            return None  # a column block must cover part of one half of a head
+        if entry.fuse_input:
+            q, new_residual = kind.apply_rotary_kv(layer, x, residual, norm, bias, rotary)
+            return q, new_residual if new_residual is not None else x
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual)
+        return kind.apply_rotary_kv(layer, h, None, None, bias, rotary)[0], residual
 
     def describe(self) -> str:
         """One line: each entry with the rows it serves."""

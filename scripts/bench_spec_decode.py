@@ -120,11 +120,13 @@ class FixedDrafts:
 
 
 def _engine(args: argparse.Namespace, k: int | None, head_layers: int = 0,
-            **engine_args: Any) -> LLM:  # fmt: skip
+            qkv_epilogue: bool = False, **engine_args: Any) -> LLM:  # fmt: skip
     from asyncengine.model_runner import ModelRunner
 
-    # Small decode graphs split after this many layers (the target's and the draft's; A/B).
+    # Small decode graphs split after this many layers (the target's and the draft's), and
+    # rotary with the K/V write in the QKV matmul's epilogue: A/Bs of settings off by default.
     ModelRunner.graph_head_layers = head_layers
+    ModelRunner.qkv_rotary_epilogue = qkv_epilogue
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
     return LLM(args.model, load_format=args.load_format, device=args.device,
                skip_tokenizer_init=True, speculative_config=spec,
@@ -479,25 +481,27 @@ def run_gpu(args: argparse.Namespace) -> None:
         sync.llm_engine.shutdown()
         del sync
     for head_layers in args.graph_head_layers:
-        _spec_runs(args, head_layers, p1, reference, batches, one_token_ms)
+        for epilogue in args.qkv_rotary_epilogue:
+            _spec_runs(args, head_layers, bool(epilogue), p1, reference, batches, one_token_ms)
 
 
 def _spec_runs(
-    args: argparse.Namespace, head_layers: int, p1: list[list[int]],
+    args: argparse.Namespace, head_layers: int, qkv_epilogue: bool, p1: list[list[int]],
     reference: dict[tuple[int, ...], list[int]],
     batches: dict[int, tuple[list[list[int]], dict[tuple[int, ...], list[int]], float]],
     one_token_ms: float,
 ) -> None:  # fmt: skip
-    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers:
-    verify steps (and, unless --brief, where their time goes), the latency sweep and the
-    batches against `run_gpu`'s references; every record names `graph_head_layers`."""
+    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers and
+    rotary with the K/V write in the QKV matmul's epilogue or not: verify steps (and, unless
+    --brief, where their time goes), the latency sweep and the batches against `run_gpu`'s
+    references; every record names both settings."""
     from models.linear_tuning import describe_matmul_plans
 
     out_len = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm = _engine(args, 8, head_layers)
+    llm = _engine(args, 8, head_layers, qkv_epilogue)
     vocab = llm.llm_engine.model_config.vocab_size
-    split = {"graph_head_layers": head_layers}
+    split = {"graph_head_layers": head_layers, "qkv_rotary_epilogue": qkv_epilogue}
     emit({"bench": "spec_matmul_plans", **split,
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
@@ -645,6 +649,10 @@ def main() -> None:
                      help="one speculating engine per value, its small decode graphs split "
                           "after that many layers (0: whole); the references and the "
                           "one-token step come from one engine split as the first value says")
+    gpu.add_argument("--qkv-rotary-epilogue", type=int, nargs="+", choices=[0, 1], default=[0],
+                     help="per value (0 off, 1 on) and --graph-head-layers value, a speculating "
+                          "engine with rotary and the K/V write in the QKV matmul's epilogue "
+                          "or not (ModelRunner.qkv_rotary_epilogue)")
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")

@@ -139,6 +139,59 @@ def test_gpu_split_graphs_keep_greedy_output(
         llm.shutdown()
 
 
+@pytest.mark.parametrize("fuse_norm", [False, True])
+def test_gpu_qkv_rotary_epilogue_keeps_greedy_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fuse_norm: bool
+) -> None:
+    """The QKV projection's rotary and K/V-write epilogue (`ModelRunner.qkv_rotary_epilogue`)
+    in the steps that would run that as a kernel of its own (prompt chunks of up to 16
+    tokens, verify steps): greedy output equals HF, plain and speculating, with every QKV
+    projection planned on the few-row matmul up to 16 rows and the graphs captured again."""
+    import models.matmul_plan as plan_module
+    from asyncengine_kernels.skinny_gemm import SkinnyConfig
+    from models.layers import QKVParallelLinear
+    from models.matmul_plan import Blas, InputTransform, MatmulPlan, PlanEntry, TritonSkinnyGemm
+    from tests.tiny_models import build_tiny_model_dir
+
+    monkeypatch.setattr(ModelRunner, "qkv_rotary_epilogue", True)
+    calls = []
+    fused = plan_module.skinny_qkv_rotary_kv
+    monkeypatch.setattr(plan_module, "skinny_qkv_rotary_kv",
+                        lambda *a, **kw: calls.append(1) or fused(*a, **kw))  # fmt: skip
+    # Heads of 128 features, as the 64-column blocks need.
+    model_dir = build_tiny_model_dir(tmp_path, "llama3", hidden_size=256,
+                                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    norm = InputTransform.RMS_NORM
+    plan = MatmulPlan((PlanEntry(TritonSkinnyGemm(SkinnyConfig(64, 128, 2, 4, 2)), 16, norm,
+                                 fuse_input=fuse_norm), PlanEntry(Blas(), input=norm)))  # fmt: skip
+    pattern = make_prompts(452, [6], seed=21)[0]
+    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
+    for spec in (None, ngram):
+        llm = LLM(str(model_dir), dtype="float32", device="cuda", max_num_seqs=8,
+                  num_kv_blocks=64, max_num_batched_tokens=16,
+                  speculative_config=spec)  # fmt: skip
+        engine = llm.llm_engine
+        for module in engine.runner.model.modules():
+            if isinstance(module, QKVParallelLinear):
+                module.set_plan(plan)
+        calls.clear()
+        engine.runner.prepare_for_serving(
+            enforce_eager=False, max_num_seqs=8,
+            max_blocks_per_seq=engine.pool.blocks_needed(engine.max_model_len),
+            verify_rows=0 if spec is None else engine.spec_decoder.max_verify_rows,
+        )  # fmt: skip
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ours == want
+        assert calls  # captured (graphs) or run (eager steps) through the epilogue
+        if spec is not None:
+            assert engine.spec_decoder.metrics.num_drafts > 0
+        assert_pool_clean(llm)
+        llm.shutdown()
+
+
 def test_gpu_history_dependent_sampling_overlaps_with_the_same_tokens(
     tiny_llama_dir: Path,
 ) -> None:

@@ -163,10 +163,9 @@ def test_rms_norm_prologue_rejects_mismatched_inputs() -> None:
 
 
 def _qkv_case(m: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, fp8: bool = False,
-              device: str = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
+              device: str = "cpu", k: int = 96) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Rows, a QKV weight, positions, slots (some -1) and the two caches of a KV pool."""
     gen = torch.Generator().manual_seed(m * 100 + hq * 10 + dim)
-    k = 96
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     w = (torch.randn((hq + 2 * hkv) * dim, k, generator=gen) / k**0.5).to(device, dtype)
     block, blocks = 8, m // 8 + 3
@@ -379,6 +378,29 @@ def test_gpu_rms_norm_prologue_matches_norm_kernel_and_blas(n: int) -> None:
         got, res = rms_norm_skinny_gemm(x, residual, nw, 1e-5, w, None, config)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=str(config))
         assert torch.equal(res, want_res)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_qkv_rotary_epilogue_equals_the_two_kernels(fp8: bool) -> None:
+    """The 7B QKV projection at 5 rows (a k = 4 verify step), every config: q and the caches
+    bit for bit as the product followed by `rotary_and_write_kv`."""
+    x, w, positions, slots, kv = _qkv_case(5, 32, 32, 128, torch.bfloat16, fp8=fp8,
+                                           device="cuda", k=4096)  # fmt: skip
+    scales = (torch.full((32,), 0.05, device="cuda"), torch.full((32,), 0.02, device="cuda"))
+    scales = scales if fp8 else (None, None)
+    cos_sin = _cos_sin_cache(128).cuda()
+    counters = skinny_counters(12288, "cuda")
+    for config in SKINNY_CONFIGS:
+        want_kv, got_kv = kv.clone(), kv.clone()
+        want_q = _unfused_qkv(x, w, None, config, RotaryKVWrite(
+            positions, cos_sin, want_kv[0], want_kv[1], slots, 32, 32, *scales))  # fmt: skip
+        got_q, _ = skinny_qkv_rotary_kv(x, w, None, config, counters, RotaryKVWrite(
+            positions, cos_sin, got_kv[0], got_kv[1], slots, 32, 32, *scales))  # fmt: skip
+        assert torch.equal(got_q, want_q), str(config)
+        assert torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8)), str(config)
+    assert not counters.any()
 
 
 @pytest.mark.gpu

@@ -81,14 +81,20 @@ def test_launch_gaps_measure_the_device_waiting_on_graph_launches() -> None:
 
 
 def test_brief_gpu_mode_times_only_the_swept_draft_counts(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`gpu --brief` (an A/B of settings in a short device call) times the one-token step, the
     verify steps of the sweep's draft counts and the sweep: no synchronous engine, profiles
     or host split; one speculating engine per --graph-head-layers value against one set of
     references. Off the GPU it runs on the CPU engine, which it must leave exact."""
+    from asyncengine.model_runner import ModelRunner
+
+    # The bench sets the runner's switches per engine: they go back after the test.
+    for switch in ("graph_head_layers", "qkv_rotary_epilogue"):
+        monkeypatch.setattr(ModelRunner, switch, getattr(ModelRunner, switch))
     bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
-                        graph_head_layers=[0, 1], max_tokens=16, prompt_len=16))  # fmt: skip
+                        graph_head_layers=[0, 1], qkv_rotary_epilogue=[1], max_tokens=16,
+                        prompt_len=16))  # fmt: skip
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
@@ -98,6 +104,7 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
                                             "spec_latency", "spec_throughput"}
     latency = [r for r in records if r["bench"] == "spec_latency"]
     assert [r["graph_head_layers"] for r in latency] == [0, 1]
+    assert all(r["qkv_rotary_epilogue"] is True for r in latency)
     for r in latency:
         assert r["k"] == 4 and r["replay_converged"] and r["verify_steps"] > 0
     load = [r for r in records if r["bench"] == "spec_throughput"]
