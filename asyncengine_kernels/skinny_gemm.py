@@ -22,8 +22,12 @@ The prologue can form the input from a [gate, up] pair (`gated`: silu(gate) * up
 the dtype as `asyncengine_kernels.activation.silu_and_mul` rounds it) and the epilogue can apply
 SiLU-and-mul to a [gate; up] weight's product (`glu`: a program owns the same columns of
 both halves; each half rounded as the unfused output would be), as the one-row GEMV
-(`asyncengine_kernels.gemv`) does. `tune_skinny` times the configs against the BLAS library at a row
-count, for `models.linear_tuning` to plan the winner per row range.
+(`asyncengine_kernels.gemv`) does. A QKV projection's epilogue can also do what
+`asyncengine_kernels.rotary_and_write_kv` would do next (`skinny_qkv_rotary_kv`): a program
+owns the same columns of a head's two halves, as GLU pairs gate and up, rotates q and k and
+stores q, and k and v into the paged cache, rounded as the two kernels round. `tune_skinny`
+times the configs against the BLAS library at a row count, for `models.linear_tuning` to
+plan the winner per row range.
 """
 
 from __future__ import annotations
