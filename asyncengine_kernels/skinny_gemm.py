@@ -22,7 +22,11 @@ The prologue can form the input from a [gate, up] pair (`gated`: silu(gate) * up
 the dtype as `asyncengine_kernels.activation.silu_and_mul` rounds it) and the epilogue can apply
 SiLU-and-mul to a [gate; up] weight's product (`glu`: a program owns the same columns of
 both halves; each half rounded as the unfused output would be), as the one-row GEMV
-(`asyncengine_kernels.gemv`) does. A QKV projection's epilogue can also do what
+(`asyncengine_kernels.gemv`) does. A normed layer's input, rms_norm(x + residual), is formed
+in the K loop (`rms_norm_skinny_gemm`): each tile of x + residual times the norm weight is
+the operand, and since the rows' 1 / rms is a factor of each output row, it scales the sums
+at the end, from the sums of squares gathered on the way, so no program waits for a pass
+over the whole rows before its first product. A QKV projection's epilogue can also do what
 `asyncengine_kernels.rotary_and_write_kv` would do next (`skinny_qkv_rotary_kv`): a program
 owns the same columns of a head's two halves, as GLU pairs gate and up, rotates q and k and
 stores q, and k and v into the paged cache, rounded as the two kernels round. `tune_skinny`
@@ -69,11 +73,6 @@ __all__ = [
 
 # The most rows the kernel takes: one tensor-core tile of rows.
 SKINNY_MAX_ROWS = 16
-# Columns of one row the norm prologue's rstd pass loads at a time. In the sm_90 build
-# (Triton 3.9's ptxas) 2048 takes 124 registers (128 with GLU and 4 splits), 1024 78 (120)
-# and 4096 148 (204), none spilling; 2048 halves 1024's dependent L2 round trips and stays
-# within 128 registers.
-NORM_BLOCK = 2048
 # The narrowest column block of any config (sizes the split-K counters).
 SKINNY_MIN_BLOCK_N = 32
 # Shared memory a program may take on sm_90.
@@ -148,79 +147,37 @@ def _load_tile(ptr, rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK: tl.constexpr):
-    """Offsets and mask of chunk c of the real rows' span: NORM_BLOCK columns of row
-    c // per_row from column (c % per_row) * NORM_BLOCK, none past K or the last chunk."""
-    kk = (c % per_row) * NORM_BLOCK + offs
-    return (c // per_row).to(tl.int64) * K + kk, kk < tl.where(c < n_chunks, K, 0)
-
-
-@triton.jit
-def _norm_chunk(x_ptr, res_ptr, c, per_row, n_chunks, offs, K, NORM_BLOCK: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """Chunk c of x (+ residual) (zeros where masked), rounded to the dtype as
-    `fused_add_rms_norm` rounds the sum."""
-    at, mask = _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK)
-    h = tl.load(x_ptr + at, mask=mask, other=0.0)
+def _load_normed_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, kk, K, M, offs_m, write,
+                      EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The operand of the deferred RMSNorm at x[rows, kk]: h = x (+ residual), rounded to
+    the dtype as `fused_add_rms_norm` rounds the sum (`write`: stored as the new residual),
+    times the norm weight, rounded; and h's sum of squares per row over these columns. The
+    rows' 1 / rms scales the product afterwards (`_finish`)."""
+    dt = x_ptr.dtype.element_ty
+    h = _load_tile(x_ptr, rows, kk, K, EVEN_K)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + at, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return h
+        res = _load_tile(res_ptr, rows, kk, K, EVEN_K)
+        h = (h.to(tl.float32) + res.to(tl.float32)).to(dt)
+        # The rows as a tile test (the interpreter refuses a scalar in a mask).
+        keep = (offs_m < tl.where(write, M, 0))[:, None] & (kk < K)[None, :]
+        tl.store(res_out_ptr + rows[:, None] + kk[None, :], h, mask=keep)
+    if EVEN_K:
+        nw = tl.load(norm_w_ptr + kk)
+    else:
+        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0)
+    hf = h.to(tl.float32)
+    return (hf * nw.to(tl.float32)[None, :]).to(dt), tl.sum(hf * hf, axis=1)
 
 
 @triton.jit
-def _norm_rstd(x_ptr, res_ptr, res_out_ptr, M, K, eps, write, HAS_RESIDUAL: tl.constexpr,
-               NORM_BLOCK: tl.constexpr):  # fmt: skip
-    """RMSNorm's 1 / rms [16] of each real row of x (+ residual), both [M, K] contiguous,
-    over the whole row whatever this program's K split (padding rows get 0, so their wrapped
-    inputs norm to zeros, not to overflows); `write`: this program also stores x + residual
-    (the new residual). The pass runs before the first dot, so its latency is the
-    program's: it walks only the real rows, as one span in chunks of NORM_BLOCK columns of
-    one row, the next chunk requested before the current one is reduced (loads that feed no
-    dot are not pipelined by the compiler). At 5 rows of 4096 that is 10 dependent L2 round
-    trips, where tiles of all 16 padded rows by 128 columns took 32 whatever the rows."""
-    offs = tl.arange(0, NORM_BLOCK)
-    offs_m = tl.arange(0, 16)
-    per_row = tl.cdiv(K, NORM_BLOCK)
-    n_chunks = M * per_row
-    sumsq = tl.zeros([16], dtype=tl.float32)
-    h_next = _norm_chunk(x_ptr, res_ptr, 0, per_row, n_chunks, offs, K, NORM_BLOCK,
-                         HAS_RESIDUAL)  # fmt: skip
-    for c in range(0, n_chunks):
-        h = h_next
-        h_next = _norm_chunk(x_ptr, res_ptr, c + 1, per_row, n_chunks, offs, K, NORM_BLOCK,
-                             HAS_RESIDUAL)  # fmt: skip
-        if HAS_RESIDUAL and write:
-            at, mask = _chunk_at(c, per_row, n_chunks, offs, K, NORM_BLOCK)
-            tl.store(res_out_ptr + at, h, mask=mask)
-        hf = h.to(tl.float32)
-        sumsq = tl.where(offs_m == c // per_row, sumsq + tl.sum(hf * hf, axis=0), sumsq)
-    return tl.where(offs_m < M, tl.rsqrt(sumsq / K + eps), 0.0)
-
-
-@triton.jit
-def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                 NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, res_ptr=None,
-                 res_rows=None, norm_w_ptr=None, rstd=None):  # fmt: skip
+def _load_x_tile(x_ptr, rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
     """x[rows, kk] as the product's operand; GATED: silu(gate) * up of the [gate, up] row,
-    rounded to the dtype first, as `silu_and_mul` rounds it; NORM: rms_norm(x (+ residual))
-    with the rows' `rstd`, rounded at each step as `fused_add_rms_norm` rounds."""
+    rounded to the dtype first, as `silu_and_mul` rounds it."""
     ptrs = x_ptr + rows[:, None] + kk[None, :]
     if EVEN_K:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=(kk < K)[None, :], other=0.0)
-    if NORM:
-        dt = x_ptr.dtype.element_ty
-        if HAS_RESIDUAL:
-            res = _load_tile(res_ptr, res_rows, kk, K, EVEN_K)
-            x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-        if EVEN_K:
-            nw = tl.load(norm_w_ptr + kk)
-        else:
-            nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0)
-        x = (normed * nw.to(tl.float32)[None, :]).to(dt)
     if GATED:
         if EVEN_K:
             up = tl.load(ptrs + K)
@@ -321,6 +278,30 @@ def _store_rotary_kv(
             tl.store(dst + HALF, second.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _finish(
+    y, y_up, sumsq, b_ptr, y_ptr, offs_m, offs_n, M, N, K, eps, stride_ym,
+    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, ROTARY: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, pos_ptr, cos_sin_ptr,
+    slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs, stride_kcb,
+    stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads, kv_heads, cache_block,
+):  # fmt: skip
+    """A column block's whole sums [16, BLOCK_N] (and its pair's): scaled by the rows'
+    1 / rms from their sums of squares over K (NORM), then stored through the epilogue."""
+    if NORM:
+        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+        y = y * rstd
+        y_up = y_up * rstd
+    if ROTARY:
+        _store_rotary_kv(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, stride_ym, HAS_BIAS, HALF,
+                         BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr,
+                         v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs, stride_kcb,
+                         stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads,
+                         kv_heads, cache_block)  # fmt: skip
+    else:
+        _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS, GLU)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, res_ptr, norm_w_ptr, res_out_ptr, eps,
@@ -329,8 +310,8 @@ def _skinny_gemm_kernel(
     IEEE: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
     NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = NORM_BLOCK, MAX_SPLITS: tl.constexpr = 1,
-    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 0, KV_FP8: tl.constexpr = False,
+    MAX_SPLITS: tl.constexpr = 1, ROTARY: tl.constexpr = False, HALF: tl.constexpr = 0,
+    KV_FP8: tl.constexpr = False,
     pos_ptr=None, cos_sin_ptr=None, slot_ptr=None, k_cache_ptr=None, v_cache_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, stride_cs=0, stride_kcb=0, stride_kcs=0, stride_kch=0,
     stride_vcb=0, stride_vcs=0, stride_vch=0, q_heads=0, kv_heads=0, cache_block=1,
@@ -339,9 +320,13 @@ def _skinny_gemm_kernel(
     gate's then the up's). SPLIT (more than one K split): the grid's splits add up through
     part_ptr [splits, (GLU: 2,) M, N] float32 and count_ptr (one zeroed counter per column
     block). The grid's split count is a run-time argument up to MAX_SPLITS, the config's.
-    NORM: the operand is rms_norm(x (+ residual)) with weight norm_w, x and the residual
-    [M, K] contiguous (the rstd pass reads them as one span);
-    program (0, 0) stores x + residual to res_out [M, K].
+    NORM: the product is of rms_norm(x (+ residual)) with weight norm_w, x and the residual
+    [M, K] contiguous: the rows' 1 / rms is a factor of each output row, so it scales the
+    sums at the end (`_finish`), from the sums of squares each program gathers over its K
+    range as it forms the operand (`_load_normed_tile`; with K splits they add up as the
+    partial sums do). The programs of column block 0 store x + residual to res_out [M, K].
+    A norm pass before the first dot (every program reading the whole rows) lost to the
+    norm kernel at 5 rows on the H200 (2026-12-06).
     ROTARY: W is a QKV projection of heads of 2 * HALF features (N its rows); a program owns
     BLOCK_N columns of the first half of a head and the same columns of its second half, and
     its epilogue is `_store_rotary_kv`'s (the arguments after KV_FP8 are its operands)."""
@@ -379,16 +364,13 @@ def _skinny_gemm_kernel(
     if PAIRED:
         w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
     pdl_wait(USE_PDL)
-    res_rows = (offs_m % M).to(tl.int64) * K
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    write = pid_n == 0  # NORM with a residual: this K range's new residual
     if NORM:
-        # Every program needs the whole rows' rstd (read from L2), whatever its K split:
-        # cheaper than a norm kernel's launch and round trip at a few rows.
-        write = (pid_n == 0) & (pid_k == 0)
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, M, K, eps, write, HAS_RESIDUAL,
-                          NORM_BLOCK)  # fmt: skip
-    x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr, res_rows,
-                     norm_w_ptr, rstd)  # fmt: skip
+        x, sumsq = _load_normed_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, x_rows, kk, K, M,
+                                     offs_m, write, EVEN_K, HAS_RESIDUAL)  # fmt: skip
+    else:
+        x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = _tile_product(w, x, IEEE, DOT_FP32)
     acc_up = acc
     if PAIRED:
@@ -396,8 +378,12 @@ def _skinny_gemm_kernel(
     for t in range(1, tiles):
         kk = (first_tile + t) * BLOCK_K + offs_k
         w = _load_tile(w_ptr, w_rows, kk, K, EVEN_K)
-        x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED, NORM, HAS_RESIDUAL, res_ptr,
-                         res_rows, norm_w_ptr, rstd)  # fmt: skip
+        if NORM:
+            x, squares = _load_normed_tile(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, x_rows, kk,
+                                           K, M, offs_m, write, EVEN_K, HAS_RESIDUAL)  # fmt: skip
+            sumsq += squares
+        else:
+            x = _load_x_tile(x_ptr, x_rows, kk, K, EVEN_K, GATED)
         acc += _tile_product(w, x, IEEE, DOT_FP32)
         if PAIRED:
             w_up = _load_tile(w_ptr, up_rows, kk, K, EVEN_K)
@@ -406,15 +392,11 @@ def _skinny_gemm_kernel(
     y = tl.trans(acc)
     y_up = tl.trans(acc_up)
     if not SPLIT:
-        if ROTARY:
-            _store_rotary_kv(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, stride_ym, HAS_BIAS,
-                             HALF, BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr,
-                             v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs, stride_kcb,
-                             stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads,
-                             kv_heads, cache_block)  # fmt: skip
-        else:
-            _store_output(y, y_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS,
-                          GLU)  # fmt: skip
+        _finish(y, y_up, sumsq, b_ptr, y_ptr, offs_m, offs_n, M, N, K, eps, stride_ym,
+                HAS_BIAS, GLU, NORM, ROTARY, HALF, BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr,
+                slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_cs,
+                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, q_heads,
+                kv_heads, cache_block)  # fmt: skip
     else:
         n_splits = tl.num_programs(1)
         halves: tl.constexpr = 2 if PAIRED else 1
@@ -423,6 +405,10 @@ def _skinny_gemm_kernel(
         tl.store(part + (pid_k * halves) * M * N, y, mask=mask)
         if PAIRED:
             tl.store(part + (pid_k * 2 + 1) * M * N, y_up, mask=mask)
+        # NORM: this split's sums of squares, [column blocks, splits, 16] after the sums.
+        squares_at = part_ptr + n_splits * halves * M * N + pid_n * n_splits * BLOCK_M + offs_m
+        if NORM:
+            tl.store(squares_at + pid_k * BLOCK_M, sumsq)
         tl.debug_barrier()
         counter = count_ptr + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
@@ -434,6 +420,7 @@ def _skinny_gemm_kernel(
             # count waited an L2 round trip per split.
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             total_up = total
+            total_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
             for s in tl.static_range(MAX_SPLITS):
                 # The split test as a tile: the interpreter refuses a scalar in a mask.
                 here = mask & (tl.full((BLOCK_M, BLOCK_N), s, tl.int32) < n_splits)
@@ -442,17 +429,16 @@ def _skinny_gemm_kernel(
                 if PAIRED:
                     total_up += tl.load(part + (s * 2 + 1) * M * N, mask=here, other=0.0,
                                         cache_modifier=".cg")  # fmt: skip
+                if NORM:
+                    in_grid = tl.full([BLOCK_M], s, tl.int32) < n_splits
+                    total_squares += tl.load(squares_at + s * BLOCK_M, mask=in_grid, other=0.0,
+                                             cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(counter, 0)
-            if ROTARY:
-                _store_rotary_kv(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, stride_ym,
-                                 HAS_BIAS, HALF, BLOCK_N, KV_FP8, pos_ptr, cos_sin_ptr,
-                                 slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                 stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb,
-                                 stride_vcs, stride_vch, q_heads, kv_heads,
-                                 cache_block)  # fmt: skip
-            else:
-                _store_output(total, total_up, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
-                              HAS_BIAS, GLU)  # fmt: skip
+            _finish(total, total_up, total_squares, b_ptr, y_ptr, offs_m, offs_n, M, N, K, eps,
+                    stride_ym, HAS_BIAS, GLU, NORM, ROTARY, HALF, BLOCK_N, KV_FP8, pos_ptr,
+                    cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                    stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+                    stride_vch, q_heads, kv_heads, cache_block)  # fmt: skip
 
 
 def skinny_gemm(
@@ -552,8 +538,10 @@ def rms_norm_skinny_gemm(
     *,
     glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x + residual) @ weight^T (+ bias) for M <= 16 rows in one kernel, rounded as
-    `fused_add_rms_norm` followed by `skinny_gemm` rounds (glu as there). Returns (y, the new
+    """rms_norm(x + residual) @ weight^T (+ bias) for M <= 16 rows in one kernel (glu as
+    `skinny_gemm`'s): the new residual is `fused_add_rms_norm`'s bit for bit; the product
+    takes the rows' 1 / rms after the sums rather than before them, so it may differ from
+    the norm kernel followed by `skinny_gemm` in the last bits. Returns (y, the new
     residual x + residual, or x itself without a residual)."""
     check_norm_inputs(x, residual, norm_weight)
     x = x.contiguous()
@@ -616,8 +604,10 @@ def _launch(
         if counters.numel() < blocks:
             raise ValueError(f"{counters.numel()} split-K counters; {blocks} column blocks "
                              "need one each")  # fmt: skip
-        part = torch.empty((splits * (2 if paired else 1) * m * n,), dtype=torch.float32,
-                           device=x.device)  # fmt: skip
+        # The splits' partial sums, then (NORM) their rows' sums of squares per column block.
+        squares = blocks * splits * 16 if norm is not None else 0
+        part = torch.empty((splits * (2 if paired else 1) * m * n + squares,),
+                           dtype=torch.float32, device=x.device)  # fmt: skip
     else:
         counters = part = y
     res_out = torch.empty_like(x) if residual is not None else None
@@ -634,9 +624,7 @@ def _launch(
         SPLIT=splits > 1, MAX_SPLITS=config.split_k if splits > 1 else 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl, num_warps=config.num_warps,
         num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, paired),
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        **({"NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(k))} if norm is not None else {}),
-        **rot_args, **pdl_kwargs(pdl),
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, **rot_args, **pdl_kwargs(pdl),
     )  # fmt: skip
     return y, res_out
 
