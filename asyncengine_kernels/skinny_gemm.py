@@ -517,11 +517,6 @@ def skinny_qkv_rotary_kv(
     `rotary_and_write_kv` would do next: k rotated and v written into the caches at the rows'
     slots, and q rotated. One kernel instead of two, with the same rounding. Returns (the
     rotated q [M, Hq * D], the new residual x + residual where one was given)."""
-    if norm is not None:
-        check_norm_inputs(x, residual, norm[0])
-        x = x.contiguous()
-        residual = residual.contiguous() if residual is not None else None
-        norm = (norm[0].contiguous(), norm[1])
     return _launch(x, weight, bias, config, counters, norm=norm, residual=residual,
                    rotary=rotary)  # fmt: skip
 
@@ -543,11 +538,8 @@ def rms_norm_skinny_gemm(
     takes the rows' 1 / rms after the sums rather than before them, so it may differ from
     the norm kernel followed by `skinny_gemm` in the last bits. Returns (y, the new
     residual x + residual, or x itself without a residual)."""
-    check_norm_inputs(x, residual, norm_weight)
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    y, res_out = _launch(x, weight, bias, config, counters, glu=glu,
-                         norm=(norm_weight.contiguous(), eps), residual=residual)  # fmt: skip
+    y, res_out = _launch(x, weight, bias, config, counters, glu=glu, norm=(norm_weight, eps),
+                         residual=residual)  # fmt: skip
     return y, res_out if res_out is not None else x
 
 
@@ -564,6 +556,11 @@ def _launch(
     residual: torch.Tensor | None = None,
     rotary: RotaryKVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if norm is not None:  # the kernel reads x and the residual as [M, K] contiguous rows
+        check_norm_inputs(x, residual, norm[0])
+        x = x.contiguous()
+        residual = residual.contiguous() if residual is not None else None
+        norm = (norm[0].contiguous(), norm[1])
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError("skinny_gemm needs a 2-D x and weight")
     m = x.shape[0]

@@ -4,7 +4,9 @@ samples (n > 1) share their prompt's blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +110,34 @@ def test_gpu_parallel_samples_share_the_prompt(
     assert all(len({tuple(s) for s in samples}) > 1 for samples in runs[0])
 
 
+def _greedy_plain_and_speculating(
+    model_dir: Path, check: Callable[[LLM], None],
+    prepare: Callable[[LLM], None] | None = None, **engine_args: Any,
+) -> None:  # fmt: skip
+    """Greedy output equals HF for prompts of which one repeats a pattern, without
+    speculation and with n-gram drafts (verify steps run); `prepare` changes each engine
+    before it serves, `check` looks at it after."""
+    pattern = make_prompts(452, [6], seed=21)[0]
+    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    # Three requests share the default five draft tokens a step, which leaves none each: the
+    # cap is raised so that the verify steps run.
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
+    for spec in (None, ngram):
+        llm = LLM(str(model_dir), dtype="float32", device="cuda", max_num_seqs=8,
+                  num_kv_blocks=64, speculative_config=spec, **engine_args)  # fmt: skip
+        if prepare is not None:
+            prepare(llm)
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ours == want
+        check(llm)
+        if spec is not None:
+            assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
+        assert_pool_clean(llm)
+        llm.shutdown()
+
+
 def test_gpu_split_graphs_keep_greedy_output(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -117,26 +147,14 @@ def test_gpu_split_graphs_keep_greedy_output(
     from asyncengine.cuda_graphs import SplitGraph
 
     monkeypatch.setattr(ModelRunner, "graph_head_layers", 1)
-    pattern = make_prompts(452, [6], seed=21)[0]
-    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
-    # Three requests share the default five draft tokens a step, which leaves none each: the
-    # cap is raised so that the verify steps run.
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
-    for spec in (None, ngram):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", device="cuda", max_num_seqs=8,
-                  num_kv_blocks=64, speculative_config=spec)  # fmt: skip
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert ours == want
+
+    def check(llm: LLM) -> None:
         graphs = llm.llm_engine.runner.graphs
         assert graphs is not None and graphs.replays > 0
         split = [size for (size, _), g in graphs.graphs.items() if isinstance(g, SplitGraph)]
         assert split and max(split) <= 16
-        if spec is not None:
-            assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
-        assert_pool_clean(llm)
-        llm.shutdown()
+
+    _greedy_plain_and_speculating(tiny_llama_dir, check)
 
 
 @pytest.mark.parametrize("fuse_norm", [False, True])
@@ -164,32 +182,24 @@ def test_gpu_qkv_rotary_epilogue_keeps_greedy_output(
     norm = InputTransform.RMS_NORM
     plan = MatmulPlan((PlanEntry(TritonSkinnyGemm(SkinnyConfig(64, 128, 2, 4, 2)), 16, norm,
                                  fuse_input=fuse_norm), PlanEntry(Blas(), input=norm)))  # fmt: skip
-    pattern = make_prompts(452, [6], seed=21)[0]
-    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
-    for spec in (None, ngram):
-        llm = LLM(str(model_dir), dtype="float32", device="cuda", max_num_seqs=8,
-                  num_kv_blocks=64, max_num_batched_tokens=16,
-                  speculative_config=spec)  # fmt: skip
+
+    def prepare(llm: LLM) -> None:  # every QKV projection on the few-row matmul, recaptured
         engine = llm.llm_engine
         for module in engine.runner.model.modules():
             if isinstance(module, QKVParallelLinear):
                 module.set_plan(plan)
         calls.clear()
+        spec = engine.spec_decoder
         engine.runner.prepare_for_serving(
             enforce_eager=False, max_num_seqs=8,
             max_blocks_per_seq=engine.pool.blocks_needed(engine.max_model_len),
-            verify_rows=0 if spec is None else engine.spec_decoder.max_verify_rows,
+            verify_rows=0 if spec is None else spec.max_verify_rows,
         )  # fmt: skip
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert ours == want
-        assert calls  # captured (graphs) or run (eager steps) through the epilogue
-        if spec is not None:
-            assert engine.spec_decoder.metrics.num_drafts > 0
-        assert_pool_clean(llm)
-        llm.shutdown()
+
+    def check(llm: LLM) -> None:  # captured (graphs) or run (eager steps) through it
+        assert calls
+
+    _greedy_plain_and_speculating(model_dir, check, prepare, max_num_batched_tokens=16)
 
 
 def test_gpu_history_dependent_sampling_overlaps_with_the_same_tokens(
