@@ -379,10 +379,7 @@ class MatmulPlan:
             raise ValueError(f"this plan expects a {entry.input.value} input, not a normed one")
         if entry.fuse_input:
             return entry.kind.apply_normed(layer, x, residual, norm, bias, glu=entry.glu)
-        if residual is None:
-            h, residual = norm(x), x
-        else:
-            h, residual = norm(x, residual)
+        h, residual = _norm_kernel(norm, x, residual)
         return entry.kind.apply(layer, h, bias, glu=entry.glu), residual
 
     def apply_normed_rotary_kv(
@@ -403,10 +400,7 @@ class MatmulPlan:
         if entry.fuse_input:
             q, new_residual = kind.apply_rotary_kv(layer, x, residual, norm, bias, rotary)
             return q, new_residual if new_residual is not None else x
-        if residual is None:
-            h, residual = norm(x), x
-        else:
-            h, residual = norm(x, residual)
+        h, residual = _norm_kernel(norm, x, residual)
         return kind.apply_rotary_kv(layer, h, None, None, bias, rotary)[0], residual
 
     def describe(self) -> str:
@@ -419,6 +413,15 @@ class MatmulPlan:
             parts.append(f"{rows}: {e.describe()}")
             low = (e.max_rows or 0) + 1
         return "; ".join(parts)
+
+
+def _norm_kernel(
+    norm: Norm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x + residual) as a kernel of its own, and the new residual (x without one)."""
+    if residual is None:
+        return norm(x), x  # type: ignore[return-value]
+    return norm(x, residual)  # type: ignore[return-value]
 
 
 class PlannedMatmul:
