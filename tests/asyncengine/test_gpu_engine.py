@@ -4,17 +4,21 @@ samples (n > 1) share their prompt's blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.model_runner import ModelRunner
-from tests.asyncengine.engine_helpers import assert_pool_clean, hf_greedy
+from tests.asyncengine.engine_helpers import (
+    assert_pool_clean,
+    greedy_plain_and_speculating,
+    hf_greedy,
+    plan_qkv_on_few_row_matmul,
+)
 from tests.asyncengine.test_llm_engine import MAX_TOKENS, make_prompts
+from tests.tiny_models import build_tiny_model_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,34 +114,6 @@ def test_gpu_parallel_samples_share_the_prompt(
     assert all(len({tuple(s) for s in samples}) > 1 for samples in runs[0])
 
 
-def _greedy_plain_and_speculating(
-    model_dir: Path, check: Callable[[LLM], None],
-    prepare: Callable[[LLM], None] | None = None, **engine_args: Any,
-) -> None:  # fmt: skip
-    """Greedy output equals HF for prompts of which one repeats a pattern, without
-    speculation and with n-gram drafts (verify steps run); `prepare` changes each engine
-    before it serves, `check` looks at it after."""
-    pattern = make_prompts(452, [6], seed=21)[0]
-    prompts = [*make_prompts(452, [9, 33], seed=4), pattern * 5]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    # Three requests share the default five draft tokens a step, which leaves none each: the
-    # cap is raised so that the verify steps run.
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "max_draft_tokens_per_step": 64}
-    for spec in (None, ngram):
-        llm = LLM(str(model_dir), dtype="float32", device="cuda", max_num_seqs=8,
-                  num_kv_blocks=64, speculative_config=spec, **engine_args)  # fmt: skip
-        if prepare is not None:
-            prepare(llm)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert ours == want
-        check(llm)
-        if spec is not None:
-            assert llm.llm_engine.spec_decoder.metrics.num_drafts > 0
-        assert_pool_clean(llm)
-        llm.shutdown()
-
-
 def test_gpu_split_graphs_keep_greedy_output(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -154,7 +130,7 @@ def test_gpu_split_graphs_keep_greedy_output(
         split = [size for (size, _), g in graphs.graphs.items() if isinstance(g, SplitGraph)]
         assert split and max(split) <= 16
 
-    _greedy_plain_and_speculating(tiny_llama_dir, check)
+    greedy_plain_and_speculating(tiny_llama_dir, check, max_tokens=MAX_TOKENS)
 
 
 @pytest.mark.parametrize("fuse_norm", [False, True])
@@ -164,12 +140,9 @@ def test_gpu_qkv_rotary_epilogue_keeps_greedy_output(
     """The QKV projection's rotary and K/V-write epilogue (`ModelRunner.qkv_rotary_epilogue`)
     in the steps that would run that as a kernel of its own (prompt chunks of up to 16
     tokens, verify steps): greedy output equals HF, plain and speculating, with every QKV
-    projection planned on the few-row matmul up to 16 rows and the graphs captured again."""
+    projection planned on the few-row matmul up to 16 rows and the graphs captured again.
+    (The same on the CPU through the interpreter: test_model_runner.)"""
     import models.matmul_plan as plan_module
-    from asyncengine_kernels.skinny_gemm import SkinnyConfig
-    from models.layers import QKVParallelLinear
-    from models.matmul_plan import Blas, InputTransform, MatmulPlan, PlanEntry, TritonSkinnyGemm
-    from tests.tiny_models import build_tiny_model_dir
 
     monkeypatch.setattr(ModelRunner, "qkv_rotary_epilogue", True)
     calls = []
@@ -179,27 +152,16 @@ def test_gpu_qkv_rotary_epilogue_keeps_greedy_output(
     # Heads of 128 features, as the 64-column blocks need.
     model_dir = build_tiny_model_dir(tmp_path, "llama3", hidden_size=256,
                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    norm = InputTransform.RMS_NORM
-    plan = MatmulPlan((PlanEntry(TritonSkinnyGemm(SkinnyConfig(64, 128, 2, 4, 2)), 16, norm,
-                                 fuse_input=fuse_norm), PlanEntry(Blas(), input=norm)))  # fmt: skip
 
-    def prepare(llm: LLM) -> None:  # every QKV projection on the few-row matmul, recaptured
-        engine = llm.llm_engine
-        for module in engine.runner.model.modules():
-            if isinstance(module, QKVParallelLinear):
-                module.set_plan(plan)
+    def prepare(llm: LLM) -> None:
         calls.clear()
-        spec = engine.spec_decoder
-        engine.runner.prepare_for_serving(
-            enforce_eager=False, max_num_seqs=8,
-            max_blocks_per_seq=engine.pool.blocks_needed(engine.max_model_len),
-            verify_rows=0 if spec is None else spec.max_verify_rows,
-        )  # fmt: skip
+        plan_qkv_on_few_row_matmul(llm, fuse_norm)
 
     def check(llm: LLM) -> None:  # captured (graphs) or run (eager steps) through it
         assert calls
 
-    _greedy_plain_and_speculating(model_dir, check, prepare, max_num_batched_tokens=16)
+    greedy_plain_and_speculating(model_dir, check, prepare, max_tokens=MAX_TOKENS,
+                                 max_num_batched_tokens=16)  # fmt: skip
 
 
 def test_gpu_history_dependent_sampling_overlaps_with_the_same_tokens(
