@@ -485,6 +485,18 @@ def run_gpu(args: argparse.Namespace) -> None:
             _spec_runs(args, head_layers, bool(epilogue), p1, reference, batches, one_token_ms)
 
 
+def _qkv_few_row_layers(llm: LLM, rows: int) -> int:
+    """How many QKV projections run the few-row matmul at `rows` rows: the layers whose
+    verify steps take the rotary and K/V-write epilogue when it is on (an A/B of it means
+    nothing where this is 0)."""
+    from models.layers import QKVParallelLinear
+    from models.matmul_plan import TritonSkinnyGemm
+
+    return sum(isinstance(m.plan.entry_for(rows).kind, TritonSkinnyGemm)
+               for m in llm.llm_engine.runner.model.modules()
+               if isinstance(m, QKVParallelLinear))  # fmt: skip
+
+
 def _spec_runs(
     args: argparse.Namespace, head_layers: int, qkv_epilogue: bool, p1: list[list[int]],
     reference: dict[tuple[int, ...], list[int]],
@@ -515,6 +527,7 @@ def _spec_runs(
         secs, _ = _timed(llm, p1, params)
         steps = llm.llm_engine.step_timing["steps"] - before["steps"]
         emit({"bench": "spec_verify_step", "k": k, **split,
+              "qkv_few_row_layers": _qkv_few_row_layers(llm, k + 1),
               "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip

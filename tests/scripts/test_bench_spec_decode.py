@@ -99,6 +99,8 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
     assert [(r["k"], r["graph_head_layers"]) for r in steps] == [(0, 0), (4, 0), (4, 1)]
+    # The CPU plans hold no few-row matmul: no layer would take the QKV epilogue.
+    assert [r.get("qkv_few_row_layers") for r in steps] == [None, 0, 0]
     assert not any(r.get("sync") for r in steps)
     assert {r["bench"] for r in records} == {"spec_verify_step", "spec_matmul_plans",
                                             "spec_latency", "spec_throughput"}
