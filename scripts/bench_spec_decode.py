@@ -11,6 +11,12 @@ verify step's mechanics on the 7B shape (GPU).
     # throughput with and without speculation as the batch grows (W1-like decode)
     python -m scripts.bench_spec_decode gpu --shape llama2-7b
 
+    # GPU, an A/B of settings in one process: one reference engine, then a speculating
+    # engine per pair of values (small graphs split after 0 or 2 layers; rotary and the
+    # K/V write in the QKV matmul's epilogue or not), timing the swept k's only
+    python -m scripts.bench_spec_decode gpu --brief --graph-head-layers 0 2 \
+        --qkv-rotary-epilogue 0 1
+
     # GPU, the draft model's cost: a Llama-160M-shape draft (dummy weights, Llama-2's
     # vocabulary) for the 7B shape, milliseconds per proposal of k drafts with the draft's
     # CUDA graphs and without (enforce_eager), at batch 1 and 8
@@ -438,9 +444,10 @@ def _k_acceptance(text: str) -> tuple[int, float]:
 
 def run_gpu(args: argparse.Namespace) -> None:
     """The one-token step and the references without speculation (one engine, graphs split
-    as the first --graph-head-layers value says), then per --graph-head-layers value a
-    speculating engine's verify steps, latency sweep and batches (`_spec_runs`): an A/B of
-    split graphs needs one reference engine and one process."""
+    as the first --graph-head-layers value says), then per pair of --graph-head-layers and
+    --qkv-rotary-epilogue values a speculating engine's verify steps, latency sweep and
+    batches (`_spec_runs`): an A/B of those settings needs one reference engine and one
+    process."""
     _default_model(args)
     prompt_len, out_len = args.prompt_len, args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
