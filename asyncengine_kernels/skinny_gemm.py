@@ -479,6 +479,11 @@ class RotaryKVWrite:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    def tiles(self, block_n: int) -> bool:
+        """Whether column blocks of `block_n` tile half a head (each program's pair of
+        blocks lies in one head)."""
+        return (self.k_cache.shape[-1] // 2) % block_n == 0
+
     def check(self, weight: torch.Tensor, m: int, block_n: int) -> int:
         """Refuse what the epilogue cannot do; return the head size."""
         head_dim = self.k_cache.shape[-1]
@@ -486,7 +491,7 @@ class RotaryKVWrite:
         if weight.shape[0] != rows:
             raise ValueError(f"a QKV weight of {self.num_q_heads} + 2 x {self.num_kv_heads} "
                              f"heads of {head_dim} has {rows} rows, got {weight.shape[0]}")
-        if self.cos_sin_cache.shape[-1] != head_dim or (head_dim // 2) % block_n:
+        if self.cos_sin_cache.shape[-1] != head_dim or not self.tiles(block_n):
             raise ValueError(f"the epilogue rotates whole heads of {head_dim} features in "
                              f"blocks of {block_n} columns; the rotary table has "
                              f"{self.cos_sin_cache.shape[-1]}")  # fmt: skip
@@ -516,7 +521,7 @@ def skinny_qkv_rotary_kv(
     eps): of rms_norm(x + residual), as `rms_norm_skinny_gemm`) whose epilogue does what
     `rotary_and_write_kv` would do next: k rotated and v written into the caches at the rows'
     slots, and q rotated. One kernel instead of two, with the same rounding. Returns (the
-    rotated q [M, Hq * D], the new residual x + residual where one was given)."""
+    rotated q [M, Hq * D], with `norm` the new residual: x + residual, or x without one)."""
     return _launch(x, weight, bias, config, counters, norm=norm, residual=residual,
                    rotary=rotary)  # fmt: skip
 
@@ -540,7 +545,8 @@ def rms_norm_skinny_gemm(
     residual x + residual, or x itself without a residual)."""
     y, res_out = _launch(x, weight, bias, config, counters, glu=glu, norm=(norm_weight, eps),
                          residual=residual)  # fmt: skip
-    return y, res_out if res_out is not None else x
+    assert res_out is not None  # a normed launch always gives the new residual
+    return y, res_out
 
 
 def _launch(
@@ -623,6 +629,8 @@ def _launch(
         num_stages=pipeline_stages(config, x.element_size(), gated or norm is not None, paired),
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, **rot_args, **pdl_kwargs(pdl),
     )  # fmt: skip
+    if norm is not None and res_out is None:
+        res_out = x  # without a residual the new residual is x itself
     return y, res_out
 
 

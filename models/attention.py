@@ -54,6 +54,12 @@ def kv_scale_target(hf_name: str) -> tuple[str, str] | None:
     return None if which is None else (head + ".self_attn", which)
 
 
+def _step() -> tuple[AttentionMetadata, DecodePlan | None]:
+    """The step's metadata and its decode plan (None for a step with prefill)."""
+    meta = get_attention_metadata()
+    return meta, meta.decode_plan if meta.decode_only else None
+
+
 class Attention(nn.Module):
     """Attention over the paged KV cache bound by the model runner (`k_cache`, `v_cache`)."""
 
@@ -122,8 +128,7 @@ class Attention(nn.Module):
         None otherwise."""
         if not self.rotary_kv_in_qkv or self.k_cache is None or self.v_cache is None:
             return None
-        meta = get_attention_metadata()
-        plan = meta.decode_plan if meta.decode_only else None
+        meta, plan = _step()
         if (cos_sin_cache.shape[-1] != self.head_dim or (plan is not None and plan.fuse_rotary)
                 or self._cpu_path(positions.device, positions, cos_sin_cache, plan)):  # fmt: skip
             return None
@@ -135,8 +140,7 @@ class Attention(nn.Module):
     def attend_written(self, q: torch.Tensor) -> torch.Tensor:
         """Attention for q [T, H, D] already rotated, this step's K/V already in the cache
         (the QKV projection's epilogue wrote them: `qkv_epilogue`)."""
-        meta = get_attention_metadata()
-        plan = meta.decode_plan if meta.decode_only else None
+        meta, plan = _step()
         return self._attend(q, meta, 1 if plan is None else plan.segments)
 
     def forward(
@@ -150,8 +154,7 @@ class Attention(nn.Module):
         """q/k/v [T, H, D]; with `positions` and `cos_sin_cache`, q and k are rotated first."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
-        meta = get_attention_metadata()
-        plan = meta.decode_plan if meta.decode_only else None
+        meta, plan = _step()
         if self._cpu_path(q.device, positions, cos_sin_cache, plan):
             index = step_index(meta, positions, self.k_cache.shape[1])  # type: ignore[arg-type]
             out = cpu_attention_step(

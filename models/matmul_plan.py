@@ -226,7 +226,7 @@ class TritonSkinnyGemm(MatmulKind):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """A QKV product (of rms_norm(x + residual) with `norm`, formed in the prologue)
         whose epilogue rotates q and k and writes k and v into the cache
-        (`skinny_qkv_rotary_kv`); returns the rotated q and the new residual."""
+        (`skinny_qkv_rotary_kv`); returns the rotated q and, with `norm`, the new residual."""
         counters = getattr(layer, "skinny_counters", None)
         fused = None if norm is None else (norm.weight, norm.eps)
         return skinny_qkv_rotary_kv(x, layer.weight, bias, self.config, counters, rotary,
@@ -395,11 +395,10 @@ class MatmulPlan:
         kind = entry.kind
         if not isinstance(kind, TritonSkinnyGemm) or entry.input is not InputTransform.RMS_NORM:
             return None
-        if rotary.k_cache.shape[-1] % (2 * kind.config.block_n):
-            return None  # a column block must cover part of one half of a head
+        if not rotary.tiles(kind.config.block_n):
+            return None
         if entry.fuse_input:
-            q, new_residual = kind.apply_rotary_kv(layer, x, residual, norm, bias, rotary)
-            return q, new_residual if new_residual is not None else x
+            return kind.apply_rotary_kv(layer, x, residual, norm, bias, rotary)  # type: ignore[return-value]
         h, residual = _norm_kernel(norm, x, residual)
         return kind.apply_rotary_kv(layer, h, None, None, bias, rotary)[0], residual
 
