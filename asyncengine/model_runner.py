@@ -384,8 +384,9 @@ class ModelRunner:
     # (`bench_spec_decode draft --chains`) measures it.
     draft_chains = False
     # Steps that rotate and write K/V in a kernel of their own (verify steps, whose rows
-    # attend to each other's K/V; small prefill chunks) have the QKV projection's epilogue
-    # do it where its plan runs the few-row matmul (`models.attention.Attention.qkv_epilogue`):
+    # attend to each other's K/V; prompt chunks of up to 16 tokens that run eagerly, since
+    # the prefill graphs pad to 64) have the QKV projection's epilogue do it where its plan
+    # runs the few-row matmul (`models.attention.Attention.qkv_epilogue`):
     # one kernel a layer fewer. Not yet timed on a GPU: off until the verify-step bench
     # (`bench_spec_decode gpu --qkv-rotary-epilogue 0 1`) measures it.
     qkv_rotary_epilogue = False

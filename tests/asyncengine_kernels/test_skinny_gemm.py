@@ -366,7 +366,10 @@ def test_gpu_rms_norm_prologue_matches_norm_kernel_and_blas(n: int) -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_qkv_rotary_epilogue_equals_the_two_kernels(fp8: bool) -> None:
     """The 7B QKV projection at 5 rows (a k = 4 verify step), every config: q and the caches
-    bit for bit as the product followed by `rotary_and_write_kv`."""
+    as the product followed by `rotary_and_write_kv`, within a rounding of the dtype (of
+    the FP8 cache). Not bit for bit, as in the interpreter: on the H100 the fused kernel's
+    sums differed from the plain few-row kernel's in the last bits at some columns
+    (2026-12-06), and the rotation carries that rounding into its differences."""
     x, w, positions, slots, kv = _qkv_case(5, 32, 32, 128, torch.bfloat16, fp8=fp8,
                                            device="cuda", k=4096)  # fmt: skip
     scales = (torch.full((32,), 0.05, device="cuda"), torch.full((32,), 0.02, device="cuda"))
@@ -379,8 +382,12 @@ def test_gpu_qkv_rotary_epilogue_equals_the_two_kernels(fp8: bool) -> None:
             positions, cos_sin, want_kv[0], want_kv[1], slots, 32, 32, *scales))  # fmt: skip
         got_q, _ = skinny_qkv_rotary_kv(x, w, None, config, counters, RotaryKVWrite(
             positions, cos_sin, got_kv[0], got_kv[1], slots, 32, 32, *scales))  # fmt: skip
-        assert torch.equal(got_q, want_q), str(config)
-        assert torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8)), str(config)
+        torch.testing.assert_close(got_q, want_q, atol=3e-2, rtol=2e-2, msg=str(config))
+        # An FP8 value is within one step of e4m3 (1/8 of it) of the two kernels'.
+        rtol = 0.13 if fp8 else 2e-2
+        torch.testing.assert_close(got_kv.float(), want_kv.float(), atol=3e-2, rtol=rtol,
+                                   msg=str(config))  # fmt: skip
+        assert not torch.equal(want_kv.float(), kv.float())  # the rows' slots were written
     assert not counters.any()
 
 
