@@ -383,13 +383,6 @@ class ModelRunner:
     # (`spec_decode.draft_chain`). Not yet timed on a GPU: off until the draft bench
     # (`bench_spec_decode draft --chains`) measures it.
     draft_chains = False
-    # Steps that rotate and write K/V in a kernel of their own (verify steps, whose rows
-    # attend to each other's K/V; prompt chunks of up to 16 tokens that run eagerly, since
-    # the prefill graphs pad to 64) have the QKV projection's epilogue do it where its plan
-    # runs the few-row matmul (`models.attention.Attention.qkv_epilogue`):
-    # one kernel a layer fewer. Not yet timed on a GPU: off until the verify-step bench
-    # (`bench_spec_decode gpu --qkv-rotary-epilogue 0 1`) measures it.
-    qkv_rotary_epilogue = False
 
     def __init__(
         self,
@@ -509,7 +502,6 @@ class ModelRunner:
         self.kv_cache = KVCache(layers, num_blocks, *args, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):  # type: ignore[operator]
             attn.k_cache, attn.v_cache = self.kv_cache.layer(i)
-            attn.rotary_kv_in_qkv = self.qkv_rotary_epilogue
         if self.draft_kv_layout is not None:
             # In the model dtype even under an FP8 target cache: the draft has no KV scales.
             self.draft_kv_cache = KVCache(

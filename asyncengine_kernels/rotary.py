@@ -38,12 +38,8 @@ def rotate_halves(x1, x2, cos, sin, dt):
     computes in q.dtype); the products of two fp16/bf16 values are exact in fp32, so this
     follows torch's rounding. (Measured on an H200: a few bf16 outputs per million still
     differ by one ulp.)"""
-    return rotate_pair(x1, x2, cos[None, :], sin[None, :], dt)
-
-
-@triton.jit
-def rotate_pair(x1, x2, c, s, dt):
-    """`rotate_halves` with cos and sin already of x1's shape (a row per token)."""
+    c = cos[None, :]
+    s = sin[None, :]
     a1 = (x1 * c).to(dt).to(tl.float32)
     b1 = (x2 * s).to(dt).to(tl.float32)
     a2 = (x2 * c).to(dt).to(tl.float32)

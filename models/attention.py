@@ -3,9 +3,7 @@ when given the rotary table), then attends over it.
 
 A decode-only step whose plan (`AttentionMetadata.decode_plan`, decided by the model runner)
 fuses rotary folds the rotary and the K/V write into the attention kernel itself
-(`asyncengine_kernels.rotary_paged_attention`): one kernel per layer instead of two. A step
-that cannot (a verify step's rows attend to each other's K/V) may have the QKV projection's
-epilogue do them instead (`qkv_epilogue`, then `attend_written`).
+(`asyncengine_kernels.rotary_paged_attention`): one kernel per layer instead of two.
 
 On the CPU the layer runs `asyncengine_kernels.cpu_attention`, which works out what it needs from
 the step's metadata once per step (in the first layer) rather than once per layer.
@@ -28,10 +26,8 @@ from asyncengine_kernels import (
     rotary_and_write_kv,
     write_kv_cache,
 )
-from asyncengine_kernels.attention_metadata import AttentionMetadata
 from asyncengine_kernels.cpu_attention import cpu_attention_step, step_index
 from asyncengine_kernels.paged_attention import DecodePlan, DecodeRotary
-from asyncengine_kernels.skinny_gemm import RotaryKVWrite
 from models.forward_context import get_attention_metadata
 from models.parallel import local_kv_heads
 
@@ -54,12 +50,6 @@ def kv_scale_target(hf_name: str) -> tuple[str, str] | None:
     return None if which is None else (head + ".self_attn", which)
 
 
-def _step() -> tuple[AttentionMetadata, DecodePlan | None]:
-    """The step's metadata and its decode plan (None for a step with prefill)."""
-    meta = get_attention_metadata()
-    return meta, meta.decode_plan if meta.decode_only else None
-
-
 class Attention(nn.Module):
     """Attention over the paged KV cache bound by the model runner (`k_cache`, `v_cache`)."""
 
@@ -76,10 +66,6 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", ones.clone(), persistent=False)
         # Whether the checkpoint set either scale (start-up calibration keeps those by default).
         self.kv_scales_loaded = False
-        # Whether a step that would rotate and write K/V in a kernel of its own hands that to
-        # the QKV projection's epilogue where its plan has one (`qkv_epilogue`); the model
-        # runner sets it (`ModelRunner.qkv_rotary_epilogue`).
-        self.rotary_kv_in_qkv = False
 
     def load_kv_scale(self, which: str, loaded: torch.Tensor, total_kv_heads: int) -> None:
         """Set `k_scale` or `v_scale` from a checkpoint tensor: one value (per tensor) or one
@@ -101,14 +87,14 @@ class Attention(nn.Module):
         self.kv_scales_loaded = True
 
     def _cpu_path(
-        self, device: torch.device, positions: torch.Tensor | None,
+        self, q: torch.Tensor, positions: torch.Tensor | None,
         cos_sin_cache: torch.Tensor | None, plan: DecodePlan | None,
     ) -> bool:  # fmt: skip
         """The CPU path takes CPU tensors, contiguous caches, a rotary table (if any) over the
         whole head and a step without split-KV or fused-rotary plan (the engine gives CPU
         steps neither); anything else runs the reference ops."""
         assert self.k_cache is not None and self.v_cache is not None
-        if device.type != "cpu" or not self.k_cache.is_contiguous():
+        if q.device.type != "cpu" or not self.k_cache.is_contiguous():
             return False
         if not self.v_cache.is_contiguous():
             return False
@@ -117,31 +103,6 @@ class Attention(nn.Module):
         if cos_sin_cache is None:
             return True
         return positions is not None and cos_sin_cache.shape[-1] == self.head_dim
-
-    def qkv_epilogue(
-        self, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-    ) -> RotaryKVWrite | None:
-        """What the QKV projection's epilogue needs to rotate q and k and write k and v into
-        this layer's cache for this step (then `attend_written` attends), where the step
-        would otherwise run `rotary_and_write_kv` as a kernel of its own: on, a GPU-path
-        step whose decode plan does not fold rotary into attention, rotary over whole heads.
-        None otherwise."""
-        if not self.rotary_kv_in_qkv or self.k_cache is None or self.v_cache is None:
-            return None
-        meta, plan = _step()
-        if (cos_sin_cache.shape[-1] != self.head_dim or (plan is not None and plan.fuse_rotary)
-                or self._cpu_path(positions.device, positions, cos_sin_cache, plan)):  # fmt: skip
-            return None
-        return RotaryKVWrite(
-            positions, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale,
-        )  # fmt: skip
-
-    def attend_written(self, q: torch.Tensor) -> torch.Tensor:
-        """Attention for q [T, H, D] already rotated, this step's K/V already in the cache
-        (the QKV projection's epilogue wrote them: `qkv_epilogue`)."""
-        meta, plan = _step()
-        return self._attend(q, meta, 1 if plan is None else plan.segments)
 
     def forward(
         self,
@@ -154,8 +115,9 @@ class Attention(nn.Module):
         """q/k/v [T, H, D]; with `positions` and `cos_sin_cache`, q and k are rotated first."""
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache is not bound: the model runner binds it before a step")
-        meta, plan = _step()
-        if self._cpu_path(q.device, positions, cos_sin_cache, plan):
+        meta = get_attention_metadata()
+        plan = meta.decode_plan if meta.decode_only else None
+        if self._cpu_path(q, positions, cos_sin_cache, plan):
             index = step_index(meta, positions, self.k_cache.shape[1])  # type: ignore[arg-type]
             out = cpu_attention_step(
                 index, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.block_tables,
@@ -188,10 +150,6 @@ class Attention(nn.Module):
             write_kv_cache(
                 k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale
             )
-        return self._attend(q, meta, segments)
-
-    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, segments: int) -> torch.Tensor:
-        """Paged attention for q [T, H, D] over the cache holding this step's K/V."""
         out = paged_attention(
             q,
             self.k_cache,

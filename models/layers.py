@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine_kernels import fused_add_rms_norm, rms_norm
-from asyncengine_kernels.skinny_gemm import RotaryKVWrite
 from models.matmul_plan import InputTransform, PlannedMatmul
 from models.parallel import (
     all_gather_last_dim,
@@ -181,15 +180,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads, self.kv_head_start = len(kv_heads), kv_heads.start
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias, input_transform, quant_config=quant_config)
-
-    def forward_normed_rotary_kv(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-        rotary: RotaryKVWrite,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """`forward_normed` whose kernel also rotates q and k and writes k and v into the
-        paged cache (`MatmulPlan.apply_normed_rotary_kv`): the rotated q and the new
-        residual, or None where this row count's plan has no such epilogue."""
-        return self.plan.apply_normed_rotary_kv(self, x, residual, norm, self.bias, rotary)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None

@@ -65,25 +65,16 @@ class LlamaAttention(nn.Module):
         norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Attention over norm(hidden + residual); returns its output and the new residual."""
-        t = hidden.shape[0]
-        cos_sin = self.rotary_emb.cos_sin_cache
-        rotary = self.attn.qkv_epilogue(positions, cos_sin)
-        if rotary is not None:
-            # The projection's kernel rotates q and k and writes k and v into the cache.
-            fused = self.qkv_proj.forward_normed_rotary_kv(hidden, residual, norm, rotary)
-            if fused is not None:
-                q, residual = fused
-                o = self.attn.attend_written(q.view(t, self.num_heads, self.head_dim))
-                return self.o_proj(o), residual
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # Rotary is applied inside the attention layer, fused with the KV-cache write.
-        o = self.attn(q, k, v, positions, cos_sin)
+        o = self.attn(q, k, v, positions, self.rotary_emb.cos_sin_cache)
         return self.o_proj(o), residual
 
 

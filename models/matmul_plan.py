@@ -49,12 +49,9 @@ from asyncengine_kernels.cpu_linear import pack_weight, packed_linear
 from asyncengine_kernels.gemv import GemvConfig, gemv_triton, rms_norm_gemv
 from asyncengine_kernels.skinny_gemm import (
     SKINNY_MAX_ROWS,
-    RotaryKVWrite,
     SkinnyConfig,
-    rms_norm_skinny_gemm,
     skinny_counters,
     skinny_gemm,
-    skinny_qkv_rotary_kv,
 )
 
 __all__ = [
@@ -192,9 +189,9 @@ class TritonSkinnyGemm(MatmulKind):
     config: SkinnyConfig
     name: ClassVar[str] = "Triton skinny GEMM"
     max_rows: ClassVar[int | None] = SKINNY_MAX_ROWS
-    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset(
-        {InputTransform.RMS_NORM, InputTransform.SILU_AND_MUL}
-    )
+    # The norm runs as a kernel of its own before it: a prologue forming it lost to that
+    # in every start-up plan (docs/performance.md, 2026-12-06).
+    fusable_inputs: ClassVar[frozenset[InputTransform]] = frozenset({InputTransform.SILU_AND_MUL})
     fusable_epilogues: ClassVar[frozenset[Epilogue]] = frozenset({Epilogue.SILU_AND_MUL})
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -211,26 +208,6 @@ class TritonSkinnyGemm(MatmulKind):
     ) -> torch.Tensor:  # fmt: skip
         counters = getattr(layer, "skinny_counters", None)
         return skinny_gemm(x, layer.weight, bias, self.config, counters, gated=gated, glu=glu)
-
-    def apply_normed(
-        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: Norm, bias: torch.Tensor | None, *, glu: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        counters = getattr(layer, "skinny_counters", None)
-        return rms_norm_skinny_gemm(x, residual, norm.weight, norm.eps, layer.weight, bias,
-                                    self.config, counters, glu=glu)  # fmt: skip
-
-    def apply_rotary_kv(
-        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: Norm | None, bias: torch.Tensor | None, rotary: RotaryKVWrite,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """A QKV product (of rms_norm(x + residual) with `norm`, formed in the prologue)
-        whose epilogue rotates q and k and writes k and v into the cache
-        (`skinny_qkv_rotary_kv`); returns the rotated q and, with `norm`, the new residual."""
-        counters = getattr(layer, "skinny_counters", None)
-        fused = None if norm is None else (norm.weight, norm.eps)
-        return skinny_qkv_rotary_kv(x, layer.weight, bias, self.config, counters, rotary,
-                                    norm=fused, residual=residual)  # fmt: skip
 
     def describe(self) -> str:
         return f"{self.name} {self.config}"
@@ -379,28 +356,11 @@ class MatmulPlan:
             raise ValueError(f"this plan expects a {entry.input.value} input, not a normed one")
         if entry.fuse_input:
             return entry.kind.apply_normed(layer, x, residual, norm, bias, glu=entry.glu)
-        h, residual = _norm_kernel(norm, x, residual)
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual)
         return entry.kind.apply(layer, h, bias, glu=entry.glu), residual
-
-    def apply_normed_rotary_kv(
-        self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-        norm: Norm, bias: torch.Tensor | None, rotary: RotaryKVWrite,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """`apply_normed` for a QKV projection whose epilogue also rotates q and k and
-        writes k and v into the paged cache, where the entry for these rows is the few-row
-        matmul (the one kind with that epilogue); returns the rotated q [rows, Hq * D] and
-        the new residual, or None: the caller then runs `apply_normed` and the rotary and
-        cache write as a kernel of their own."""
-        entry = self.entry_for(x.shape[0])
-        kind = entry.kind
-        if not isinstance(kind, TritonSkinnyGemm) or entry.input is not InputTransform.RMS_NORM:
-            return None
-        if not rotary.tiles(kind.config.block_n):
-            return None
-        if entry.fuse_input:
-            return kind.apply_rotary_kv(layer, x, residual, norm, bias, rotary)  # type: ignore[return-value]
-        h, residual = _norm_kernel(norm, x, residual)
-        return kind.apply_rotary_kv(layer, h, None, None, bias, rotary)[0], residual
 
     def describe(self) -> str:
         """One line: each entry with the rows it serves."""
@@ -412,15 +372,6 @@ class MatmulPlan:
             parts.append(f"{rows}: {e.describe()}")
             low = (e.max_rows or 0) + 1
         return "; ".join(parts)
-
-
-def _norm_kernel(
-    norm: Norm, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x + residual) as a kernel of its own, and the new residual (x without one)."""
-    if residual is None:
-        return norm(x), x  # type: ignore[return-value]
-    return norm(x, residual)  # type: ignore[return-value]
 
 
 class PlannedMatmul:

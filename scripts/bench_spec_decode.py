@@ -12,10 +12,8 @@ verify step's mechanics on the 7B shape (GPU).
     python -m scripts.bench_spec_decode gpu --shape llama2-7b
 
     # GPU, an A/B of settings in one process: one reference engine, then a speculating
-    # engine per pair of values (small graphs split after 0 or 2 layers; rotary and the
-    # K/V write in the QKV matmul's epilogue or not), timing the swept k's only
-    python -m scripts.bench_spec_decode gpu --brief --graph-head-layers 0 2 \
-        --qkv-rotary-epilogue 0 1
+    # engine per value (small graphs split after 0 or 2 layers), timing the swept k's only
+    python -m scripts.bench_spec_decode gpu --brief --graph-head-layers 0 2
 
     # GPU, the draft model's cost: a Llama-160M-shape draft (dummy weights, Llama-2's
     # vocabulary) for the 7B shape, milliseconds per proposal of k drafts with the draft's
@@ -126,13 +124,11 @@ class FixedDrafts:
 
 
 def _engine(args: argparse.Namespace, k: int | None, head_layers: int = 0,
-            qkv_epilogue: bool = False, **engine_args: Any) -> LLM:  # fmt: skip
+            **engine_args: Any) -> LLM:  # fmt: skip
     from asyncengine.model_runner import ModelRunner
 
-    # Small decode graphs split after this many layers (the target's and the draft's), and
-    # rotary with the K/V write in the QKV matmul's epilogue: A/Bs of settings off by default.
+    # Small decode graphs split after this many layers (the target's and the draft's; A/B).
     ModelRunner.graph_head_layers = head_layers
-    ModelRunner.qkv_rotary_epilogue = qkv_epilogue
     spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
     return LLM(args.model, load_format=args.load_format, device=args.device,
                skip_tokenizer_init=True, speculative_config=spec,
@@ -444,10 +440,9 @@ def _k_acceptance(text: str) -> tuple[int, float]:
 
 def run_gpu(args: argparse.Namespace) -> None:
     """The one-token step and the references without speculation (one engine, graphs split
-    as the first --graph-head-layers value says), then per pair of --graph-head-layers and
-    --qkv-rotary-epilogue values a speculating engine's verify steps, latency sweep and
-    batches (`_spec_runs`): an A/B of those settings needs one reference engine and one
-    process."""
+    as the first --graph-head-layers value says), then per --graph-head-layers value a
+    speculating engine's verify steps, latency sweep and batches (`_spec_runs`): an A/B of
+    split graphs needs one reference engine and one process."""
     _default_model(args)
     prompt_len, out_len = args.prompt_len, args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -488,39 +483,25 @@ def run_gpu(args: argparse.Namespace) -> None:
         sync.llm_engine.shutdown()
         del sync
     for head_layers in args.graph_head_layers:
-        for epilogue in args.qkv_rotary_epilogue:
-            _spec_runs(args, head_layers, bool(epilogue), p1, reference, batches, one_token_ms)
-
-
-def _qkv_few_row_layers(llm: LLM, rows: int) -> int:
-    """How many QKV projections run the few-row matmul at `rows` rows: the layers whose
-    verify steps take the rotary and K/V-write epilogue when it is on (an A/B of it means
-    nothing where this is 0)."""
-    from models.layers import QKVParallelLinear
-    from models.matmul_plan import TritonSkinnyGemm
-
-    return sum(isinstance(m.plan.entry_for(rows).kind, TritonSkinnyGemm)
-               for m in llm.llm_engine.runner.model.modules()
-               if isinstance(m, QKVParallelLinear))  # fmt: skip
+        _spec_runs(args, head_layers, p1, reference, batches, one_token_ms)
 
 
 def _spec_runs(
-    args: argparse.Namespace, head_layers: int, qkv_epilogue: bool, p1: list[list[int]],
+    args: argparse.Namespace, head_layers: int, p1: list[list[int]],
     reference: dict[tuple[int, ...], list[int]],
     batches: dict[int, tuple[list[list[int]], dict[tuple[int, ...], list[int]], float]],
     one_token_ms: float,
 ) -> None:  # fmt: skip
-    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers and
-    rotary with the K/V write in the QKV matmul's epilogue or not: verify steps (and, unless
-    --brief, where their time goes), the latency sweep and the batches against `run_gpu`'s
-    references; every record names both settings."""
+    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers:
+    verify steps (and, unless --brief, where their time goes), the latency sweep and the
+    batches against `run_gpu`'s references; every record names `graph_head_layers`."""
     from models.linear_tuning import describe_matmul_plans
 
     out_len = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm = _engine(args, 8, head_layers, qkv_epilogue)
+    llm = _engine(args, 8, head_layers)
     vocab = llm.llm_engine.model_config.vocab_size
-    split = {"graph_head_layers": head_layers, "qkv_rotary_epilogue": qkv_epilogue}
+    split = {"graph_head_layers": head_layers}
     emit({"bench": "spec_matmul_plans", **split,
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
@@ -534,7 +515,6 @@ def _spec_runs(
         secs, _ = _timed(llm, p1, params)
         steps = llm.llm_engine.step_timing["steps"] - before["steps"]
         emit({"bench": "spec_verify_step", "k": k, **split,
-              "qkv_few_row_layers": _qkv_few_row_layers(llm, k + 1),
               "ms_per_step": round(1e3 * secs / steps, 3),
               "vs_one_token_step": round(1e3 * secs / steps / one_token_ms, 3),
               **_phases(llm, before)})  # fmt: skip
@@ -669,10 +649,6 @@ def main() -> None:
                      help="one speculating engine per value, its small decode graphs split "
                           "after that many layers (0: whole); the references and the "
                           "one-token step come from one engine split as the first value says")
-    gpu.add_argument("--qkv-rotary-epilogue", type=int, nargs="+", choices=[0, 1], default=[0],
-                     help="per value (0 off, 1 on) and --graph-head-layers value, a speculating "
-                          "engine with rotary and the K/V write in the QKV matmul's epilogue "
-                          "or not (ModelRunner.qkv_rotary_epilogue)")
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")

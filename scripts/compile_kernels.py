@@ -51,9 +51,7 @@ POINTER_TYPES = {
     "seg_max_ptr": "*fp32",
     "seg_sum_ptr": "*fp32",
     "positions_ptr": "*i64",
-    "pos_ptr": "*i64",
     "slot_mapping_ptr": "*i64",
-    "slot_ptr": "*i64",
     "cos_sin_ptr": "*fp32",
     "qw_ptr": "*i32",
     "w_ptr": "*bf16",
@@ -81,14 +79,6 @@ KERNEL_POINTERS = {"_quant_gemm_kernel": {"s_ptr": "*bf16"}}
 # Triton specializes them as it does the pointers (the integer GEMM's N and K: its weight,
 # scale and zero loads are vectorized only then).
 KERNEL_ALIGNED = {"_quant_gemm_kernel": {"N", "K", "K_PER_SPLIT"}}
-# Per kernel: a constexpr switch and the operands (defaulting to None or 0) that a launch
-# passes only with it on; without it they compile as the defaults a launch leaves them.
-KERNEL_OPTIONAL = {
-    "_skinny_gemm_kernel": ("ROTARY", (
-        "pos_ptr", "cos_sin_ptr", "slot_ptr", "k_cache_ptr", "v_cache_ptr", "k_scale_ptr",
-        "v_scale_ptr", "stride_cs", "stride_kcb", "stride_kcs", "stride_kch", "stride_vcb",
-        "stride_vcs", "stride_vch", "q_heads", "kv_heads", "cache_block")),
-}
 
 ATTENTION = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, DOT_FP32=False,
                  IEEE=False, USE_PDL=True, HALF=64)  # fmt: skip
@@ -165,21 +155,6 @@ VARIANTS: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
      dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
           BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS), 4, 4),
-    # RMSNorm and the residual add in the prologue (qkv; gate/up with the GLU epilogue).
-    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
-     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=False, BLOCK_N=64,
-          BLOCK_K=128, NORM=True, HAS_RESIDUAL=True), 4, 4),
-    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
-     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=True, SPLIT=True, BLOCK_N=64,
-          BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS, NORM=True, HAS_RESIDUAL=True), 4, 4),
-    # The QKV epilogue: rotary and the K/V-cache write (bf16 cache; FP8 after the norm).
-    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
-     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=True, BLOCK_N=64,
-          BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS, ROTARY=True, HALF=64), 4, 4),
-    ("asyncengine_kernels.skinny_gemm", "_skinny_gemm_kernel",
-     dict(SKINNY, HAS_BIAS=False, GATED=False, GLU=False, SPLIT=True, BLOCK_N=64,
-          BLOCK_K=128, MAX_SPLITS=SKINNY_SPLITS, NORM=True, HAS_RESIDUAL=True, ROTARY=True,
-          HALF=64, KV_FP8=True), 4, 4),
     # The int4/int8 GEMM at the tiles of `QUANT_GEMM_SHAPES`: the decode tile split along K,
     # tiles spanning four groups (g32) and inside one (per channel), the 128-row tile.
     ("asyncengine_kernels.quant_linear", "_quant_gemm_kernel",
@@ -291,9 +266,6 @@ def lower_variant(
     params = list(sig)
     # Constexprs a variant leaves out take their defaults, as in a launch that omits them.
     defaults = {p: v.default for p, v in sig.items() if v.default is not inspect.Parameter.empty}
-    switch, optional = KERNEL_OPTIONAL.get(kernel, ("", ()))
-    if constexprs.get(switch):
-        defaults = {p: v for p, v in defaults.items() if p not in optional}
     constexprs = {**defaults, **constexprs}
     signature = {}
     pointers = {**POINTER_TYPES, **(FP8_KV_POINTERS if constexprs.get("KV_FP8") else {}),

@@ -601,9 +601,8 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" spec "* ]]; then  # SPEC_RUNS: the verify-step bench once per ';'
     # (flags, optionally led by TREE=DIR to run it from tree DIR); default: this tree as is.
     # "--brief" in a run's flags: the swept draft counts' verify steps and the sweep only
-    # (an A/B in a short call); "--graph-head-layers 0 2 4" and "--qkv-rotary-epilogue 0 1":
-    # one speculating engine per pair of values beside one reference engine (SPEC_S:
-    # seconds a run may take, 200 by default)
+    # (an A/B in a short call); "--graph-head-layers 0 2 4": one speculating engine per
+    # value beside one reference engine (SPEC_S: seconds a run may take, 200 by default)
     runs=("")
     [ -n "${SPEC_RUNS:-}" ] && IFS=';' read -r -a runs <<< "$SPEC_RUNS"
     for r in "${runs[@]}"; do

@@ -98,18 +98,11 @@ def tiny_config(kind: str, vocab_size: int = 512) -> Any:
     return cfg
 
 
-def build_tiny_model_dir(path: Path, kind: str, with_tokenizer: bool = True,
-                         **sizes: int) -> Path:  # fmt: skip
-    """A tiny model of `kind` saved with safetensors; `sizes` override its config's sizes
-    (hidden_size, num_attention_heads, ...; the head size follows)."""
+def build_tiny_model_dir(path: Path, kind: str, with_tokenizer: bool = True) -> Path:
     import transformers as tf
 
     tokenizer = build_tiny_tokenizer()
     cfg = tiny_config(kind, vocab_size=len(tokenizer))
-    for name, value in sizes.items():
-        setattr(cfg, name, value)
-    if sizes:
-        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     torch.manual_seed(1234)
     cls = {"qwen2": tf.Qwen2ForCausalLM, "mistral": tf.MistralForCausalLM}.get(
         kind, tf.LlamaForCausalLM

@@ -8,10 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
-import asyncengine.model_runner as model_runner_module
 from asyncengine import LLM, SamplingParams
 from asyncengine.cuda_graphs import DecodeGraphs
 from asyncengine.llm_engine import LLMEngine
@@ -26,11 +24,6 @@ from asyncengine.model_runner import (
 from asyncengine.request import Request
 from asyncengine.scheduler import ScheduledRequest, SchedulerOutput
 from asyncengine_kernels.paged_attention import DecodePlan
-from tests.asyncengine.engine_helpers import (
-    greedy_plain_and_speculating,
-    plan_qkv_on_few_row_matmul,
-)
-from tests.tiny_models import build_tiny_model_dir
 
 
 def _engine(model_dir: Path) -> LLMEngine:
@@ -291,44 +284,3 @@ def test_swaps_move_the_draft_kv_with_the_target_kv(tiny_llama_dir: Path) -> Non
         assert not gpu.data[:, :, [0, 2, 3, 4, 5, 7]].any()
     llm.shutdown()
     assert runner.draft_cpu_cache is None and runner.cpu_cache is None
-
-
-@pytest.mark.parametrize("fuse_norm", [False, True])
-def test_qkv_rotary_epilogue_keeps_greedy_output_through_the_interpreter(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fuse_norm: bool
-) -> None:
-    """`ModelRunner.qkv_rotary_epilogue` on, every QKV projection on the few-row matmul (the
-    interpreter's kernel) and attention taking its GPU path (the torch references of its
-    ops): prompt chunks of up to 16 tokens and verify steps rotate and write K/V in the QKV
-    epilogue, and greedy output equals HF, plain and speculating (n-gram drafts rejected and
-    rolled back among them). The GPU runs it in CUDA graphs (test_gpu_engine)."""
-    import models.attention as attention_module
-    import models.matmul_plan as plan_module
-
-    monkeypatch.setattr(model_runner_module.ModelRunner, "qkv_rotary_epilogue", True)
-    monkeypatch.setattr(attention_module.Attention, "_cpu_path", lambda *a: False)
-    # The plans the test sets stay: no CPU tuning at the serving set-up.
-    monkeypatch.setattr(model_runner_module, "tune_cpu_linears", lambda model: {})
-    calls = []
-    fused = plan_module.skinny_qkv_rotary_kv
-    monkeypatch.setattr(plan_module, "skinny_qkv_rotary_kv",
-                        lambda *a, **kw: calls.append(1) or fused(*a, **kw))  # fmt: skip
-    unfused = []
-    real = attention_module.rotary_and_write_kv
-    monkeypatch.setattr(attention_module, "rotary_and_write_kv",
-                        lambda *a: unfused.append(1) or real(*a))  # fmt: skip
-    # Heads of 128 features, as the 64-column blocks need.
-    model_dir = build_tiny_model_dir(tmp_path, "llama3", hidden_size=256,
-                                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-
-    def prepare(llm: LLM) -> None:
-        plan_qkv_on_few_row_matmul(llm, fuse_norm)
-        calls.clear()
-        unfused.clear()
-
-    def check(llm: LLM) -> None:
-        # Every step is of at most 16 tokens: none takes the separate rotary kernel.
-        assert calls and not unfused
-
-    greedy_plain_and_speculating(model_dir, check, prepare, device="cpu", max_tokens=16,
-                                 max_num_batched_tokens=16)  # fmt: skip

@@ -1,7 +1,6 @@
 """The few-row matmul (`asyncengine_kernels.skinny_gemm`) against F.linear: in the interpreter on
 small shapes (odd row counts, ragged N and K, bias, K splits, the gated input and the GLU
-epilogue), and on the GPU at Llama-2-7B shapes. Its QKV epilogue (rotary and the K/V-cache
-write) against the plain product followed by `rotary_and_write_kv`."""
+epilogue), and on the GPU at Llama-2-7B shapes."""
 
 from __future__ import annotations
 
@@ -9,23 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine_kernels.kv_cache_write import FP8_KV_DTYPE
-from asyncengine_kernels.rms_norm import fused_add_rms_norm, rms_norm
-from asyncengine_kernels.rotary_kv_cache import rotary_and_write_kv_triton
 from asyncengine_kernels.skinny_gemm import (
     SKINNY_CONFIGS,
     SKINNY_MAX_ROWS,
-    RotaryKVWrite,
     SkinnyConfig,
     pipeline_stages,
-    rms_norm_skinny_gemm,
     skinny_counters,
     skinny_gemm,
-    skinny_qkv_rotary_kv,
     tune_skinny,
 )
 from tests.asyncengine_kernels.kernel_cases import requires_cuda
-from tests.asyncengine_kernels.test_rotary import _cos_sin_cache
 
 # One K range per program; four K splits of one tile each (a ragged K leaves fewer splits
 # than asked); two splits of wider blocks.
@@ -95,171 +87,6 @@ def test_glu_epilogue_equals_f_linear_then_silu_and_mul(
     assert got.shape == (m, 40)
     tol = TOLS[dtype]
     torch.testing.assert_close(got, _silu_and_mul(_linear(x, w, b)), atol=tol, rtol=tol)
-
-
-def _normed(x: torch.Tensor, residual: torch.Tensor | None, nw: torch.Tensor):
-    """The unfused norm kernels: (rms_norm(x + residual), x + residual)."""
-    if residual is None:
-        return rms_norm(x, nw, 1e-5), x
-    return fused_add_rms_norm(x, residual, nw, 1e-5)
-
-
-# fp16, not bf16: the interpreter's casts to bf16 do not round to nearest, and the new
-# residual is checked bit for bit.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_rms_norm_prologue_equals_the_norm_kernel_then_f_linear(
-    dtype: torch.dtype, m: int, with_residual: bool, config: SkinnyConfig
-) -> None:
-    """The norm inside the matmul (each program forms x + residual times the norm weight for
-    its K range and gathers its sums of squares; the rows' 1 / rms scales the sums at the
-    end, after the splits add up; column block 0 writes the new residual) against the norm
-    kernel followed by the matmul; the new residual is the norm kernel's bit for bit."""
-    x, w, b = _case(m, 40, 80, dtype, bias=m != 5)
-    gen = torch.Generator().manual_seed(m)
-    residual = torch.randn(m, 80, generator=gen).to(dtype) if with_residual else None
-    nw = (1 + 0.1 * torch.randn(80, generator=gen)).to(dtype)
-    want_in, want_res = _normed(x, residual, nw)
-    got, res = rms_norm_skinny_gemm(x, residual, nw, 1e-5, w, b, config)
-    tol = TOLS[dtype]
-    torch.testing.assert_close(got, _linear(want_in, w, b), atol=tol, rtol=tol)
-    assert torch.equal(res, want_res)
-    # The GLU epilogue on the same normed input: its halves are the plain output's sums
-    # (the rstd's summation order may flip a near-tie of the normed input's rounding, which
-    # SiLU-and-mul would amplify against the reference).
-    glu, res = rms_norm_skinny_gemm(x, residual, nw, 1e-5, w, b, config, glu=True)
-    torch.testing.assert_close(glu, _silu_and_mul(got), atol=tol, rtol=tol)
-    assert torch.equal(res, want_res)
-
-
-def test_rms_norm_prologue_rejects_mismatched_inputs() -> None:
-    x, w, _ = _case(3, 32, 32, torch.float32, bias=False)
-    nw = torch.ones(32)
-    with pytest.raises(ValueError, match="residual must match"):
-        rms_norm_skinny_gemm(x, torch.randn(3, 16), nw, 1e-5, w)
-    with pytest.raises(ValueError, match="norm weight must be"):
-        rms_norm_skinny_gemm(x, None, torch.ones(16), 1e-5, w)
-
-
-def _qkv_case(m: int, hq: int, hkv: int, dim: int, dtype: torch.dtype, fp8: bool = False,
-              device: str = "cpu", k: int = 96) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Rows, a QKV weight, positions, slots (some -1) and the two caches of a KV pool."""
-    gen = torch.Generator().manual_seed(m * 100 + hq * 10 + dim)
-    x = torch.randn(m, k, generator=gen).to(device, dtype)
-    w = (torch.randn((hq + 2 * hkv) * dim, k, generator=gen) / k**0.5).to(device, dtype)
-    block, blocks = 8, m // 8 + 3
-    slots = torch.randperm(blocks * block, generator=gen)[:m]
-    slots[1::3] = -1
-    positions = torch.randint(0, 256, (m,), generator=gen)
-    kv = torch.randn(2, blocks, block, hkv, dim, generator=gen)
-    kv = torch.zeros(kv.shape, dtype=FP8_KV_DTYPE) if fp8 else kv.to(dtype)
-    return x, w, positions.to(device), slots.to(device), kv.to(device)
-
-
-def _unfused_qkv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                 config: SkinnyConfig, rotary: RotaryKVWrite) -> torch.Tensor:  # fmt: skip
-    """The plain product, then `rotary_and_write_kv` on its q/k/v views."""
-    hq, hkv = rotary.num_q_heads, rotary.num_kv_heads
-    dim = rotary.k_cache.shape[-1]
-    qkv = skinny_gemm(x, w, b, config)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    m = x.shape[0]
-    return rotary_and_write_kv_triton(
-        rotary.positions, q.view(m, hq, dim), k.view(m, hkv, dim), v.view(m, hkv, dim),
-        rotary.cos_sin_cache, rotary.k_cache, rotary.v_cache, rotary.slot_mapping,
-        rotary.k_scale, rotary.v_scale,
-    ).view(m, hq * dim)  # fmt: skip
-
-
-# Configs whose columns blocks cover half a head of 2 * block_n features.
-ROTARY_CONFIGS = [*CONFIGS, SkinnyConfig(32, 32, 8, 4, 1)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("heads", [(3, 1), (2, 2)])
-@pytest.mark.parametrize("config", ROTARY_CONFIGS, ids=str)
-def test_qkv_rotary_epilogue_equals_the_product_then_rotary_and_write_kv(
-    dtype: torch.dtype, m: int, heads: tuple[int, int], config: SkinnyConfig
-) -> None:
-    """Bit for bit: the same sums rounded once to the dtype, then the same rotation, into q
-    and the caches at the rows' slots (slot -1 leaves the cache alone); a bias is added
-    before the rotation, on both halves of every head."""
-    dim = 2 * config.block_n
-    x, w, positions, slots, kv = _qkv_case(m, *heads, dim, dtype)
-    b = torch.randn(w.shape[0]).to(dtype) if m != 5 else None
-    want_kv = kv.clone()
-    cos_sin = _cos_sin_cache(dim)
-    want_q = _unfused_qkv(x, w, b, config, RotaryKVWrite(
-        positions, cos_sin, want_kv[0], want_kv[1], slots, *heads))  # fmt: skip
-    rotary = RotaryKVWrite(positions, cos_sin, kv[0], kv[1], slots, *heads)
-    counters = skinny_counters(w.shape[0], "cpu")
-    q, res = skinny_qkv_rotary_kv(x, w, b, config, counters, rotary)
-    assert res is None
-    assert torch.equal(q, want_q)
-    assert torch.equal(kv, want_kv)
-    assert not counters.any()
-
-
-@pytest.mark.parametrize("config", CONFIGS[1:], ids=str)
-def test_qkv_rotary_epilogue_into_an_fp8_cache(config: SkinnyConfig) -> None:
-    """k rotated in the dtype, then each KV head quantized with its scale, as the unfused
-    kernel stores it."""
-    dim = 2 * config.block_n
-    x, w, positions, slots, kv = _qkv_case(7, 4, 2, dim, torch.float16, fp8=True)
-    scales = (torch.tensor([0.02, 0.05]), torch.tensor([0.03, 0.01]))
-    want_kv = kv.clone()
-    cos_sin = _cos_sin_cache(dim)
-    want_q = _unfused_qkv(x, w, None, config, RotaryKVWrite(
-        positions, cos_sin, want_kv[0], want_kv[1], slots, 4, 2, *scales))  # fmt: skip
-    q, _ = skinny_qkv_rotary_kv(x, w, None, config, None, RotaryKVWrite(
-        positions, cos_sin, kv[0], kv[1], slots, 4, 2, *scales))  # fmt: skip
-    assert torch.equal(q, want_q)
-    assert torch.equal(kv.view(torch.uint8), want_kv.view(torch.uint8))
-    assert kv.view(torch.uint8).any()
-
-
-def test_qkv_rotary_epilogue_after_the_norm_prologue() -> None:
-    """The normed QKV (`rms_norm_skinny_gemm`'s prologue) with the rotary epilogue: the same
-    q, caches and new residual as the normed product followed by the unfused rotary."""
-    config = CONFIGS[1]
-    dim = 2 * config.block_n
-    x, w, positions, slots, kv = _qkv_case(5, 3, 1, dim, torch.float16)
-    gen = torch.Generator().manual_seed(5)
-    residual = torch.randn(x.shape, generator=gen).half()
-    nw = (1 + 0.1 * torch.randn(x.shape[1], generator=gen)).half()
-    cos_sin = _cos_sin_cache(dim)
-    normed_qkv, want_res = rms_norm_skinny_gemm(x, residual, nw, 1e-5, w, None, config)
-    want_kv = kv.clone()
-    hq, hkv, m = 3, 1, 5
-    q, k, v = normed_qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    want_q = rotary_and_write_kv_triton(
-        positions, q.view(m, hq, dim), k.view(m, hkv, dim), v.view(m, hkv, dim), cos_sin,
-        want_kv[0], want_kv[1], slots).view(m, hq * dim)  # fmt: skip
-    got_q, res = skinny_qkv_rotary_kv(x, w, None, config, None, RotaryKVWrite(
-        positions, cos_sin, kv[0], kv[1], slots, hq, hkv), norm=(nw, 1e-5), residual=residual)
-    assert torch.equal(got_q, want_q) and torch.equal(kv, want_kv)
-    assert res is not None and torch.equal(res, want_res)
-
-
-def test_qkv_rotary_epilogue_refuses_what_it_cannot_do() -> None:
-    config = CONFIGS[0]
-    x, w, positions, slots, kv = _qkv_case(3, 2, 1, 64, torch.float32)
-    cos_sin = _cos_sin_cache(64)
-    with pytest.raises(ValueError, match="has 384 rows, got 256"):  # not the weight's heads
-        skinny_qkv_rotary_kv(x, w, None, config, None, RotaryKVWrite(
-            positions, cos_sin, kv[0], kv[1], slots, 2, 2))  # fmt: skip
-    with pytest.raises(ValueError, match="rotates whole heads"):  # partial rotary
-        skinny_qkv_rotary_kv(x, w, None, config, None, RotaryKVWrite(
-            positions, _cos_sin_cache(32), kv[0], kv[1], slots, 2, 1))  # fmt: skip
-    with pytest.raises(ValueError, match="in blocks of 64"):  # half a head under a block
-        skinny_qkv_rotary_kv(x, w, None, CONFIGS[2], None, RotaryKVWrite(
-            positions, cos_sin, kv[0], kv[1], slots, 2, 1))  # fmt: skip
-    with pytest.raises(ValueError, match="positions and slots"):
-        skinny_qkv_rotary_kv(x, w, None, config, None, RotaryKVWrite(
-            positions[:2], cos_sin, kv[0], kv[1], slots, 2, 1))  # fmt: skip
 
 
 def test_split_k_is_deterministic_and_leaves_the_counters_zeroed() -> None:
@@ -343,52 +170,6 @@ def test_gpu_mlp_forms_match_blas() -> None:
                                    atol=2e-2, rtol=2e-2, msg=str(config))  # fmt: skip
         torch.testing.assert_close(skinny_gemm(h, down, None, config, gated=True), want_out,
                                    atol=2e-2, rtol=2e-2, msg=str(config))  # fmt: skip
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("n", [12288, 22016])
-def test_gpu_rms_norm_prologue_matches_norm_kernel_and_blas(n: int) -> None:
-    """qkv and gate/up at the 7B sizes with the input's norm in the prologue, 5 rows."""
-    x, w, _ = _case(5, n, 4096, torch.bfloat16, bias=False, device="cuda")
-    residual = torch.randn_like(x)
-    nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    want_in, want_res = _normed(x, residual, nw)
-    want = F.linear(want_in, w)
-    for config in SKINNY_CONFIGS:
-        got, res = rms_norm_skinny_gemm(x, residual, nw, 1e-5, w, None, config)
-        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=str(config))
-        assert torch.equal(res, want_res)
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_qkv_rotary_epilogue_equals_the_two_kernels(fp8: bool) -> None:
-    """The 7B QKV projection at 5 rows (a k = 4 verify step), every config: q and the caches
-    as the product followed by `rotary_and_write_kv`, within a rounding of the dtype (of
-    the FP8 cache). Not bit for bit, as in the interpreter: on the H100 the fused kernel's
-    sums differed from the plain few-row kernel's in the last bits at some columns
-    (2026-12-06), and the rotation carries that rounding into its differences."""
-    x, w, positions, slots, kv = _qkv_case(5, 32, 32, 128, torch.bfloat16, fp8=fp8,
-                                           device="cuda", k=4096)  # fmt: skip
-    scales = (torch.full((32,), 0.05, device="cuda"), torch.full((32,), 0.02, device="cuda"))
-    scales = scales if fp8 else (None, None)
-    cos_sin = _cos_sin_cache(128).cuda()
-    counters = skinny_counters(12288, "cuda")
-    for config in SKINNY_CONFIGS:
-        want_kv, got_kv = kv.clone(), kv.clone()
-        want_q = _unfused_qkv(x, w, None, config, RotaryKVWrite(
-            positions, cos_sin, want_kv[0], want_kv[1], slots, 32, 32, *scales))  # fmt: skip
-        got_q, _ = skinny_qkv_rotary_kv(x, w, None, config, counters, RotaryKVWrite(
-            positions, cos_sin, got_kv[0], got_kv[1], slots, 32, 32, *scales))  # fmt: skip
-        torch.testing.assert_close(got_q, want_q, atol=3e-2, rtol=2e-2, msg=str(config))
-        # An FP8 value is within one step of e4m3 (1/8 of it) of the two kernels'.
-        rtol = 0.13 if fp8 else 2e-2
-        torch.testing.assert_close(got_kv.float(), want_kv.float(), atol=3e-2, rtol=rtol,
-                                   msg=str(config))  # fmt: skip
-        assert not torch.equal(want_kv.float(), kv.float())  # the rows' slots were written
-    assert not counters.any()
 
 
 @pytest.mark.gpu

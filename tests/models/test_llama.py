@@ -23,7 +23,6 @@ from models.matmul_plan import (
     PlanEntry,
     PlannedMatmul,
     TritonGemv,
-    TritonSkinnyGemm,
 )
 from tests.tiny_models import build_tiny_model_dir
 
@@ -185,72 +184,3 @@ def test_config_reads_architecture_facts(tmp_path: Path) -> None:
     cfg = ModelConfig.from_dir(build_tiny_model_dir(tmp_path / "l", "llama3"))
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_theta) == (4, 2, 500000.0)
-
-
-@pytest.mark.parametrize("fuse_norm", [False, True])
-def test_qkv_rotary_epilogue_gives_the_same_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fuse_norm: bool
-) -> None:
-    """With `Attention.rotary_kv_in_qkv` on, a step that rotates and writes K/V in a kernel of
-    its own (a prompt of 12 tokens, then a verify step's 5 rows of one sequence, which attend
-    to each other's K/V) has the few-row QKV matmul's epilogue do it instead, the norm in its
-    prologue or before it: the same logits and the same cache. The GPU path runs (the
-    interpreter's kernels, the torch references of the attention ops)."""
-    import models.attention as attention_module
-    from asyncengine_kernels.paged_attention import DecodePlan
-    from asyncengine_kernels.skinny_gemm import SkinnyConfig
-    from models.layers import QKVParallelLinear
-
-    # Heads of 64 features: the skinny config's 32-column blocks cover half a head.
-    model_dir = build_tiny_model_dir(tmp_path, "llama3", hidden_size=128,
-                                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    cfg = ModelConfig.from_dir(model_dir)
-    skinny = TritonSkinnyGemm(SkinnyConfig(32, 16, 2, 4, 1))
-    monkeypatch.setattr(attention_module.Attention, "_cpu_path", lambda *a: False)
-    unfused_calls = []
-    real = attention_module.rotary_and_write_kv
-    monkeypatch.setattr(attention_module, "rotary_and_write_kv",
-                        lambda *a: unfused_calls.append(1) or real(*a))  # fmt: skip
-    gen = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, cfg.vocab_size, (12,), generator=gen)
-    drafts = torch.randint(0, cfg.vocab_size, (5,), generator=gen)
-    table = torch.tensor([[2, 0]], dtype=torch.int32)
-    prefill = AttentionMetadata(
-        slot_mapping=torch.tensor([32 + i for i in range(12)]),
-        query_start_loc=torch.tensor([0, 12], dtype=torch.int32),
-        seq_lens=torch.tensor([12], dtype=torch.int32), block_tables=table,
-    )  # fmt: skip
-    # The verify step as batch-expanded decode rows: row j sees the prompt and rows 0..j.
-    verify = AttentionMetadata(
-        slot_mapping=torch.tensor([44, 45, 46, 47, 0]),
-        query_start_loc=torch.arange(6, dtype=torch.int32),
-        seq_lens=torch.arange(13, 18, dtype=torch.int32), block_tables=table.expand(5, 2),
-        max_query_len=1, decode_only=True, max_seq_len=17,
-        decode_plan=DecodePlan(fuse_rotary=False),
-    )  # fmt: skip
-    results = []
-    for on in (False, True):
-        model = load_model(model_dir, cfg, dtype=torch.float32, device=torch.device("cpu"))
-        for module in model.modules():
-            if isinstance(module, QKVParallelLinear):
-                module.set_plan(MatmulPlan((
-                    PlanEntry(skinny, 16, InputTransform.RMS_NORM, fuse_input=fuse_norm),
-                    PlanEntry(Blas(), input=InputTransform.RMS_NORM))))  # fmt: skip
-        cache = torch.zeros(2, cfg.num_hidden_layers, 4, BLOCK, 1, 64)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
-            attn.rotary_kv_in_qkv = on
-        unfused_calls.clear()
-        logits = []
-        with torch.inference_mode():
-            for meta, ids, pos in ((prefill, prompt, torch.arange(12)),
-                                   (verify, drafts, torch.arange(12, 17))):  # fmt: skip
-                with set_forward_context(meta):
-                    logits.append(model.compute_logits(model(ids, pos)))
-        assert len(unfused_calls) == (0 if on else 2 * cfg.num_hidden_layers)
-        results.append((logits, cache))
-    (off_logits, off_cache), (on_logits, on_cache) = results
-    for a, b in zip(off_logits, on_logits, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(on_cache, off_cache, rtol=1e-6, atol=1e-6)
-

@@ -190,48 +190,6 @@ def test_skinny_kind_keeps_its_counters_on_the_layer_while_planned() -> None:
     assert layer.skinny_counters is None
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_qkv_rotary_epilogue_runs_only_on_the_few_row_entry(fuse: bool) -> None:
-    """`apply_normed_rotary_kv`: the few-row matmul's entry rotates q and writes the cache
-    (q equal to the plain product's rotated q); any other entry, or heads that its column
-    blocks do not tile, leave it to the caller (None)."""
-    from asyncengine_kernels.rotary_kv_cache import rotary_and_write_kv
-    from asyncengine_kernels.skinny_gemm import RotaryKVWrite
-    from models.layers import QKVParallelLinear
-    from tests.asyncengine_kernels.test_rotary import _cos_sin_cache
-
-    layer = QKVParallelLinear(32, 64, 2, 1, bias=False, input_transform=NORM)
-    _init(layer)
-    norm = RMSNorm(32, 1e-5)
-    x, residual = torch.randn(3, 32), torch.randn(3, 32)
-    positions, slots = torch.tensor([5, 6, 7]), torch.tensor([9, -1, 2])
-    cos_sin = _cos_sin_cache(64)
-
-    def rotary(cache: torch.Tensor) -> RotaryKVWrite:
-        return RotaryKVWrite(positions, cos_sin, cache[0], cache[1], slots, 2, 1)
-
-    layer.set_plan(_plan(Blas(), 16, NORM, declared=NORM))
-    unused = torch.zeros(2, 2, 8, 1, 64)
-    assert layer.forward_normed_rotary_kv(x, residual, norm, rotary(unused)) is None
-    layer.set_plan(_plan(SKINNY, 16, NORM, fuse))
-    want_cache = torch.zeros(2, 2, 8, 1, 64)
-    qkv, want_res = layer.forward_normed(x, residual, norm)
-    q, k, v = qkv.view(3, 4, 64).split([2, 1, 1], dim=1)
-    want_q = rotary_and_write_kv(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
-    cache = torch.zeros(2, 2, 8, 1, 64)
-    got = layer.forward_normed_rotary_kv(x, residual, norm, rotary(cache))
-    assert got is not None
-    torch.testing.assert_close(got[0], want_q.view(3, 128), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[1], want_res)
-    # Heads of 32: the 32-column blocks would straddle both halves of a head.
-    small = QKVParallelLinear(32, 32, 2, 1, bias=False, input_transform=NORM)
-    small.set_plan(_plan(SKINNY, 16, NORM, fuse))
-    cache32 = torch.zeros(2, 2, 8, 1, 32)
-    assert small.forward_normed_rotary_kv(x, residual, norm, RotaryKVWrite(
-        positions, _cos_sin_cache(32), cache32[0], cache32[1], slots, 2, 1)) is None
-
-
 @needs_onednn
 def test_lm_head_takes_a_packed_plan_and_drops_the_copy_after() -> None:
     head = ParallelLMHead(300, 48)
@@ -275,7 +233,8 @@ def test_entries_check_what_their_kind_can_do() -> None:
         PlanEntry(Blas(), input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="at most 16 rows"):
         PlanEntry(SKINNY, 17)
-    assert PlanEntry(SKINNY, 16, input=NORM, fuse_input=True).fuse_input
+    with pytest.raises(ValueError, match="cannot apply rms_norm"):  # the norm kernel first
+        PlanEntry(SKINNY, 16, input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="cannot apply rms_norm"):
         PlanEntry(CpuPacked(), 16, input=NORM, fuse_input=True)
     with pytest.raises(ValueError, match="no silu_and_mul epilogue"):

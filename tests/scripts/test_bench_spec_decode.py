@@ -89,24 +89,19 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
     references. Off the GPU it runs on the CPU engine, which it must leave exact."""
     from asyncengine.model_runner import ModelRunner
 
-    # The bench sets the runner's switches per engine: they go back after the test.
-    for switch in ("graph_head_layers", "qkv_rotary_epilogue"):
-        monkeypatch.setattr(ModelRunner, switch, getattr(ModelRunner, switch))
+    # The bench sets the runner's switch per engine: it goes back after the test.
+    monkeypatch.setattr(ModelRunner, "graph_head_layers", ModelRunner.graph_head_layers)
     bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
-                        graph_head_layers=[0, 1], qkv_rotary_epilogue=[1], max_tokens=16,
-                        prompt_len=16))  # fmt: skip
+                        graph_head_layers=[0, 1], max_tokens=16, prompt_len=16))  # fmt: skip
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
     assert [(r["k"], r["graph_head_layers"]) for r in steps] == [(0, 0), (4, 0), (4, 1)]
-    # The CPU plans hold no few-row matmul: no layer would take the QKV epilogue.
-    assert [r.get("qkv_few_row_layers") for r in steps] == [None, 0, 0]
     assert not any(r.get("sync") for r in steps)
     assert {r["bench"] for r in records} == {"spec_verify_step", "spec_matmul_plans",
                                             "spec_latency", "spec_throughput"}
     latency = [r for r in records if r["bench"] == "spec_latency"]
     assert [r["graph_head_layers"] for r in latency] == [0, 1]
-    assert all(r["qkv_rotary_epilogue"] is True for r in latency)
     for r in latency:
         assert r["k"] == 4 and r["replay_converged"] and r["verify_steps"] > 0
     load = [r for r in records if r["bench"] == "spec_throughput"]
