@@ -337,7 +337,11 @@ def plan_quantized_linears(
             first.params_dtype, *ladder, *([kind.describe() for kind in c] for c in candidates),
         ])  # fmt: skip
         pairs = [(m, m.bias if has_bias else None) for m in layers]
-        best = _cached_choice(cache, key, candidates, ladder, pairs, first, declared)
+        # A step whose candidates all failed planned one of the format's fallbacks (or the
+        # reference): a cached plan may name those too.
+        known = [[*kinds, *method.fallback_kinds(first, rows)]
+                 for rows, kinds in zip(ladder, candidates, strict=True)]  # fmt: skip
+        best = _cached_choice(cache, key, known, ladder, pairs, first, declared)
         chosen[group] = (method, candidates, key, pairs, best)
         if best is None:
             for i, (rows, kinds) in enumerate(zip(ladder, candidates, strict=True)):
@@ -428,8 +432,8 @@ def _cached_choice(
     first: LinearBase, declared: InputTransform,
 ) -> list[MatmulKind] | None:  # fmt: skip
     """The kinds `cache` holds for `key`, one per row count, if each is still a candidate
-    there and agrees with the reference on every layer at that row count and the fewest rows
-    it serves; else None (the caller times them)."""
+    (or fallback) there and agrees with the reference on every layer at that row count and
+    the fewest rows it serves; else None (the caller times them)."""
     names = cache.load(key) if cache is not None else None
     if names is None or len(names) != len(ladder):
         return None
@@ -475,8 +479,8 @@ def _agreeing_kinds(
     """The kinds that agree with their reference (`agrees_with_reference`) on every layer of
     `pairs` (layer, bias), at x's rows and at `low_rows` (the fewest rows of the range they
     would serve: a partial tile there can fail where a full one does not). A kind that
-    raises (a config this GPU cannot run) drops out silently, one that disagrees with a
-    warning. Layer by layer, each reference output is computed once for all the kinds
+    raises (a config this GPU cannot run) drops out with an info line, one that disagrees
+    with a warning. Layer by layer, each reference output is computed once for all the kinds
     rather than once per kind: with some fifty kinds over 32 layers, a dequantize-then-
     matmul per kind and layer is a large share of a cold start's tuning."""
     dropped: set[MatmulKind] = set()
@@ -491,7 +495,9 @@ def _agreeing_kinds(
                     if reference not in wants:
                         wants[reference] = reference_output(reference, m, xs, b)
                     agrees = agrees_with_reference(kind, m, xs, b, wants[reference])
-                except Exception:
+                except Exception as e:
+                    logger.info("quantized %s cannot run at %d rows (%s: %s); not planned",
+                                kind.describe(), xs.shape[0], type(e).__name__, e)  # fmt: skip
                     dropped.add(kind)
                     continue
                 if not agrees:
@@ -580,7 +586,9 @@ def _time_kinds(
 
             with torch.inference_mode():
                 times[kind.describe()] = graph_time_ms(call, pairs, reps)  # type: ignore[arg-type]
-        except Exception:  # a config this GPU cannot run (resources): skip it
+        except Exception as e:  # a config this GPU cannot run (resources): skip it
+            logger.warning("quantized %s could not be timed at %d rows (%s: %s); not planned",
+                           kind.describe(), x.shape[0], type(e).__name__, e)  # fmt: skip
             continue
     return times
 

@@ -406,18 +406,24 @@ def test_the_plan_merges_neighbouring_entries_that_run_alike() -> None:
 def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
     """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
     and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
-    4 along K in steps of 128) fits."""
+    4 along K in steps of 128) fits. Built under `dtype` as the model loader builds layers
+    (their activations' dtype: the 16-bit kernels refuse float32 ones)."""
     from models.quantization.config import IntQuantConfig
     from models.quantization.layer import process_int_linear
 
     qc = IntQuantConfig("gptq", 4, 32)
-    with torch.device(device):
-        model = nn.ModuleDict({
-            "a": RowParallelLinear(512, 64, quant_config=qc),
-            "b": RowParallelLinear(512, 64, quant_config=qc),
-            "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM,
-                                      quant_config=qc),
-        })  # fmt: skip
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = nn.ModuleDict({
+                "a": RowParallelLinear(512, 64, quant_config=qc),
+                "b": RowParallelLinear(512, 64, quant_config=qc),
+                "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM,
+                                          quant_config=qc),
+            })  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator(device).manual_seed(0)
     for layer in model.values():
         layer.weight.data.random_(0, 16, generator=gen)
@@ -677,6 +683,47 @@ def test_quantized_plans_are_read_back_from_the_cache(
     timed.clear()
     tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
     assert len(timed) == steps
+
+
+def test_a_plan_of_fallback_kinds_is_read_back_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # fmt: skip
+    """Where every candidate of a step fails, the format's fallbacks are timed and planned;
+    the next start finds that plan in the cache (the fallbacks are known names there), times
+    nothing and plans the same."""
+    from models.plan_cache import PlanCache
+    from models.quantization.kinds import DequantMatmul, QuantTritonGemm, TritonDequantMatmul
+    from models.quantization.method import IntLinearMethod
+
+    class Refusing(TritonDequantMatmul):  # a kernel that cannot run for these layers
+        def describe(self) -> str:
+            return "refusing"
+
+        def apply(self, *args: object, **kwargs: object) -> torch.Tensor:
+            raise ValueError("not on this GPU")
+
+    model = _quantized_model("cpu", torch.float32)
+    gemm = next(k for k in IntLinearMethod().tuning_kinds(model["a"], 16)
+                if isinstance(k, QuantTritonGemm))  # fmt: skip
+    monkeypatch.setattr(IntLinearMethod, "tuning_kinds",
+                        lambda self, m, rows: [Refusing(), DequantMatmul()][: 1 + (rows > 64)])
+    monkeypatch.setattr(IntLinearMethod, "fallback_kinds",
+                        lambda self, m, rows: [gemm, DequantMatmul()] if rows <= 64 else [])
+    timed: list[int] = []
+
+    def fake_times(kinds, x, pairs, reps, low_rows=1, *, declared):  # type: ignore[no-untyped-def]
+        timed.append(x.shape[0])
+        return {k.describe(): (1.0 if k is gemm else 2.0) for k in kinds
+                if not isinstance(k, Refusing)}  # fmt: skip
+
+    monkeypatch.setattr(tuning, "_time_kinds", fake_times)
+    cache = PlanCache(tmp_path)
+    plans, _ = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert plans[model["a"]].entry_for(16).kind == gemm
+    assert timed
+    timed.clear()
+    again, timings = tuning.plan_quantized_linears(model, device_type="cpu", cache=cache)
+    assert timed == [] and timings == {} and again == plans
 
 
 @pytest.mark.gpu
