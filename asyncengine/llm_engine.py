@@ -195,8 +195,6 @@ class LLMEngine:
                 args.max_num_seqs, self.pool.blocks_needed(self.max_model_len),
                 expanded_rows=0 if spec is None else spec.max_verify_rows,
                 head_layers=self.runner.graph_head_layers,
-                chain_steps=(spec.config.num_speculative_tokens - 1
-                             if self.runner.draft_chains and spec.config is not None else 0),
             )  # fmt: skip
         self._prompt_meter = RateMeter()
         self._gen_meter = RateMeter()

@@ -379,10 +379,6 @@ class ModelRunner:
     # short launch); 0 keeps every graph whole. Not yet timed on a GPU: the benchmarks set
     # it (`--graph-head-layers`) to compare.
     graph_head_layers = 0
-    # A draft model's proposals run their one-token steps as one CUDA graph
-    # (`spec_decode.draft_chain`). Not yet timed on a GPU: off until the draft bench
-    # (`bench_spec_decode draft --chains`) measures it.
-    draft_chains = False
 
     def __init__(
         self,

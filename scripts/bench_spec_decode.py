@@ -586,12 +586,10 @@ def run_draft(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     from asyncengine.model_runner import ModelRunner
 
-    runs = [(False, h, False) for h in args.graph_head_layers]
-    runs += [(False, h, True) for h in args.graph_head_layers] * args.chains
-    runs += [(True, 0, False)] * (not args.no_eager)
-    for eager, head_layers, chains in runs:
+    runs = [(False, h) for h in args.graph_head_layers]
+    runs += [(True, 0)] * (not args.no_eager)
+    for eager, head_layers in runs:
         ModelRunner.graph_head_layers = head_layers  # the draft's graphs split as the target's
-        ModelRunner.draft_chains = chains
         llm = LLM(str(target), load_format="dummy", skip_tokenizer_init=True,
                   speculative_config=spec, enforce_eager=eager,
                   max_num_seqs=max(args.batches))  # fmt: skip
@@ -618,7 +616,7 @@ def run_draft(args: argparse.Namespace) -> None:
             llm.generate(_prompts(batch, args.prompt_len, args.vocab), params, use_tqdm=False)
             ms = 1e3 * statistics.median(timings) if timings else None
             emit({"bench": "draft proposal", "draft_graphs": not eager,
-                  "graph_head_layers": head_layers, "chains": chains, "batch": batch,
+                  "graph_head_layers": head_layers, "batch": batch,
                   "k": args.k, "target": args.shape, "draft": args.draft_shape,
                   "proposals": len(timings), "ms_per_proposal": ms,
                   "graph_replays": 0 if proposer.graphs is None else proposer.graphs.replays})
@@ -678,9 +676,6 @@ def main() -> None:
                        help="with graphs, one run per value: small graphs split after that "
                             "many layers (0: whole)")
     draft.add_argument("--no-eager", action="store_true", help="skip the run without graphs")
-    draft.add_argument("--chains", action="store_true",
-                       help="also run each --graph-head-layers value with the greedy one-token "
-                            "steps chained in one graph (ModelRunner.draft_chains)")
     args = parser.parse_args()
     if args.mode == "cpu":
         run_cpu(args)

@@ -616,10 +616,9 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     done
   fi
   if [[ " $parts " == *" draft "* ]]; then  # the draft model's cost per proposal, its small
-    # graphs whole and split after two layers, each without and with the greedy steps
-    # chained in one graph (DRAFT_ARGS: other flags)
+    # graphs whole and split after two layers (DRAFT_ARGS: other flags)
     timeout 400 python3 -m scripts.bench_spec_decode draft --batches 1 8 \
-      --graph-head-layers 0 2 --chains --no-eager ${DRAFT_ARGS:-} 2>>"$OUT/bench.log" \
+      --graph-head-layers 0 2 --no-eager ${DRAFT_ARGS:-} 2>>"$OUT/bench.log" \
       | tee "$OUT/draft.jsonl" | cut -c1-400
   fi
   if [[ " $parts " == *" attn "* ]]; then

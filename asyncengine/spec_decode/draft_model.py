@@ -67,7 +67,6 @@ from asyncengine.model_runner import (
 from asyncengine.request import Request
 from asyncengine.sampler import host_to_device
 from asyncengine.spec_decode.config import SpeculativeConfig
-from asyncengine.spec_decode.draft_chain import DraftChains
 from asyncengine.spec_decode.draft_sampling import DraftSampling
 from asyncengine.step_buffer import StepHeader, pack, unpack
 from asyncengine_kernels.paged_attention import DecodePlan, decode_plan
@@ -209,41 +208,27 @@ class DraftModelProposer:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         # The one-token steps' CUDA graphs (`capture_graphs`); None: every step eager.
         self.graphs: DecodeGraphs | None = None
-        # A proposal's one-token steps as one graph (`capture_graphs`); None: a graph a
-        # step.
-        self.chains: DraftChains | None = None
         # Steps are uploaded without a wait, so the host queues a proposal's forwards back to
         # back and meets the device once, when the drafts come back.
         self.staging = PinnedStaging(device, turns=STAGING_TURNS)
 
     def capture_graphs(
         self, max_num_seqs: int, max_blocks_per_seq: int, expanded_rows: int = 0,
-        head_layers: int = 0, chain_steps: int = 0,
+        head_layers: int = 0,
     ) -> None:  # fmt: skip
         """Capture the draft's one-token steps as CUDA graphs for up to `max_num_seqs`
         requests, and the plans of batch-expanded catch-ups of up to `expanded_rows` rows
         (the target's largest verify step; on the GPU, once the KV cache exists); small ones
-        split after `head_layers` layers where that is not 0 (`cuda_graphs.SplitGraph`).
-        `chain_steps` (k - 1): proposals of small batches run their one-token steps as one
-        graph of up to that many steps (`draft_chain.DraftChains`)."""
+        split after `head_layers` layers where that is not 0 (`cuda_graphs.SplitGraph`)."""
         graphs = DecodeGraphs(self.model, self.device, max_num_seqs, max_blocks_per_seq,
                               verify_rows=expanded_rows, label="draft decode",
                               head_layers=head_layers)  # fmt: skip
-        pool = graphs.capture()  # a pool of its own: the target's graphs never wait on it
+        graphs.capture()  # a pool of its own: the target's graphs never wait on it
         self.graphs = graphs
-        if chain_steps > 0:
-            chains = DraftChains(self.model, self.device, max_num_seqs, chain_steps,
-                                 max_blocks_per_seq, self.block_size)  # fmt: skip
-            if chains.sizes:
-                chains.capture(pool)
-                self.chains = chains
 
     def shutdown(self) -> None:
         """Let go of the draft's graphs, weights and view of the KV cache."""
         self.graphs = None
-        if self.chains is not None:
-            self.chains.release()
-            self.chains = None
         self.staging.release()
         model, self.model = self.model, None  # type: ignore[assignment]
         if model is not None:
@@ -299,10 +284,6 @@ class DraftModelProposer:
 
         active = list(range(len(reqs)))
         tokens = pick(self._catch_up(reqs), active, 0)
-        if self.chains is not None:
-            chained = self.chains.run(reqs, counts, tokens, sampling)
-            if chained is not None:
-                return chained
         drafts = torch.full((len(reqs), max(counts)), -1, dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
         for j in range(1, max(counts)):

@@ -595,27 +595,11 @@ class EagerReplay:
         return None
 
 
-class EagerChain:
-    """A draft chain graph off the GPU: a replay runs the chain's steps eagerly."""
-
-    def __init__(self, body: object) -> None:
-        self.body = body
-
-    def replay(self) -> None:
-        self.body()  # type: ignore[operator]
-
-    def pool(self) -> None:
-        return None
-
-
-def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int,
-                 chain_steps: int = 0) -> list:  # fmt: skip
+def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int) -> list:
     """Give the proposer real `DecodeGraphs` (static buffers, staging, planning) whose graphs
-    replay eagerly on the CPU, and with `chain_steps` its chain graphs
-    (`draft_chain.DraftChains`) likewise; returns the log of the decode graphs' replays
-    (padded rows, real rows, plan, whether batch-expanded)."""
+    replay eagerly on the CPU; returns the log of the decode graphs' replays (padded rows,
+    real rows, plan, whether batch-expanded)."""
     import asyncengine.cuda_graphs as cuda_graphs
-    import asyncengine.spec_decode.draft_chain as draft_chain
 
     log: list = []
 
@@ -624,11 +608,8 @@ def eager_graphs(proposer: object, monkeypatch: pytest.MonkeyPatch, max_num_seqs
         return replay, replay.out
 
     monkeypatch.setattr(cuda_graphs, "capture_forward", capture)
-    monkeypatch.setattr(draft_chain, "capture_callable",
-                        lambda body, device, pool: (EagerChain(body), None))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8,  # type: ignore[attr-defined]
-                            chain_steps=chain_steps)  # fmt: skip
+    proposer.capture_graphs(max_num_seqs, 64, expanded_rows=8)  # type: ignore[attr-defined]
     log.clear()  # capture's own passes
     return log
 
