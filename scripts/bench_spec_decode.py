@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -217,8 +218,6 @@ def launch_gaps(events: list[tuple[str, str, float, float]]) -> dict[str, float 
     (since the end of every device event before it). Medians over the launches, in
     microseconds: whether a graph's work starts only once its launch call is done, and
     what the host costs a step it must wait for."""
-    import statistics
-
     launches = sorted((s, e) for where, name, s, e in events
                       if where == "cpu" and name == "cudaGraphLaunch")  # fmt: skip
     device = sorted((s, e) for where, _, s, e in events if where == "gpu")
@@ -482,26 +481,57 @@ def run_gpu(args: argparse.Namespace) -> None:
               "ms_per_step": round(1e3 * secs / out_len, 3), **_phases(sync, before)})
         sync.llm_engine.shutdown()
         del sync
+    # The speculating engines after the first take its matmul plans: each engine's start-up
+    # tuning plans anew, and plans that differ would be part of an A/B's difference.
+    plans = None
     for head_layers in args.graph_head_layers:
-        _spec_runs(args, head_layers, p1, reference, batches, one_token_ms)
+        plans = _spec_runs(args, head_layers, p1, reference, batches, one_token_ms, plans)
+
+
+def _plans_of(llm: LLM) -> dict[str, Any]:
+    """Every planned matmul layer's plan, by the layer's name."""
+    from models.matmul_plan import PlannedMatmul
+
+    model = llm.llm_engine.runner.model
+    return {name: m.plan for name, m in model.named_modules() if isinstance(m, PlannedMatmul)}
+
+
+def _adopt_plans(llm: LLM, plans: dict[str, Any]) -> None:
+    """Give `llm`'s layers `plans` (`_plans_of` another engine of the same model), then
+    capture its CUDA graphs again with them (on the GPU)."""
+    engine = llm.llm_engine
+    for name, m in engine.runner.model.named_modules():
+        if name in plans:
+            m.set_plan(plans[name])
+    if engine.runner.device.type == "cuda":
+        spec = engine.spec_decoder
+        engine.runner.prepare_for_serving(
+            enforce_eager=engine.runner.graphs is None,
+            max_num_seqs=engine.scheduler.max_num_seqs,
+            max_blocks_per_seq=engine.pool.blocks_needed(engine.max_model_len),
+            verify_rows=0 if spec is None else spec.max_verify_rows,
+        )  # fmt: skip
 
 
 def _spec_runs(
     args: argparse.Namespace, head_layers: int, p1: list[list[int]],
     reference: dict[tuple[int, ...], list[int]],
     batches: dict[int, tuple[list[list[int]], dict[tuple[int, ...], list[int]], float]],
-    one_token_ms: float,
-) -> None:  # fmt: skip
-    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers:
-    verify steps (and, unless --brief, where their time goes), the latency sweep and the
-    batches against `run_gpu`'s references; every record names `graph_head_layers`."""
+    one_token_ms: float, plans: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """`run_gpu`'s speculating engine with small graphs split after `head_layers` layers (and
+    the matmul `plans` of an earlier such engine, if given): verify steps (and, unless
+    --brief, where their time goes), the latency sweep and the batches against `run_gpu`'s
+    references; every record names `graph_head_layers`. Returns the engine's plans."""
     from models.linear_tuning import describe_matmul_plans
 
     out_len = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm = _engine(args, 8, head_layers)
+    if plans is not None:
+        _adopt_plans(llm, plans)
     vocab = llm.llm_engine.model_config.vocab_size
-    split = {"graph_head_layers": head_layers}
+    split = {"graph_head_layers": head_layers, "plans_of_first_engine": plans is not None}
     emit({"bench": "spec_matmul_plans", **split,
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
@@ -538,17 +568,28 @@ def _spec_runs(
         secs, outs, runs, converged, agreed = _replayed(llm, p1, params, reference, k,
                                                         acceptance, 1)  # fmt: skip
         out = outs[0].outputs[0].token_ids
+        # of the timed run (`_set_k` resets the metrics before each run)
+        timed_run = {"mean_acceptance_length": round(dec.metrics.mean_acceptance_length, 3),
+                     "verify_steps": dec.metrics.num_drafts}  # fmt: skip
+        steps_all = llm.llm_engine.step_timing["steps"] - steps0
+        # The converged run again (the same drafts, so the same steps): the median of its
+        # times, since one run varies by a few percent from call to call.
+        times = [secs]
+        for _ in range(args.repeats if converged else 0):
+            _set_k(llm, k, ReplayProposer({tuple(p1[0]): out}, acceptance, vocab, seed=1))
+            again, outs_again = _timed(llm, p1, params)
+            if outs_again[0].outputs[0].token_ids == out:
+                times.append(again)
+        secs = statistics.median(times)
         emit({"bench": "spec_latency", "k": k, "acceptance": acceptance, **split,
               "ms_per_token": round(1e3 * secs / out_len, 3),
+              "ms_per_token_runs": [round(1e3 * t / out_len, 3) for t in times],
               "baseline_ms_per_token": round(one_token_ms, 3),
               "speedup": round(one_token_ms * out_len / 1e3 / secs, 3),
-              # of the timed run (`_set_k` resets the metrics before each run)
-              "mean_acceptance_length": round(dec.metrics.mean_acceptance_length, 3),
-              "replay_runs": runs, "replay_converged": converged,
+              **timed_run, "replay_runs": runs, "replay_converged": converged,
               "agreed_prefix_by_run": agreed,
-              # the timed run's verify steps, and the steps of every replay run
-              "verify_steps": dec.metrics.num_drafts,
-              "steps_all_runs": llm.llm_engine.step_timing["steps"] - steps0,
+              # and the steps of every replay run
+              "steps_all_runs": steps_all,
               "cost_ratio": round(dec.cost.ratio, 3),
               "left_plain_greedy_at": None if out == plain else common_prefix(out, plain)})
 
@@ -564,7 +605,9 @@ def _spec_runs(
               "replay_converged": converged,
               "equal_to_plain": all(o.outputs[0].token_ids == refs[tuple(p)]
                                     for p, o in zip(ps, outs, strict=True))})  # fmt: skip
+    mine = _plans_of(llm)
     llm.llm_engine.shutdown()
+    return mine
 
 
 def run_draft(args: argparse.Namespace) -> None:
@@ -574,7 +617,6 @@ def run_draft(args: argparse.Namespace) -> None:
     alone (a catch-up of one token, then k - 1 steps): each proposal is timed by itself
     (the device synchronized around it), and the median reported, which the catch-up of a
     fresh prompt does not move."""
-    import statistics
 
     import torch
 
@@ -650,6 +692,8 @@ def main() -> None:
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
+    gpu.add_argument("--repeats", type=int, default=4,
+                     help="latency: times the converged run this many more times (median)")
     gpu.add_argument("--brief", action="store_true",
                      help="only the verify steps of the --sweep draft counts and the sweep "
                           "itself: no synchronous engine, profiles or host split (an A/B of "

@@ -92,7 +92,8 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
     # The bench sets the runner's switch per engine: it goes back after the test.
     monkeypatch.setattr(ModelRunner, "graph_head_layers", ModelRunner.graph_head_layers)
     bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
-                        graph_head_layers=[0, 1], max_tokens=16, prompt_len=16))  # fmt: skip
+                        graph_head_layers=[0, 1], max_tokens=16, prompt_len=16,
+                        repeats=2))  # fmt: skip
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
@@ -104,6 +105,13 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
     assert [r["graph_head_layers"] for r in latency] == [0, 1]
     for r in latency:
         assert r["k"] == 4 and r["replay_converged"] and r["verify_steps"] > 0
+        # The converged run and its two repeats, which replay the same drafts.
+        assert len(r["ms_per_token_runs"]) == 3
+        assert r["ms_per_token"] == sorted(r["ms_per_token_runs"])[1]
+    # The second engine ran on the first one's matmul plans.
+    assert [r["plans_of_first_engine"] for r in latency] == [False, True]
+    plans = [r["matmul_plans"] for r in records if r["bench"] == "spec_matmul_plans"]
+    assert len(plans) == 2 and plans[0] == plans[1]
     load = [r for r in records if r["bench"] == "spec_throughput"]
     assert [r["graph_head_layers"] for r in load] == [0, 1]
     assert all(r["equal_to_plain"] for r in load)
