@@ -403,27 +403,33 @@ def test_the_plan_merges_neighbouring_entries_that_run_alike() -> None:
 
 
 # ------------------------------------------------------------- quantized layers
-def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
-    """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
-    and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
-    4 along K in steps of 128) fits. Built under `dtype` as the model loader builds layers
-    (their activations' dtype: the 16-bit kernels refuse float32 ones)."""
-    from models.quantization.config import IntQuantConfig
-    from models.quantization.layer import process_int_linear
-
-    qc = IntQuantConfig("gptq", 4, 32)
-    default = torch.get_default_dtype()
+def _three_layers(device: str, dtype: torch.dtype, qc: object, k_ab: int, k_c: int
+                  ) -> nn.ModuleDict:  # fmt: skip
+    """Layers of format `qc`: "a" and "b" of one shape [64, k_ab], and "c" [96, k_c] with an
+    RMSNorm input; built under `dtype` as the model loader builds layers (their activations'
+    dtype: the 16-bit kernels refuse float32 ones)."""
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = nn.ModuleDict({
-                "a": RowParallelLinear(512, 64, quant_config=qc),
-                "b": RowParallelLinear(512, 64, quant_config=qc),
-                "c": ColumnParallelLinear(512, 96, input_transform=InputTransform.RMS_NORM,
+            return nn.ModuleDict({
+                "a": RowParallelLinear(k_ab, 64, quant_config=qc),
+                "b": RowParallelLinear(k_ab, 64, quant_config=qc),
+                "c": ColumnParallelLinear(k_c, 96, input_transform=InputTransform.RMS_NORM,
                                           quant_config=qc),
             })  # fmt: skip
     finally:
-        torch.set_default_dtype(default)
+        torch.set_default_dtype(previous)
+
+
+def _quantized_model(device: str, dtype: torch.dtype) -> nn.Module:
+    """Two same-shape GPTQ int4 layers (group 32) with random codes, repacked as at load,
+    and a third of another shape; K is 512, the least that the rules' small GEMM tile (split
+    4 along K in steps of 128) fits."""
+    from models.quantization.config import IntQuantConfig
+    from models.quantization.layer import process_int_linear
+
+    model = _three_layers(device, dtype, IntQuantConfig("gptq", 4, 32), 512, 512)
     gen = torch.Generator(device).manual_seed(0)
     for layer in model.values():
         layer.weight.data.random_(0, 16, generator=gen)
@@ -764,18 +770,7 @@ def _fp8_model(device: str, dtype: torch.dtype) -> nn.Module:
     from models.quantization.config import ONLINE_FP8
     from models.quantization.method import get_quant_method
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = nn.ModuleDict({
-                "a": RowParallelLinear(128, 64, quant_config=ONLINE_FP8),
-                "b": RowParallelLinear(128, 64, quant_config=ONLINE_FP8),
-                "c": ColumnParallelLinear(64, 96, input_transform=InputTransform.RMS_NORM,
-                                          quant_config=ONLINE_FP8),
-            })  # fmt: skip
-    finally:
-        torch.set_default_dtype(previous)
+    model = _three_layers(device, dtype, ONLINE_FP8, 128, 64)
     gen = torch.Generator().manual_seed(0)
     for layer in model.values():
         q, scale = quantize_weight_per_channel(torch.randn(layer.weight.shape, generator=gen))
