@@ -29,7 +29,9 @@ form reads 16-bit weights only and refuses a scale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -559,6 +561,23 @@ Call = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 Candidate = tuple[str, object, bool, Call]  # name, config, fuses the input, the call
 
 
+_compiling = threading.local()
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Within it, on this thread, `fastest_against_library` (so `tune_gemv` and
+    `asyncengine_kernels.skinny_gemm.tune_skinny`) runs the library's call and each
+    candidate's once, untimed, and picks the library: a pass from a pool of threads that
+    compiles a tuner's Triton kernels side by side (Triton releases the GIL while it
+    compiles) before the serial pass times them."""
+    _compiling.on = True
+    try:
+        yield
+    finally:
+        _compiling.on = False
+
+
 def fastest_against_library(
     library: Call, candidates: Sequence[Candidate], pairs: list[tuple[torch.Tensor,
     torch.Tensor | None]], reps: int,
@@ -567,7 +586,15 @@ def fastest_against_library(
     only if it agrees with the library and beats it by 2 % (a tie within timing noise keeps
     the library). Returns the fastest such candidate's config and whether it fuses the
     input (None, False: the library), its ms per call, and every time, by name: the fields
-    of `GemvChoice` and `SkinnyChoice`."""
+    of `GemvChoice` and `SkinnyChoice`. Under `compile_only`: each call runs once and the
+    library is returned, timed as 0."""
+    if getattr(_compiling, "on", False):
+        with torch.inference_mode():
+            library(*pairs[0])
+            for _, _, _, call in candidates:
+                with suppress(Exception):  # the timed pass skips it too
+                    call(*pairs[0])
+        return None, False, 0.0, {}
     with torch.inference_mode():
         timings = {"blas": graph_time_ms(library, pairs, reps)}
         want = library(*pairs[0]).float()

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -42,7 +43,13 @@ from tqdm.auto import tqdm
 from asyncengine_kernels.activation import silu_and_mul
 from asyncengine_kernels.cpu_gemm import gemm_available
 from asyncengine_kernels.cpu_linear import cpu_packing_available
-from asyncengine_kernels.gemv import GemvChoice, GemvConfig, graph_time_ms, tune_gemv
+from asyncengine_kernels.gemv import (
+    GemvChoice,
+    GemvConfig,
+    compile_only,
+    graph_time_ms,
+    tune_gemv,
+)
 from asyncengine_kernels.skinny_gemm import SKINNY_MAX_ROWS, SkinnyChoice, SkinnyConfig, tune_skinny
 from models.layers import LinearBase, RMSNorm, RowParallelLinear
 from models.matmul_plan import (
@@ -94,6 +101,8 @@ COMPILE_AHEAD_THREADS = min(16, os.cpu_count() or 1)
 COMPILE_AHEAD_MAX_ROWS = 256
 
 Plans = dict[PlannedMatmul, MatmulPlan]
+# What the 16-bit tuner's timings of one layer group at one row count give.
+Tuned = GemvChoice | SkinnyChoice
 
 # Row counts at which the few-row Triton matmul is timed against the library on the GPU;
 # each serves the rows above the previous (a decode step of a few requests, or a speculative
@@ -206,40 +215,26 @@ def _plan_groups(
         set(ladder)
     ):
         raise ValueError(f"the few-row ladder must rise within 2..{SKINNY_MAX_ROWS}: {ladder}")
+    mlp = _mlp_pair(groups)
+    calls = _tuning_calls(groups, mlp, configs, skinny_configs, ladder)
+    _compile_tuning_calls(list(calls.values()), groups)
+    tuned = {purpose: call() for purpose, call in calls.items()}
     timings: dict[tuple[int, int], dict[str, float]] = {}
-    choices: dict[_GemvGroup, GemvChoice] = {}
-    few: dict[_GemvGroup, list[SkinnyChoice]] = {}
-    for key, layers in groups.items():
-        weights = [m.weight for m in layers]
-        biases = [m.bias for m in layers] if key.has_bias else None
-        gated = key.input_transform is InputTransform.SILU_AND_MUL
-        # A normed input is timed in the matmul's prologue and as the norm kernel before it
-        # (or before the library), at one row and at a few.
-        normed = key.input_transform is InputTransform.RMS_NORM
-        choice = tune_gemv(weights, biases, configs=configs, gated=gated, normed=normed)
-        choices[key], timings[(key.n, key.k)] = choice, dict(choice.timings)
-        few[key] = [
-            tune_skinny(weights, biases, rows, gated=gated, configs=skinny_configs, normed=normed)
-            for rows in ladder
-        ]
-        for rows, row_choice in zip(ladder, few[key], strict=True):
+    for key in groups:
+        timings[(key.n, key.k)] = dict(tuned[key, 1].timings)
+        for rows in ladder:
             timings[(key.n, key.k)].update(
-                {f"{rows} rows: {name}": t for name, t in row_choice.timings.items()}
+                {f"{rows} rows: {name}": t for name, t in tuned[key, rows].timings.items()}
             )
     few_entries = {
-        key: [_tuned_entry(key.input_transform, c, TritonSkinnyGemm, rows)
-              for rows, c in zip(ladder, few[key], strict=True)]
+        key: [_tuned_entry(key.input_transform, tuned[key, rows], TritonSkinnyGemm, rows)
+              for rows in ladder]
         for key in groups
     }  # fmt: skip
-    one_row = {key: _tuned_entry(key.input_transform, choices[key], TritonGemv, 1)
+    one_row = {key: _tuned_entry(key.input_transform, tuned[key, 1], TritonGemv, 1)
                for key in groups}  # fmt: skip
-    producers = [key for key in groups if key.glu_output]
-    consumers = [key for key in groups if key.input_transform is InputTransform.SILU_AND_MUL]
-    # One MLP shape per model; anything else keeps separate forms.
-    if len(producers) == 1 and len(consumers) == 1:
-        prod, cons = producers[0], consumers[0]
-        _pair_mlp(groups, prod, cons, configs, skinny_configs, ladder, choices, few, one_row,
-                  few_entries, timings)  # fmt: skip
+    if mlp is not None:
+        _pair_mlp(mlp, ladder, tuned, one_row, few_entries, timings)
     plans: Plans = {}
     for key, layers in groups.items():
         library = PlanEntry(Blas(), input=key.input_transform)
@@ -247,45 +242,105 @@ def _plan_groups(
     return plans, timings
 
 
-def _pair_mlp(
-    groups: dict[_GemvGroup, list[LinearBase]], prod: _GemvGroup, cons: _GemvGroup,
+def _mlp_pair(groups: dict[_GemvGroup, list[LinearBase]]) -> tuple[_GemvGroup, _GemvGroup] | None:
+    """The model's MLP as (gate/up group, down group), where it has one MLP shape; anything
+    else keeps separate forms."""
+    producers = [key for key in groups if key.glu_output]
+    consumers = [key for key in groups if key.input_transform is InputTransform.SILU_AND_MUL]
+    return (producers[0], consumers[0]) if len(producers) == 1 and len(consumers) == 1 else None
+
+
+def _tuning_calls(
+    groups: dict[_GemvGroup, list[LinearBase]], mlp: tuple[_GemvGroup, _GemvGroup] | None,
     configs: Sequence[GemvConfig] | None, skinny_configs: Sequence[SkinnyConfig] | None,
-    ladder: Sequence[int], choices: dict[_GemvGroup, GemvChoice],
-    few: dict[_GemvGroup, list[SkinnyChoice]], one_row: dict[_GemvGroup, PlanEntry],
-    few_entries: dict[_GemvGroup, list[PlanEntry]],
+    ladder: Sequence[int],
+) -> dict[tuple, Callable[[], Tuned]]:  # fmt: skip
+    """Every timing the 16-bit planner makes, in the order it makes them, by purpose: per
+    group (key, 1) the GEMV and (key, rows) the few-row matmul at each row count of `ladder`
+    (with the input's norm or SiLU-and-mul where the kernel can form it, and as its own
+    kernel before it); for the
+    MLP pair, ("glu", rows) the gate/up matmul with SiLU-and-mul in its epilogue and
+    ("plain input", rows) the down projection on an activated input, at 1 and every row
+    count."""
+    calls: dict[tuple, Callable[[], Tuned]] = {}
+    for key, layers in groups.items():
+        weights = [m.weight for m in layers]
+        biases = [m.bias for m in layers] if key.has_bias else None
+        gated = key.input_transform is InputTransform.SILU_AND_MUL
+        normed = key.input_transform is InputTransform.RMS_NORM
+        calls[key, 1] = partial(tune_gemv, weights, biases, configs=configs, gated=gated,
+                                normed=normed)  # fmt: skip
+        for rows in ladder:
+            calls[key, rows] = partial(tune_skinny, weights, biases, rows, gated=gated,
+                                       configs=skinny_configs, normed=normed)  # fmt: skip
+    if mlp is not None:
+        prod, cons = mlp
+        prod_weights = [m.weight for m in groups[prod]]
+        cons_weights = [m.weight for m in groups[cons]]
+        biases = [m.bias for m in groups[prod]] if prod.has_bias else None
+        normed = prod.input_transform is InputTransform.RMS_NORM
+        calls["glu", 1] = partial(tune_gemv, prod_weights, biases, normed=normed, glu=True,
+                                  configs=configs)  # fmt: skip
+        calls["plain input", 1] = partial(tune_gemv, cons_weights, configs=configs)
+        for rows in ladder:
+            calls["glu", rows] = partial(tune_skinny, prod_weights, biases, rows, glu=True,
+                                         configs=skinny_configs, normed=normed)  # fmt: skip
+            calls["plain input", rows] = partial(tune_skinny, cons_weights, None, rows,
+                                                 configs=skinny_configs)  # fmt: skip
+    return calls
+
+
+def _compile_tuning_calls(
+    calls: Sequence[Callable[[], Tuned]], groups: dict[_GemvGroup, list[LinearBase]]
+) -> None:
+    """On the GPU, run every tuning call once under `compile_only` from a pool of threads
+    (each call's kernels compile side by side, as `_compile_ahead` does for the quantized
+    kinds), so that the serial pass that times them compiles nothing."""
+    layers = [m for members in groups.values() for m in members]
+    if not layers or layers[0].weight.device.type != "cuda" or COMPILE_AHEAD_THREADS < 2:
+        return
+
+    def warm(call: Callable[[], Tuned]) -> None:
+        with compile_only():
+            call()
+
+    with (ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool,
+          tqdm(total=len(calls), desc="Compiling 16-bit matmuls", unit="step") as bar):
+        for _ in pool.map(warm, calls):
+            bar.update()
+    torch.cuda.synchronize(layers[0].weight.device)
+
+
+def _pair_mlp(
+    mlp: tuple[_GemvGroup, _GemvGroup], ladder: Sequence[int], tuned: dict[tuple, Tuned],
+    one_row: dict[_GemvGroup, PlanEntry], few_entries: dict[_GemvGroup, list[PlanEntry]],
     timings: dict[tuple[int, int], dict[str, float]],
 ) -> None:  # fmt: skip
-    """Time the MLP's gate/up matmul with SiLU-and-mul in its epilogue and the down
-    projection on a plain input, at batch 1 and at each row count of `ladder`; where that
-    pair beats the separate forms already chosen, both layers' entries for those rows are
-    replaced (in `one_row` and `few_entries`), so that the two always match."""
-    prod_layers, cons_layers = groups[prod], groups[cons]
-    prod_weights, cons_weights = [m.weight for m in prod_layers], [m.weight for m in cons_layers]
-    biases = [m.bias for m in prod_layers] if prod.has_bias else None
-    normed = prod.input_transform is InputTransform.RMS_NORM
-    glu = tune_gemv(prod_weights, biases, normed=normed, glu=True, configs=configs)
-    plain = tune_gemv(cons_weights, configs=configs)
+    """Where the MLP's gate/up matmul with SiLU-and-mul in its epilogue and the down
+    projection on a plain input (`_tuning_calls`' "glu" and "plain input") beat the separate
+    forms already chosen, at batch 1 or at a row count of `ladder`, both layers' entries for
+    those rows are replaced (in `one_row` and `few_entries`), so that the two always match."""
+    prod, cons = mlp
+    glu, plain = tuned["glu", 1], tuned["plain input", 1]
     timings[(prod.n, prod.k)].update({f"glu {name}": t for name, t in glu.timings.items()})
     timings[(cons.n, cons.k)].update(
         {f"plain input {name}": t for name, t in plain.timings.items()}
     )
-    if glu.config is not None and glu.ms + plain.ms < choices[prod].ms + choices[cons].ms:
+    if glu.config is not None and glu.ms + plain.ms < tuned[prod, 1].ms + tuned[cons, 1].ms:
         one_row[prod] = _tuned_entry(prod.input_transform, glu, TritonGemv, 1,
                                      epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip
         # The down projection's batch-1 input arrives activated by that epilogue.
         one_row[cons] = _tuned_entry(cons.input_transform, plain, TritonGemv, 1,
                                      entry_input=InputTransform.NONE)  # fmt: skip
     for i, rows in enumerate(ladder):
-        few_glu = tune_skinny(prod_weights, biases, rows, glu=True, configs=skinny_configs,
-                              normed=normed)  # fmt: skip
-        few_plain = tune_skinny(cons_weights, None, rows, configs=skinny_configs)
+        few_glu, few_plain = tuned["glu", rows], tuned["plain input", rows]
         timings[(prod.n, prod.k)].update(
             {f"{rows} rows: glu {name}": t for name, t in few_glu.timings.items()}
         )
         timings[(cons.n, cons.k)].update(
             {f"{rows} rows: plain input {name}": t for name, t in few_plain.timings.items()}
         )
-        separate = few[prod][i].ms + few[cons][i].ms
+        separate = tuned[prod, rows].ms + tuned[cons, rows].ms
         if few_glu.config is not None and few_glu.ms + few_plain.ms < separate:
             few_entries[prod][i] = _tuned_entry(prod.input_transform, few_glu, TritonSkinnyGemm,
                                                 rows, epilogue=Epilogue.SILU_AND_MUL)  # fmt: skip

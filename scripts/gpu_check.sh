@@ -547,13 +547,15 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
     done
   fi
   if [[ " $parts " == *" cold "* ]]; then  # a cold GPTQ int4 start (empty compile and plan
-    # caches; target 30 s) in bf16, then in fp16 (its own kernels to compile)
-    for dt in bfloat16 float16; do
+    # caches; target 30 s) in bf16, then in fp16 (its own kernels to compile); COLD_BF16=1:
+    # then a cold start with bf16 weights
+    starts=("--quantization gptq-int4 --dtype bfloat16" "--quantization gptq-int4 --dtype float16")
+    [ -n "${COLD_BF16:-}" ] && starts+=("--dtype bfloat16")
+    for flags in "${starts[@]}"; do
       rm -rf /tmp/cold-cache /tmp/cold-triton
       ASYNCENGINE_CACHE=/tmp/cold-cache TRITON_CACHE_DIR=/tmp/cold-triton timeout 150 \
-        python3 scripts/bench_throughput.py --workload l1 --system engine \
-        --quantization gptq-int4 --dtype "$dt" 2>>"$OUT/bench.log" \
-        | tee -a "$OUT/results.jsonl" | cut -c1-300
+        python3 scripts/bench_throughput.py --workload l1 --system engine $flags \
+        2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl" | cut -c1-300
     done
   fi
   if [[ " $parts " == *" int8 "* ]]; then

@@ -498,3 +498,37 @@ def test_gpu_whole_row_grid_stays_resident() -> None:
         torch.testing.assert_close(gemv_triton(x, w, None, config), gemv_ref(x, w),
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
     assert gemv_module._resident and all(1 <= v <= 32 for v in gemv_module._resident.values())
+
+
+def test_compile_only_runs_each_call_once_and_picks_the_library() -> None:
+    """Under `compile_only` (the start-up tuner's compile pass) the library and every
+    candidate run once, untimed, a failing candidate is skipped, and the library is chosen;
+    outside it, on other threads, timing is as before."""
+    import threading
+
+    from asyncengine_kernels import gemv as gemv_module
+    from asyncengine_kernels.gemv import compile_only, fastest_against_library
+
+    ran: list[str] = []
+
+    def call(name: str, fail: bool = False):  # type: ignore[no-untyped-def]
+        def run(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            ran.append(name)
+            if fail:
+                raise RuntimeError("out of resources")
+            return w
+
+        return run
+
+    candidates = [("a", "config a", False, call("a")), ("b", "config b", True, call("b", True))]
+    pairs = [(torch.ones(2, 2), None)]
+    with compile_only():
+        assert fastest_against_library(call("blas"), candidates, pairs, 3) == (None, False,
+                                                                              0.0, {})
+        other: list[bool] = []
+        thread = threading.Thread(target=lambda: other.append(
+            getattr(gemv_module._compiling, "on", False)))  # fmt: skip
+        thread.start()
+        thread.join()
+    assert ran == ["blas", "a", "b"] and other == [False]
+    assert not getattr(gemv_module._compiling, "on", False)

@@ -299,6 +299,33 @@ def test_decode_planning_keeps_the_mlp_pair_consistent(
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+def test_the_16_bit_tuning_compiles_every_call_in_a_pool_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the GPU, each of the 16-bit planner's timings (`_tuning_calls`) runs once under
+    `compile_only` from pool threads before the serial pass; CPU layers skip the pool."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncengine_kernels import gemv as gemv_module
+
+    seen: list[tuple[str, bool]] = []
+
+    def call() -> None:
+        seen.append((threading.current_thread().name, getattr(gemv_module._compiling, "on", False)))
+
+    cuda_layer = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(tuning, "COMPILE_AHEAD_THREADS", 4)
+    tuning._compile_tuning_calls([call] * 6, {"group": [cuda_layer]})  # type: ignore[dict-item]
+    assert len(seen) == 6
+    assert all(name.startswith("compile") and on for name, on in seen)
+    seen.clear()
+    cpu_layer = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cpu")))
+    tuning._compile_tuning_calls([call] * 6, {"group": [cpu_layer]})  # type: ignore[dict-item]
+    assert seen == []
+
+
 SKINNY = SkinnyConfig(32, 16, 2, 4, 1)
 
 
