@@ -32,6 +32,7 @@ import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -301,7 +302,8 @@ def _compile_tuning_calls(
         return
 
     def warm(call: Callable[[], Tuned]) -> None:
-        with compile_only():
+        # A call that fails here fails again in the serial pass, which reports it.
+        with compile_only(), suppress(Exception):
             call()
 
     with (ThreadPoolExecutor(COMPILE_AHEAD_THREADS, thread_name_prefix="compile") as pool,
