@@ -257,12 +257,11 @@ def _tuning_calls(
     ladder: Sequence[int],
 ) -> dict[tuple, Callable[[], Tuned]]:  # fmt: skip
     """Every timing the 16-bit planner makes, in the order it makes them, by purpose: per
-    group (key, 1) the GEMV and (key, rows) the few-row matmul at each row count of `ladder`
-    (with the input's norm or SiLU-and-mul where the kernel can form it, and as its own
-    kernel before it); for the
-    MLP pair, ("glu", rows) the gate/up matmul with SiLU-and-mul in its epilogue and
-    ("plain input", rows) the down projection on an activated input, at 1 and every row
-    count."""
+    group, (key, 1) the GEMV and (key, rows) the few-row matmul at each row count of
+    `ladder`, with the input's norm or SiLU-and-mul formed in the kernel where it can and as
+    a kernel of its own before it; for the MLP pair, ("glu", rows) the gate/up matmul with
+    SiLU-and-mul in its epilogue and ("plain input", rows) the down projection on an
+    activated input, at 1 and at every row count."""
     calls: dict[tuple, Callable[[], Tuned]] = {}
     for key, layers in groups.items():
         weights = [m.weight for m in layers]
