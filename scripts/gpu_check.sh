@@ -36,7 +36,6 @@
 #   bash scripts/gpu_check.sh qgemm [ROWS]  # integer GEMM: GPU tests, kernels at W1 layers, L1 int4/int8
 #   bash scripts/gpu_check.sh kvprof       # FP8 decode attention: GPU tests, sweep, ncu per case
 #   bash scripts/gpu_check.sh kvtiles DIR  # decode tiles: GPU tests, sweep, compare DIR, W1/W2 FP8
-#   bash scripts/gpu_check.sh normrows     # few-row matmul with the norm fused: GPU tests, spec bench
 #   bash scripts/gpu_check.sh next OLD LANDED # L1 from trees OLD, LANDED and this one; W1 from
 #                                          # OLD and this one; the verify-step bench (SPEC=0: not)
 #   bash scripts/gpu_check.sh l1formats DIR # L1 in bf16, GPTQ int4 and FP8 from DIR and this tree
@@ -282,14 +281,6 @@ elif [ "$phase" = kvtiles ]; then  # decode attention tiles for many programs: a
   bench --workload w1 --system engine --kv-cache-dtype fp8 --max-num-seqs 512 | cut -c1-400
   bench --workload w2 --system engine --quantization fp8 --kv-cache-dtype fp8 --max-num-seqs 1024 \
     | cut -c1-400
-elif [ "$phase" = normrows ]; then  # the few-row matmul with RMSNorm in its prologue: its GPU
-  # tests and the tuner's, then the verify step and latency by acceptance (the plans logged)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/asyncengine_kernels/test_skinny_gemm.py \
-    tests/models/test_linear_tuning.py tests/asyncengine/spec_decode 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -n 4
-  timeout 300 python3 -m scripts.bench_spec_decode gpu --shape llama2-7b --batches 1 \
-    2>>"$OUT/bench.log" | tee "$OUT/spec_decode.jsonl" | cut -c1-400
-  grep -i "skinny\|plan" "$OUT/bench.log" | head -n 20
 elif [ "$phase" = next ]; then  # before/after for hot-path commits: L1 from trees OLD and
   # LANDED and this one, W1 from OLD and this one (one pass each, alternating)
   old="${2:?usage: gpu_check.sh next OLD LANDED}"; landed="${3:?usage: gpu_check.sh next OLD LANDED}"
@@ -658,7 +649,7 @@ elif [ "$phase" = tp ]; then  # needs a machine with several GPUs
     2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -n 8
   python3 scripts/bench_tp.py 2>>"$OUT/bench.log" | tee -a "$OUT/results.jsonl"
 else
-  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, normrows, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, draftkv DIR, recheck DIR, tp)" >&2; exit 2
+  echo "unknown phase: $phase (check, bench, compare DIR, l1formats DIR, house DIR, capabilities DIR, serving, router, longmix, nsample, qgemm, qw1, stage, kvprof, kvtiles DIR, next, quant, fp8, fp8speed, attn, prefill, kvw, bigbatch, w2, spec, rows, probe, tuning, session, pairs, gemv, fp8row, eval, structured, int4, int4l1 DIR, draftkv DIR, recheck DIR, tp)" >&2; exit 2
 fi
 tail -n 40 "$OUT/bench.log" > "$OUT/bench_tail.log"
 echo "== results"; cat "$OUT/results.jsonl" 2>/dev/null | cut -c1-400
