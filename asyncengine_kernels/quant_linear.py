@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncengine_kernels._triton_utils import pdl_kwargs, pdl_wait, tl, triton, use_pdl
+from asyncengine_kernels._triton_utils import (
+    interpreter_enabled,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    use_pdl,
+)
 from asyncengine_kernels.gemv_split_k import check_gemv_counters, finish_gemv_row, gemv_counters
 from asyncengine_kernels.half_pairs import (
     INT4_X_SCALE,
@@ -274,13 +281,14 @@ def _quant_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_ym, K_PER_SPLIT, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False, DOT_FP32: tl.constexpr = False,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile over one K split. The product is formed transposed,
     y^T = W x^T: the dequantized weight tile is the MMA's left operand, which Hopper's
     tensor cores take from registers (the right one must sit in shared memory, where x
     arrives by asynchronous copy), and the rows of a decode batch (16-64) are a legal MMA
-    width while the left operand's 64 rows are not."""
+    width while the left operand's 64 rows are not. DOT_FP32: the interpreter multiplies
+    bf16 bit patterns in tl.dot, so the operands are upcast there."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,6 +302,8 @@ def _quant_gemm_kernel(
                           BLOCK_K, x_ptr.dtype.element_ty)  # fmt: skip
         x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
                       mask=m_mask[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            w, x_t = w.to(tl.float32), x_t.to(tl.float32)
         # Scaled before the dot: one accumulator over every group, the MMAs chained.
         acc = tl.dot(tl.trans(w), x_t, acc)
     acc = tl.trans(acc)
@@ -353,8 +363,9 @@ def quant_gemm(
         x, qweight, scales, zeros, bias if bias is not None else y, y, part, counters, m, n, k,
         x.stride(0), y.stride(0), per_split, GROUP_SIZE=group_size, BITS=bits,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=block_k, SPLIT=splits > 1, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_K=block_k, SPLIT=splits > 1,
+        DOT_FP32=interpreter_enabled() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 

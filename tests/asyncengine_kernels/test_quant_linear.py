@@ -126,8 +126,8 @@ def test_gpu_gemm_weight_tiles_are_bit_exact_in_bf16(bits: int, group: int,
 
 def _gemm_case(n: int, k: int, bits: int, group: int, sym: bool,
                seed: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """fp16 weights (the interpreter's tl.dot mis-multiplies bf16 tiles; the GPU tests run
-    bf16): symmetric ones have the zero 2^(bits - 1) everywhere."""
+    """fp16 scales and zeros (bf16: `test_gemm_in_bf16_matches_reference`): symmetric ones
+    have the zero 2^(bits - 1) everywhere."""
     _, qweight, scales, zeros = _case(n, k, bits, group, torch.float16, seed=seed)
     if sym:
         zeros = torch.full_like(zeros, 1 << (bits - 1))
@@ -162,6 +162,23 @@ def test_gemm_in_16_bits_matches_reference(bits: int, group: int, sym: bool) -> 
         x = torch.randn(rows, k, generator=gen).half()
         _assert_gemm_matches(x, qweight, scales, zeros, bits, gs, bias if i % 2 else None,
                              configs[i % len(configs)])  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemm_in_bf16_matches_reference(bits: int) -> None:
+    """bf16 activations (the engine's default), split along K and not: the interpreter's
+    dot multiplies bf16 bit patterns unless the kernel upcasts its operands there."""
+    n, k, group = 96, 256, 64
+    qweight, scales, zeros = _gemm_case(n, k, bits, group, sym=False, seed=bits)
+    scales, zeros = scales.bfloat16(), zeros.bfloat16()
+    gen = torch.Generator().manual_seed(bits)
+    for rows, cfg in ((4, QuantGemmConfig(16, 64, 128, 4, 4, split_k=2)),
+                      (33, QuantGemmConfig(32, 64, 128, 4, 1))):  # fmt: skip
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        want = quant_matmul_ref(x.float(), qweight, scales.float(), zeros.float(), bits,
+                                group).float()  # fmt: skip
+        got = quant_gemm(x, qweight, scales, zeros, bits, group, None, cfg).float()
+        assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), cfg
 
 
 @pytest.mark.parametrize("bits", [4, 8])
