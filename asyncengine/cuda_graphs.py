@@ -407,8 +407,9 @@ class DecodeGraphs:
         b, width = meta.block_tables.shape
         if inputs.staged_rows:
             key = (inputs.staged_rows, meta.decode_plan)
-            self.graphs[key].replay()  # type: ignore[index]
-            self.replays += 1
+            if not inputs.prelaunched:  # else enqueued already, and counted
+                self.graphs[key].replay()  # type: ignore[index]
+                self.replays += 1
             return self.outputs[key][:b]  # type: ignore[index]
         padded = self.graph_size(b, width)
         assert padded is not None and meta.decode_plan is not None

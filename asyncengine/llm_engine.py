@@ -503,8 +503,10 @@ class LLMEngine:
         launched = None
         if not sched.is_empty:
             launched = self._launch(sched, prev)
-        elif sched.has_block_moves:
-            self._move_blocks(sched)
+        else:
+            self.runner.release_prelaunch()  # the bet on this step was lost
+            if sched.has_block_moves:
+                self._move_blocks(sched)
         t2 = time.perf_counter()
         self._inflight = launched
         if prev is not None:
@@ -548,6 +550,13 @@ class LLMEngine:
         for req in step.requests:
             req.num_pending_tokens += 1
         self._prompt_meter.add(prompt_tokens, now)
+        spec = self.spec_decoder
+        if (spec is not None and self.runner.prelaunch is not None
+                and spec.next_step_verifies([(s.request, s.num_spec_tokens)
+                                             for s in sched.scheduled])):  # fmt: skip
+            # The next step's graph goes in now, behind a gate the next launch opens: its
+            # launch call leaves the path from this step's verdict to the next step.
+            self.runner.prelaunch_next()
         return step
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:

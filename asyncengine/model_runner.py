@@ -29,6 +29,7 @@ from torch import nn
 from asyncengine.cuda_graphs import STAGE_MAX_ROWS
 from asyncengine.host_staging import PinnedStaging
 from asyncengine.kv_calibration import KVScales, calibrate_kv_scales, set_kv_scales
+from asyncengine.prelaunch import CudaStreamGate, GateUnavailable, GraphPrelaunch
 from asyncengine.prompt_logprobs import (
     PromptLogprobPlan,
     ScoredRows,
@@ -71,6 +72,9 @@ class StepInputs:
     # The padded rows of a decode step staged straight into the decode graphs' static
     # inputs (`DecodeGraphs.stage_image`; the tensors above are views of them); 0: not.
     staged_rows: int = 0
+    # Its graph was enqueued before the step was known and has been given it
+    # (`prelaunch.GraphPrelaunch.fire`): `DecodeGraphs.run` must not replay it again.
+    prelaunched: bool = False
 
 
 def token_layout(
@@ -129,14 +133,19 @@ def staged_step_inputs(
     graphs: DecodeGraphs, staging: PinnedStaging, padded: int, header: StepHeader,
     input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
     seq_lens: Sequence[int], tables: np.ndarray | Sequence[Sequence[int]],
-    sampling: list[Request],
+    sampling: list[Request], prelaunch: GraphPrelaunch | None = None,
 ) -> StepInputs:  # fmt: skip
     """A small decode step (every row's logits wanted, no fills) written straight into the
     decode graphs' static inputs with one copy (`DecodeGraphs.stageable` gave `padded`): the
-    step's tensors are views of them, and `DecodeGraphs.run` only replays."""
+    step's tensors are views of them, and `DecodeGraphs.run` only replays. Where `prelaunch`
+    holds this graph already enqueued, the image goes to it instead and nothing is replayed."""
     b = len(input_ids)
     image = graphs.stage_image(padded, input_ids, positions, slots, seq_lens, tables)
-    staging.to_device(image, graphs.static[: image.size])
+    prelaunched = prelaunch is not None and prelaunch.takes(padded, header.decode_plan)
+    if prelaunched:
+        prelaunch.fire(image)  # type: ignore[union-attr]
+    else:
+        staging.to_device(image, graphs.static[: image.size])
     ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
     meta = AttentionMetadata(
         slot_mapping=slot_view, query_start_loc=qsl, seq_lens=lens, block_tables=table_view,
@@ -147,6 +156,7 @@ def staged_step_inputs(
         input_ids=ids, positions=pos, meta=meta, logits_indices=rows,
         sampling_requests=sampling, header=header, buffer=graphs.static,
         prompt_rows=rows[:0], prompt_targets=rows[:0], staged_rows=padded,
+        prelaunched=prelaunched,
     )  # fmt: skip
 
 
@@ -155,19 +165,28 @@ def stage_decode_rows(
     block_tables: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int],
     input_ids: Sequence[int], plan_for: Callable[[int, int, int, bool], DecodePlan],
     sampling: list[Request], num_logits: int, moves: tuple[int, int, int] = (0, 0, 0),
+    prelaunch: GraphPrelaunch | None = None,
 ) -> StepInputs | None:  # fmt: skip
     """A decode-only step of a few tokens (`lens[r]` of sequence r from `starts[r]`) laid
     out as one decode row a token (`decode_rows`) and staged whole into the graphs' inputs;
     None where no captured graph takes it whole. `plan_for(rows, table width, longest
     context, expanded)` plans its attention (expanded: some sequence has several rows, which
     attend to each other's K/V); `moves` are the step's block-move counts (swap out, swap
-    in, copy) for its header."""
+    in, copy) for its header. A graph `prelaunch` holds takes the step where it has room
+    for its rows and plans it alike: fewer drafts than the last step then pad further."""
     positions, slots, seq_lens, row_tables = decode_rows(block_tables, starts, lens,
                                                          block_size)  # fmt: skip
     t = len(positions)
     w, max_len = max(len(table) for table in block_tables), max(seq_lens)
-    plan = plan_for(t, w, max_len, t > len(block_tables))
+    expanded = t > len(block_tables)
+    plan = plan_for(t, w, max_len, expanded)
     padded = graphs.stageable(t, w, plan)
+    armed = prelaunch.armed if prelaunch is not None else None
+    if armed is not None and armed[0] != padded and t <= armed[0]:
+        rows, armed_plan = armed
+        if (plan_for(rows, w, max_len, expanded) == armed_plan
+                and graphs.stageable(rows, w, armed_plan) == rows):  # fmt: skip
+            plan, padded = armed_plan, rows
     if padded is None:
         return None
     header = StepHeader(
@@ -176,7 +195,7 @@ def stage_decode_rows(
         num_swap_out=moves[0], num_swap_in=moves[1], num_copy=moves[2],
     )  # fmt: skip
     return staged_step_inputs(graphs, staging, padded, header, input_ids, positions, slots,
-                              seq_lens, row_tables, sampling)  # fmt: skip
+                              seq_lens, row_tables, sampling, prelaunch)  # fmt: skip
 
 
 def step_inputs(
@@ -381,6 +400,10 @@ class ModelRunner:
     # batch 1 and 1 % faster at 8; the benchmarks set it (`--graph-head-layers`) to compare
     # on the H200.
     graph_head_layers = 0
+    # Enqueue the next verify step's graph behind a gate before the verdict it waits for
+    # (`asyncengine.prelaunch`), where the engine bets that the next step is alike. Off until
+    # timed on the GPU; the benchmarks set it (`--prelaunch`).
+    prelaunch_verify = False
 
     def __init__(
         self,
@@ -421,6 +444,10 @@ class ModelRunner:
         # may still be queued behind step N-1.
         self.staging = PinnedStaging(device, turns=2)
         self._linears_tuned = False  # GPU plans are made once: before the memory profile
+        self.prelaunch: GraphPrelaunch | None = None
+        # The graph the last step replayed, where it was a staged verify step: what
+        # `prelaunch_next` enqueues again.
+        self._last_verify_graph: tuple[int, DecodePlan] | None = None
 
     # ------------------------------------------------------------ KV memory
     def block_bytes(self) -> int:
@@ -524,6 +551,7 @@ class ModelRunner:
         by the memory profile, unless the pool was sized by hand) and CUDA graphs for decode
         and small prefill steps on the GPU (and, with speculative decoding, for verify steps
         of up to `verify_rows` rows)."""
+        self.set_prelaunch(False)  # its graph is about to go
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda":
@@ -549,6 +577,20 @@ class ModelRunner:
             pool = self.graphs.capture()
             self.prefill_graphs = PrefillGraphs(self.model, self.device, max_blocks_per_seq)
             self.prefill_graphs.capture(pool)
+            if self.prelaunch_verify and verify_rows:
+                self.set_prelaunch(True)
+
+    def set_prelaunch(self, on: bool) -> bool:
+        """Turn the verify graphs' prelaunch on or off; whether it is on. On needs decode
+        graphs and a driver that lets a stream wait on host memory."""
+        self.release_prelaunch()
+        self.prelaunch = None
+        if on and self.graphs is not None and self.device.type == "cuda":
+            try:
+                self.prelaunch = GraphPrelaunch(self.graphs, CudaStreamGate(self.device))
+            except GateUnavailable as e:
+                logger.warning("verify steps are not prelaunched: %s", e)
+        return self.prelaunch is not None
 
     def _tune_gpu_linears(self) -> None:
         """Plan every linear layer on the GPU, once (`tune_gpu_linears`)."""
@@ -562,6 +604,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Let go of everything the runner holds on the device: CUDA graphs (and their memory
         pool), the KV pools, the staging buffers and the weights. No steps after this."""
+        self.set_prelaunch(False)
         self.graphs = self.prefill_graphs = None
         self.kv_cache = self.cpu_cache = self.draft_kv_cache = self.draft_cpu_cache = None
         self.staging.release()
@@ -709,7 +752,7 @@ class ModelRunner:
         return stage_decode_rows(
             graphs, self.staging, self.block_size, [r.block_table for r in reqs],
             [r.num_computed_tokens for r in reqs], [s.num_new_tokens for s in scheduled], ids,
-            plan_for, reqs, t, moves,
+            plan_for, reqs, t, moves, self.prelaunch,
         )  # fmt: skip
 
     def decode_plan(self, num_seqs: int, table_width: int, max_seq_len: int,
@@ -783,10 +826,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
-        """Enqueue the step on the device; nothing here waits for the device."""
-        self.apply_block_moves(sched)
-        inputs = self.prepare_inputs(sched, prev)
-        return self.launch_prepared(inputs, sched, prev)
+        """Enqueue the step on the device; nothing here waits for the device. A prelaunched
+        graph that this step does not take runs on padding first (`release_prelaunch`)."""
+        if sched.has_block_moves:
+            self.release_prelaunch()  # the moves land before any graph reads the cache
+        try:
+            self.apply_block_moves(sched)
+            inputs = self.prepare_inputs(sched, prev)
+        finally:
+            self.release_prelaunch()
+        step = self.launch_prepared(inputs, sched, prev)
+        verify = inputs.staged_rows and any(s.num_spec_tokens for s in sched.scheduled)
+        plan = inputs.meta.decode_plan
+        self._last_verify_graph = (inputs.staged_rows, plan) if verify and plan else None
+        return step
+
+    def prelaunch_next(self) -> bool:
+        """Enqueue the last verify step's graph again, for the next step, behind the gate
+        (the engine bets that step is alike: `SpecDecoder.next_step_verifies`). Never with a
+        draft model, whose proposals run on the device before the next step."""
+        key = self._last_verify_graph
+        if self.prelaunch is None or key is None or self.draft_kv_cache is not None:
+            return False
+        self.prelaunch.arm(*key)
+        return True
+
+    def release_prelaunch(self) -> None:
+        """Let a prelaunched graph run on padding (no slot written): before any other work
+        is enqueued or waited for."""
+        if self.prelaunch is not None:
+            self.prelaunch.release()
 
     def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput,
                         prev: InflightStep | None = None) -> InflightStep:

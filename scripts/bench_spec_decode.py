@@ -530,12 +530,50 @@ def _spec_runs(
     llm = _engine(args, 8, head_layers)
     if plans is not None:
         _adopt_plans(llm, plans)
-    vocab = llm.llm_engine.model_config.vocab_size
     split = {"graph_head_layers": head_layers, "plans_of_first_engine": plans is not None}
     emit({"bench": "spec_matmul_plans", **split,
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
     adaptive_update = dec._update
+    base_split = split
+    # Each --prelaunch value times the verify steps and the sweep again on this engine.
+    for prelaunch in args.prelaunch:
+        if llm.llm_engine.runner.set_prelaunch(bool(prelaunch)) != bool(prelaunch):
+            emit({"bench": "spec_prelaunch_unavailable", **base_split})
+            continue
+        split = {**base_split, "prelaunch": bool(prelaunch)}
+        _verify_and_latency(args, llm, p1, reference, one_token_ms, split, adaptive_update)
+    llm.llm_engine.runner.set_prelaunch(False)
+    dec._update, split = adaptive_update, base_split
+
+    # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by
+    # the batch size as the engine does).
+    for batch, (ps, refs, secs_off) in batches.items():
+        secs_on, outs, runs, converged, _ = _replayed(llm, ps, params, refs, 4, 0.7, 2, 3)
+        k_used = dec.config.num_drafts_for_batch(batch)
+        emit({"bench": "spec_throughput", "batch": batch, "k_used": k_used, **split,
+              "tokens_per_s_off": round(batch * out_len / secs_off, 1),
+              "tokens_per_s_on": round(batch * out_len / secs_on, 1),
+              "ratio": round(secs_off / secs_on, 3), "replay_runs": runs,
+              "replay_converged": converged,
+              "equal_to_plain": all(o.outputs[0].token_ids == refs[tuple(p)]
+                                    for p, o in zip(ps, outs, strict=True))})  # fmt: skip
+    mine = _plans_of(llm)
+    llm.llm_engine.shutdown()
+    return mine
+
+
+def _verify_and_latency(
+    args: argparse.Namespace, llm: LLM, p1: list[list[int]],
+    reference: dict[tuple[int, ...], list[int]], one_token_ms: float, split: dict[str, Any],
+    adaptive_update: Any,
+) -> None:  # fmt: skip
+    """`_spec_runs`' verify steps (and, unless --brief, where their time goes) and latency
+    sweep on one engine; every record carries `split`."""
+    out_len = args.max_tokens
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    vocab = llm.llm_engine.model_config.vocab_size
+    dec = llm.llm_engine.spec_decoder
     # 1. Verify-step cost: one request, k fixed drafts every step (nothing adaptive).
     dec._update = lambda req, n: None  # keep proposing: the cost of every verify step
     for k in sorted({k for k, _ in args.sweep}) if args.brief else range(1, 9):
@@ -593,21 +631,6 @@ def _spec_runs(
               "cost_ratio": round(dec.cost.ratio, 3),
               "left_plain_greedy_at": None if out == plain else common_prefix(out, plain)})
 
-    # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by
-    # the batch size as the engine does).
-    for batch, (ps, refs, secs_off) in batches.items():
-        secs_on, outs, runs, converged, _ = _replayed(llm, ps, params, refs, 4, 0.7, 2, 3)
-        k_used = dec.config.num_drafts_for_batch(batch)
-        emit({"bench": "spec_throughput", "batch": batch, "k_used": k_used, **split,
-              "tokens_per_s_off": round(batch * out_len / secs_off, 1),
-              "tokens_per_s_on": round(batch * out_len / secs_on, 1),
-              "ratio": round(secs_off / secs_on, 3), "replay_runs": runs,
-              "replay_converged": converged,
-              "equal_to_plain": all(o.outputs[0].token_ids == refs[tuple(p)]
-                                    for p, o in zip(ps, outs, strict=True))})  # fmt: skip
-    mine = _plans_of(llm)
-    llm.llm_engine.shutdown()
-    return mine
 
 
 def run_draft(args: argparse.Namespace) -> None:
@@ -689,6 +712,10 @@ def main() -> None:
                      help="one speculating engine per value, its small decode graphs split "
                           "after that many layers (0: whole); the references and the "
                           "one-token step come from one engine split as the first value says")
+    gpu.add_argument("--prelaunch", type=int, nargs="+", choices=(0, 1), default=[0],
+                     help="time the verify steps and the sweep once per value on each "
+                          "speculating engine: 1 enqueues the next verify step's graph "
+                          "behind a gate before the verdict (asyncengine.prelaunch)")
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")

@@ -173,6 +173,30 @@ class SpecDecoder:
             for r in requests
         )
 
+    def next_step_verifies(self, scheduled: Sequence[tuple[Request, int]]) -> bool:
+        """Whether the step after this verify step (requests with their draft counts) is
+        likely the same verify step again: every request drafted, none constrained, none
+        able to reach its length limits in two steps, and none that a verdict keeping no
+        draft would pause. `ModelRunner.prelaunch_next` bets on it."""
+        if not scheduled or self.proposer is None:
+            return False
+        for req, k in scheduled:
+            if k == 0 or req.grammar is not None or self.jump_forward:
+                return False
+            if (req.num_output_tokens + 2 * (k + 1) >= req.max_tokens
+                    or req.num_tokens + 2 * (k + 1) >= self.max_model_len):  # fmt: skip
+                return False
+            state = self._state(req)
+            if state.forced:
+                return False
+            needed = max(MIN_ACCEPTED_EMA, self.cost.ratio - 1.0)
+            ema = state.accepted_ema
+            if ema is None:  # as `_update` seeds it
+                ema = needed + (RETRY_CREDIT if state.retry else FIRST_CREDIT)
+            if (1.0 - ACCEPTED_SMOOTHING) * ema < needed:
+                return False
+        return True
+
     # ------------------------------------------------------------- verdicts
     def on_verified(self, verdicts: Sequence[SpecVerdict]) -> None:
         """Apply a verify step's verdicts before its tokens are appended."""

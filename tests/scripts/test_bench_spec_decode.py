@@ -93,16 +93,21 @@ def test_brief_gpu_mode_times_only_the_swept_draft_counts(
     monkeypatch.setattr(ModelRunner, "graph_head_layers", ModelRunner.graph_head_layers)
     bench.run_gpu(_args(brief=True, batches=[1], sweep=[(4, 0.7)], vocab=None,
                         graph_head_layers=[0, 1], max_tokens=16, prompt_len=16,
-                        repeats=2))  # fmt: skip
+                        repeats=2, prelaunch=[0, 1]))  # fmt: skip
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]  # fmt: skip
     steps = [r for r in records if r["bench"] == "spec_verify_step"]
     assert [(r["k"], r["graph_head_layers"]) for r in steps] == [(0, 0), (4, 0), (4, 1)]
     assert not any(r.get("sync") for r in steps)
     assert {r["bench"] for r in records} == {"spec_verify_step", "spec_matmul_plans",
-                                            "spec_latency", "spec_throughput"}
+                                            "spec_latency", "spec_throughput",
+                                            "spec_prelaunch_unavailable"}  # fmt: skip
+    # Off the GPU no stream can wait on host memory: said once per engine, never timed as on.
+    unavailable = [r for r in records if r["bench"] == "spec_prelaunch_unavailable"]
+    assert [r["graph_head_layers"] for r in unavailable] == [0, 1]
     latency = [r for r in records if r["bench"] == "spec_latency"]
     assert [r["graph_head_layers"] for r in latency] == [0, 1]
+    assert not any(r["prelaunch"] for r in latency)
     for r in latency:
         assert r["k"] == 4 and r["replay_converged"] and r["verify_steps"] > 0
         # The converged run and its two repeats, which replay the same drafts.

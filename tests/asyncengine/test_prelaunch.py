@@ -1,0 +1,151 @@
+"""A verify step's graph enqueued before its verdict (`asyncengine.prelaunch`): work behind a
+closed gate waits for it to open; an armed graph runs once, on the step it is given or on
+padding; and a speculating engine that bets on every step keeps its tokens exact.
+
+Off the GPU the gate is `HostGate` and the decode graphs replay eagerly (the GPU's staged
+path, as `bench_spec_decode host` runs it): the bookkeeping is the GPU's. The stream-side
+gate (`CudaStreamGate`) is covered by the GPU test at the end."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from asyncengine import SamplingParams
+from asyncengine.prelaunch import GraphPrelaunch, HostGate
+from asyncengine.spec_decode.replay import ReplayProposer
+from scripts import bench_spec_decode as bench
+
+
+def test_work_behind_a_closed_gate_waits_for_its_value() -> None:
+    gate, ran = HostGate(), []
+    gate.enqueue(lambda: ran.append("open"))
+    gate.close(3)
+    gate.enqueue(lambda: ran.append("held"))
+    gate.open(2)
+    assert ran == ["open"]
+    gate.open(3)
+    assert ran == ["open", "held"]
+    gate.enqueue(lambda: ran.append("after"))
+    assert ran == ["open", "held", "after"]
+
+
+class _Graphs:
+    """The part of `DecodeGraphs` a prelaunch uses: a static buffer, one graph per key that
+    records the image it saw, and `stage_image`'s padding."""
+
+    sizes = (4, 8)
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.static = torch.zeros(64, dtype=torch.uint8)
+        self.replays = 0
+        self.seen: list[tuple[tuple[int, str], list[int]]] = []
+        self.graphs = {key: self._graph(key) for key in ((4, "a"), (8, "a"), (8, "b"))}
+
+    def _graph(self, key: tuple[int, str]) -> SimpleNamespace:
+        def replay() -> None:
+            self.seen.append((key, self.static[: self.image_bytes(key[0])].tolist()))
+
+        return SimpleNamespace(replay=replay)
+
+    def image_bytes(self, padded: int) -> int:
+        return padded
+
+    def stage_image(self, padded: int, *fields: list[int]) -> np.ndarray:
+        assert not any(fields)  # a prelaunch stages only padding itself
+        return np.full(padded, 255, dtype=np.uint8)
+
+
+def test_an_armed_graph_runs_once_on_what_it_is_given() -> None:
+    graphs = _Graphs()
+    pre = GraphPrelaunch(graphs, HostGate())  # type: ignore[arg-type]
+    pre.arm(8, "a")
+    assert pre.takes(8, "a") and not pre.takes(8, "b") and not pre.takes(4, "a")
+    assert graphs.seen == []  # nothing runs before the step is known
+    pre.fire(np.arange(8, dtype=np.uint8))
+    assert graphs.seen == [((8, "a"), list(range(8)))] and graphs.replays == 1
+    assert pre.armed is None and pre.fired == 1
+    pre.release()  # nothing armed: nothing runs
+    assert len(graphs.seen) == 1 and pre.released == 0
+    with pytest.raises(AssertionError):
+        pre.fire(np.zeros(8, np.uint8))
+
+
+def test_a_lost_bet_runs_the_graph_on_padding() -> None:
+    graphs = _Graphs()
+    pre = GraphPrelaunch(graphs, HostGate())  # type: ignore[arg-type]
+    pre.arm(4, "a")
+    pre.release()
+    assert graphs.seen == [((4, "a"), [255] * 4)] and pre.released == 1
+    # The next arm uses the other image and sees only what it is given.
+    pre.arm(8, "b")
+    pre.fire(np.full(8, 7, dtype=np.uint8))
+    assert graphs.seen[-1] == ((8, "b"), [7] * 8) and graphs.replays == 2
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(model=None, shape="tiny", load_format="auto", device="cpu",
+                              prompt_len=24, max_tokens=40, max_batch=8, enforce_eager=False,
+                              repeats=1, graph_head_layers=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("acceptance", [0.7, 0.0])
+def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(acceptance: float) -> None:
+    """Every verify step that may be followed by another like it arms the next graph; the
+    next launch fires it (same rows, or fewer drafts padded into it) or releases it. The
+    tokens are those of the engine without speculation, and nothing is left armed."""
+    args = _args()
+    bench._default_model(args)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = bench._engine(args, None)
+    vocab = plain.llm_engine.model_config.vocab_size
+    prompts = bench._prompts(2, 24, vocab)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.llm_engine.shutdown()
+
+    llm = bench._engine(args, 4)
+    bench._eager_graphs(llm)
+    runner = llm.llm_engine.runner
+    pre = GraphPrelaunch(runner.graphs, HostGate())
+    runner.prelaunch = pre
+    refs = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    for batch in ([prompts[0]], prompts):  # one stream, then two sharing steps
+        bench._set_k(llm, 4, ReplayProposer(refs, acceptance, vocab, seed=2))
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want[: len(batch)]
+        assert pre.armed is None
+    if acceptance:
+        assert pre.fired > 0  # the bet was taken and won
+    # A paused stream's plain steps never take a verify graph: each bet lost was released.
+    assert runner.graphs.replays >= pre.fired + pre.released
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_prelaunched_verify_steps_keep_greedy_tokens() -> None:
+    """On the GPU with the stream-side gate: greedy output with prelaunched verify graphs
+    equals the output without speculation, and the bets were taken."""
+    args = _args()
+    args.device = "cuda"
+    bench._default_model(args)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = bench._engine(args, None)
+    vocab = plain.llm_engine.model_config.vocab_size
+    prompts = bench._prompts(1, 24, vocab)
+    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.llm_engine.shutdown()
+    llm = bench._engine(args, 4)
+    runner = llm.llm_engine.runner
+    assert runner.set_prelaunch(True)
+    bench._set_k(llm, 4, ReplayProposer({tuple(prompts[0]): want}, 0.7, vocab, seed=2))
+    got = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    assert runner.prelaunch is not None and runner.prelaunch.fired > 0
+    assert runner.prelaunch.armed is None
+    llm.llm_engine.shutdown()
