@@ -828,8 +828,11 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
         """Enqueue the step on the device; nothing here waits for the device. A prelaunched
         graph that this step does not take runs on padding first (`release_prelaunch`)."""
-        if sched.has_block_moves:
-            self.release_prelaunch()  # the moves land before any graph reads the cache
+        if sched.has_block_moves or not all(s.num_spec_tokens for s in sched.scheduled):
+            # The moves land before any graph reads the cache; a step that is not a verify
+            # step cannot take the graph, and its layout may copy from pageable memory,
+            # which waits for the stream.
+            self.release_prelaunch()
         try:
             self.apply_block_moves(sched)
             inputs = self.prepare_inputs(sched, prev)
