@@ -492,7 +492,7 @@ elif [ "$phase" = recheck ]; then  # after the quantization refactors (linear me
   if [[ " $parts " == *" tests "* ]]; then  # the other quantization and speculative GPU tests
     # (TEST_PATHS: other test paths instead)
     timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-      ${TEST_PATHS:-tests/models/quantization tests/asyncengine/spec_decode} \
+      ${TEST_PATHS:-tests/models/quantization tests/asyncengine/spec_decode tests/asyncengine/test_prelaunch.py} \
       --deselect tests/models/quantization/test_kinds.py 2>&1 | tee "$OUT/gpu_tests.log" \
       | tail -n 6
   fi
