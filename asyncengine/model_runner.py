@@ -851,7 +851,12 @@ class ModelRunner:
         key = self._last_verify_graph
         if self.prelaunch is None or key is None or self.draft_kv_cache is not None:
             return False
-        self.prelaunch.arm(*key)
+        try:
+            self.prelaunch.arm(*key)
+        except GateUnavailable as e:  # nothing was enqueued: steps go on without it
+            logger.warning("verify steps are no longer prelaunched: %s", e)
+            self.prelaunch = None
+            return False
         return True
 
     def release_prelaunch(self) -> None:

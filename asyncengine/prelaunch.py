@@ -68,6 +68,9 @@ class CudaStreamGate:
             wait = lib.cuStreamWaitValue32_v2
         except (OSError, AttributeError) as e:
             raise GateUnavailable(f"no cuStreamWaitValue32_v2 in libcuda: {e}") from e
+        # The driver calls below act on the calling thread's current context: make sure it
+        # is the device's primary context, as torch's own calls leave it.
+        torch.cuda.synchronize(device)
         wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         wait.restype = ctypes.c_int
         self._wait = wait
@@ -88,7 +91,8 @@ class CudaStreamGate:
         self._handle = ctypes.c_void_p(self._stream.cuda_stream)
 
     def close(self, value: int) -> None:
-        rc = self._wait(self._handle, self._dptr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ)
+        # GEQ compares as (int32)(*addr - value) >= 0: counts wrap around safely.
+        rc = self._wait(self._handle, self._dptr, value & 0x7FFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ)
         if rc != 0:
             raise GateUnavailable(f"cuStreamWaitValue32 failed (CUresult {rc})")
 
@@ -167,8 +171,12 @@ class GraphPrelaunch:
             graphs.replays += 1
 
         self.gate.close(self._seq)
-        self.gate.enqueue(copy_and_replay)
         self.armed = key
+        try:
+            self.gate.enqueue(copy_and_replay)
+        except BaseException:
+            self.release()  # nothing may stay behind a closed gate
+            raise
 
     def takes(self, padded: int, plan: DecodePlan) -> bool:
         return self.armed == (padded, plan)

@@ -149,3 +149,22 @@ def test_gpu_prelaunched_verify_steps_keep_greedy_tokens() -> None:
     assert runner.prelaunch is not None and runner.prelaunch.fired > 0
     assert runner.prelaunch.armed is None
     llm.llm_engine.shutdown()
+
+
+def test_a_graph_that_fails_to_enqueue_leaves_the_gate_open() -> None:
+    graphs = _Graphs()
+    gate = HostGate()
+    pre = GraphPrelaunch(graphs, gate)  # type: ignore[arg-type]
+
+    def broken() -> None:
+        raise RuntimeError("capture gone")
+
+    graphs.graphs[(4, "a")] = SimpleNamespace(replay=broken)
+    gate.enqueue = lambda work: work()  # type: ignore[method-assign]  # as a stream: now
+    with pytest.raises(RuntimeError, match="capture gone"):
+        pre.arm(4, "a")
+    assert pre.armed is None and pre.released == 1
+    ran: list[int] = []
+    gate.enqueue = HostGate.enqueue.__get__(gate)  # type: ignore[method-assign]
+    gate.enqueue(lambda: ran.append(1))
+    assert ran == [1]  # nothing is held behind it
