@@ -145,6 +145,8 @@ def staged_step_inputs(
     if prelaunched:
         prelaunch.fire(image)  # type: ignore[union-attr]
     else:
+        if prelaunch is not None:
+            prelaunch.release()  # it reads the same static inputs: it goes first
         staging.to_device(image, graphs.static[: image.size])
     ids, pos, slot_view, qsl, lens, table_view, rows = graphs.staged_views(b)
     meta = AttentionMetadata(
@@ -624,6 +626,8 @@ class ModelRunner:
         small = self._small_decode_inputs(sched)
         if small is not None:
             return small
+        # Nothing below takes a prelaunched graph, and it must run before this step's copies.
+        self.release_prelaunch()
         scheduled = sched.scheduled
         b = len(scheduled)
         lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=b)

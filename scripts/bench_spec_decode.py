@@ -321,20 +321,49 @@ def _host_split(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> N
 
         return wrapper
 
+    # With a prelaunched graph, the host's critical path: from a verdict reaching the host
+    # to the next step's image going to the armed graph.
+    from asyncengine.model_runner import InflightStep
+
+    prelaunch = runner.prelaunch
+    landed: list[float] = []
+    to_fire: list[float] = []
+    wait = InflightStep.wait
+
+    def waited(step: InflightStep) -> None:
+        wait(step)
+        landed.append(time.perf_counter())
+
     _set_k(llm, 4, FixedDrafts())
     for name, (obj, attr) in parts.items():
         setattr(obj, attr, timed(name, originals[name]))
+    InflightStep.wait = waited  # type: ignore[method-assign]
+    if prelaunch is not None:
+        fire = prelaunch.fire
+
+        def fired(image: Any) -> None:
+            to_fire.append(time.perf_counter() - landed[-1])
+            fire(image)
+
+        prelaunch.fire = fired  # type: ignore[method-assign]
     before = engine.step_timing["steps"]
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
+        InflightStep.wait = wait  # type: ignore[method-assign]
+        if prelaunch is not None:
+            del prelaunch.fire
         for name, (obj, attr) in parts.items():
             if obj is verify_mod:
                 setattr(obj, attr, originals[name])
             else:
                 delattr(obj, attr)  # the bound method comes back from the class
     steps = max(engine.step_timing["steps"] - before, 1)
-    emit({"bench": "spec_verify_host", "k": 4, "steps": steps,
+    fire_ms = {}
+    if to_fire:
+        fire_ms = {"prelaunch_fired": len(to_fire),
+                   "verdict_to_fire_ms": round(1e3 * statistics.median(to_fire), 3)}  # fmt: skip
+    emit({"bench": "spec_verify_host", "k": 4, "steps": steps, **fire_ms,
           **{f"{n}_ms": round(1e3 * t / steps, 3) for n, t in spent.items()}})  # fmt: skip
 
 
@@ -372,8 +401,15 @@ def run_host(args: argparse.Namespace) -> None:
     through graphs that replay eagerly (`_eager_graphs`)."""
     _default_model(args)
     llm = _engine(args, 8, args.graph_head_layers)
-    if llm.llm_engine.runner.graphs is None:
+    runner = llm.llm_engine.runner
+    if runner.graphs is None:
         _eager_graphs(llm)
+    if args.prelaunch:
+        from asyncengine.prelaunch import GraphPrelaunch, HostGate
+
+        # Off the GPU the gate is the host-side one: the same bookkeeping, no stream.
+        if not runner.set_prelaunch(True):
+            runner.prelaunch = GraphPrelaunch(runner.graphs, HostGate())
     llm.llm_engine.spec_decoder._update = lambda req, n: None  # keep proposing
     p1 = _prompts(1, args.prompt_len, llm.llm_engine.model_config.vocab_size)
     for _ in range(args.repeats):
@@ -733,6 +769,9 @@ def main() -> None:
     host = sub.add_parser("host", help="the host's part of a verify step, any device")
     _engine_flags(host, "tiny", prompt_len=64)
     host.add_argument("--repeats", type=int, default=3)
+    host.add_argument("--prelaunch", action="store_true",
+                      help="bet on every verify step (asyncengine.prelaunch) and report the "
+                           "host's path from a verdict to the armed graph's inputs")
     host.add_argument("--graph-head-layers", type=int, default=0,
                       help="split small decode graphs after this many layers (0: whole)")
     draft = sub.add_parser("draft", help="the draft model's cost per proposal, graphs or not")

@@ -94,8 +94,25 @@ def _args() -> argparse.Namespace:
                               repeats=1, graph_head_layers=0)  # fmt: skip
 
 
-@pytest.mark.parametrize("acceptance", [0.7, 0.0])
-def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(acceptance: float) -> None:
+class _Uneven:
+    """Replayed drafts, but none on every third proposal and two on every fifth: plain steps
+    that lose the bet, and shorter verify steps that pad into the armed graph."""
+
+    def __init__(self, inner: ReplayProposer) -> None:
+        self.inner, self.calls = inner, 0
+
+    def propose(self, requests: list, num_drafts: list[int]) -> list[list[int]]:
+        self.calls += 1
+        drafts = self.inner.propose(requests, num_drafts)
+        if self.calls % 3 == 0:
+            return [[] for _ in drafts]
+        return [d[:2] for d in drafts] if self.calls % 5 == 0 else drafts
+
+
+@pytest.mark.parametrize("acceptance,uneven", [(0.7, False), (0.0, False), (0.9, True)])
+def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(
+    acceptance: float, uneven: bool
+) -> None:
     """Every verify step that may be followed by another like it arms the next graph; the
     next launch fires it (same rows, or fewer drafts padded into it) or releases it. The
     tokens are those of the engine without speculation, and nothing is left armed."""
@@ -115,12 +132,15 @@ def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(acceptance: flo
     runner.prelaunch = pre
     refs = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     for batch in ([prompts[0]], prompts):  # one stream, then two sharing steps
-        bench._set_k(llm, 4, ReplayProposer(refs, acceptance, vocab, seed=2))
+        proposer = ReplayProposer(refs, acceptance, vocab, seed=2)
+        bench._set_k(llm, 4, _Uneven(proposer) if uneven else proposer)
         outs = llm.generate(batch, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want[: len(batch)]
         assert pre.armed is None
     if acceptance:
         assert pre.fired > 0  # the bet was taken and won
+    if uneven:
+        assert pre.released > 0  # and lost, at a plain step
     # A paused stream's plain steps never take a verify graph: each bet lost was released.
     assert runner.graphs.replays >= pre.fired + pre.released
     llm.llm_engine.shutdown()
