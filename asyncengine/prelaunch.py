@@ -106,8 +106,11 @@ class CudaStreamGate:
 
 class HostGate:
     """Off the GPU, where there is no stream: work enqueued behind a closed gate runs when
-    the gate opens, as a stream would run it. The CPU's stand-in graphs use it, and the
-    tests of the bookkeeping around it."""
+    the gate opens, as a stream would run it. Other work runs at once, where a stream would
+    hold it behind the gate too, so the two agree only while nothing else is enqueued between
+    an arm and its fire or release: the order the runner keeps, and the one the GPU needs (a
+    copy from pageable memory waits for the stream). The CPU's stand-in graphs use it, and
+    the tests of the bookkeeping around it."""
 
     def __init__(self) -> None:
         self._closed_at: int | None = None
