@@ -175,7 +175,10 @@ def stage_decode_rows(
     context, expanded)` plans its attention (expanded: some sequence has several rows, which
     attend to each other's K/V); `moves` are the step's block-move counts (swap out, swap
     in, copy) for its header. A graph `prelaunch` holds takes the step where it has room
-    for its rows and plans it alike: fewer drafts than the last step then pad further."""
+    for its rows and the plan of that many rows with unfused rotary is its own: fewer
+    drafts than the last step then pad further, and a step without drafts runs in the
+    verify graph (slower than in its own, much faster than the lost bet's forward and its
+    own after it)."""
     positions, slots, seq_lens, row_tables = decode_rows(block_tables, starts, lens,
                                                          block_size)  # fmt: skip
     t = len(positions)
@@ -186,7 +189,7 @@ def stage_decode_rows(
     armed = prelaunch.armed if prelaunch is not None else None
     if armed is not None and armed[0] != padded and t <= armed[0]:
         rows, armed_plan = armed
-        if (plan_for(rows, w, max_len, expanded) == armed_plan
+        if (plan_for(rows, w, max_len, True) == armed_plan
                 and graphs.stageable(rows, w, armed_plan) == rows):  # fmt: skip
             plan, padded = armed_plan, rows
     if padded is None:
@@ -832,11 +835,8 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None = None) -> InflightStep:
         """Enqueue the step on the device; nothing here waits for the device. A prelaunched
         graph that this step does not take runs on padding first (`release_prelaunch`)."""
-        if sched.has_block_moves or not all(s.num_spec_tokens for s in sched.scheduled):
-            # The moves land before any graph reads the cache; a step that is not a verify
-            # step cannot take the graph, and its layout may copy from pageable memory,
-            # which waits for the stream.
-            self.release_prelaunch()
+        if sched.has_block_moves:
+            self.release_prelaunch()  # the moves land before any graph reads the cache
         try:
             self.apply_block_moves(sched)
             inputs = self.prepare_inputs(sched, prev)

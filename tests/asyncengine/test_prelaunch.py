@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine import SamplingParams
+from asyncengine import SamplingParams, model_runner
 from asyncengine.prelaunch import GraphPrelaunch, HostGate
 from asyncengine.spec_decode.replay import ReplayProposer
 from scripts import bench_spec_decode as bench
@@ -95,8 +95,8 @@ def _args() -> argparse.Namespace:
 
 
 class _Uneven:
-    """Replayed drafts, but none on every third proposal and two on every fifth: plain steps
-    that lose the bet, and shorter verify steps that pad into the armed graph."""
+    """Replayed drafts, but none on every seventh proposal and two on every fifth: plain
+    steps and shorter verify steps, which pad into the armed graph."""
 
     def __init__(self, inner: ReplayProposer) -> None:
         self.inner, self.calls = inner, 0
@@ -104,18 +104,18 @@ class _Uneven:
     def propose(self, requests: list, num_drafts: list[int]) -> list[list[int]]:
         self.calls += 1
         drafts = self.inner.propose(requests, num_drafts)
-        if self.calls % 3 == 0:
+        if self.calls % 7 == 0:
             return [[] for _ in drafts]
         return [d[:2] for d in drafts] if self.calls % 5 == 0 else drafts
 
 
 @pytest.mark.parametrize("acceptance,uneven", [(0.7, False), (0.0, False), (0.9, True)])
 def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(
-    acceptance: float, uneven: bool
+    acceptance: float, uneven: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every verify step that may be followed by another like it arms the next graph; the
-    next launch fires it (same rows, or fewer drafts padded into it) or releases it. The
-    tokens are those of the engine without speculation, and nothing is left armed."""
+    next launch fires it (same rows, or fewer padded into it) or releases it. The tokens are
+    those of the engine without speculation, and nothing is left armed."""
     args = _args()
     bench._default_model(args)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -130,6 +130,15 @@ def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(
     runner = llm.llm_engine.runner
     pre = GraphPrelaunch(runner.graphs, HostGate())
     runner.prelaunch = pre
+    fired_rows: list[tuple[int, int]] = []  # (rows, padded) of each step an armed graph took
+    staged = model_runner.staged_step_inputs
+
+    def recording(graphs, staging, padded, header, input_ids, *rest):  # type: ignore[no-untyped-def]
+        if pre.takes(padded, header.decode_plan):
+            fired_rows.append((len(input_ids), padded))
+        return staged(graphs, staging, padded, header, input_ids, *rest)
+
+    monkeypatch.setattr(model_runner, "staged_step_inputs", recording)
     refs = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     for batch in ([prompts[0]], prompts):  # one stream, then two sharing steps
         proposer = ReplayProposer(refs, acceptance, vocab, seed=2)
@@ -139,8 +148,9 @@ def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(
         assert pre.armed is None
     if acceptance:
         assert pre.fired > 0  # the bet was taken and won
-    if uneven:
-        assert pre.released > 0  # and lost, at a plain step
+    assert len(fired_rows) == pre.fired
+    if uneven:  # plain steps and two-draft steps ran in the armed graph of five rows' size
+        assert {1, 3} <= {rows for rows, padded in fired_rows if rows < padded}
     # A paused stream's plain steps never take a verify graph: each bet lost was released.
     assert runner.graphs.replays >= pre.fired + pre.released
     llm.llm_engine.shutdown()
