@@ -16,7 +16,7 @@ from scripts import bench_spec_decode as bench
 def _args(**over: object) -> argparse.Namespace:
     base = dict(model=None, shape="tiny", load_format="auto", device="cpu", prompt_len=24,
                 max_tokens=24, max_batch=8, enforce_eager=False, repeats=1,
-                graph_head_layers=0)  # fmt: skip
+                graph_head_layers=0, prelaunch=False)  # fmt: skip
     return argparse.Namespace(**{**base, **over})
 
 
@@ -57,6 +57,20 @@ def test_host_mode_reports_every_part(capsys: pytest.CaptureFixture[str]) -> Non
     for part in ("propose", "schedule", "prepare_inputs", "run_model", "resolve"):
         assert record[f"{part}_ms"] >= 0
     assert record["prepare_inputs_ms"] > 0 and record["run_model_ms"] > 0
+    assert "verdict_to_fire_ms" not in record
+
+
+def test_host_mode_with_prelaunch_times_the_path_to_the_armed_graph(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`host --prelaunch`: every verify step bets on the next (a host-side gate off the GPU),
+    and the record gives the host's path from a verdict to the armed graph's inputs."""
+    bench.run_host(_args(max_tokens=32, prelaunch=True))
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]  # fmt: skip
+    (record,) = [r for r in records if r["bench"] == "spec_verify_host"]
+    assert 0 < record["prelaunch_fired"] <= record["steps"]
+    assert 0 < record["verdict_to_fire_ms"] < 1e3
 
 
 def test_launch_gaps_measure_the_device_waiting_on_graph_launches() -> None:
