@@ -187,7 +187,7 @@ def stage_decode_rows(
     plan = plan_for(t, w, max_len, expanded)
     padded = graphs.stageable(t, w, plan)
     armed = prelaunch.armed if prelaunch is not None else None
-    if armed is not None and armed[0] != padded and t <= armed[0]:
+    if armed is not None and armed != (padded, plan) and t <= armed[0]:
         rows, armed_plan = armed
         if (plan_for(rows, w, max_len, True) == armed_plan
                 and graphs.stageable(rows, w, armed_plan) == rows):  # fmt: skip
@@ -848,6 +848,7 @@ class ModelRunner:
         self._last_verify_graph = (inputs.staged_rows, plan) if verify and plan else None
         return step
 
+    @torch.inference_mode()  # the engine calls it between steps; the copy is in place
     def prelaunch_next(self) -> bool:
         """Enqueue the last verify step's graph again, for the next step, behind the gate
         (the engine bets that step is alike: `SpecDecoder.next_step_verifies`). Never with a
@@ -863,6 +864,7 @@ class ModelRunner:
             return False
         return True
 
+    @torch.inference_mode()
     def release_prelaunch(self) -> None:
         """Let a prelaunched graph run on padding (no slot written): before any other work
         is enqueued or waited for."""

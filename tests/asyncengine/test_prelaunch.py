@@ -198,3 +198,25 @@ def test_a_graph_that_fails_to_enqueue_leaves_the_gate_open() -> None:
     gate.enqueue = HostGate.enqueue.__get__(gate)  # type: ignore[method-assign]
     gate.enqueue(lambda: ran.append(1))
     assert ran == [1]  # nothing is held behind it
+
+
+def test_runner_arms_and_releases_outside_inference_mode() -> None:
+    """The engine arms and releases between steps, outside the runner's inference mode,
+    and on the GPU the armed copy is enqueued then: it must not trip over inference
+    tensors (the static inputs may be made under inference mode)."""
+    from asyncengine.model_runner import ModelRunner
+
+    graphs = _Graphs()
+    with torch.inference_mode():
+        graphs.static = torch.zeros(64, dtype=torch.uint8)
+
+    class _AtOnce(HostGate):  # a stream enqueues at once: the copy runs at arm time
+        def enqueue(self, work):  # type: ignore[no-untyped-def]
+            work()
+
+    runner = SimpleNamespace(prelaunch=GraphPrelaunch(graphs, _AtOnce()),  # type: ignore[arg-type]
+                             _last_verify_graph=(8, "a"), draft_kv_cache=None)
+    assert ModelRunner.prelaunch_next(runner)  # type: ignore[arg-type]
+    assert graphs.replays == 1
+    ModelRunner.release_prelaunch(runner)  # type: ignore[arg-type]
+    assert runner.prelaunch.armed is None and runner.prelaunch.released == 1
