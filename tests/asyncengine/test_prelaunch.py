@@ -220,3 +220,35 @@ def test_runner_arms_and_releases_outside_inference_mode() -> None:
     assert graphs.replays == 1
     ModelRunner.release_prelaunch(runner)  # type: ignore[arg-type]
     assert runner.prelaunch.armed is None and runner.prelaunch.released == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_stream_gate_holds_work_until_opened() -> None:
+    """The driver's side alone: work enqueued behind a closed gate has not run 50 ms later,
+    and runs once the host writes the value (opened before any wait, so it cannot hang)."""
+    import time
+
+    from asyncengine.prelaunch import CudaStreamGate
+
+    device = torch.device("cuda")
+    x = torch.zeros(4, device=device)
+    gate = CudaStreamGate(device)
+    gate.close(1)
+    x.add_(1)
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.05)
+    held = not done.query()
+    gate.open(1)
+    done.synchronize()
+    assert held
+    assert x.tolist() == [1.0] * 4
+    gate.close(2)  # counts go on: 1 no longer opens it
+    x.add_(1)
+    done.record()
+    time.sleep(0.05)
+    held = not done.query()
+    gate.open(2)
+    torch.cuda.synchronize()
+    assert held and x.tolist() == [2.0] * 4
