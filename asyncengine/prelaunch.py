@@ -10,11 +10,12 @@ memory (`cuStreamWaitValue32`), then copies the staged inputs from a pinned imag
 replays the graph. When the next step is laid out, the host writes its image and opens the
 gate; the device starts at once, and the launch call is off the critical path.
 
-The bet is that the next step replays the same graph (padded rows and attention plan) with
-no block moves before it. When it does not (the request finished, the proposer found
-fewer drafts than the padding holds, a swap), the armed graph runs on an image of padding
-rows only (no slot written, no context read) and its output is dropped; the step then
-runs as usual behind it. So a lost bet costs one forward and never a wrong token.
+The bet is that the next step fits the same graph (padded rows and attention plan) with
+no block moves before it; a step of fewer rows (fewer drafts, or none) pads into it. When
+it does not fit (the request finished, a prompt chunk joined, a swap, another attention
+plan), the armed graph runs on an image of padding rows only (no slot written, no context
+read) and its output is dropped; the step then runs as usual behind it. So a lost bet
+costs one forward and never a wrong token.
 
 Nothing may wait on the stream while its gate is closed: every path that enqueues other
 work, or waits for the device, first fires or releases the armed graph
