@@ -864,12 +864,12 @@ class ModelRunner:
             return False
         return True
 
-    @torch.inference_mode()
     def release_prelaunch(self) -> None:
         """Let a prelaunched graph run on padding (no slot written): before any other work
-        is enqueued or waited for."""
-        if self.prelaunch is not None:
-            self.prelaunch.release()
+        is enqueued or waited for. Costs nothing when none is armed (every step calls it)."""
+        if self.prelaunch is not None and self.prelaunch.armed is not None:
+            with torch.inference_mode():  # the engine may call it between steps
+                self.prelaunch.release()
 
     def launch_prepared(self, inputs: StepInputs, sched: SchedulerOutput,
                         prev: InflightStep | None = None) -> InflightStep:
