@@ -159,25 +159,29 @@ def test_engine_betting_on_every_verify_step_keeps_greedy_tokens(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_prelaunched_verify_steps_keep_greedy_tokens() -> None:
-    """On the GPU with the stream-side gate: greedy output with prelaunched verify graphs
-    equals the output without speculation, and the bets were taken."""
+    """On the GPU with the stream-side gate: the same speculating engine, the same replayed
+    drafts, with and without the prelaunch, gives the same greedy tokens (the same verify
+    steps in both runs, so 16-bit rounding cannot tell them apart), and the bets were taken
+    and never left armed."""
     args = _args()
     args.device = "cuda"
     bench._default_model(args)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    plain = bench._engine(args, None)
-    vocab = plain.llm_engine.model_config.vocab_size
-    prompts = bench._prompts(1, 24, vocab)
-    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
-    plain.llm_engine.shutdown()
     llm = bench._engine(args, 4)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = bench._prompts(1, 24, vocab)
     runner = llm.llm_engine.runner
-    assert runner.set_prelaunch(True)
-    bench._set_k(llm, 4, ReplayProposer({tuple(prompts[0]): want}, 0.7, vocab, seed=2))
-    got = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == want
-    assert runner.prelaunch is not None and runner.prelaunch.fired > 0
-    assert runner.prelaunch.armed is None
+    assert not runner.set_prelaunch(False)
+    first = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    runs = {}
+    for on in (False, True):
+        assert runner.set_prelaunch(on) == on
+        bench._set_k(llm, 4, ReplayProposer({tuple(prompts[0]): first}, 0.7, vocab, seed=2))
+        runs[on] = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+        if on:
+            assert runner.prelaunch is not None and runner.prelaunch.fired > 0
+            assert runner.prelaunch.armed is None
+    assert runs[True] == runs[False]
     llm.llm_engine.shutdown()
 
 
