@@ -571,16 +571,16 @@ def _spec_runs(
           "matmul_plans": describe_matmul_plans(llm.llm_engine.runner.model)})
     dec = llm.llm_engine.spec_decoder
     adaptive_update = dec._update
-    base_split = split
+    runner = llm.llm_engine.runner
     # Each --prelaunch value times the verify steps and the sweep again on this engine.
-    for prelaunch in args.prelaunch:
-        if llm.llm_engine.runner.set_prelaunch(bool(prelaunch)) != bool(prelaunch):
-            emit({"bench": "spec_prelaunch_unavailable", **base_split})
+    for prelaunch in map(bool, args.prelaunch):
+        if runner.set_prelaunch(prelaunch) != prelaunch:
+            emit({"bench": "spec_prelaunch_unavailable", **split})
             continue
-        split = {**base_split, "prelaunch": bool(prelaunch)}
-        _verify_and_latency(args, llm, p1, reference, one_token_ms, split, adaptive_update)
-    llm.llm_engine.runner.set_prelaunch(False)
-    dec._update, split = adaptive_update, base_split
+        _verify_and_latency(args, llm, p1, reference, one_token_ms,
+                            {**split, "prelaunch": prelaunch}, adaptive_update)  # fmt: skip
+    runner.set_prelaunch(False)
+    dec._update = adaptive_update
 
     # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by
     # the batch size as the engine does).

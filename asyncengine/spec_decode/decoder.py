@@ -200,11 +200,8 @@ class SpecDecoder:
             state = self._state(req)
             if state.forced or state.drafted_ema < BET_MIN_DRAFTED:
                 return False
-            needed = max(MIN_ACCEPTED_EMA, self.cost.ratio - 1.0)
-            ema = state.accepted_ema
-            if ema is None:  # as `_update` seeds it
-                ema = needed + (RETRY_CREDIT if state.retry else FIRST_CREDIT)
-            if (1.0 - ACCEPTED_SMOOTHING) * ema < needed:
+            needed = self._needed_accepted()
+            if _smoothed_accepted(state, 0, needed) < needed:
                 return False
         return True
 
@@ -245,19 +242,28 @@ class SpecDecoder:
         """One step's period as the engine saw it (tokens to tokens), by kind."""
         self.cost.observe(seconds, verify=verify)
 
+    def _needed_accepted(self) -> float:
+        """A verify step costing r plain steps pays when it keeps more than r tokens: the
+        request pauses once its smoothed accepted drafts fall below r - 1."""
+        return max(MIN_ACCEPTED_EMA, self.cost.ratio - 1.0)
+
     def _update(self, req: Request, num_accepted: int) -> None:
         state = self._state(req)
-        # A verify step costing r plain steps pays when it keeps more than r tokens: the
-        # request pauses once its smoothed accepted drafts fall below r - 1.
-        needed = max(MIN_ACCEPTED_EMA, self.cost.ratio - 1.0)
+        needed = self._needed_accepted()
         if num_accepted >= needed:
             state.next_cooldown = FIRST_COOLDOWN
-        ema = state.accepted_ema
-        if ema is None:  # a fresh start, or the first step after a pause
-            ema = needed + (RETRY_CREDIT if state.retry else FIRST_CREDIT)
-            state.retry = False
-        state.accepted_ema = ema + ACCEPTED_SMOOTHING * (num_accepted - ema)
+        # A retry's credit is spent by its first step (`retry` is set only with no mean).
+        state.accepted_ema, state.retry = _smoothed_accepted(state, num_accepted, needed), False
         if state.accepted_ema < needed:
             state.cooldown = state.next_cooldown
             state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN)
             state.accepted_ema, state.retry = None, True
+
+
+def _smoothed_accepted(state: SpecState, num_accepted: int, needed: float) -> float:
+    """The request's smoothed accepted drafts after a verify step keeping `num_accepted`; a
+    fresh start, or the first step after a pause, starts its mean above `needed`."""
+    ema = state.accepted_ema
+    if ema is None:
+        ema = needed + (RETRY_CREDIT if state.retry else FIRST_CREDIT)
+    return ema + ACCEPTED_SMOOTHING * (num_accepted - ema)
