@@ -115,17 +115,18 @@ def test_a_step_without_a_plan_keeps_the_separate_rotary(monkeypatch: pytest.Mon
 def test_the_layer_passes_the_plans_split_count_on(
     monkeypatch: pytest.MonkeyPatch, fuse_rotary: bool
 ) -> None:
-    """The kernels take the split-KV count from the plan; neither path derives its own."""
+    """The kernels take the split-KV count from the plan (neither path derives its own) and
+    the layer's own counters for the split launch's merge (kept for CUDA graph replays)."""
     seen: list[object] = []
     fused_op = models.attention.paged_decode_attention_with_rotary
     plain_op = models.attention.paged_attention
 
     def fused(*args: object) -> torch.Tensor:
-        seen.append(args[8])
+        seen.append((args[8], args[11]))
         return fused_op(*args)
 
     def plain(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(kwargs["num_segments"])
+        seen.append((kwargs["num_segments"], kwargs["segment_counters"]))
         return plain_op(*args, **kwargs)
 
     monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", fused)
@@ -133,7 +134,10 @@ def test_the_layer_passes_the_plans_split_count_on(
     layer, meta, args = _layer_and_step(DecodePlan(8, fuse_rotary))
     with set_forward_context(meta):
         layer(*args)
-    assert seen == [8]
+    assert seen == [(8, layer.segment_counters)]
+    assert layer.segment_counters.dtype == torch.int32
+    assert not layer.segment_counters.any()
+    assert "segment_counters" not in layer.state_dict()
 
 
 @pytest.mark.parametrize("tp,total,expected", [
