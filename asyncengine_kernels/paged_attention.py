@@ -13,8 +13,8 @@ Three implementations share the signature:
   head are packed with the tokens into the `BLOCK_M = BLOCK_Q * G` rows of the `tl.dot` tile,
   so each K/V tile is read once per KV head. The kernel also runs in split-KV mode
   (flash-decoding: several programs per row block, each over a segment of the keys, merged by
-  the last of them to finish) for decode batches too small to fill the GPU. Grids depend on
-  T, B and constants only, so the decode path can be captured in a CUDA graph. Sequences with at
+  a reduce kernel) for decode batches too small to fill the GPU. Grids depend on T, B and
+  constants only, so the decode path can be captured in a CUDA graph. Sequences with at
   least `PREFILL_TILE_MIN_QUERY_LEN` query tokens go to the sm_90-shaped prefill kernel
   (`asyncengine_kernels.prefill_attention`) instead, in a second launch of the same step.
 - `paged_attention`: the dispatcher (Triton for CUDA tensors, the reference otherwise).
@@ -55,7 +55,6 @@ from asyncengine_kernels.kv_cache_write import (
 )
 
 __all__ = [
-    "SEGMENT_COUNTERS",
     "DecodePlan",
     "DecodeRotary",
     "decode_gather_index",
@@ -594,7 +593,6 @@ def _paged_attention_kernel(
     seg_acc_ptr,
     seg_max_ptr,
     seg_sum_ptr,
-    seg_count_ptr,
     k_scale_ptr,
     v_scale_ptr,
     scale_log2,
@@ -806,53 +804,46 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Unnormalized partials; every (token, head, segment) is written, empty ones as
-        # (acc 0, max -inf, sum 0), so the merge never reads garbage.
+        # (acc 0, max -inf, sum 0), so the reducer never reads garbage.
         row = tok * NUM_HEADS + head
         stat_offs = row * NUM_SEGMENTS + segment
         tl.store(seg_max_ptr + stat_offs, M, mask=row_valid)
         tl.store(seg_sum_ptr + stat_offs, L, mask=row_valid)
         acc_offs = stat_offs[:, None] * D_PAD + offs_d[None, :]
         tl.store(seg_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
-        # The last of a row block's segments to finish merges them all, in this launch: a
-        # separate merge kernel cost each layer of a batch-1 step its own launch, ramp and
-        # wait. The counter is back at 0 when the launch ends, so a CUDA graph replays it.
-        tl.debug_barrier()
-        counter = seg_count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SEGMENTS - 1:
-            tl.debug_barrier()
-            out = _merge_segments(seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, row_valid,
-                                  offs_d, BLOCK_M=BLOCK_M, D_PAD=D_PAD,
-                                  NUM_SEGMENTS=NUM_SEGMENTS)  # fmt: skip
-            tl.atomic_xchg(counter, 0)
-            o_offs = tok[:, None] * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :]
-            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
-def _merge_segments(
-    seg_acc_ptr, seg_max_ptr, seg_sum_ptr, row, row_valid, offs_d,
-    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
-    """The normalized output [BLOCK_M, D_PAD] of rows `row` from their segments' partials,
-    read past L1 (`.cg`): other programs wrote them."""
-    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SEGMENTS):
-        m_s = tl.load(seg_max_ptr + row * NUM_SEGMENTS + s, mask=row_valid,
-                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        m_max = tl.maximum(m_max, m_s)
+def _reduce_segments_kernel(
+    out_ptr,
+    seg_acc_ptr,
+    seg_max_ptr,
+    seg_sum_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_wait(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * NUM_HEADS + head
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, D_PAD)
+    m = tl.load(seg_max_ptr + row * NUM_SEGMENTS + offs_s)
+    l_seg = tl.load(seg_sum_ptr + row * NUM_SEGMENTS + offs_s)
+    m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    num = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for s in range(NUM_SEGMENTS):
-        stat = row * NUM_SEGMENTS + s
-        m_s = tl.load(seg_max_ptr + stat, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        w = tl.exp2(m_s - m_max)  # empty segments (m = -inf) weigh 0
-        denom += w * tl.load(seg_sum_ptr + stat, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc = tl.load(seg_acc_ptr + stat[:, None] * D_PAD + offs_d[None, :],
-                      mask=row_valid[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        num += acc * w[:, None]
-    return num / tl.where(denom == 0.0, 1.0, denom)[:, None]  # rows with no keys give zeros
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) weigh 0
+    denom = tl.sum(w * l_seg, axis=0)
+    acc = tl.load(seg_acc_ptr + (row * NUM_SEGMENTS + offs_s)[:, None] * D_PAD + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    out = num / tl.where(denom == 0.0, 1.0, denom)
+    o_ptr = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -869,11 +860,6 @@ MAX_SPLIT_SEGMENTS = 16
 # measured faster there on an H200 (MHA, batch 1); where the crossover lies is not measured.
 SHORT_CONTEXT_KEYS = 1024
 
-
-# Counters a layer keeps for its split-KV launches (`paged_attention_triton`'s
-# `segment_counters`): decode steps split only while sequences x KV heads fit one program a
-# multiprocessor, far fewer than this.
-SEGMENT_COUNTERS = 1024
 
 # Unsplit decode launches of at least this many (sequence, KV head) programs per
 # multiprocessor take the many-program tiles of `_small_tile_config`.
@@ -1040,7 +1026,6 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     prefill_kernel: bool = True,
-    segment_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as `paged_attention_ref` (an FP8 cache takes
     `k_scale` / `v_scale`, float32 [Hkv] device tensors read by the kernel).
@@ -1059,13 +1044,6 @@ def paged_attention_triton(
     `PREFILL_TILE_MIN_QUERY_LEN` query tokens run the sm_90-shaped prefill kernel
     (`asyncengine_kernels.prefill_attention`); `prefill_kernel=False` runs them on this module's
     unified kernel with large tiles instead (kept for comparison in benchmarks).
-
-    Split-KV launches merge their segments in the last program of each row block, which
-    counts the finished ones in `segment_counters` (int32, zero, one per row block and KV
-    head: `num_seqs * Hkv` for a decode step): a caller that replays the launch in a CUDA
-    graph keeps one zeroed buffer for it (each launch leaves it zero; `SEGMENT_COUNTERS`
-    entries cover every split the engine plans); without one, or with one too small for
-    the launch, a zeroed buffer is made for the call.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -1118,15 +1096,10 @@ def paged_attention_triton(
         rot_flags = {"ROTARY": False, "HALF": 1}
     scale_log2 = float(scale) * _LOG2E
 
-    def _launch_rows(cfg: Mapping[str, int], decode: bool) -> int:
-        """The grid's row blocks: a decode launch's sequences, else every block of
-        BLOCK_Q query tokens a sequence could start (the programs past the last exit)."""
-        return num_seqs if decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
-
     def launch(
         cfg: dict[str, int], lo: int, hi: int, segments: int, seg_bufs: tuple, decode: bool
     ) -> None:
-        rows = _launch_rows(cfg, decode)
+        rows = num_seqs if decode else num_tokens // cfg["BLOCK_Q"] + num_seqs
         # Decode launches run head-major unless a tuning override says otherwise: on an
         # H200 (256 sequences, bf16 cache) W1's MHA decode read at 0.983 of the copy rate
         # head-major against 0.959 sequence-major; the other cases were within 1 %.
@@ -1162,16 +1135,16 @@ def paged_attention_triton(
         seg_acc = torch.empty(num_tokens, num_heads, segments, d_pad, **f32)
         seg_max = torch.empty(num_tokens, num_heads, segments, **f32)
         seg_sum = torch.empty(num_tokens, num_heads, segments, **f32)
-        blocks = _launch_rows(small, decode_only) * num_kv_heads
-        if segment_counters is None or segment_counters.numel() < blocks:
-            segment_counters = torch.zeros(blocks, dtype=torch.int32, device=q.device)
-        elif segment_counters.dtype != torch.int32:
-            raise ValueError(f"segment_counters must be int32, got {segment_counters.dtype}")
-        seg_bufs = (seg_acc, seg_max, seg_sum, segment_counters)
+        seg_bufs = (seg_acc, seg_max, seg_sum)
         launch(small, 0, 2**31 - 1, segments, seg_bufs, decode_only)
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, seg_acc, seg_max, seg_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SEGMENTS=segments,
+            USE_PDL=pdl, **pdl_kwargs(pdl),
+        )  # fmt: skip
         return out
 
-    no_bufs = (out, out, out, seq_lens)  # unused in 2D mode
+    no_bufs = (out, out, out)  # unused in 2D mode
     threshold = PREFILL_TILE_MIN_QUERY_LEN
     if decode or (max_query_len is not None and max_query_len < threshold):
         launch(small, 0, 2**31 - 1, 1, no_bufs, decode_only)
@@ -1208,7 +1181,6 @@ def paged_attention(
     num_segments: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    segment_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention: Triton on CUDA tensors, the torch reference otherwise.
 
@@ -1219,14 +1191,12 @@ def paged_attention(
     `max_seq_len` (the longest context) is a hint for the reference; `num_segments` is the
     Triton decode path's split-KV count (the step's `DecodePlan.segments`). An FP8 cache
     (`torch.float8_e4m3fn`) needs `k_scale` and `v_scale`, float32 [Hkv].
-    `segment_counters`: the Triton split-KV launch's (`paged_attention_triton`).
     """
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if use_triton(q):
         return paged_attention_triton(
             *args, max_query_len=max_query_len, decode_only=decode_only,
             num_segments=num_segments, k_scale=k_scale, v_scale=v_scale,
-            segment_counters=segment_counters,
         )  # fmt: skip
     return paged_attention_ref(
         *args, max_query_len=max_query_len, decode_only=decode_only, max_seq_len=max_seq_len,

@@ -64,14 +64,13 @@ def paged_decode_attention_with_rotary_triton(
     num_segments: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    segment_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError("a decode step has one query token per sequence")
     return paged_attention_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
         decode_only=True, num_segments=num_segments, rotary=rotary, k_scale=k_scale,
-        v_scale=v_scale, segment_counters=segment_counters,
+        v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -87,15 +86,16 @@ def paged_decode_attention_with_rotary(
     num_segments: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    segment_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and this step's k (HF rounding), write k and v to the cache, attend; q [B,
     Hq, D] unrotated, one token per sequence. Returns [B, Hq, D] in q.dtype. `num_segments`
     is the split-KV count (the step's `DecodePlan.segments`); an FP8 cache takes `k_scale`
-    and `v_scale` (float32 [Hkv]); `segment_counters` is the split launch's
-    (`paged_attention_triton`)."""
-    args = (q, rotary, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-            num_segments, k_scale, v_scale)  # fmt: skip
+    and `v_scale` (float32 [Hkv])."""
     if use_triton(q):
-        return paged_decode_attention_with_rotary_triton(*args, segment_counters)
-    return paged_decode_attention_with_rotary_ref(*args)
+        fn = paged_decode_attention_with_rotary_triton
+    else:
+        fn = paged_decode_attention_with_rotary_ref
+    return fn(
+        q, rotary, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, num_segments,
+        k_scale, v_scale,
+    )  # fmt: skip

@@ -27,7 +27,7 @@ from asyncengine_kernels import (
     write_kv_cache,
 )
 from asyncengine_kernels.cpu_attention import cpu_attention_step, step_index
-from asyncengine_kernels.paged_attention import SEGMENT_COUNTERS, DecodePlan, DecodeRotary
+from asyncengine_kernels.paged_attention import DecodePlan, DecodeRotary
 from models.forward_context import get_attention_metadata
 from models.parallel import local_kv_heads
 
@@ -64,11 +64,6 @@ class Attention(nn.Module):
         ones = torch.ones(num_kv_heads, dtype=torch.float32)
         self.register_buffer("k_scale", ones, persistent=False)
         self.register_buffer("v_scale", ones.clone(), persistent=False)
-        # The split-KV launch's count of finished segments (its last program merges them),
-        # a buffer of the layer so that CUDA graphs replay with it; every launch leaves it 0.
-        self.segment_counters: torch.Tensor
-        counters = torch.zeros(SEGMENT_COUNTERS, dtype=torch.int32)
-        self.register_buffer("segment_counters", counters, persistent=False)
         # Whether the checkpoint set either scale (start-up calibration keeps those by default).
         self.kv_scales_loaded = False
 
@@ -141,7 +136,7 @@ class Attention(nn.Module):
             out = paged_decode_attention_with_rotary(
                 q, rotary, self.k_cache, self.v_cache, meta.block_tables,
                 meta.query_start_loc, meta.seq_lens, self.scale, segments,
-                self.k_scale, self.v_scale, self.segment_counters,
+                self.k_scale, self.v_scale,
             )  # fmt: skip
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         if cos_sin_cache is not None:
@@ -169,6 +164,5 @@ class Attention(nn.Module):
             num_segments=segments,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
-            segment_counters=self.segment_counters,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -175,35 +175,6 @@ def test_triton_split_kv_decode(segments: int) -> None:
     _triton_vs_ref(batch, atol=2e-5, num_segments=segments)
 
 
-@pytest.mark.parametrize("decode_only", [True, False])
-def test_triton_split_kv_counters_are_left_zero_for_the_next_launch(decode_only: bool) -> None:
-    """The last segment of each row block merges them, counting in the caller's buffer: a
-    launch leaves it zero, so the same buffer serves the next launch (a CUDA graph's replay)
-    with the same result; entries past the launch's row blocks are never touched."""
-    batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=16, seed=4)
-    counters = torch.zeros(pa.SEGMENT_COUNTERS, dtype=torch.int32)
-    counters[-1] = 7
-    ref = paged_attention_ref(*batch.args())
-    kwargs = {"num_segments": 4, "decode_only": decode_only, "segment_counters": counters}
-    first = paged_attention_triton(*batch.args(), **kwargs)
-    assert counters[:-1].eq(0).all() and counters[-1] == 7
-    again = paged_attention_triton(*batch.args(), **kwargs)
-    _assert_close(first, ref, 2e-5)
-    assert torch.equal(again, first)
-
-
-def test_triton_split_kv_counters_take_int32_and_a_short_buffer_is_replaced() -> None:
-    batch = make_paged_batch(*DECODE, 8, 2, head_dim=32, block_size=16, seed=4)
-    with pytest.raises(ValueError, match="segment_counters must be int32"):
-        paged_attention_triton(*batch.args(), num_segments=2, decode_only=True,
-                               segment_counters=torch.zeros(64, dtype=torch.int64))  # fmt: skip
-    short = torch.zeros(3, dtype=torch.int32)  # 5 sequences x 2 KV heads need 10
-    out = paged_attention_triton(*batch.args(), num_segments=2, decode_only=True,
-                                 segment_counters=short)  # fmt: skip
-    _assert_close(out, paged_attention_ref(*batch.args()), 2e-5)
-    assert short.eq(0).all()
-
-
 def test_decode_plan_splits_small_batches_and_halves_for_short_contexts() -> None:
     cpu = torch.device("cpu")  # one "multiprocessor": only a single program splits
     assert pa.decode_plan(1, 1, cpu) == pa.DecodePlan(4, fuse_rotary=True)

@@ -115,18 +115,17 @@ def test_a_step_without_a_plan_keeps_the_separate_rotary(monkeypatch: pytest.Mon
 def test_the_layer_passes_the_plans_split_count_on(
     monkeypatch: pytest.MonkeyPatch, fuse_rotary: bool
 ) -> None:
-    """The kernels take the split-KV count from the plan (neither path derives its own) and
-    the layer's own counters for the split launch's merge (kept for CUDA graph replays)."""
+    """The kernels take the split-KV count from the plan; neither path derives its own."""
     seen: list[object] = []
     fused_op = models.attention.paged_decode_attention_with_rotary
     plain_op = models.attention.paged_attention
 
     def fused(*args: object) -> torch.Tensor:
-        seen.append((args[8], args[11]))
+        seen.append(args[8])
         return fused_op(*args)
 
     def plain(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append((kwargs["num_segments"], kwargs["segment_counters"]))
+        seen.append(kwargs["num_segments"])
         return plain_op(*args, **kwargs)
 
     monkeypatch.setattr(models.attention, "paged_decode_attention_with_rotary", fused)
@@ -134,10 +133,7 @@ def test_the_layer_passes_the_plans_split_count_on(
     layer, meta, args = _layer_and_step(DecodePlan(8, fuse_rotary))
     with set_forward_context(meta):
         layer(*args)
-    assert seen == [(8, layer.segment_counters)]
-    assert layer.segment_counters.dtype == torch.int32
-    assert not layer.segment_counters.any()
-    assert "segment_counters" not in layer.state_dict()
+    assert seen == [8]
 
 
 @pytest.mark.parametrize("tp,total,expected", [
