@@ -579,7 +579,7 @@ def _spec_runs(
             continue
         _verify_and_latency(args, llm, p1, reference, one_token_ms,
                             {**split, "prelaunch": prelaunch}, adaptive_update)  # fmt: skip
-    runner.set_prelaunch(False)
+    runner.set_prelaunch(runner.prelaunch_verify)  # the rest as the engine runs
     dec._update = adaptive_update
 
     # 3. Under load: throughput as the batch grows, acceptance 0.7, k = 4 (turned down by
@@ -748,10 +748,11 @@ def main() -> None:
                      help="one speculating engine per value, its small decode graphs split "
                           "after that many layers (0: whole); the references and the "
                           "one-token step come from one engine split as the first value says")
-    gpu.add_argument("--prelaunch", type=int, nargs="+", choices=(0, 1), default=[0],
+    gpu.add_argument("--prelaunch", type=int, nargs="+", choices=(0, 1), default=[1],
                      help="time the verify steps and the sweep once per value on each "
-                          "speculating engine: 1 enqueues the next verify step's graph "
-                          "behind a gate before the verdict (asyncengine.prelaunch)")
+                          "speculating engine: 1 (the engine's default) enqueues the next "
+                          "verify step's graph behind a gate before the verdict "
+                          "(asyncengine.prelaunch)")
     gpu.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     gpu.add_argument("--sweep", type=_k_acceptance, nargs="+", default=DEFAULT_SWEEP,
                      help="latency runs as K:ACCEPTANCE (default: %(default)s)")
