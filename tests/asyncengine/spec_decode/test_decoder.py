@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.sampling_params import RequestOutputKind
 from asyncengine.spec_decode import NgramProposer, SpecDecodingMetrics
 from asyncengine.spec_decode.replay import ReplayProposer
 from tests.asyncengine.engine_helpers import TINY_POOL, assert_pool_clean, hf_greedy
@@ -221,6 +222,51 @@ def test_stop_string_with_speculation(base: LLM, spec: LLM) -> None:
     want = base.generate([ps[5]], params, use_tqdm=False)[0].outputs[0]
     got = spec.generate([ps[5]], params, use_tqdm=False)[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+
+
+def test_text_of_verify_steps_equals_plain_decoding(
+    tiny_llama_dir: Path, base: LLM, reference: dict
+) -> None:
+    """Under asynchronous scheduling (a verify step resolved before the next is scheduled)
+    the text of verify steps, streamed or whole, equals plain decoding's, also where a
+    stopping token or the length limit ends the request inside an accepted run."""
+    ps = prompts()
+    ref = reference[tuple(ps[5])]
+    # A stopping token with text of its own, whose text must stay out of the output.
+    tok = base.llm_engine.tokenizer
+
+    def visible(t: int) -> bool:
+        text = tok.decode([t])
+        return bool(text.strip()) and "\ufffd" not in text
+
+    stop = next(t for i, t in enumerate(ref) if i >= 3 and t not in ref[:i] and visible(t))
+    delta = RequestOutputKind.DELTA
+    cases = [
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=delta),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, output_kind=delta),
+    ]
+    spec = spec_llm(tiny_llama_dir, async_scheduling=True)
+    spec.llm_engine.spec_decoder.proposer = ReplayProposer(reference, 1.0, VOCAB)
+    for params in cases:
+        texts = {}
+        for name, llm in (("base", base), ("spec", spec)):
+            engine = llm.llm_engine
+            engine.add_request(name, None, params, prompt_token_ids=ps[5])
+            pieces, final = [], None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    pieces.append(out.outputs[0].text)
+                    final = out
+            assert final is not None and final.finished
+            whole = "".join(pieces) if params.output_kind == delta else final.outputs[0].text
+            texts[name] = (whole, final.outputs[0].finish_reason)
+        assert texts["spec"] == texts["base"] and texts["base"][0]
+    assert spec.llm_engine.spec_decoder.metrics.num_drafts > 0
+    assert_pool_clean(spec)
+    spec.llm_engine.shutdown()
 
 
 def test_parallel_sampling_greedy(spec: LLM, reference: dict) -> None:
