@@ -189,10 +189,11 @@ class SpecDecoder:
         come back empty, none constrained, none able to reach its length limits in two
         steps, and none that a verdict keeping no draft would pause.
         `ModelRunner.prelaunch_next` bets on it."""
-        if not scheduled or self.proposer is None:
+        if not scheduled or self.proposer is None or self.jump_forward:
             return False
+        needed = self._needed_accepted()
         for req, k in scheduled:
-            if k == 0 or req.grammar is not None or self.jump_forward:
+            if k == 0 or req.grammar is not None:
                 return False
             if (req.num_output_tokens + 2 * (k + 1) >= req.max_tokens
                     or req.num_tokens + 2 * (k + 1) >= self.max_model_len):  # fmt: skip
@@ -200,7 +201,6 @@ class SpecDecoder:
             state = self._state(req)
             if state.forced or state.drafted_ema < BET_MIN_DRAFTED:
                 return False
-            needed = self._needed_accepted()
             if _smoothed_accepted(state, 0, needed) < needed:
                 return False
         return True
